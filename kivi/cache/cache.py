@@ -1,0 +1,131 @@
+"""`KiviCache`: a transformers 5.x ``Cache`` made of :class:`KiviLayer` s."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
+
+from ..config import KiviConfig
+from .layer import KiviLayer
+
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class KiviCache(Cache):
+    """KIVI-quantized KV cache.
+
+    Build it with :meth:`from_model` (reads the layer types, e.g. sliding-window layers, from the
+    model config and installs the padding hook), or ``KiviCache(config)`` for a plain stack of
+    full-attention layers created on first use.
+
+    Padding: the cache leaves padded tokens out of every quantization statistic. It learns which
+    tokens are padding from the 2-D ``attention_mask`` of each forward: the hook that
+    :meth:`from_model` / :func:`kivi.quantize_model` install passes it on; without the hook, call
+    :meth:`set_attention_mask` before each forward (otherwise all tokens count as real).
+    """
+
+    def __init__(self, config: KiviConfig | None = None, layers: list | None = None):
+        self.config = config if config is not None else KiviConfig()
+        self._attention_mask: torch.Tensor | None = None
+        super().__init__(layers=list(layers) if layers is not None else [])
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_model(cls, model: Any, config: KiviConfig | None = None) -> "KiviCache":
+        """A cache with one layer per decoder layer of ``model`` (HF ``PreTrainedModel``)."""
+        from ..integration import install_padding_hook  # noqa: PLC0415 (avoid an import cycle)
+
+        config = config if config is not None else getattr(model, "kivi_config", None) or KiviConfig()
+        cache = cls.from_model_config(model.config, config)
+        install_padding_hook(model)
+        return cache
+
+    @classmethod
+    def from_model_config(cls, model_config: Any, config: KiviConfig) -> "KiviCache":
+        text_config = model_config.get_text_config(decoder=True)
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+        num_layers = len(layer_types)
+        config.validate(num_layers=num_layers)
+        layers = []
+        sliding_params = set()
+        for idx, (lt, kw) in enumerate(zip(layer_types, layer_kwargs)):
+            if lt not in SUPPORTED_LAYER_TYPES:
+                raise ValueError(
+                    f"layer {idx} of {type(model_config).__name__} is a {lt!r} layer; KiviCache supports "
+                    f"{list(SUPPORTED_LAYER_TYPES)} (attention layers whose keys/values go through Cache.update)"
+                )
+            lcfg = config.for_layer(idx)
+            if lt == "sliding_attention":
+                if not (lcfg.quantize_key or lcfg.quantize_value):
+                    layers.append(DynamicSlidingWindowLayer(sliding_window=kw["sliding_window"]))
+                    continue
+                sliding_params.add((lcfg.residual_length, lcfg.group_size))
+                layers.append(KiviLayer(lcfg, sliding_window=kw["sliding_window"]))
+            else:
+                layers.append(KiviLayer(lcfg))
+        if len(sliding_params) > 1:
+            raise ValueError(
+                "sliding-window layers must share residual_length and group_size (transformers builds one mask for "
+                f"all of them); layer_specific_config gives {sorted(sliding_params)}"
+            )
+        return cls(config, layers=layers)
+
+    # ------------------------------------------------------------------ padding
+    def set_attention_mask(self, attention_mask: torch.Tensor | None) -> None:
+        """The 2-D ``[batch, past + new]`` mask of the next forward (1 = real token, 0 = padding).
+
+        Only its last ``n`` columns are read (the ``n`` tokens of the forward). ``None`` = no padding.
+        """
+        if attention_mask is not None:
+            if attention_mask.dim() != 2:
+                # 4-D masks carry no per-token padding information we can use; treat as no padding.
+                attention_mask = None
+        self._attention_mask = attention_mask
+
+    def _new_token_valid(self, n: int, batch: int) -> torch.Tensor | None:
+        m = self._attention_mask
+        if m is None:
+            return None
+        if m.shape[0] != batch or m.shape[-1] < n:
+            raise ValueError(
+                f"attention_mask of shape {tuple(m.shape)} does not cover a forward of {n} tokens with batch {batch}"
+            )
+        return m[:, -n:].to(torch.bool)
+
+    # ------------------------------------------------------------------ transformers API
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        while len(self.layers) <= layer_idx:
+            self.layers.append(KiviLayer(self.config.for_layer(len(self.layers))))
+        layer = self.layers[layer_idx]
+        if isinstance(layer, KiviLayer):
+            valid = self._new_token_valid(key_states.shape[-2], key_states.shape[0])
+            return layer.update(key_states, value_states, valid=valid)
+        return layer.update(key_states, value_states, *args, **kwargs)
+
+    # ------------------------------------------------------------------ accounting
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes of every tensor the cache holds, by kind (sums to :attr:`nbytes`)."""
+        total: dict[str, int] = {}
+        for layer in self.layers:
+            if isinstance(layer, KiviLayer):
+                parts = layer.memory_breakdown()
+            else:  # a full-precision transformers layer (e.g. sliding window kept in FP)
+                nb = 0
+                if layer.is_initialized and layer.keys is not None:
+                    nb = layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+                parts = {"fp_unquantized": nb}
+            for k, v in parts.items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of every tensor the cache holds (real storage, not a formula)."""
+        return sum(self.memory_breakdown().values())
+
+    def __repr__(self) -> str:
+        return f"KiviCache({self.config.describe()}, layers={len(self.layers)}, tokens={self.get_seq_length()})"

@@ -1,0 +1,337 @@
+"""`KiviLayer`: one attention layer's KIVI cache (a transformers ``CacheLayerMixin``).
+
+State, for keys and for values separately (``seen`` tokens so far):
+
+* ``store`` — a :class:`BlockStore` of quantized tokens ``[store.start, store.length)``
+  (or full-precision tokens when that side is not quantized);
+* ``window`` — the full-precision tokens ``[store.length, seen)``, bit-exact copies of the inputs.
+
+Keys leave the window only in whole groups of ``G`` tokens aligned on absolute positions
+(``0, G, 2G, ...``), and only once at least ``residual_length`` newer keys remain, so the key window
+holds ``R`` to ``R + G - 1`` tokens. A value leaves the window once it is more than
+``residual_length`` tokens old. History is never re-quantized.
+
+An update with ``n`` new tokens first returns what attention must see — the stored history
+(quantized, or window) followed by the ``n`` new tokens at full precision — and only then moves
+tokens from the window into quantized storage. So a forward of ``n`` tokens sees exactly what ``n``
+single-token forwards would see of the tokens before it; chunked prefill, chunked evaluation and
+generation agree.
+
+Sliding-window layers (``sliding_window=W``) stop exposing tokens that no future query can reach
+(older than ``W + R + G`` tokens, cut at a multiple of ``block_size``) and free the blocks that held
+only those; ``get_mask_sizes`` reports the first exposed token as the mask's ``kv_offset``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from ..config import KiviConfig
+from ..quant.kv import PackedKV, dequantize_kv, quantize_kv
+from .store import BlockStore, FpSegment
+
+_SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass
+class AttentionView:
+    """What one side (keys or values) of a layer shows attention for the current forward.
+
+    ``store`` tokens ``[store.start, split)`` come from storage (quantized unless ``quantized`` is
+    False); ``fp [B, H, T_fp, D]`` holds the tokens ``[split, split + T_fp)`` at full precision
+    (the old window followed by the new tokens).
+    """
+
+    store: BlockStore
+    split: int
+    fp: torch.Tensor
+    quantized: bool
+
+    @property
+    def start(self) -> int:
+        return self.store.start
+
+
+class _Side:
+    """Storage of keys or of values for one layer."""
+
+    def __init__(self, axis: str, quantize: bool, bits: int, block_size: int):
+        self.axis = axis  # "channel" for keys, "token" for values
+        self.quantize = quantize
+        self.bits = bits
+        self.store = BlockStore(block_size)
+        self.window: torch.Tensor | None = None  # [B, H, W, D]
+        self.window_valid: torch.Tensor | None = None  # [B, W] bool, None = all valid
+
+    @property
+    def window_len(self) -> int:
+        return 0 if self.window is None else self.window.shape[-2]
+
+    def map_tensors(self, fn) -> None:
+        self.store.map_tensors(fn)
+        if self.window is not None:
+            self.window = fn(self.window)
+        if self.window_valid is not None:
+            self.window_valid = fn(self.window_valid)
+
+
+class KiviLayer(CacheLayerMixin):
+    """KIVI cache for one layer. See the module docstring for the semantics."""
+
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, config: KiviConfig, sliding_window: int | None = None):
+        super().__init__()
+        self.config = config
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.seen = 0
+        self.k = _Side("channel", config.quantize_key, config.k_bits, config.block_size)
+        self.v = _Side("token", config.quantize_value, config.v_bits, config.block_size)
+        self.dtype: torch.dtype | None = None
+        self.last_views: tuple[AttentionView, AttentionView] | None = None
+
+    # ------------------------------------------------------------------ transformers API
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        head_dim = value_states.shape[-1]
+        if self.config.quantize_value and head_dim % self.config.group_size:
+            raise ValueError(
+                f"group_size={self.config.group_size} must divide head_dim={head_dim} to quantize values per token"
+            )
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, valid: torch.Tensor | None = None, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``[B, H, n, D]`` keys/values; return the keys/values attention sees (reference path).
+
+        ``valid [B, n]`` marks real (non-padding) tokens; ``None`` means all are real.
+        """
+        kv, vv = self.append(key_states, value_states, valid=valid)
+        return self.materialize(kv), self.materialize(vv)
+
+    def append(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *, valid: torch.Tensor | None = None
+    ) -> tuple[AttentionView, AttentionView]:
+        """Store new tokens; return the views attention must use for this forward (pre-move state)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if valid is not None and bool(valid.all()):
+            valid = None
+        if self.sliding_window is not None:
+            self._evict()  # before building the views: the mask of this forward already excludes them
+        n = key_states.shape[-2]
+        views = []
+        for side, x in ((self.k, key_states), (self.v, value_states)):
+            if not side.quantize:
+                split = side.store.length
+                side.store.append(FpSegment(x))
+                fp = x[:, :, :0]
+                # Full-precision storage: attention reads it from the store, nothing pending.
+                views.append(AttentionView(side.store, side.store.length, fp, quantized=False))
+                continue
+            split = side.store.length
+            pending = x if side.window is None else torch.cat([side.window, x], dim=-2)
+            pvalid = self._pending_valid(side, valid, n)
+            views.append(AttentionView(side.store, split, pending, quantized=True))
+            self._flush(side, pending, pvalid)
+        self.seen += n
+        self.last_views = (views[0], views[1])
+        return views[0], views[1]
+
+    def _pending_valid(self, side: _Side, valid: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        if valid is None and side.window_valid is None:
+            return None
+        b = valid.shape[0] if valid is not None else side.window_valid.shape[0]
+        dev = valid.device if valid is not None else side.window_valid.device
+        old = side.window_valid
+        if old is None:
+            old = torch.ones(b, side.window_len, dtype=torch.bool, device=dev)
+        new = valid if valid is not None else torch.ones(b, n, dtype=torch.bool, device=dev)
+        return torch.cat([old, new.to(torch.bool)], dim=-1)
+
+    def _flush(self, side: _Side, pending: torch.Tensor, pvalid: torch.Tensor | None) -> None:
+        """Move what is due from ``pending`` (old window + new tokens) into quantized storage."""
+        cfg = self.config
+        total = pending.shape[-2]
+        excess = total - cfg.residual_length
+        if side.axis == "channel":
+            move = (excess // cfg.group_size) * cfg.group_size if excess > 0 else 0
+        else:
+            move = max(excess, 0)
+        if move:
+            seg = quantize_kv(
+                pending[:, :, :move],
+                side.axis,
+                side.bits,
+                cfg.group_size,
+                symmetric=cfg.symmetric,
+                residual_bits=cfg.residual_bits,
+                valid=None if pvalid is None or side.axis == "token" else pvalid[:, :move],
+                param_dtype=self._param_dtype(pending.dtype),
+                check_finite=cfg.check_finite,
+            )
+            side.store.append(seg)
+        # The window keeps exact copies of what it was given (clone: do not pin `pending`).
+        side.window = pending[:, :, move:].clone() if move < total else None
+        side.window_valid = None
+        if pvalid is not None and side.window is not None and not bool(pvalid[:, move:].all()):
+            side.window_valid = pvalid[:, move:].clone()
+
+    def _param_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype if self.config.scale_dtype == "auto" else _SCALE_DTYPES[self.config.scale_dtype]
+
+    def _cut(self) -> int:
+        """Tokens before this position are out of reach of every future query of a sliding layer.
+
+        Depends only on (seen, W, R, G, block_size), so every sliding layer reports the same offset.
+        """
+        if self.sliding_window is None:
+            return 0
+        cfg = self.config
+        dead = self.seen - self.sliding_window - cfg.residual_length - cfg.group_size
+        return max(0, (dead // cfg.block_size) * cfg.block_size)
+
+    def _evict(self) -> None:
+        cut = self._cut()
+        if cut > self.k.store.start:
+            self.k.store.evict(cut)
+            self.v.store.evict(cut)
+
+    @property
+    def kv_offset(self) -> int:
+        """First absolute token position attention sees (0 unless sliding-window eviction happened)."""
+        return max(self.k.store.start, self._cut())
+
+    def materialize(self, view: AttentionView) -> torch.Tensor:
+        """Reference path: dequantize the stored part of ``view`` and append its full-precision part."""
+        parts = []
+        for _, seg in view.store.iter_blocks(view.split):
+            if view.quantized:
+                parts.append(dequantize_kv(seg, self.dtype))
+            else:
+                parts.append(seg.data)
+        if view.fp.shape[-2]:
+            parts.append(view.fp)
+        return torch.cat(parts, dim=-2) if len(parts) > 1 else parts[0]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        kv_offset = self.kv_offset
+        return self.seen - kv_offset + query_length, kv_offset
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1 if self.sliding_window is None else self.sliding_window
+
+    def reset(self) -> None:
+        cfg = self.config
+        self.seen = 0
+        self.k = _Side("channel", cfg.quantize_key, cfg.k_bits, cfg.block_size)
+        self.v = _Side("token", cfg.quantize_value, cfg.v_bits, cfg.block_size)
+        self.last_views = None
+        self.is_initialized = False
+
+    def offload(self):  # pragma: no cover - not supported
+        raise NotImplementedError("KiviCache does not support offloading; it is already compressed")
+
+    def prefetch(self):  # pragma: no cover - not supported
+        raise NotImplementedError("KiviCache does not support offloading; it is already compressed")
+
+    # ------------------------------------------------------------------ batch / beam operations
+    def _map(self, fn) -> None:
+        self.k.map_tensors(fn)
+        self.v.map_tensors(fn)
+        self.last_views = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._map(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens (transformers 5 convention: a negative count).
+
+        Tokens still in the full-precision windows come back bit-exact. Cropping further than the
+        key window dequantizes the surviving part of the last key group back into the window (those
+        tokens then hold their quantized approximations).
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop({tokens_to_remove}): pass a negative number of tokens to remove (transformers 5 convention)"
+            )
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        new_seen = self.seen + tokens_to_remove
+        if new_seen < self.kv_offset:
+            raise ValueError(
+                f"cannot crop to {new_seen} tokens: tokens before {self.kv_offset} were dropped by the sliding window"
+            )
+        for side in (self.k, self.v):
+            self._crop_side(side, max(new_seen, 0))
+        self.seen = max(new_seen, 0)
+        self.last_views = None
+
+    def _crop_side(self, side: _Side, new_seen: int) -> None:
+        store = side.store
+        if new_seen >= store.length:  # only the window shrinks
+            keep = new_seen - store.length
+            if side.window is not None:
+                side.window = side.window[:, :, :keep].clone() if keep else None
+                if side.window_valid is not None:
+                    side.window_valid = side.window_valid[:, :keep].clone() if keep else None
+            return
+        side.window = side.window_valid = None
+        if not side.quantize or side.axis == "token":
+            store.truncate(new_seen)
+            return
+        g0 = (new_seen // self.config.group_size) * self.config.group_size
+        tail = None
+        if g0 < new_seen:
+            seg = store.read(min(store.length, g0 + self.config.group_size))
+            tail = dequantize_kv(_slice_tokens(seg, seg.num_tokens - self.config.group_size), self.dtype)
+            tail = tail[:, :, : new_seen - g0].clone()
+        store.truncate(g0)
+        side.window = tail
+
+    # ------------------------------------------------------------------ accounting
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes held, by kind: codes, scales/zero-points, compensation, windows, unquantized storage."""
+        out = {"codes": 0, "scales_zero_points": 0, "compensation": 0, "fp_window": 0, "fp_unquantized": 0,
+               "padding_masks": 0}
+        for side in (self.k, self.v):
+            for name, nb in side.store.nbytes_by_field().items():
+                key = {"packed": "codes", "scale": "scales_zero_points", "offset": "scales_zero_points",
+                       "comp": "compensation", "data": "fp_unquantized"}[name]
+                out[key] += nb
+            if side.window is not None:
+                out["fp_window"] += side.window.numel() * side.window.element_size()
+            if side.window_valid is not None:
+                out["padding_masks"] += side.window_valid.numel()
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.memory_breakdown().values())
+
+
+def _slice_tokens(seg: PackedKV, start: int) -> PackedKV:
+    """Tokens ``[start, T)`` of a key segment (``start`` a multiple of the group size)."""
+    g = seg.group_size
+    return seg.with_tensors(
+        **{k: (v[:, :, start // g :] if k in ("scale", "offset", "comp") else v[:, :, start:]) for k, v in seg.tensors().items()}
+    )

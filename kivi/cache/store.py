@@ -1,0 +1,164 @@
+"""Append-only block storage for quantized keys or values of one layer.
+
+Storage is a list of preallocated blocks. Appending writes in place into the last block and
+allocates a new block when it is full, so nothing already stored is ever copied. A new block holds
+``block_size`` tokens, or exactly the segment being appended when that is longer (a long prefill
+becomes one block of its own size, with no unused tail). A block holds, for every tensor field of
+the segment type (:class:`~kivi.quant.kv.PackedKV` or :class:`FpSegment`), the rows of its tokens
+(keys' per-group parameters: one row per ``G`` tokens).
+
+Blocks that a sliding-window layer no longer needs can be dropped from the front (``evict``);
+``start`` is then the first token still held.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from ..quant.kv import PackedKV, token_divisor
+
+
+@dataclass
+class FpSegment:
+    """``T`` tokens kept in full precision: ``data [B, H, T, D]`` (a side that is not quantized)."""
+
+    data: torch.Tensor
+    axis: str = "token"
+    group_size: int = 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.data.shape[-2]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"data": self.data}
+
+    def with_tensors(self, **tensors: torch.Tensor) -> "FpSegment":
+        return FpSegment(tensors.get("data", self.data), self.axis, self.group_size)
+
+
+Segment = PackedKV | FpSegment
+
+
+@dataclass
+class BlockStore:
+    """Quantized tokens ``[start, length)`` of one side (keys or values) of one layer."""
+
+    block_size: int
+    template: Segment | None = None  # shapes / metadata of the stored segments (first append)
+    blocks: list[dict[str, torch.Tensor] | None] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # first token of each block
+    caps: list[int] = field(default_factory=list)  # tokens each block can hold
+    length: int = 0  # tokens appended so far (absolute index of the next token)
+    start: int = 0  # first token still stored (after evictions)
+
+    # ------------------------------------------------------------------ writing
+    def _divisor(self, name: str) -> int:
+        assert self.template is not None
+        return token_divisor(self.template.axis, self.template.group_size, name)
+
+    def _new_block(self, tokens: int) -> None:
+        assert self.template is not None
+        blk = {}
+        for name, t in self.template.tensors().items():
+            rows = tokens // self._divisor(name)
+            blk[name] = torch.empty((*t.shape[:2], rows, *t.shape[3:]), dtype=t.dtype, device=t.device)
+        self.blocks.append(blk)
+        self.starts.append(self.length)
+        self.caps.append(tokens)
+
+    def append(self, seg: Segment) -> None:
+        """Write ``seg`` (its tokens become ``[length, length + seg.num_tokens)``)."""
+        n = seg.num_tokens
+        if n == 0:
+            return
+        if self.template is None:
+            self.template = seg.with_tensors(**{k: v[:, :, :0] for k, v in seg.tensors().items()})
+        tensors = seg.tensors()
+        done = 0
+        while done < n:
+            if not self.blocks or self.starts[-1] + self.caps[-1] <= self.length:
+                self._new_block(max(self.block_size, n - done))
+            blk = self.blocks[-1]
+            off = self.length - self.starts[-1]
+            m = min(self.caps[-1] - off, n - done)
+            for name, t in tensors.items():
+                d = self._divisor(name)
+                blk[name][:, :, off // d : (off + m) // d].copy_(t[:, :, done // d : (done + m) // d])
+            done += m
+            self.length += m
+
+    # ------------------------------------------------------------------ reading
+    def iter_blocks(self, end: int | None = None) -> Iterator[tuple[int, Segment]]:
+        """Yield ``(first_token, segment)`` for the stored tokens ``[start, end)``, one block at a time.
+
+        Segments are views (no copy) into the blocks.
+        """
+        end = self.length if end is None else end
+        if self.template is None or end <= self.start:
+            return
+        for blk, b0, cap in zip(self.blocks, self.starts, self.caps):
+            if blk is None or b0 + cap <= self.start:
+                continue
+            if b0 >= end:
+                break
+            lo = max(self.start, b0) - b0
+            hi = min(end, b0 + cap) - b0
+            views = {name: t[:, :, lo // self._divisor(name) : hi // self._divisor(name)] for name, t in blk.items()}
+            yield b0 + lo, self.template.with_tensors(**views)
+
+    def read(self, end: int | None = None) -> Segment | None:
+        """Tokens ``[start, end)`` as one (copied) segment, or ``None`` when empty."""
+        parts = [seg for _, seg in self.iter_blocks(end)]
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        names = parts[0].tensors().keys()
+        return parts[0].with_tensors(**{k: torch.cat([p.tensors()[k] for p in parts], dim=2) for k in names})
+
+    # ------------------------------------------------------------------ editing
+    def truncate(self, new_length: int) -> None:
+        """Forget tokens ``[new_length, length)``; blocks past the end are freed."""
+        if new_length >= self.length:
+            return
+        if new_length < self.start:
+            raise ValueError(f"cannot truncate to {new_length} tokens: tokens before {self.start} were evicted")
+        if self.template is not None and new_length % self._divisor("scale"):
+            raise ValueError(f"truncation to {new_length} would split a quantization group")
+        self.length = new_length
+        keep = sum(1 for b0 in self.starts if b0 < new_length)
+        del self.blocks[keep:], self.starts[keep:], self.caps[keep:]
+
+    def evict(self, before: int) -> None:
+        """Stop exposing tokens ``< before`` and free the blocks that hold only such tokens."""
+        before = min(before, self.length)
+        self.start = max(self.start, before)
+        for i, (b0, cap) in enumerate(zip(self.starts, self.caps)):
+            if self.blocks[i] is not None and b0 + cap <= self.start:
+                self.blocks[i] = None
+
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply ``fn`` (e.g. a batch ``index_select``) to every stored tensor."""
+        for i, blk in enumerate(self.blocks):
+            if blk is not None:
+                self.blocks[i] = {k: fn(v) for k, v in blk.items()}
+        if self.template is not None:
+            self.template = self.template.with_tensors(**{k: fn(v) for k, v in self.template.tensors().items()})
+
+    # ------------------------------------------------------------------ accounting
+    def nbytes_by_field(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for blk in self.blocks:
+            if blk is None:
+                continue
+            for k, v in blk.items():
+                out[k] = out.get(k, 0) + v.numel() * v.element_size()
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.nbytes_by_field().values())

@@ -1,0 +1,228 @@
+"""`KiviConfig`: what to quantize, how, and where (per layer)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .quant.primitives import SUPPORTED_BITS
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # 4-bit keys and values: within ~1% of full precision on our measurements.
+    "high": {"k_bits": 4, "v_bits": 4, "residual_bits": 0},
+    # 2-bit keys and values with the per-group error compensation (spec §2.3).
+    "balanced": {"k_bits": 2, "v_bits": 2, "residual_bits": 4},
+    # 2-bit keys and values, nothing else.
+    "extreme": {"k_bits": 2, "v_bits": 2, "residual_bits": 0},
+}
+
+ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
+SCALE_DTYPES = ("auto", "float16", "bfloat16", "float32")
+RESIDUAL_BITS = (0, 1, 2, 3, 4, 8)
+
+# Fields a `layer_specific_config` entry may override.
+LAYER_FIELDS = (
+    "k_bits",
+    "v_bits",
+    "group_size",
+    "residual_length",
+    "residual_bits",
+    "quantize_key",
+    "quantize_value",
+    "symmetric",
+)
+
+
+@dataclass
+class KiviConfig:
+    """KIVI KV-cache quantization settings.
+
+    Keys are quantized per channel (each channel, groups of ``group_size`` consecutive tokens);
+    values per token (each token, groups of ``group_size`` channels). The most recent
+    ``residual_length`` tokens stay in full precision (bit-exact).
+
+    Attributes:
+        k_bits / v_bits: code width for keys / values (1, 2, 3, 4 or 8).
+        group_size: tokens per key group and channels per value group (must divide ``head_dim``).
+        residual_length: full-precision window of recent tokens; a multiple of ``group_size``
+            (0 allowed: keys still keep the last, incomplete group in full precision).
+        residual_bits: the spec's error compensation — per quantization group, the mean of the
+            quantization error, stored on ``residual_bits`` bits relative to the group's step. 0 = off.
+        quantize_key / quantize_value: quantize that side at all (False keeps it full precision).
+        symmetric: symmetric (no offset) instead of KIVI's asymmetric min/max; for comparison.
+        layer_specific_config: ``{layer_idx: {"k_bits": 4, ...}}``; any field of ``LAYER_FIELDS``.
+        block_size: tokens per preallocated storage block (multiple of ``group_size``); storage grows
+            block by block, never by copying what is stored.
+        scale_dtype: dtype of scales / offsets; ``"auto"`` = the cached tensors' dtype.
+        attention_backend: how attention reads the cache (``"reference"`` dequantizes layer by layer).
+        check_finite: raise on NaN/Inf entering the quantizer instead of storing garbage.
+    """
+
+    k_bits: int = 2
+    v_bits: int = 2
+    group_size: int = 32
+    residual_length: int = 128
+    residual_bits: int = 0
+    quantize_key: bool = True
+    quantize_value: bool = True
+    symmetric: bool = False
+    layer_specific_config: dict[int, dict[str, Any]] = field(default_factory=dict)
+    block_size: int = 256
+    scale_dtype: str = "auto"
+    attention_backend: str = "auto"
+    check_finite: bool = True
+
+    def __post_init__(self) -> None:
+        # JSON turns int keys into strings; accept both.
+        lsc = {}
+        for k, v in dict(self.layer_specific_config or {}).items():
+            try:
+                idx = int(k)
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"layer_specific_config key {k!r} is not a layer index; expected a non-negative integer"
+                ) from None
+            lsc[idx] = dict(v)
+        self.layer_specific_config = lsc
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, num_layers: int | None = None) -> None:
+        """Raise ``ValueError`` naming the field, its value and what is allowed."""
+        _check_layer_fields(self, where="")
+        _check_int(self, "block_size", minimum=1)
+        if self.block_size % self.group_size:
+            raise ValueError(
+                f"block_size={self.block_size} must be a multiple of group_size={self.group_size}"
+            )
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"scale_dtype={self.scale_dtype!r} is not allowed; choose one of {list(SCALE_DTYPES)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend={self.attention_backend!r} is not allowed; choose one of {list(ATTENTION_BACKENDS)}"
+            )
+        for idx, overrides in self.layer_specific_config.items():
+            if idx < 0:
+                raise ValueError(f"layer_specific_config has layer index {idx}; layer indices start at 0")
+            if num_layers is not None and idx >= num_layers:
+                raise ValueError(
+                    f"layer_specific_config has layer index {idx}, but the model has {num_layers} layers "
+                    f"(valid indices 0..{num_layers - 1})"
+                )
+            unknown = sorted(set(overrides) - set(LAYER_FIELDS))
+            if unknown:
+                raise ValueError(
+                    f"layer_specific_config[{idx}] has unknown field(s) {unknown}; allowed: {list(LAYER_FIELDS)}"
+                )
+            merged = dataclasses.replace(self, layer_specific_config={}, **overrides) if overrides else None
+            if merged is not None:
+                _check_layer_fields(merged, where=f"layer_specific_config[{idx}].")
+                if merged.block_size % merged.group_size:
+                    raise ValueError(
+                        f"layer_specific_config[{idx}].group_size={merged.group_size} must divide "
+                        f"block_size={self.block_size}"
+                    )
+
+    # ------------------------------------------------------------------ per layer
+    def for_layer(self, layer_idx: int) -> "KiviConfig":
+        """This config with ``layer_specific_config[layer_idx]`` applied (and no further overrides)."""
+        overrides = self.layer_specific_config.get(layer_idx, {})
+        return dataclasses.replace(self, layer_specific_config={}, **overrides)
+
+    # ------------------------------------------------------------------ presets / json
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "KiviConfig":
+        """``"high"`` (4/4), ``"balanced"`` (2/2 + error compensation) or ``"extreme"`` (2/2)."""
+        key = str(name).lower()
+        if key not in PRESETS:
+            raise ValueError(f"preset={name!r} is unknown; choose one of {list(PRESETS)}")
+        return cls(**{**PRESETS[key], **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["layer_specific_config"] = {str(k): v for k, v in self.layer_specific_config.items()}
+        return d
+
+    def to_json(self, path: str | Path | None = None, *, indent: int = 2) -> str:
+        """Serialise to JSON; also write it to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=indent, sort_keys=False)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "KiviConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"a KiviConfig must be a JSON object, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown KiviConfig field(s) {unknown}; allowed: {sorted(known)}")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> "KiviConfig":
+        """Load from a JSON string or a path to a JSON file."""
+        s = str(text_or_path)
+        if not s.lstrip().startswith("{"):
+            p = Path(s)
+            try:
+                s = p.read_text()
+            except OSError as e:
+                raise ValueError(f"cannot read KiviConfig JSON file {str(p)!r}: {e.strerror or e}") from None
+        try:
+            d = json.loads(s)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"invalid KiviConfig JSON: {e}") from None
+        # `kivi tune --json` wraps the config with its measurements.
+        if isinstance(d, dict) and "config" in d and isinstance(d["config"], dict) and "k_bits" not in d:
+            d = d["config"]
+        return cls.from_dict(d)
+
+    # ------------------------------------------------------------------ describe
+    def describe(self) -> str:
+        parts = []
+        parts.append(f"K{self.k_bits if self.quantize_key else 'fp'}")
+        parts.append(f"V{self.v_bits if self.quantize_value else 'fp'}")
+        parts.append(f"G{self.group_size}")
+        parts.append(f"R{self.residual_length}")
+        if self.residual_bits:
+            parts.append(f"comp{self.residual_bits}")
+        if self.symmetric:
+            parts.append("sym")
+        if self.layer_specific_config:
+            parts.append(f"{len(self.layer_specific_config)} layer overrides")
+        return " ".join(parts)
+
+
+def _check_int(cfg: Any, name: str, *, minimum: int, where: str = "") -> None:
+    v = getattr(cfg, name)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{where}{name}={v!r} must be an integer >= {minimum}")
+
+
+def _check_layer_fields(cfg: KiviConfig, *, where: str) -> None:
+    for name in ("k_bits", "v_bits"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or v not in SUPPORTED_BITS:
+            raise ValueError(f"{where}{name}={v!r} is not supported; allowed values are {list(SUPPORTED_BITS)}")
+        if cfg.symmetric and v < 2:
+            raise ValueError(f"{where}{name}={v} is not possible with symmetric=True (no level besides 0)")
+    _check_int(cfg, "group_size", minimum=1, where=where)
+    _check_int(cfg, "residual_length", minimum=0, where=where)
+    if cfg.residual_length % cfg.group_size:
+        raise ValueError(
+            f"{where}residual_length={cfg.residual_length} must be a multiple of group_size={cfg.group_size} "
+            f"(e.g. {max(cfg.group_size, cfg.residual_length // cfg.group_size * cfg.group_size)})"
+        )
+    rb = cfg.residual_bits
+    if isinstance(rb, bool) or rb not in RESIDUAL_BITS:
+        raise ValueError(f"{where}residual_bits={rb!r} is not allowed; choose one of {list(RESIDUAL_BITS)} (0 = off)")
+    if rb and cfg.symmetric:
+        raise ValueError(f"{where}residual_bits={rb} is only implemented for asymmetric quantization (symmetric=False)")
+    for name in ("quantize_key", "quantize_value", "symmetric"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise ValueError(f"{where}{name}={getattr(cfg, name)!r} must be true or false")

@@ -1,0 +1,148 @@
+"""Plugging KIVI into a HuggingFace model: `quantize_model` and the padding hook.
+
+After ``quantize_model(model, config)``:
+
+* ``model.generate(...)`` builds a :class:`KiviCache` from ``config`` whenever the caller passes no
+  cache and no ``cache_implementation`` (a ``KiviCache`` passed explicitly is used as is);
+* every forward that receives a ``KiviCache`` tells it which tokens are padding (from the 2-D
+  ``attention_mask``), so padding never enters a quantization statistic.
+
+Nothing else about the model changes: weights, attention implementation and ``generate``
+arguments stay as they were. Tested with transformers 5.x (``cache=`` keyword; the deprecated
+``past_key_values=`` is accepted too).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+from .cache.cache import SUPPORTED_LAYER_TYPES, KiviCache
+from .config import KiviConfig
+
+# Families tested with tiny random models (tests/test_integration.py) and SmolLM2 (Llama).
+TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+
+_HOOK_ATTR = "_kivi_padding_hook"
+
+
+def _decoder_of(model: Any) -> Any:
+    get = getattr(model, "get_decoder", None)
+    if callable(get):
+        try:
+            dec = get()
+            if dec is not None:
+                return dec
+        except (AttributeError, NotImplementedError):
+            pass
+    return getattr(model, "model", model)
+
+
+def _padding_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if not isinstance(cache, KiviCache):
+        return
+    mask = kwargs.get("attention_mask")
+    if mask is None and len(args) >= 2 and isinstance(args[1], torch.Tensor):
+        mask = args[1]
+    cache.set_attention_mask(mask)
+
+
+def _padding_post_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if isinstance(cache, KiviCache):
+        cache.set_attention_mask(None)
+
+
+def install_padding_hook(model: Any) -> None:
+    """Make every forward of ``model``'s decoder pass its 2-D attention mask to a ``KiviCache``."""
+    dec = _decoder_of(model)
+    if getattr(dec, _HOOK_ATTR, None) is not None:
+        return
+    h1 = dec.register_forward_pre_hook(_padding_pre_hook, with_kwargs=True)
+    h2 = dec.register_forward_hook(_padding_post_hook, with_kwargs=True)
+    setattr(dec, _HOOK_ATTR, (h1, h2))
+
+
+def check_model_supported(model: Any) -> None:
+    """Raise ``ValueError`` naming what is missing when KIVI cannot serve ``model``."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "get_text_config"):
+        raise ValueError(f"{type(model).__name__} is not a transformers PreTrainedModel (no .config)")
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{type(model).__name__} is an encoder-decoder model; KiviCache supports decoder-only models"
+        )
+    if not hasattr(model, "generate"):
+        raise ValueError(f"{type(model).__name__} has no generate(); use a *ForCausalLM model")
+    supports = getattr(type(model), "_supports_default_dynamic_cache", None)
+    if callable(supports) and not supports():
+        raise ValueError(
+            f"{type(model).__name__} does not use transformers' Cache for its attention states "
+            "(it brings its own cache), so a KiviCache cannot be plugged in"
+        )
+    # Raises for layer types that are not plain attention (linear attention, MoE-only, shared KV...).
+    from transformers.cache_utils import get_layer_types_and_kwargs  # noqa: PLC0415
+
+    layer_types, _ = get_layer_types_and_kwargs(cfg.get_text_config(decoder=True))
+    bad = sorted({t for t in layer_types if t not in SUPPORTED_LAYER_TYPES})
+    if bad:
+        raise ValueError(
+            f"{type(model).__name__} has layer types {bad}; KiviCache supports {list(SUPPORTED_LAYER_TYPES)}"
+        )
+
+
+def quantize_model(model: Any, config: KiviConfig | None = None) -> Any:
+    """Make ``model`` use a KIVI cache; returns the same model object.
+
+    Validates ``config`` against the model (e.g. a ``layer_specific_config`` index beyond the
+    model's layers, a ``group_size`` that does not divide ``head_dim``).
+    """
+    config = config if config is not None else KiviConfig()
+    if not isinstance(config, KiviConfig):
+        raise TypeError(f"config must be a KiviConfig, got {type(config).__name__}")
+    check_model_supported(model)
+    text_cfg = model.config.get_text_config(decoder=True)
+    config.validate(num_layers=text_cfg.num_hidden_layers)
+    head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
+    for idx in range(text_cfg.num_hidden_layers):
+        lcfg = config.for_layer(idx)
+        if lcfg.quantize_value and head_dim % lcfg.group_size:
+            where = f"layer_specific_config[{idx}]." if idx in config.layer_specific_config else ""
+            raise ValueError(
+                f"{where}group_size={lcfg.group_size} must divide head_dim={head_dim} (values are grouped per token "
+                "over channels)"
+            )
+    KiviCache.from_model_config(model.config, config)  # raises early on unsupported layer types
+    model.kivi_config = config
+    install_padding_hook(model)
+
+    if not getattr(model, "_kivi_patched_generate", False):
+        original = model._prepare_cache_for_generation
+
+        def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+            wants_default = (
+                model_kwargs.get("cache") is None
+                and generation_config.use_cache is not False
+                and generation_config.cache_implementation is None
+                and getattr(self, "kivi_config", None) is not None
+            )
+            if wants_default:
+                model_kwargs["cache"] = KiviCache.from_model(self, self.kivi_config)
+                return None
+            return original(generation_config, model_kwargs, *args, **kwargs)
+
+        model._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, model)
+        model._kivi_patched_generate = True
+    return model
+
+
+def dequantize_model(model: Any) -> Any:
+    """Undo :func:`quantize_model`: ``generate`` goes back to transformers' default cache."""
+    if getattr(model, "_kivi_patched_generate", False):
+        del model._prepare_cache_for_generation
+        model._kivi_patched_generate = False
+    model.kivi_config = None
+    return model

@@ -1,0 +1,174 @@
+"""Quantized key / value segments: KIVI's two groupings over ``[B, H, T, D]`` tensors.
+
+* keys, ``axis="channel"``: each channel ``d`` is quantized in groups of ``G`` consecutive tokens.
+  ``T`` must be a multiple of ``G``.
+* values, ``axis="token"``: each token is quantized in groups of ``G`` consecutive channels.
+  ``D`` must be a multiple of ``G``.
+
+Codes are bit-packed along the last (channel) axis in both cases, see :mod:`kivi.quant.packing`.
+
+Optional error compensation (``residual_bits > 0``, spec §2.3): per group, the mean quantization
+error ``m = mean(x - x_hat)`` lies in ``[-scale/2, scale/2]``; it is stored as a
+``residual_bits``-bit code ``c = round((m / scale + 1/2) * (2**rb - 1))`` (packed like the codes)
+and added back on dequantization. Its cost is ``rb`` bits per group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from .packing import pack_codes, packed_size, unpack_codes
+from .primitives import _group_view, dequantize_groups, quantize_groups
+
+
+@dataclass
+class PackedKV:
+    """``T`` tokens of keys or values, quantized.
+
+    Fields (``B`` batch, ``H`` kv heads, ``T`` tokens, ``D`` head_dim, ``G`` group size):
+        packed: uint8 ``[B, H, T, packed_size(D, bits)]`` — the codes.
+        scale:  ``[B, H, T // G, D]`` (keys) or ``[B, H, T, D // G]`` (values).
+        offset: like ``scale``, or ``None`` for symmetric quantization.
+        comp:   uint8 packed compensation codes ``[..., packed_size(scale.shape[-1], residual_bits)]``
+                with ``scale``'s leading shape, or ``None``.
+    """
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    comp: torch.Tensor | None
+    bits: int
+    group_size: int
+    axis: str  # "channel" (keys) or "token" (values)
+    head_dim: int
+    residual_bits: int = 0
+
+    TENSOR_FIELDS = ("packed", "scale", "offset", "comp")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.packed.shape[-2]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: getattr(self, k) for k in self.TENSOR_FIELDS if getattr(self, k) is not None}
+
+    def with_tensors(self, **tensors: torch.Tensor) -> "PackedKV":
+        return replace(self, **tensors)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+def token_divisor(axis: str, group_size: int, name: str) -> int:
+    """Tokens per row of field ``name``: keys' per-group parameters have one row per ``G`` tokens."""
+    if axis == "channel" and name in ("scale", "offset", "comp"):
+        return group_size
+    return 1
+
+
+def quantize_kv(
+    x: torch.Tensor,
+    axis: str,
+    bits: int,
+    group_size: int,
+    *,
+    symmetric: bool = False,
+    residual_bits: int = 0,
+    valid: torch.Tensor | None = None,
+    param_dtype: torch.dtype | None = None,
+    check_finite: bool = True,
+) -> PackedKV:
+    """Quantize ``x [B, H, T, D]`` as keys (``axis="channel"``) or values (``axis="token"``).
+
+    ``valid [B, T]`` (bool) marks real tokens; padding is left out of every statistic.
+    """
+    if x.dim() != 4:
+        raise ValueError(f"x must be [batch, heads, tokens, head_dim], got shape {tuple(x.shape)}")
+    if axis not in ("channel", "token"):
+        raise ValueError(f"axis={axis!r} must be 'channel' (keys) or 'token' (values)")
+    dim = -2 if axis == "channel" else -1
+    vmask = None
+    if valid is not None:
+        vmask = valid[:, None, :, None].to(torch.bool)  # [B, 1, T, 1]
+    codes, scale, offset = quantize_groups(
+        x, bits, group_size, dim, symmetric=symmetric, valid=vmask, param_dtype=param_dtype, check_finite=check_finite
+    )
+    comp = None
+    if residual_bits:
+        x_hat = dequantize_groups(codes, scale, offset, bits, group_size, dim)
+        err = _group_view(x.float() - x_hat, dim % 4, group_size)
+        red = (dim % 4) + 1
+        if vmask is not None:
+            vg = _group_view(torch.broadcast_to(vmask, x.shape), dim % 4, group_size)
+            cnt = vg.sum(dim=red).clamp_min(1)
+            mean = (err * vg).sum(dim=red) / cnt
+        else:
+            mean = err.mean(dim=red)
+        s = scale.float()
+        levels = 2**residual_bits - 1
+        rel = torch.where(s > 0, mean / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))
+        ccodes = torch.round((rel.clamp(-0.5, 0.5) + 0.5) * levels).to(torch.uint8)
+        comp = pack_codes(ccodes, residual_bits)
+    return PackedKV(
+        packed=pack_codes(codes, bits),
+        scale=scale,
+        offset=offset,
+        comp=comp,
+        bits=bits,
+        group_size=group_size,
+        axis=axis,
+        head_dim=x.shape[-1],
+        residual_bits=residual_bits,
+    )
+
+
+def compensation_values(p: PackedKV) -> torch.Tensor | None:
+    """Decoded per-group mean error (float32, ``scale``'s shape), or ``None``."""
+    if p.comp is None:
+        return None
+    levels = 2**p.residual_bits - 1
+    c = unpack_codes(p.comp, p.residual_bits, p.scale.shape[-1]).float()
+    return (c / levels - 0.5) * p.scale.float()
+
+
+def dequantize_kv(p: PackedKV, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``PackedKV`` -> ``[B, H, T, D]`` in ``dtype``."""
+    dim = -2 if p.axis == "channel" else -1
+    codes = unpack_codes(p.packed, p.bits, p.head_dim)
+    out = dequantize_groups(codes, p.scale, p.offset, p.bits, p.group_size, dim, dtype=torch.float32)
+    comp = compensation_values(p)
+    if comp is not None:
+        g = _group_view(out, dim % 4, p.group_size)
+        g = g + comp.unsqueeze((dim % 4) + 1)
+        out = g.reshape(out.shape)
+    return out.to(dtype)
+
+
+def kv_bytes_per_token(head_dim: int, bits: int, group_size: int, axis: str, *, param_bytes: int,
+                       symmetric: bool = False, residual_bits: int = 0) -> float:
+    """Bytes one token of one head costs in quantized form (for planners and tests)."""
+    codes = packed_size(head_dim, bits)
+    n_params = 1 if symmetric else 2
+    if axis == "channel":
+        groups_per_token = head_dim / group_size  # D parameters per G tokens
+        params = n_params * param_bytes * head_dim / group_size
+        comp = packed_size(head_dim, residual_bits) / group_size if residual_bits else 0.0
+    else:
+        groups_per_token = head_dim // group_size
+        params = n_params * param_bytes * groups_per_token
+        comp = packed_size(groups_per_token, residual_bits) if residual_bits else 0.0
+    return codes + params + comp
+
+
+__all__ = [
+    "PackedKV",
+    "quantize_kv",
+    "dequantize_kv",
+    "compensation_values",
+    "token_divisor",
+    "kv_bytes_per_token",
+]
+
