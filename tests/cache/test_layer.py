@@ -1,0 +1,172 @@
+import pytest
+import torch
+
+from kivi.cache.layer import KiviLayer
+from kivi.config import KiviConfig
+from kivi.quant.kv import dequantize_kv
+
+
+def _kv(b=2, h=2, t=1, d=64, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, h, t, d, generator=g).to(dtype), torch.randn(b, h, t, d, generator=g).to(dtype)
+
+
+def _feed(layer, k, v, chunks):
+    outs, s = [], 0
+    for c in chunks:
+        outs.append(layer.update(k[:, :, s : s + c], v[:, :, s : s + c]))
+        s += c
+    return outs
+
+
+@pytest.mark.parametrize("R,G", [(128, 32), (64, 32), (0, 32), (32, 16)])
+def test_window_sizes_and_group_aligned_moves(R, G):
+    cfg = KiviConfig(group_size=G, residual_length=R)
+    layer = KiviLayer(cfg)
+    k, v = _kv(t=400)
+    for t in range(400):
+        layer.append(k[:, :, t : t + 1], v[:, :, t : t + 1])  # storage only, no dequantization
+        seen = t + 1
+        nk = layer.k.store.length
+        assert nk % G == 0  # keys move only in whole, aligned groups
+        assert R <= layer.k.window_len < R + G or (seen < R + G and nk == 0)
+        assert layer.v.window_len == min(seen, R)
+        assert nk + layer.k.window_len == seen == layer.v.store.length + layer.v.window_len
+
+
+def test_window_is_bit_exact():
+    cfg = KiviConfig(residual_length=64)
+    layer = KiviLayer(cfg)
+    k, v = _kv(t=300, dtype=torch.bfloat16)
+    _feed(layer, k, v, [100, 1, 1, 77, 121])
+    assert torch.equal(layer.k.window, k[:, :, layer.k.store.length :])
+    assert torch.equal(layer.v.window, v[:, :, layer.v.store.length :])
+
+
+def test_new_tokens_are_seen_at_full_precision_and_history_as_stored():
+    layer = KiviLayer(KiviConfig(residual_length=32))
+    k, v = _kv(t=200)
+    keys, values = layer.update(k[:, :, :150], v[:, :, :150])
+    assert torch.equal(keys, k[:, :, :150]) and torch.equal(values, v[:, :, :150])  # prefill: own tokens FP
+    keys, values = layer.update(k[:, :, 150:160], v[:, :, 150:160])
+    assert torch.equal(keys[:, :, 150:], k[:, :, 150:160])
+    stored_k = dequantize_kv(layer.k.store.read(96))
+    assert torch.equal(keys[:, :, :96], stored_k)
+    assert not torch.equal(keys[:, :, :96], k[:, :, :96])
+
+
+def test_history_is_never_requantized():
+    layer = KiviLayer(KiviConfig(residual_length=32, block_size=64))
+    k, v = _kv(t=400)
+    layer.update(k[:, :, :100], v[:, :, :100])
+    before_k = layer.k.store.read().packed.clone()
+    before_v = layer.v.store.read().scale.clone()
+    for t in range(100, 400):
+        layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
+    assert torch.equal(layer.k.store.read(before_k.shape[2]).packed, before_k)
+    assert torch.equal(layer.v.store.read(before_v.shape[2]).scale, before_v)
+
+
+def test_chunk_sees_history_exactly_as_a_single_token_step_would():
+    """The tokens before a chunk look the same to the chunk as to a one-token forward at that point."""
+    k, v = _kv(t=300)
+    a, b = KiviLayer(KiviConfig(residual_length=64)), KiviLayer(KiviConfig(residual_length=64))
+    _feed(a, k, v, [128] + [1] * 160)  # a is now at 288 tokens
+    ka, va = a.update(k[:, :, 288:289], v[:, :, 288:289])
+    _feed(b, k, v, [128] + [16] * 10)
+    kb, vb = b.update(k[:, :, 288:300], v[:, :, 288:300])
+    assert torch.equal(ka[:, :, :289], kb[:, :, :289]) and torch.equal(va[:, :, :289], vb[:, :, :289])
+    assert torch.equal(kb[:, :, 288:], k[:, :, 288:300])  # the chunk's own tokens at full precision
+    # and both hold the same quantized history afterwards
+    _feed(a, k, v, [1] * 11)
+    assert torch.equal(a.k.store.read().packed, b.k.store.read().packed)
+    assert torch.equal(a.v.store.read().packed, b.v.store.read().packed)
+
+
+def test_quantization_off_is_exact():
+    layer = KiviLayer(KiviConfig(quantize_key=False, quantize_value=False))
+    k, v = _kv(t=500)
+    outs = _feed(layer, k, v, [300, 1, 199])
+    assert torch.equal(outs[-1][0], k) and torch.equal(outs[-1][1], v)
+    assert layer.memory_breakdown()["codes"] == 0
+
+
+def test_crop_within_window_is_exact_and_beyond_window_keeps_group_alignment():
+    layer = KiviLayer(KiviConfig(residual_length=32))
+    k, v = _kv(t=300)
+    _feed(layer, k, v, [200, 10])
+    layer.crop(-5)
+    assert layer.get_seq_length() == 205
+    keys, values = layer.update(k[:, :, 205:206], v[:, :, 205:206])
+    assert keys.shape[2] == 206 and torch.equal(keys[:, :, 173:], k[:, :, 173:206])
+    layer.crop(-100)  # reaches into quantized keys: partial group comes back dequantized
+    assert layer.get_seq_length() == 106
+    assert layer.k.store.length % 32 == 0
+    assert layer.k.store.length + layer.k.window_len == 106 == layer.v.store.length + layer.v.window_len
+    keys, _ = layer.update(k[:, :, 106:107], v[:, :, 106:107])
+    assert keys.shape[2] == 107
+    with pytest.raises(ValueError, match="negative"):
+        layer.crop(3)
+
+
+def test_reorder_and_batch_ops():
+    layer = KiviLayer(KiviConfig(residual_length=32))
+    k, v = _kv(b=3, t=150)
+    layer.update(k, v)
+    ref = [layer.materialize(x) for x in layer.append(k[:, :, :1], v[:, :, :1])]
+    idx = torch.tensor([2, 0, 0])
+    layer2 = KiviLayer(KiviConfig(residual_length=32))
+    layer2.update(k, v)
+    layer2.reorder_cache(idx)
+    got = [layer2.materialize(x) for x in layer2.append(k[idx, :, :1], v[idx, :, :1])]
+    assert torch.equal(got[0], ref[0][idx]) and torch.equal(got[1], ref[1][idx])
+    layer2.batch_select_indices(torch.tensor([1]))
+    layer2.batch_repeat_interleave(2)
+    assert layer2.k.window.shape[0] == 2 and layer2.k.store.read().packed.shape[0] == 2
+
+
+def test_padding_does_not_change_real_tokens():
+    cfg = KiviConfig(residual_length=32)
+    k, v = _kv(b=2, t=200)
+    valid = torch.ones(2, 200, dtype=torch.bool)
+    valid[1, :45] = False
+    res = []
+    for fill in (0.0, 1e3):
+        kk, vv = k.clone(), v.clone()
+        kk[1, :, :45] = fill
+        vv[1, :, :45] = fill
+        layer = KiviLayer(cfg)
+        layer.update(kk[:, :, :120], vv[:, :, :120], valid=valid[:, :120])
+        out = layer.update(kk[:, :, 120:], vv[:, :, 120:], valid=valid[:, 120:])
+        out = layer.update(kk[:, :, -1:], vv[:, :, -1:], valid=valid[:, -1:])
+        res.append(out)
+    assert torch.equal(res[0][0][1, :, 45:], res[1][0][1, :, 45:])
+    assert torch.equal(res[0][1][1, :, 45:], res[1][1][1, :, 45:])
+    assert torch.isfinite(res[1][0]).all()
+
+
+def test_nan_input_raises():
+    layer = KiviLayer(KiviConfig(residual_length=0))
+    k, v = _kv(t=64)
+    k[0, 0, 3, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        layer.update(k, v)
+
+
+def test_group_size_must_divide_head_dim():
+    layer = KiviLayer(KiviConfig(group_size=48, residual_length=48, block_size=96))
+    with pytest.raises(ValueError, match="head_dim=64"):
+        layer.update(*_kv(t=4))
+
+
+def test_sliding_layer_frees_blocks_and_reports_offset():
+    layer = KiviLayer(KiviConfig(residual_length=32, block_size=64), sliding_window=64)
+    k, v = _kv(t=1000)
+    for s in range(0, 1000, 50):
+        layer.update(k[:, :, s : s + 50], v[:, :, s : s + 50])
+    kv_len, off = layer.get_mask_sizes(1)
+    assert off > 0 and off % 64 == 0 and off <= 1000 - 64
+    assert kv_len == 1000 - off + 1
+    keys, _ = layer.update(k[:, :, :1], v[:, :, :1])
+    assert keys.shape[2] == kv_len
+    assert sum(b is not None for b in layer.k.store.blocks) < 1000 // 64

@@ -1,0 +1,47 @@
+"""Shared fixtures: tiny random models (no download) and the embedded SmolLM2 (session-scoped)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+TINY = dict(
+    vocab_size=128,
+    hidden_size=128,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    pad_token_id=0,
+)
+
+
+def tiny_model(model_type: str = "llama", seed: int = 0, **overrides):
+    """A randomly initialised decoder-only model of ``model_type`` (fp32, eval mode)."""
+    torch.manual_seed(seed)
+    cfg = transformers.AutoConfig.for_model(model_type, **{**TINY, **overrides})
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.fixture
+def tiny_llama():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of the embedded default model; converted once per machine."""
+    from kivi.models import load_model
+
+    return load_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def wikitext_ids(smollm2):
+    from kivi.data import load_text
+
+    _, tok = smollm2
+    text = load_text()[:200_000]
+    return tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0]

