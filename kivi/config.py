@@ -117,14 +117,11 @@ class KiviConfig:
                 raise ValueError(
                     f"layer_specific_config[{idx}] has unknown field(s) {unknown}; allowed: {list(LAYER_FIELDS)}"
                 )
-            merged = dataclasses.replace(self, layer_specific_config={}, **overrides) if overrides else None
-            if merged is not None:
-                _check_layer_fields(merged, where=f"layer_specific_config[{idx}].")
-                if merged.block_size % merged.group_size:
-                    raise ValueError(
-                        f"layer_specific_config[{idx}].group_size={merged.group_size} must divide "
-                        f"block_size={self.block_size}"
-                    )
+            if overrides:
+                try:
+                    dataclasses.replace(self, layer_specific_config={}, **overrides)  # validates
+                except ValueError as e:
+                    raise ValueError(f"layer_specific_config[{idx}].{e}") from None
 
     # ------------------------------------------------------------------ per layer
     def for_layer(self, layer_idx: int) -> "KiviConfig":

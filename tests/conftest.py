@@ -45,3 +45,15 @@ def wikitext_ids(smollm2):
     _, tok = smollm2
     text = load_text()[:200_000]
     return tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    """`slow` tests run only with KIVI_SLOW=1 or an explicit `-m` expression."""
+    import os
+
+    if os.environ.get("KIVI_SLOW") == "1" or config.getoption("-m"):
+        return
+    skip = pytest.mark.skip(reason="slow: set KIVI_SLOW=1 or pass -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
