@@ -7,8 +7,11 @@ After ``quantize_model(model, config)``:
 * every forward that receives a ``KiviCache`` tells it which tokens are padding (from the 2-D
   ``attention_mask``), so padding never enters a quantization statistic.
 
-Nothing else about the model changes: weights, attention implementation and ``generate``
-arguments stay as they were. Tested with transformers 5.x (``cache=`` keyword; the deprecated
+* unless ``config.attention_backend`` resolves to ``"reference"``, the model's attention
+  implementation becomes ``"kivi"`` (attention reads the packed cache, see :mod:`kivi.attention`);
+  ``dequantize_model`` restores the previous one.
+
+Weights and ``generate`` arguments stay as they were. Tested with transformers 5.x (``cache=`` keyword; the deprecated
 ``past_key_values=`` is accepted too).
 """
 
@@ -19,6 +22,8 @@ from typing import Any
 
 import torch
 
+from .attention.backends import resolve_attention_backend
+from .attention.interface import ATTN_IMPLEMENTATION, set_active_cache
 from .cache.cache import SUPPORTED_LAYER_TYPES, KiviCache
 from .config import KiviConfig
 
@@ -42,8 +47,14 @@ def _decoder_of(model: Any) -> Any:
 
 def _padding_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    # kivi attention (kivi/attention/interface.py) finds the forward's cache here.
+    set_active_cache(cache if isinstance(cache, KiviCache) else None)
     if not isinstance(cache, KiviCache):
         return
+    cfg = getattr(module, "config", None)
+    cache._kivi_defer_attention = (
+        getattr(cfg, "_attn_implementation", None) == ATTN_IMPLEMENTATION and cache.attention_backend != "reference"
+    )
     mask = kwargs.get("attention_mask")
     if mask is None and len(args) >= 2 and isinstance(args[1], torch.Tensor):
         mask = args[1]
@@ -52,8 +63,10 @@ def _padding_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> Non
 
 def _padding_post_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    set_active_cache(None)
     if isinstance(cache, KiviCache):
         cache.set_attention_mask(None)
+        cache._kivi_defer_attention = False
 
 
 def install_padding_hook(model: Any) -> None:
@@ -117,6 +130,17 @@ def quantize_model(model: Any, config: KiviConfig | None = None) -> Any:
             )
     KiviCache.from_model_config(model.config, config)  # raises early on unsupported layer types
     model.kivi_config = config
+    # attention_backend: "auto" resolved once here; not "reference" -> the model runs "kivi" attention.
+    backend = resolve_attention_backend(
+        config.attention_backend, getattr(model, "device", None), config=config, model_config=model.config
+    )
+    model.kivi_attention_backend = backend
+    current = model.config._attn_implementation
+    if backend != "reference" and current != ATTN_IMPLEMENTATION:
+        model._kivi_previous_attn_implementation = current
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    elif backend == "reference" and current == ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(getattr(model, "_kivi_previous_attn_implementation", None) or "sdpa")
     install_padding_hook(model)
 
     if not getattr(model, "_kivi_patched_generate", False):
@@ -145,4 +169,7 @@ def dequantize_model(model: Any) -> Any:
         del model._prepare_cache_for_generation
         model._kivi_patched_generate = False
     model.kivi_config = None
+    model.kivi_attention_backend = None
+    if model.config._attn_implementation == ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(getattr(model, "_kivi_previous_attn_implementation", None) or "sdpa")
     return model

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-import transformers
+import os
+
+# Triton picks interpreter mode when first imported (transformers may import it early): set it first,
+# so the Triton kernels run on CPU tensors in tests.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
 
 TINY = dict(
     vocab_size=128,

@@ -26,9 +26,14 @@ class KiviCache(Cache):
     :meth:`set_attention_mask` before each forward (otherwise all tokens count as real).
     """
 
-    def __init__(self, config: KiviConfig | None = None, layers: list | None = None):
+    def __init__(self, config: KiviConfig | None = None, layers: list | None = None, attention_backend: str | None = None):
+        from ..attention.backends import resolve_attention_backend  # noqa: PLC0415 (light, no cycle)
+
         self.config = config if config is not None else KiviConfig()
         self._attention_mask: torch.Tensor | None = None
+        # Resolved once ("auto" -> "cpu"/"triton"); see kivi.attention.backends.
+        self.attention_backend = resolve_attention_backend(attention_backend or self.config.attention_backend)
+        self._kivi_defer_attention = False  # set per forward by the decoder hook (kivi attention)
         super().__init__(layers=list(layers) if layers is not None else [])
 
     # ------------------------------------------------------------------ construction
@@ -39,6 +44,7 @@ class KiviCache(Cache):
 
         config = config if config is not None else getattr(model, "kivi_config", None) or KiviConfig()
         cache = cls.from_model_config(model.config, config)
+        cache.attention_backend = _resolve(config, model)
         install_padding_hook(model)
         return cache
 
@@ -103,6 +109,9 @@ class KiviCache(Cache):
         layer = self.layers[layer_idx]
         if isinstance(layer, KiviLayer):
             valid = self._new_token_valid(key_states.shape[-2], key_states.shape[0])
+            if self._kivi_defer_attention:  # kivi attention reads layer.last_views; skip materialize
+                layer.append(key_states, value_states, valid=valid)
+                return key_states, value_states
             return layer.update(key_states, value_states, valid=valid)
         return layer.update(key_states, value_states, *args, **kwargs)
 
@@ -128,4 +137,15 @@ class KiviCache(Cache):
         return sum(self.memory_breakdown().values())
 
     def __repr__(self) -> str:
-        return f"KiviCache({self.config.describe()}, layers={len(self.layers)}, tokens={self.get_seq_length()})"
+        return (
+            f"KiviCache({self.config.describe()}, layers={len(self.layers)}, tokens={self.get_seq_length()}, "
+            f"attention_backend={self.attention_backend!r})"
+        )
+
+
+def _resolve(config: KiviConfig, model: Any) -> str:
+    from ..attention.backends import resolve_attention_backend  # noqa: PLC0415
+
+    return resolve_attention_backend(
+        config.attention_backend, getattr(model, "device", None), config=config, model_config=model.config
+    )

@@ -1,0 +1,120 @@
+"""Decode attention alone over a long 2-bit KIVI cache (SmolLM2 shapes), CPU.
+
+Compares, per call (one decode query, all heads of one layer):
+
+* reference — dequantize the whole cache, then attend (what transformers' QuantizedCache does);
+* blocked   — kivi.attention.blocked_attention (reads the packed store block by block);
+* sdpa fp32 / sdpa bf16 — torch SDPA over a full-precision cache of the same length.
+
+"effective GB/s" = bytes of the cache representation the method reads / time (quantized store +
+fp window for KIVI methods, the full fp tensors for SDPA). The machine's copy bandwidth is measured
+in the same run (``dst.copy_(src)`` of a 256 MiB tensor; reported as read+write bytes / time and as
+bytes copied / time).
+
+    python benchmarks/bench_attention_cpu.py [--tokens 32768] [--bits 2] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from kivi import KiviConfig
+from kivi.attention import blocked_attention, reference_attention
+from kivi.cache.layer import KiviLayer
+
+
+def timeit(fn, repeat: int, warmup: int = 2) -> dict:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return {"min_s": min(ts), "median_s": statistics.median(ts)}
+
+
+def copy_bandwidth(mib: int = 256, repeat: int = 10) -> dict:
+    src = torch.randn(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    t = timeit(lambda: dst.copy_(src), repeat)
+    nbytes = src.numel() * 4
+    return {"bytes": nbytes, "copy_GBps": nbytes / t["min_s"] / 1e9, "rw_GBps": 2 * nbytes / t["min_s"] / 1e9}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--bits", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--q-heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--group-size", type=int, default=32)
+    ap.add_argument("--residual-length", type=int, default=128)
+    ap.add_argument("--block-tokens", type=int, default=2048)
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    B, hq, hkv, D, T = a.batch, a.q_heads, a.kv_heads, a.head_dim, a.tokens
+    cfg = KiviConfig(k_bits=a.bits, v_bits=a.bits, group_size=a.group_size, residual_length=a.residual_length)
+    layer = KiviLayer(cfg)
+    k = torch.randn(B, hkv, T, D)
+    v = torch.randn(B, hkv, T, D)
+    layer.append(k[:, :, :-1], v[:, :, :-1])
+    kv, vv = layer.append(k[:, :, -1:], v[:, :, -1:])
+    q = torch.randn(B, hq, 1, D)
+    scaling = D**-0.5
+
+    def view_bytes(view):
+        st = sum(t.numel() * t.element_size() for _, seg in view.store.iter_blocks(view.split) for t in seg.tensors().values())
+        return st + view.fp.numel() * view.fp.element_size()
+
+    qbytes = view_bytes(kv) + view_bytes(vv)
+    g = hq // hkv
+    rows = []
+    bw = copy_bandwidth()
+
+    def add(name, fn, nbytes):
+        t = timeit(fn, a.repeat)
+        rows.append({
+            "method": name, "ms_min": t["min_s"] * 1e3, "ms_median": t["median_s"] * 1e3, "bytes_read": nbytes,
+            "eff_GBps": nbytes / t["min_s"] / 1e9, "pct_of_rw_bw": 100 * nbytes / t["min_s"] / 1e9 / bw["rw_GBps"],
+            "pct_of_copy_bw": 100 * nbytes / t["min_s"] / 1e9 / bw["copy_GBps"],
+        })
+
+    add("reference (dequant+attend)", lambda: reference_attention(q, kv, vv, scaling=scaling), qbytes)
+    add("blocked (kivi cpu)", lambda: blocked_attention(q, kv, vv, scaling=scaling, block_tokens=a.block_tokens), qbytes)
+    for dt in (torch.float32, torch.bfloat16):
+        kf, vf, qf = k.to(dt), v.to(dt), q.to(dt).reshape(B, hkv, g, D)  # pack GQA as transformers does
+        add(f"sdpa fp cache {str(dt).split('.')[-1]}",
+            lambda kf=kf, vf=vf, qf=qf: torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, scale=scaling),
+            2 * kf.numel() * kf.element_size())
+    # correctness of what was timed
+    err = (blocked_attention(q, kv, vv, scaling=scaling) - reference_attention(q, kv, vv, scaling=scaling)).abs().max().item()
+    result = {"tokens": T, "bits": a.bits, "shape": {"batch": B, "q_heads": hq, "kv_heads": hkv, "head_dim": D},
+              "threads": torch.get_num_threads(), "quantized_bytes": qbytes, "bandwidth": bw, "rows": rows,
+              "max_abs_err_blocked_vs_reference": err}
+    if a.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"{T} tokens, {a.bits}-bit K/V, B={B} Hq={hq} Hkv={hkv} D={D}, threads={torch.get_num_threads()}; "
+          f"quantized cache read: {qbytes / 2**20:.2f} MiB; max|blocked-ref|={err:.2e}")
+    print(f"copy bandwidth: {bw['copy_GBps']:.2f} GB/s copied ({bw['rw_GBps']:.2f} GB/s read+write)")
+    print(f"{'method':30s} {'ms(min)':>9s} {'ms(med)':>9s} {'MiB read':>9s} {'eff GB/s':>9s} {'%rw bw':>7s} {'%copy':>7s}")
+    for r in rows:
+        print(f"{r['method']:30s} {r['ms_min']:9.3f} {r['ms_median']:9.3f} {r['bytes_read'] / 2**20:9.2f} "
+              f"{r['eff_GBps']:9.2f} {r['pct_of_rw_bw']:7.1f} {r['pct_of_copy_bw']:7.1f}")
+
+
+if __name__ == "__main__":
+    main()

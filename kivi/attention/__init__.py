@@ -1,0 +1,25 @@
+"""Attention that reads the packed KIVI cache (see docs in each module).
+
+Importing this package registers the ``"kivi"`` attention implementation and mask function with
+transformers.
+"""
+
+from .backends import BACKENDS, resolve_attention_backend
+from .blocked import blocked_attention
+from .interface import ATTN_IMPLEMENTATION, active_cache, kivi_attention_forward, register
+from .prefill import chunked_prefill
+from .reference import dense_attention, materialize_view, reference_attention
+
+__all__ = [
+    "BACKENDS",
+    "ATTN_IMPLEMENTATION",
+    "resolve_attention_backend",
+    "blocked_attention",
+    "reference_attention",
+    "dense_attention",
+    "materialize_view",
+    "kivi_attention_forward",
+    "active_cache",
+    "register",
+    "chunked_prefill",
+]

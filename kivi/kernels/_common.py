@@ -1,0 +1,71 @@
+"""Helpers shared by the Triton kernel modules (plain Python, no triton import at module level)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import torch
+
+_INSTALL_HINT = "Triton kernels need the optional dependency: pip install 'kivi[triton]' (or pip install triton)"
+
+
+def triton_available() -> bool:
+    """True when ``triton`` can be imported (it is not imported by this call)."""
+    if sys.modules.get("triton") is not None:
+        return True
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def require_triton(device: torch.device) -> None:
+    """Raise a clear error unless triton can run kernels on ``device``.
+
+    CUDA tensors need a working triton; CPU tensors need the interpreter: ``TRITON_INTERPRET=1``
+    must be in the environment *before* triton is first imported (triton reads it at import time).
+    """
+    if not triton_available():
+        raise ImportError(_INSTALL_HINT)
+    if device.type == "cpu":
+        already = "triton" in sys.modules
+        if os.environ.get("TRITON_INTERPRET", "0") != "1" and not already:
+            raise RuntimeError(
+                "Triton kernels on CPU tensors run only under the interpreter: set TRITON_INTERPRET=1 "
+                "in the environment before triton is imported (or move the tensors to a GPU)"
+            )
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(tl.sum, InterpretedFunction):
+            raise RuntimeError(
+                "triton was imported without TRITON_INTERPRET=1, so its kernels cannot run on CPU tensors; "
+                "set TRITON_INTERPRET=1 before anything imports triton"
+            )
+    elif device.type != "cuda":
+        raise ValueError(f"Triton kernels run on CUDA tensors (or CPU under TRITON_INTERPRET=1), got {device}")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+PACKABLE_BITS = (1, 2, 4, 8)
+
+
+def check_kernel_bits(bits: int, name: str = "bits") -> None:
+    if isinstance(bits, bool) or bits not in PACKABLE_BITS:
+        raise ValueError(
+            f"{name}={bits!r}: the Triton kernels support bits in {list(PACKABLE_BITS)} (3-bit packing spans "
+            "byte boundaries; use the torch path kivi.quant.kv for it)"
+        )
+
+
+def param_kind(dtype: torch.dtype) -> int:
+    """Code of the dtype scales/offsets are stored in: 0 float32, 1 float16, 2 bfloat16."""
+    kinds = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+    if dtype not in kinds:
+        raise ValueError(f"unsupported dtype {dtype}; expected float32, float16 or bfloat16")
+    return kinds[dtype]

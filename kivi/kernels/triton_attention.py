@@ -1,0 +1,321 @@
+"""Decode attention (one query token) that reads the packed KIVI cache directly.
+
+The cache side hands over, per side, one contiguous quantized segment (``PackedKV`` fields) and a
+full-precision tail; the attended sequence is ``quantized tokens ++ tail``. Keys are quantized in whole
+groups of ``G`` tokens, so in general ``Tq_k != Tq_v`` while ``Tq_k + Tf_k == Tq_v + Tf_v == T``.
+
+* :func:`decode_attention` — Triton, split-K (flash-decoding): pass 1 gives each program one kv head with
+  its whole query-head group (GQA without repeating the cache) and one token range, with an online
+  softmax; pass 2 merges the ranges.
+* :func:`torch_decode_attention` — the plain-torch reference with the same signature: dequantize with
+  :func:`kivi.quant.kv.dequantize_kv`, concatenate the tail, softmax attention in float32.
+* ``*_packed`` variants take :class:`~kivi.quant.kv.PackedKV` objects instead of loose tensors.
+
+Semantics shared by both: ``scores = scaling * q . k`` in float32; ``kv_valid [B, T]`` (bool, True = attend)
+masks tokens out; a row with no valid token returns zeros; the output has ``q``'s dtype.
+Limits of the kernel: asymmetric quantization without compensation codes, bits in {1, 2, 4, 8}.
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from ..quant.kv import PackedKV, dequantize_kv
+from ..quant.packing import packed_size
+from ._common import check_kernel_bits, next_pow2, param_kind, require_triton
+
+_LOG2E = 1.4426950408889634
+
+
+def _infer_side(name: str, packed, scale, offset, fp, bits, group_size, axis, D):
+    """Validate one side; return (Tq, bits, group_size). Infers bits/group_size from shapes when None."""
+    if packed is None or packed.shape[-2] == 0:
+        return 0, bits or 2, group_size or 1
+    if packed.dtype != torch.uint8 or packed.dim() != 4:
+        raise ValueError(f"{name}_packed must be uint8 [B, H, T, bytes], got {packed.dtype} {tuple(packed.shape)}")
+    if offset is None:
+        raise NotImplementedError(f"{name}: symmetric quantization (offset None) is not supported by the kernel")
+    Tq = packed.shape[-2]
+    nb = packed.shape[-1]
+    if bits is None:
+        cand = [b for b in (1, 2, 4, 8) if packed_size(D, b) == nb]
+        if len(cand) != 1:
+            raise ValueError(f"{name}: cannot infer bits from {nb} bytes for head_dim {D}; pass {name}_bits")
+        bits = cand[0]
+    check_kernel_bits(bits, f"{name}_bits")
+    if nb != packed_size(D, bits):
+        raise ValueError(f"{name}_packed has {nb} bytes per token, expected {packed_size(D, bits)} for bits={bits}")
+    if axis == "channel":
+        ng = scale.shape[-2]
+        if group_size is None:
+            if ng == 0 or Tq % ng:
+                raise ValueError(f"{name}: cannot infer group_size from {Tq} tokens and {ng} scale rows")
+            group_size = Tq // ng
+        if Tq % group_size or scale.shape[-2] != Tq // group_size or scale.shape[-1] != D:
+            raise ValueError(f"{name}_scale shape {tuple(scale.shape)} does not fit {Tq} tokens, group_size={group_size}")
+    else:
+        ng = scale.shape[-1]
+        if group_size is None:
+            if ng == 0 or D % ng:
+                raise ValueError(f"{name}: cannot infer group_size from head_dim {D} and {ng} groups")
+            group_size = D // ng
+        if D % group_size or scale.shape[-1] != D // group_size or scale.shape[-2] != Tq:
+            raise ValueError(f"{name}_scale shape {tuple(scale.shape)} does not fit {Tq} tokens, group_size={group_size}")
+    if offset.shape != scale.shape:
+        raise ValueError(f"{name}_offset shape {tuple(offset.shape)} != {name}_scale shape {tuple(scale.shape)}")
+    return Tq, bits, group_size
+
+
+def _validate(q, k_packed, k_scale, k_offset, k_fp, v_packed, v_scale, v_offset, v_fp,
+              k_bits, k_group_size, v_bits, v_group_size, kv_valid):
+    if q.dim() != 4 or q.shape[2] != 1:
+        raise ValueError(f"q must be [B, Hq, 1, D] (one decode step), got {tuple(q.shape)}")
+    B, Hq, _, D = q.shape
+    ref = next(t for t in (k_packed, k_fp) if t is not None and t.shape[-2] > 0) if any(
+        t is not None and t.shape[-2] > 0 for t in (k_packed, k_fp)) else None
+    if ref is None:
+        raise ValueError("no key tokens: pass a non-empty quantized segment or full-precision tail")
+    Hkv = ref.shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"query heads {Hq} is not a multiple of kv heads {Hkv}")
+    Tqk, k_bits, k_group_size = _infer_side("k", k_packed, k_scale, k_offset, k_fp, k_bits, k_group_size, "channel", D)
+    Tqv, v_bits, v_group_size = _infer_side("v", v_packed, v_scale, v_offset, v_fp, v_bits, v_group_size, "token", D)
+    Tfk = 0 if k_fp is None else k_fp.shape[-2]
+    Tfv = 0 if v_fp is None else v_fp.shape[-2]
+    if Tqk + Tfk != Tqv + Tfv:
+        raise ValueError(f"keys cover {Tqk}+{Tfk} tokens but values {Tqv}+{Tfv}; both sides must cover the same tokens")
+    T = Tqk + Tfk
+    for name, t in (("k_packed", k_packed), ("k_fp", k_fp), ("v_packed", v_packed), ("v_fp", v_fp)):
+        if t is not None and t.shape[-2] > 0 and (t.shape[0] != B or t.shape[1] != Hkv):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected batch {B} and {Hkv} kv heads")
+    for name, t in (("k_fp", k_fp), ("v_fp", v_fp)):
+        if t is not None and t.shape[-2] > 0 and t.shape[-1] != D:
+            raise ValueError(f"{name} head_dim {t.shape[-1]} != q head_dim {D}")
+    if kv_valid is not None and tuple(kv_valid.shape) != (B, T):
+        raise ValueError(f"kv_valid must be [B, T_total] = {(B, T)}, got {tuple(kv_valid.shape)}")
+    return B, Hq, Hkv, D, T, Tqk, Tqv, k_bits, k_group_size, v_bits, v_group_size
+
+
+# --------------------------------------------------------------------------------------------- torch
+
+
+def torch_decode_attention(
+    q: torch.Tensor,
+    k_packed: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    k_offset: torch.Tensor | None,
+    k_fp: torch.Tensor | None,
+    v_packed: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    v_offset: torch.Tensor | None,
+    v_fp: torch.Tensor | None,
+    *,
+    scaling: float,
+    kv_valid: torch.Tensor | None = None,
+    k_bits: int | None = None,
+    k_group_size: int | None = None,
+    v_bits: int | None = None,
+    v_group_size: int | None = None,
+    **_ignored,
+) -> torch.Tensor:
+    """Reference for :func:`decode_attention` (same arguments): dequantize, concatenate, softmax in float32."""
+    B, Hq, Hkv, D, T, Tqk, Tqv, kb, kg, vb, vg = _validate(
+        q, k_packed, k_scale, k_offset, k_fp, v_packed, v_scale, v_offset, v_fp,
+        k_bits, k_group_size, v_bits, v_group_size, kv_valid)
+
+    def side(packed, scale, offset, fp, bits, g, axis, Tq):
+        parts = []
+        if Tq:
+            parts.append(dequantize_kv(PackedKV(packed, scale, offset, None, bits, g, axis, D), torch.float32))
+        if fp is not None and fp.shape[-2]:
+            parts.append(fp.float())
+        return torch.cat(parts, dim=-2)
+
+    k = side(k_packed, k_scale, k_offset, k_fp, kb, kg, "channel", Tqk)
+    v = side(v_packed, v_scale, v_offset, v_fp, vb, vg, "token", Tqv)
+    rep = Hq // Hkv
+    k = k.repeat_interleave(rep, dim=1)
+    v = v.repeat_interleave(rep, dim=1)
+    s = torch.matmul(q.float(), k.transpose(-1, -2)) * scaling  # [B, Hq, 1, T]
+    if kv_valid is not None:
+        s = s.masked_fill(~kv_valid.bool()[:, None, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    p = torch.nan_to_num(p, nan=0.0)  # rows with no valid token -> zeros
+    return torch.matmul(p, v).to(q.dtype)
+
+
+def torch_decode_attention_packed(q, k: PackedKV | None, k_fp, v: PackedKV | None, v_fp, *, scaling, kv_valid=None):
+    """:func:`torch_decode_attention` taking ``PackedKV`` segments (``None`` = no quantized tokens)."""
+    return torch_decode_attention(q, *_packed_args(k, k_fp, v, v_fp), scaling=scaling, kv_valid=kv_valid,
+                                  **_packed_meta(k, v))
+
+
+# -------------------------------------------------------------------------------------------- triton
+
+
+def _num_splits(device: torch.device, programs: int, n_blocks: int) -> int:
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        want = min(128, -(-4 * sms // max(1, programs)))  # the merge kernel holds all splits in registers
+    else:  # interpreter: few programs, but more than one split so the merge is exercised
+        want = 3
+    return max(1, min(n_blocks, want))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_packed: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    k_offset: torch.Tensor | None,
+    k_fp: torch.Tensor | None,
+    v_packed: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    v_offset: torch.Tensor | None,
+    v_fp: torch.Tensor | None,
+    *,
+    scaling: float,
+    kv_valid: torch.Tensor | None = None,
+    k_bits: int | None = None,
+    k_group_size: int | None = None,
+    v_bits: int | None = None,
+    v_group_size: int | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Attention of one decode step over ``packed keys ++ k_fp`` / ``packed values ++ v_fp``.
+
+    Args:
+        q: ``[B, Hq, 1, D]`` (fp16 / bf16 / fp32).
+        k_packed, k_scale, k_offset: keys' ``PackedKV`` fields over ``Tq_k`` tokens (``axis="channel"``:
+            ``k_packed [B, Hkv, Tq_k, packed_size(D, k_bits)]``, ``k_scale/k_offset [B, Hkv, Tq_k // G_k, D]``),
+            or ``None`` when nothing is quantized.
+        k_fp: ``[B, Hkv, Tf_k, D]`` full-precision tail (or ``None``).
+        v_packed, v_scale, v_offset: values' fields over ``Tq_v`` tokens (``axis="token"``:
+            ``v_scale/v_offset [B, Hkv, Tq_v, D // G_v]``), or ``None``.
+        v_fp: ``[B, Hkv, Tf_v, D]`` tail; ``Tq_k + Tf_k == Tq_v + Tf_v``.
+        scaling: softmax scale (usually ``D ** -0.5``).
+        kv_valid: optional bool ``[B, T]`` (True = attend), in the order quantized ++ tail.
+        k_bits, k_group_size, v_bits, v_group_size: inferred from the shapes when ``None``.
+        num_splits, block_n, num_warps: tuning knobs (defaults fill the GPU).
+
+    Every tensor may be a strided view as long as its last axis is contiguous (others are copied).
+    Returns ``[B, Hq, 1, D]`` in ``q.dtype``.
+    """
+    B, Hq, Hkv, D, T, Tqk, Tqv, kb, kg, vb, vg = _validate(
+        q, k_packed, k_scale, k_offset, k_fp, v_packed, v_scale, v_offset, v_fp,
+        k_bits, k_group_size, v_bits, v_group_size, kv_valid)
+    device = q.device
+    require_triton(device)
+    param_kind(q.dtype)
+    import triton.language as tl
+
+    from . import _attention_kernels as K
+
+    def lastc(t):
+        return t if t.stride(-1) == 1 else t.contiguous()
+
+    dummy_u8 = torch.zeros(1, dtype=torch.uint8, device=device)
+    dummy_f = torch.zeros(1, dtype=q.dtype, device=device)
+    q3 = lastc(q[:, :, 0, :])
+    if Tqk:
+        k_packed, k_scale, k_offset = lastc(k_packed), lastc(k_scale), lastc(k_offset)
+        kp_args = (k_packed, k_packed.stride(0), k_packed.stride(1), k_packed.stride(2))
+        if k_scale.stride() != k_offset.stride():
+            k_offset = k_offset.contiguous()
+            k_scale = k_scale.contiguous()
+        ks_args = (k_scale, k_offset, k_scale.stride(0), k_scale.stride(1), k_scale.stride(2))
+    else:
+        kp_args = (dummy_u8, 0, 0, 0)
+        ks_args = (dummy_f, dummy_f, 0, 0, 0)
+    if k_fp is not None and k_fp.shape[-2]:
+        k_fp = lastc(k_fp)
+        kf_args = (k_fp, k_fp.stride(0), k_fp.stride(1), k_fp.stride(2))
+    else:
+        kf_args = (dummy_f, 0, 0, 0)
+    if Tqv:
+        v_packed, v_scale, v_offset = lastc(v_packed), lastc(v_scale), lastc(v_offset)
+        vp_args = (v_packed, v_packed.stride(0), v_packed.stride(1), v_packed.stride(2))
+        if v_scale.stride() != v_offset.stride():
+            v_offset = v_offset.contiguous()
+            v_scale = v_scale.contiguous()
+        vs_args = (v_scale, v_offset, v_scale.stride(0), v_scale.stride(1), v_scale.stride(2))
+    else:
+        vp_args = (dummy_u8, 0, 0, 0)
+        vs_args = (dummy_f, dummy_f, 0, 0, 0)
+    if v_fp is not None and v_fp.shape[-2]:
+        v_fp = lastc(v_fp)
+        vf_args = (v_fp, v_fp.stride(0), v_fp.stride(1), v_fp.stride(2))
+    else:
+        vf_args = (dummy_f, 0, 0, 0)
+    if kv_valid is not None:
+        valid = kv_valid.to(device=device, dtype=torch.uint8).contiguous()
+        valid_args = (valid, valid.stride(0))
+    else:
+        valid_args = (dummy_u8, 0)
+
+    qg = Hq // Hkv
+    qg_p2 = max(16, next_pow2(qg))
+    block_d = max(16, next_pow2(D))
+    if block_n is None:
+        block_n = 64 if device.type == "cuda" else 32
+    n_blocks = -(-T // block_n)
+    splits = num_splits or _num_splits(device, B * Hkv, n_blocks)
+    splits = max(1, min(splits, n_blocks))
+    tok_per_split = -(-n_blocks // splits) * block_n
+    splits = -(-T // tok_per_split)
+
+    m = torch.empty(B * Hkv * splits * qg_p2, dtype=torch.float32, device=device)
+    l = torch.empty_like(m)
+    acc = torch.empty(B * Hkv * splits * qg_p2, block_d, dtype=torch.float32, device=device)
+    dot_t = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[q.dtype]
+    if device.type == "cpu" and q.dtype == torch.bfloat16:
+        dot_t = tl.float32  # the interpreter's bf16 tl.dot multiplies the raw uint16 bits (triton 3.9)
+    precision = "ieee" if dot_t == tl.float32 else "tf32"
+
+    K.decode_split_kernel[(B * Hkv, splits)](
+        q3, q3.stride(0), q3.stride(1),
+        *kp_args, *ks_args, *kf_args, *vp_args, *vs_args, *vf_args, *valid_args,
+        m, l, acc,
+        float(scaling) * _LOG2E, T, Tqk, Tqv, tok_per_split, splits,
+        HKV=Hkv, QG=qg, QG_P2=qg_p2, D=D, BLOCK_D=block_d, BLOCK_N=block_n,
+        K_BITS=kb, V_BITS=vb, K_G=kg, V_G=vg, HAS_VALID=kv_valid is not None,
+        dot_t=dot_t, PRECISION=precision, num_warps=num_warps,
+    )
+    out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=device)
+    K.decode_reduce_kernel[(B * Hq,)](
+        m, l, acc, out, out.stride(0), out.stride(1),
+        splits, HQ=Hq, QG=qg, QG_P2=qg_p2, D=D, BLOCK_D=block_d, S_P2=max(2, next_pow2(splits)),
+    )
+    return out
+
+
+def _packed_args(k, k_fp, v, v_fp):
+    for name, p, axis in (("k", k, "channel"), ("v", v, "token")):
+        if p is not None:
+            if p.axis != axis:
+                raise ValueError(f"{name} must be a PackedKV with axis={axis!r}, got {p.axis!r}")
+            if p.comp is not None:
+                raise NotImplementedError(f"{name}: compensation codes (residual_bits) are not supported by the kernel")
+    return (
+        None if k is None else k.packed, None if k is None else k.scale, None if k is None else k.offset, k_fp,
+        None if v is None else v.packed, None if v is None else v.scale, None if v is None else v.offset, v_fp,
+    )
+
+
+def _packed_meta(k, v):
+    return dict(
+        k_bits=None if k is None else k.bits, k_group_size=None if k is None else k.group_size,
+        v_bits=None if v is None else v.bits, v_group_size=None if v is None else v.group_size,
+    )
+
+
+def decode_attention_packed(q, k: PackedKV | None, k_fp, v: PackedKV | None, v_fp, *, scaling, kv_valid=None,
+                            **knobs):
+    """:func:`decode_attention` taking ``PackedKV`` segments (``None`` = no quantized tokens on that side)."""
+    return decode_attention(q, *_packed_args(k, k_fp, v, v_fp), scaling=scaling, kv_valid=kv_valid,
+                            **_packed_meta(k, v), **knobs)
+
+
+__all__ = ["decode_attention", "decode_attention_packed", "torch_decode_attention", "torch_decode_attention_packed"]

@@ -1,0 +1,172 @@
+"""The "kivi" attention implementation inside transformers models (tiny random models)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+import kivi
+from kivi import KiviCache, KiviConfig, dequantize_model, quantize_model
+from kivi.attention import chunked_prefill, resolve_attention_backend
+
+TINY = dict(
+    vocab_size=128, hidden_size=192, intermediate_size=128, head_dim=32, num_hidden_layers=2, num_attention_heads=6,
+    num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0,
+)
+CFG = dict(group_size=8, residual_length=16, block_size=32, residual_bits=2)
+
+
+def tiny(model_type="llama", seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = transformers.AutoConfig.for_model(model_type, **{**TINY, **kw})
+    cfg._attn_implementation = "eager" if model_type == "gemma2" else "sdpa"
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def pair(model_type="llama", **kw):
+    """The same model quantized with the reference backend and with the cpu backend."""
+    ref = quantize_model(tiny(model_type, **kw), KiviConfig(**CFG, attention_backend="reference"))
+    fast = quantize_model(tiny(model_type, **kw), KiviConfig(**CFG, attention_backend="cpu"))
+    return ref, fast
+
+
+def _forward_steps(model, ids, chunks, mask=None):
+    cache = KiviCache.from_model(model)
+    outs, pos = [], 0
+    with torch.no_grad():
+        for n in chunks:
+            kw = {} if mask is None else {"attention_mask": mask[:, : pos + n]}
+            if mask is not None:
+                kw["position_ids"] = (mask.long().cumsum(-1) - 1).clamp_min(0)[:, pos : pos + n]
+            outs.append(model(input_ids=ids[:, pos : pos + n], cache=cache, use_cache=True, **kw).logits)
+            pos += n
+    return torch.cat(outs, dim=1), cache
+
+
+def test_quantize_model_switches_and_restores_attention():
+    model = tiny()
+    quantize_model(model, KiviConfig(**CFG))  # auto -> cpu on CPU
+    assert model.kivi_attention_backend == "cpu"
+    assert model.config._attn_implementation == "kivi"
+    cache = KiviCache.from_model(model)
+    assert cache.attention_backend == "cpu" and "attention_backend='cpu'" in repr(cache)
+    dequantize_model(model)
+    assert model.config._attn_implementation == "sdpa"
+    ref = quantize_model(tiny(), KiviConfig(**CFG, attention_backend="reference"))
+    assert ref.config._attn_implementation == "sdpa"
+
+
+def test_backend_resolution_is_explicit():
+    assert resolve_attention_backend("auto", torch.device("cpu")) == "cpu"
+    assert resolve_attention_backend("reference") == "reference"
+    with pytest.raises((RuntimeError, ValueError)):
+        resolve_attention_backend("triton", torch.device("cpu"))
+    with pytest.raises(ValueError, match="attention_backend"):
+        resolve_attention_backend("fast")
+    with pytest.raises((RuntimeError, ValueError)):
+        quantize_model(tiny(), KiviConfig(**CFG, attention_backend="triton"))
+
+
+@pytest.mark.parametrize("chunks", [[40, 1, 1, 1, 1], [23, 17, 9, 1, 30, 1]])
+def test_logits_cpu_match_reference(chunks):
+    ref, fast = pair()
+    ids = torch.randint(1, 128, (2, sum(chunks)))
+    lr, _ = _forward_steps(ref, ids, chunks)
+    lf, cache = _forward_steps(fast, ids, chunks)
+    assert all(layer.last_views is None for layer in cache.layers)  # consumed by kivi attention
+    torch.testing.assert_close(lf, lr, atol=2e-4, rtol=2e-4)
+
+
+def test_padded_batch_logits_match_reference():
+    ref, fast = pair()
+    ids = torch.randint(1, 128, (3, 60))
+    mask = torch.ones(3, 60, dtype=torch.long)
+    mask[1, :7] = 0
+    mask[2, :33] = 0
+    chunks = [50, 1, 1, 8]
+    lr, _ = _forward_steps(ref, ids, chunks, mask)
+    lf, _ = _forward_steps(fast, ids, chunks, mask)
+    real = mask.bool()
+    torch.testing.assert_close(lf[real], lr[real], atol=2e-4, rtol=2e-4)
+
+
+def test_greedy_generate_identical():
+    ref, fast = pair()
+    ids = torch.randint(1, 128, (2, 45))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    kw = dict(max_new_tokens=24, do_sample=False, attention_mask=mask, pad_token_id=0)
+    with torch.no_grad():
+        a = ref.generate(ids, **kw)
+        b = fast.generate(ids, **kw)
+    assert torch.equal(a, b)
+
+
+def test_bf16_model_close():
+    ref, fast = pair()
+    ref, fast = ref.to(torch.bfloat16), fast.to(torch.bfloat16)
+    ids = torch.randint(1, 128, (1, 70))
+    lr, _ = _forward_steps(ref, ids, [60, 1, 1, 8])
+    lf, _ = _forward_steps(fast, ids, [60, 1, 1, 8])
+    assert (lf.float() - lr.float()).abs().max() < 0.1
+
+
+def test_sliding_window_mistral():
+    ref, fast = pair("mistral", sliding_window=24)
+    ids = torch.randint(1, 128, (2, 120))
+    chunks = [70, 1, 1, 30, 1, 17]
+    lr, cr = _forward_steps(ref, ids, chunks)
+    lf, cf = _forward_steps(fast, ids, chunks)
+    assert cf.layers[0].kv_offset > 0  # eviction happened, mask has an offset
+    torch.testing.assert_close(lf, lr, atol=2e-4, rtol=2e-4)
+
+
+def test_fp_sliding_layer_uses_sdpa():
+    """A sliding layer kept at full precision (DynamicSlidingWindowLayer) goes through plain SDPA."""
+    lsc = {0: {"quantize_key": False, "quantize_value": False}}
+    kw = dict(
+        model_type="qwen2", sliding_window=24, use_sliding_window=True,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    ref = quantize_model(tiny(**kw), KiviConfig(**CFG, attention_backend="reference", layer_specific_config=lsc))
+    fast = quantize_model(tiny(**kw), KiviConfig(**CFG, attention_backend="cpu", layer_specific_config=lsc))
+    ids = torch.randint(1, 128, (1, 90))
+    lr, _ = _forward_steps(ref, ids, [60, 1, 29])
+    lf, cf = _forward_steps(fast, ids, [60, 1, 29])
+    assert isinstance(cf.layers[0], transformers.cache_utils.DynamicSlidingWindowLayer)
+    torch.testing.assert_close(lf, lr, atol=2e-4, rtol=2e-4)
+
+
+def test_forward_without_cache_and_with_dynamic_cache():
+    model = quantize_model(tiny(), KiviConfig(**CFG))
+    plain = tiny()
+    ids = torch.randint(1, 128, (1, 20))
+    with torch.no_grad():
+        want = plain(ids, use_cache=False).logits
+        torch.testing.assert_close(model(ids, use_cache=False).logits, want, atol=1e-5, rtol=1e-5)
+        dc = transformers.DynamicCache(config=model.config)
+        torch.testing.assert_close(model(ids, cache=dc).logits, want, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_prefill_matches_reference_and_plain_forward():
+    ref, fast = pair()
+    ids = torch.randint(1, 128, (2, 77))
+    with torch.no_grad():
+        whole = fast(ids, cache=KiviCache.from_model(fast)).logits[:, -1]
+    one = chunked_prefill(fast, ids, KiviCache.from_model(fast), chunk_size=77)
+    torch.testing.assert_close(one, whole, atol=1e-5, rtol=1e-5)
+    a = chunked_prefill(ref, ids, KiviCache.from_model(ref), chunk_size=16)
+    cache = KiviCache.from_model(fast)
+    b = chunked_prefill(fast, ids, cache, chunk_size=16)
+    torch.testing.assert_close(b, a, atol=2e-4, rtol=2e-4)
+    assert cache.get_seq_length() == 77
+
+
+def test_softcapping_raises():
+    model = quantize_model(tiny("gemma2", sliding_window=32), KiviConfig(**CFG))
+    with pytest.raises(NotImplementedError, match="softcap"):
+        with torch.no_grad():
+            model(torch.randint(1, 128, (1, 10)), cache=KiviCache.from_model(model))

@@ -1,0 +1,28 @@
+"""The GPU benchmark script imports and runs its --dry-run path (CPU, TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.triton
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_triton_gpu.py"
+
+
+def test_bench_dry_run(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_triton_gpu", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "bench.json"
+    rc = mod.main(["--dry-run", "--out", str(out), "--models", "smollm2-tiny", "--contexts", "160",
+                   "--batches", "1", "--warmup", "1", "--iters", "1"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["dry_run"] and all(c["ok"] for c in data["checks"])
+    (row,) = data["results"]
+    assert row["kivi_ms"] > 0 and row["sdpa_ms"] > 0 and row["speedup"] > 0
+    assert mod.split_counts(4096) == (3968, 3996)  # key tail 128 (whole groups), value tail 100
