@@ -165,8 +165,11 @@ def test_chunked_prefill_matches_reference_and_plain_forward():
     assert cache.get_seq_length() == 77
 
 
-def test_softcapping_raises():
+def test_softcapping_resolves_auto_to_reference_and_rejects_explicit_cpu():
     model = quantize_model(tiny("gemma2", sliding_window=32), KiviConfig(**CFG))
-    with pytest.raises(NotImplementedError, match="softcap"):
-        with torch.no_grad():
-            model(torch.randint(1, 128, (1, 10)), cache=KiviCache.from_model(model))
+    assert model.kivi_attention_backend == "reference"
+    with torch.no_grad():
+        out = model(torch.randint(1, 128, (1, 10)), cache=KiviCache.from_model(model)).logits
+    assert torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="softcapping"):
+        quantize_model(tiny("gemma2", sliding_window=32), KiviConfig(**{**CFG, "attention_backend": "cpu"}))

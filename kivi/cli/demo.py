@@ -1,0 +1,419 @@
+"""`kivi demo`: one long prompt through a full-precision cache and KIVI presets, side by side.
+
+For each cache (FP ``DynamicCache`` first, then every preset) on the same prompt:
+
+* prefill the prompt (tokens/s);
+* greedy-decode ``--max-new-tokens`` tokens one forward at a time (tokens/s), then measure the bytes
+  the cache really holds (``KiviCache.nbytes``; FP: the sum of the ``DynamicCache`` tensors) and
+  compare the continuation with the FP one (identical tokens, longest common prefix);
+* from a copy of the post-prompt cache, feed the next ``--eval-tokens`` tokens of the text in chunks
+  of ``--chunk`` (teacher forcing) and compute the perplexity and the mean KL divergence
+  ``KL(FP || cache)`` of the next-token distributions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+from typing import Any
+
+from . import CliError
+from .common import print_json
+
+DEFAULT_PRESETS = "high,balanced,extreme"
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="the main demo: FP vs KIVI presets on a long prompt (speed, memory, agreement, perplexity)",
+        description="Runs one long prompt of the shipped WikiText-2 text through SmolLM2-135M (or --model) with a "
+        "full-precision cache and with the KIVI presets, and prints one table: prefill and decode tokens/s, "
+        "cache bytes measured, compression vs FP, agreement of the greedy continuation with FP, and "
+        "teacher-forced perplexity / KL vs FP on the text that follows the prompt.",
+        epilog="example: kivi demo --context 4000 --presets balanced,extreme --max-new-tokens 64 --json-out demo.json",
+    )
+    p.add_argument("--model", default="smollm2",
+                   help="model alias (smollm2), checkpoint folder, .gguf file or hub id (default: smollm2)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: as loaded; float32 for GGUF)")
+    p.add_argument("--text", default=None, help="text file (default: the shipped WikiText-2 test split)")
+    p.add_argument("--context", type=int, default=2000, help="prompt tokens (default 2000)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="greedy continuation tokens (default 32)")
+    p.add_argument("--eval-tokens", type=int, default=256,
+                   help="held-back text tokens after the prompt scored by teacher forcing (default 256; 0 = skip)")
+    p.add_argument("--chunk", type=int, default=16, help="tokens per forward when scoring the held-back text (default 16)")
+    p.add_argument("--presets", default=DEFAULT_PRESETS,
+                   help=f"comma-separated KIVI presets, or KiviConfig JSON files (default {DEFAULT_PRESETS})")
+    p.add_argument("--no-fp", action="store_true", help="skip the FP reference (no agreement / KL columns)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice, lowered to the idle cores when the machine is "
+                   "busy: oversubscribed threads make CPU decoding several times slower)")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object on stdout")
+    p.add_argument("--json-out", default=None, help="also write the JSON results to this file")
+    p.set_defaults(func=run)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def parse_presets(text: str) -> list[tuple[str, Any]]:
+    """``"high,balanced"`` -> ``[("high", KiviConfig), ...]``; JSON files are named by their stem."""
+    from pathlib import Path
+
+    from ..config import KiviConfig
+
+    out = []
+    for item in [s.strip() for s in text.split(",") if s.strip()]:
+        if item.lower().endswith(".json"):
+            out.append((Path(item).stem, KiviConfig.from_json(item)))
+        else:
+            out.append((item.lower(), KiviConfig.preset(item)))
+    if not out:
+        raise CliError("--presets is empty; give e.g. high,balanced,extreme")
+    return out
+
+
+def cache_nbytes(cache: Any) -> int:
+    """Bytes of the tensors a cache holds (``KiviCache.nbytes``; transformers caches: keys + values)."""
+    nb = getattr(cache, "nbytes", None)
+    if isinstance(nb, int):
+        return nb
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if t is not None and hasattr(t, "numel"):
+                total += t.numel() * t.element_size()
+    return total
+
+
+class _Progress:
+    """A rich progress bar on stderr (tqdm or nothing as fallbacks)."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        self.total = total
+        self._rich = self._tqdm = None
+        if not enabled:
+            return
+        try:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._rich = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                  TimeElapsedColumn(), console=Console(stderr=True), transient=False)
+            self._rich.start()
+            self._task = self._rich.add_task("starting", total=total)
+        except ImportError:
+            try:
+                from tqdm import tqdm
+
+                self._tqdm = tqdm(total=total, file=sys.stderr)
+            except ImportError:
+                pass
+
+    def describe(self, text: str) -> None:
+        if self._rich is not None:
+            self._rich.update(self._task, description=text)
+        elif self._tqdm is not None:
+            self._tqdm.set_description(text)
+
+    def advance(self, n: int = 1) -> None:
+        if self._rich is not None:
+            self._rich.advance(self._task, n)
+        elif self._tqdm is not None:
+            self._tqdm.update(n)
+
+    def close(self) -> None:
+        if self._rich is not None:
+            self._rich.stop()
+        elif self._tqdm is not None:
+            self._tqdm.close()
+
+
+def auto_threads(default: int) -> int:
+    """``default``, or fewer when other processes keep the cores busy (1-minute load average)."""
+    import os
+
+    try:
+        busy = int(os.getloadavg()[0] + 0.5)
+    except (AttributeError, OSError):
+        return default
+    idle = (os.cpu_count() or default) - busy
+    return max(1, min(default, idle))
+
+
+def _status(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def make_cache(model: Any, cfg: Any) -> Any:
+    from transformers import DynamicCache
+
+    from ..cache import KiviCache
+
+    if cfg is None:
+        return DynamicCache(config=model.config)
+    return KiviCache.from_model(model, cfg)
+
+
+def run_one(model: Any, cfg: Any, prompt: Any, cont: Any, max_new: int, chunk: int, progress: _Progress,
+            label: str) -> dict[str, Any]:
+    """Prefill, greedy decode and teacher-forced scoring with one cache. Returns numbers + tensors."""
+    import torch
+
+    res: dict[str, Any] = {}
+    cache = make_cache(model, cfg)
+    progress.describe(f"{label}: prefill {prompt.shape[-1]} tokens")
+    t0 = time.perf_counter()
+    try:  # only the last position's logits: the LM head over 2000 positions would cost a third of the prefill
+        out = model(prompt, cache=cache, use_cache=True, logits_to_keep=1)
+    except TypeError:  # a model without logits_to_keep
+        out = model(prompt, cache=cache, use_cache=True)
+    res["prefill_s"] = time.perf_counter() - t0
+    progress.advance()
+    last_logits = out.logits[:, -1, :].float()
+    del out
+    # the post-prompt state, for teacher forcing after the greedy decode
+    scoring_cache = copy.deepcopy(cache) if cont is not None else None
+
+    # ---- greedy decode
+    progress.describe(f"{label}: decode {max_new} tokens")
+    tokens = [int(last_logits.argmax(-1))]
+    t0 = time.perf_counter()
+    for _ in range(max_new - 1):
+        nxt = torch.tensor([[tokens[-1]]], device=prompt.device)
+        logits = model(nxt, cache=cache, use_cache=True).logits[:, -1, :]
+        tokens.append(int(logits.argmax(-1)))
+        progress.advance()
+    res["decode_s"] = time.perf_counter() - t0
+    progress.advance()
+    res["tokens"] = tokens
+    res["cache_tokens"] = cache.get_seq_length()
+    res["cache_bytes"] = cache_nbytes(cache)
+    if hasattr(cache, "memory_breakdown"):
+        res["cache_breakdown"] = cache.memory_breakdown()
+    del cache
+
+    # ---- teacher-forced scoring of the held-back continuation
+    if cont is not None:
+        n = cont.shape[-1]
+        logps = [torch.log_softmax(last_logits, dim=-1)]  # predicts cont[0]
+        progress.describe(f"{label}: score {n} held-back tokens")
+        for s in range(0, n - 1, chunk):
+            piece = cont[:, s : min(s + chunk, n - 1)]
+            logits = model(piece, cache=scoring_cache, use_cache=True).logits[0].float()
+            logps.extend(torch.log_softmax(logits, dim=-1).unbind(0))
+            progress.advance()
+        lp = torch.stack([x.reshape(-1) for x in logps])  # [n, vocab]
+        res["logprobs"] = lp
+        nll = -lp.gather(1, cont[0, :, None]).squeeze(1)
+        res["nll"] = float(nll.mean())
+        res["ppl"] = math.exp(res["nll"])
+        del scoring_cache
+    return res
+
+
+def _agreement(a: list[int], ref: list[int]) -> tuple[float, int]:
+    same = sum(1 for x, y in zip(a, ref) if x == y) / max(1, len(ref))
+    prefix = 0
+    for x, y in zip(a, ref):
+        if x != y:
+            break
+        prefix += 1
+    return same, prefix
+
+
+def _fmt_bytes(n: int) -> str:
+    from ..memory import format_bytes
+
+    return format_bytes(n)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("context", "max_new_tokens", "chunk"):
+        v = getattr(args, name)
+        if v < 1:
+            raise CliError(f"--{name.replace('_', '-')} {v} must be at least 1")
+    if args.eval_tokens < 0:
+        raise CliError(f"--eval-tokens {args.eval_tokens} must be >= 0")
+    presets = parse_presets(args.presets)  # fail on a bad preset before loading anything
+    wall0 = time.perf_counter()
+
+    import torch
+
+    from ..data import load_text
+    from ..models import load_model, model_max_context
+
+    torch.set_num_threads(args.threads or auto_threads(torch.get_num_threads()))
+    text = load_text(args.text)  # raises a one-line error for a missing/unreadable file
+
+    _status(f"loading model {args.model!r} (the first run converts the GGUF once, ~30 s) ...")
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    load_s = time.perf_counter() - t0
+    for _, cfg in presets:
+        from ..integration import check_model_supported
+
+        check_model_supported(model)
+        cfg.validate(num_layers=model.config.get_text_config(decoder=True).num_hidden_layers)
+
+    max_ctx = model_max_context(model)
+    need = args.context + max(args.max_new_tokens, args.eval_tokens)
+    if need > max_ctx:
+        raise CliError(
+            f"--context {args.context} + {max(args.max_new_tokens, args.eval_tokens)} generated/scored tokens = {need} "
+            f"is longer than the model supports ({max_ctx} tokens, max_position_embeddings)"
+        )
+    from ..data import _tokenize  # cached tokenization of the whole text
+
+    ids = _tokenize(tokenizer, text)
+    if ids.numel() < args.context + args.eval_tokens:
+        raise CliError(
+            f"the text has {ids.numel()} tokens; --context {args.context} + --eval-tokens {args.eval_tokens} need "
+            f"{args.context + args.eval_tokens}"
+        )
+    prompt = ids[None, : args.context].to(model.device)
+    cont = ids[None, args.context : args.context + args.eval_tokens].to(model.device) if args.eval_tokens else None
+
+    runs: list[tuple[str, Any]] = ([] if args.no_fp else [("fp", None)]) + presets
+    n_chunks = 0 if cont is None else len(range(0, args.eval_tokens - 1, args.chunk))
+    progress = _Progress(total=len(runs) * (1 + args.max_new_tokens + n_chunks))
+    results: list[dict[str, Any]] = []
+    fp = None
+    try:
+        with torch.inference_mode():
+            for label, cfg in runs:
+                r = run_one(model, cfg, prompt, cont, args.max_new_tokens, args.chunk, progress, label)
+                r["name"] = label
+                r["config"] = None if cfg is None else cfg.to_dict()
+                r["config_description"] = "DynamicCache (full precision)" if cfg is None else cfg.describe()
+                if cfg is None:
+                    fp = r
+                results.append(r)
+    finally:
+        progress.close()
+
+    from ..memory import estimate_kv_memory
+
+    rows = []
+    dtype = str(model.dtype).replace("torch.", "")
+    for r in results:
+        row: dict[str, Any] = {
+            "name": r["name"],
+            "config": r["config"],
+            "config_description": r["config_description"],
+            "prefill_tokens_per_s": args.context / r["prefill_s"],
+            "decode_tokens_per_s": (args.max_new_tokens - 1) / r["decode_s"] if args.max_new_tokens > 1 else None,
+            "prefill_s": r["prefill_s"],
+            "decode_s": r["decode_s"],
+            "cache_tokens": r["cache_tokens"],
+            "cache_bytes": r["cache_bytes"],
+            "continuation": tokenizer.decode(r["tokens"]),
+            "continuation_ids": r["tokens"],
+        }
+        if r["config"] is not None:
+            est = estimate_kv_memory(model, r["cache_tokens"], config=r["config"] and _cfg(r["config"]),
+                                     prefill=args.context, dtype=dtype)
+            row["predicted_cache_bytes"] = est.kivi_total_bytes
+            row["cache_breakdown"] = r.get("cache_breakdown")
+        fp_bytes = fp["cache_bytes"] if fp else estimate_kv_memory(model, r["cache_tokens"], dtype=dtype).fp_total_bytes
+        row["fp_cache_bytes"] = fp_bytes
+        row["compression_ratio"] = fp_bytes / r["cache_bytes"] if r["cache_bytes"] else None
+        if fp is not None:
+            same, prefix = _agreement(r["tokens"], fp["tokens"])
+            row["same_tokens_vs_fp"] = same
+            row["common_prefix_vs_fp"] = prefix
+        if cont is not None:
+            row["ppl"] = r["ppl"]
+            row["nll"] = r["nll"]
+            if fp is not None:
+                p_fp = fp["logprobs"]
+                kl = (p_fp.exp() * (p_fp - r["logprobs"])).sum(-1)
+                row["kl_vs_fp"] = float(kl.mean())
+                row["ppl_delta_vs_fp"] = r["ppl"] - fp["ppl"]
+        rows.append(row)
+
+    result = {
+        "model": args.model,
+        "model_dtype": dtype,
+        "text": args.text or "WikiText-2 raw test (shipped)",
+        "context": args.context,
+        "max_new_tokens": args.max_new_tokens,
+        "eval_tokens": args.eval_tokens,
+        "chunk": args.chunk,
+        "torch_threads": torch.get_num_threads(),
+        "model_load_s": load_s,
+        "wall_s": time.perf_counter() - wall0,
+        "rows": rows,
+    }
+    if args.json_out:
+        from pathlib import Path
+
+        try:
+            Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
+        except OSError as e:
+            raise CliError(f"cannot write --json-out {args.json_out!r}: {e.strerror or e}") from None
+    if args.json:
+        print_json(result)
+    else:
+        render(result)
+    return 0
+
+
+def _cfg(d: dict) -> Any:
+    from ..config import KiviConfig
+
+    return KiviConfig.from_dict(d)
+
+
+def render(result: dict[str, Any]) -> None:
+    rows = result["rows"]
+    header = ["cache", "config", "prefill tok/s", "decode tok/s", "cache bytes", "vs FP", "same tokens",
+              "common prefix", "PPL", "KL vs FP"]
+    table = []
+    for r in rows:
+        table.append([
+            r["name"],
+            r["config_description"].replace("DynamicCache (full precision)", "full precision"),
+            f"{r['prefill_tokens_per_s']:,.0f}",
+            "-" if r["decode_tokens_per_s"] is None else f"{r['decode_tokens_per_s']:.1f}",
+            _fmt_bytes(r["cache_bytes"]),
+            f"{r['compression_ratio']:.2f}x" if r.get("compression_ratio") else "-",
+            f"{r['same_tokens_vs_fp']:.0%}" if "same_tokens_vs_fp" in r else "-",
+            f"{r['common_prefix_vs_fp']}/{result['max_new_tokens']}" if "common_prefix_vs_fp" in r else "-",
+            f"{r['ppl']:.3f}" if "ppl" in r else "-",
+            f"{r['kl_vs_fp']:.4f}" if "kl_vs_fp" in r else "-",
+        ])
+    title = (f"KIVI demo — {result['model']} ({result['model_dtype']}), prompt {result['context']} tokens of "
+             f"{result['text']}, {result['max_new_tokens']} greedy tokens, PPL/KL on the next "
+             f"{result['eval_tokens']} tokens (chunks of {result['chunk']})")
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(*header, title=title)
+        for c in t.columns[2:]:
+            c.justify = "right"
+        for row in table:
+            t.add_row(*row)
+        Console(width=max(140, Console().width)).print(t)
+    except ImportError:
+        print(title)
+        widths = [max(len(str(x[i])) for x in [header, *table]) for i in range(len(header))]
+        for row in [header, *table]:
+            print("  ".join(str(c).rjust(w) for c, w in zip(row, widths)))
+    fp = next((r for r in rows if r["name"] == "fp"), None)
+    if fp is not None:
+        print(f"FP continuation: {fp['continuation']!r}")
+    for r in rows:
+        if fp is not None and r is not fp and r.get("common_prefix_vs_fp", 0) < result["max_new_tokens"]:
+            print(f"{r['name']} continuation: {r['continuation']!r}")
+    print(f"cache bytes measured after {rows[0]['cache_tokens']} tokens (prompt + continuation); model load "
+          f"{result['model_load_s']:.1f} s, total {result['wall_s']:.1f} s, {result['torch_threads']} threads")

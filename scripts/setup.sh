@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Set up (or refresh) the project's virtual environment in .venv. Safe to run again: an up-to-date
+# environment is detected and left alone in about a second.
+#
+#   bash scripts/setup.sh          # create .venv if missing, install torch, then kivi[all] (editable)
+#
+# Environment: PYTHON (default python3) picks the interpreter that creates .venv;
+# KIVI_TORCH (default "torch==2.13.0") is the torch requirement installed first — on machines whose
+# pip is set up with a local wheel (find-links) that is the local CPU build. pyproject.toml itself
+# only asks for torch>=2.6.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PYTHON=${PYTHON:-python3}
+TORCH_SPEC=${KIVI_TORCH:-torch==2.13.0}
+STAMP=.venv/.kivi-setup
+
+if [ ! -x .venv/bin/python ]; then
+    echo "setup: creating .venv with $PYTHON" >&2
+    "$PYTHON" -m venv .venv
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16) $TORCH_SPEC"
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] \
+    && python -c "import torch, transformers, kivi, rich, tqdm, gguf, pytest" 2>/dev/null; then
+    echo "setup: .venv is up to date" >&2
+    exit 0
+fi
+
+# torch first, so that the extras below never pull a different (e.g. CUDA) build.
+if python -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '${TORCH_SPEC#torch==}' else 1)" 2>/dev/null; then
+    echo "setup: $(python -c 'import torch; print("torch", torch.__version__)') already installed" >&2
+else
+    echo "setup: installing $TORCH_SPEC" >&2
+    python -m pip install --quiet "$TORCH_SPEC"
+fi
+echo "setup: installing kivi[all] (editable)" >&2
+python -m pip install --quiet -e '.[all]'
+echo "$want" > "$STAMP"
+echo "setup: done ($(python -c 'import torch, transformers; print("torch", torch.__version__, "/ transformers", transformers.__version__)'))" >&2

