@@ -4,6 +4,8 @@ Compares, per call (one decode query, all heads of one layer):
 
 * reference — dequantize the whole cache, then attend (what transformers' QuantizedCache does);
 * blocked   — kivi.attention.blocked_attention (reads the packed store block by block);
+* fused     — kivi.attention.fused_cpu.fused_decode_attention (numba kernel on the packed codes;
+  what the "cpu" backend runs for decode steps when numba is installed; skipped otherwise);
 * sdpa fp32 / sdpa bf16 — torch SDPA over a full-precision cache of the same length.
 
 "effective GB/s" = bytes of the cache representation the method reads / time (quantized store +
@@ -64,6 +66,19 @@ def main() -> None:
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    from kivi.attention.fused_cpu import fused_decode_available
+
+    fused = None
+    compile_s = None
+    if fused_decode_available():
+        from kivi.attention.fused_cpu import fused_decode_attention, warmup
+
+        compile_s = warmup()  # compile, or load numba's on-disk cache
+        if a.threads:
+            import numba
+
+            numba.set_num_threads(min(a.threads, numba.config.NUMBA_NUM_THREADS))
+        fused = fused_decode_attention
     torch.manual_seed(0)
     B, hq, hkv, D, T = a.batch, a.q_heads, a.kv_heads, a.head_dim, a.tokens
     cfg = KiviConfig(k_bits=a.bits, v_bits=a.bits, group_size=a.group_size, residual_length=a.residual_length)
@@ -94,6 +109,8 @@ def main() -> None:
 
     add("reference (dequant+attend)", lambda: reference_attention(q, kv, vv, scaling=scaling), qbytes)
     add("blocked (kivi cpu)", lambda: blocked_attention(q, kv, vv, scaling=scaling, block_tokens=a.block_tokens), qbytes)
+    if fused is not None:
+        add("fused (numba)", lambda: fused(q, kv, vv, scaling=scaling), qbytes)
     for dt in (torch.float32, torch.bfloat16):
         kf, vf, qf = k.to(dt), v.to(dt), q.to(dt).reshape(B, hkv, g, D)  # pack GQA as transformers does
         add(f"sdpa fp cache {str(dt).split('.')[-1]}",
@@ -103,12 +120,18 @@ def main() -> None:
     err = (blocked_attention(q, kv, vv, scaling=scaling) - reference_attention(q, kv, vv, scaling=scaling)).abs().max().item()
     result = {"tokens": T, "bits": a.bits, "shape": {"batch": B, "q_heads": hq, "kv_heads": hkv, "head_dim": D},
               "threads": torch.get_num_threads(), "quantized_bytes": qbytes, "bandwidth": bw, "rows": rows,
-              "max_abs_err_blocked_vs_reference": err}
+              "max_abs_err_blocked_vs_reference": err, "fused_compile_or_load_s": compile_s}
+    if fused is not None:
+        result["max_abs_err_fused_vs_reference"] = (
+            fused(q, kv, vv, scaling=scaling) - reference_attention(q, kv, vv, scaling=scaling)).abs().max().item()
     if a.json:
         print(json.dumps(result, indent=2))
         return
     print(f"{T} tokens, {a.bits}-bit K/V, B={B} Hq={hq} Hkv={hkv} D={D}, threads={torch.get_num_threads()}; "
           f"quantized cache read: {qbytes / 2**20:.2f} MiB; max|blocked-ref|={err:.2e}")
+    if fused is not None:
+        print(f"fused: max|fused-ref|={result['max_abs_err_fused_vs_reference']:.2e}, "
+              f"numba compile/cache load {compile_s:.2f} s")
     print(f"copy bandwidth: {bw['copy_GBps']:.2f} GB/s copied ({bw['rw_GBps']:.2f} GB/s read+write)")
     print(f"{'method':30s} {'ms(min)':>9s} {'ms(med)':>9s} {'MiB read':>9s} {'eff GB/s':>9s} {'%rw bw':>7s} {'%copy':>7s}")
     for r in rows:

@@ -60,6 +60,12 @@ def run_backend(
 ) -> torch.Tensor:
     """Attention ``[B, Hq, n, D]`` of ``query`` over the views with the resolved ``backend``."""
     if backend == "cpu":
+        # Documented dispatch (kivi.attention.fused_cpu): the fused numba decode kernel for one
+        # query token when numba is installed and the format/mask qualify; blocked torch path otherwise.
+        from .fused_cpu import fused_decode_attention, fused_decode_supported
+
+        if fused_decode_supported(query, k_view, v_view, attention_mask):
+            return fused_decode_attention(query, k_view, v_view, scaling=scaling, attention_mask=attention_mask)
         from .blocked import blocked_attention
 
         return blocked_attention(query, k_view, v_view, scaling=scaling, attention_mask=attention_mask)
