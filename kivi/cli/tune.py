@@ -1,0 +1,118 @@
+"""`kivi profile` (per-layer sensitivity -> layer_specific_config) and `kivi tune` (cheapest config
+within a budget)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .common import add_config_args, add_model_args, add_text_args, config_from_args
+from .evaluate import add_output_args, add_window_args, emit, load
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from ..config import KiviConfig
+    from ..eval.profile import layer_profile, recommend_layer_config
+
+    base = config_from_args(args) or KiviConfig.preset("extreme")
+    upgrade = json.loads(args.upgrade) if args.upgrade else {"k_bits": 4}
+    if not isinstance(upgrade, dict):
+        raise ValueError('--upgrade must be a JSON object, e.g. \'{"k_bits": 4}\'')
+    if args.max_bits is not None and args.upgrade_layers is not None:
+        raise ValueError("give either --upgrade-layers or --max-bits, not both")
+    model, tok, windows = load(args)
+    prof = layer_profile(model, windows, base, prefix=args.prefix, chunk=args.chunk, batch_size=args.batch_size,
+                         progress=not args.no_progress)
+    n = args.upgrade_layers if args.max_bits is None else None
+    if n is None and args.max_bits is None:
+        n = max(1, len(prof["ranking"]) // 10)
+    rec = recommend_layer_config(prof, base, upgrade=upgrade, num_layers=n, max_bits=args.max_bits, model=model,
+                                 tokens=args.context, prefix=args.prefix)
+    prof["recommended"] = rec.to_dict()
+    prof["recommended_name"] = rec.describe()
+    prof["upgrade"] = upgrade
+    if args.write_config:
+        rec.to_json(args.write_config)
+    lines = [f"per-layer sensitivity to {prof['base_name']} (others FP), {prof['protocol']['windows']} windows; "
+             f"FP ppl {prof['fp_ppl']:.4f}",
+             f"{'layer':>5s} {'KL':>10s} {'dppl%':>8s} {'top1%':>7s}"]
+    for r in prof["layers"]:
+        lines.append(f"{r['layer']:5d} {r['kl']:10.6f} {r['delta_ppl_pct']:+8.3f} {100 * r['top1_agreement']:7.2f}")
+    lines.append(f"most sensitive first: {prof['ranking']}")
+    lines.append(f"recommended: {rec.describe()}; layer_specific_config={rec.layer_specific_config}")
+    if args.write_config:
+        lines.append(f"wrote {args.write_config}")
+    emit(args, prof, "\n".join(lines))
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from ..config import KiviConfig
+    from ..eval.sweep import candidate_grid, parse_percent, tune
+
+    if args.max_ppl_increase is None and args.max_bits is None:
+        raise ValueError("give a budget: --max-ppl-increase 5%% and/or --max-bits 4".replace("%%", "%"))
+    mpi = parse_percent(args.max_ppl_increase) if args.max_ppl_increase is not None else None
+    if args.max_bits is not None and args.max_bits <= 0:
+        raise ValueError(f"--max-bits must be > 0, got {args.max_bits}")
+    profile = None
+    if args.profile:
+        try:
+            profile = json.loads(Path(args.profile).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read the layer profile {args.profile!r}: {e}") from None
+        if "ranking" not in profile:
+            raise ValueError(f"{args.profile!r} is not a `kivi profile --json` output (no 'ranking')")
+    cands = candidate_grid(profile)
+    extra = config_from_args(args)
+    if extra is not None:
+        cands.append(extra)
+    for f in args.candidates or []:
+        cands.append(KiviConfig.from_json(f))
+    model, tok, windows = load(args)
+    r = tune(model, windows, cands, max_ppl_increase=mpi, max_bits=args.max_bits, profile=profile,
+             prefix=args.prefix, chunk=args.chunk, batch_size=args.batch_size, progress=not args.no_progress)
+    out = args.write_config or args.output_config
+    if out:
+        KiviConfig.from_dict(r["config"]).to_json(out)
+    human = (f"chose {r['name']}: {r['bits_per_element']:.3f} bits/element, ppl {r['ppl']:.4f} vs FP {r['ppl_fp']:.4f} "
+             f"({r['delta_ppl_pct']:+.2f}%) after measuring {len(r['evaluated'])} candidates"
+             + (f"; wrote {out}" if out else ""))
+    emit(args, r, human)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("profile", help="per-layer sensitivity; recommends a layer_specific_config",
+                              description="For each layer, KL vs FP when only that layer is quantized with the "
+                                          "base config (default: extreme, 2/2). Writes a recommended KiviConfig.")
+    add_model_args(p)
+    add_text_args(p)
+    add_window_args(p, windows=2)
+    add_config_args(p)
+    p.add_argument("--upgrade", default=None, help='what the most sensitive layers get (JSON, default {"k_bits": 4})')
+    p.add_argument("--upgrade-layers", type=int, default=None,
+                   help="how many of the most sensitive layers to upgrade (default: a tenth of the layers)")
+    p.add_argument("--max-bits", type=float, default=None,
+                   help="upgrade as many layers as fit in this many bits per element (instead of --upgrade-layers)")
+    p.add_argument("--write-config", default=None, help="write the recommended KiviConfig JSON here")
+    add_output_args(p)
+    p.set_defaults(func=cmd_profile)
+
+    p = subparsers.add_parser("tune", help="cheapest config within a quality (or bits) budget",
+                              description="Measure candidates in order of increasing bits per element and pick the "
+                                          "cheapest within --max-ppl-increase (or the best within --max-bits).")
+    add_model_args(p)
+    add_text_args(p)
+    add_window_args(p, windows=4)
+    add_config_args(p)
+    p.add_argument("--max-ppl-increase", default=None, help="perplexity budget vs FP, e.g. 5%% (percent)")
+    p.add_argument("--max-bits", type=float, default=None, help="bits per element budget")
+    p.add_argument("--profile", default=None, help="`kivi profile --json` output: adds per-layer candidates")
+    p.add_argument("--candidates", nargs="*", default=None, help="extra KiviConfig JSON files to consider")
+    p.add_argument("--write-config", "--out", dest="write_config", default=None,
+                   help="write the chosen KiviConfig JSON here (loadable by KiviConfig.from_json)")
+    p.set_defaults(output_config=None)
+    add_output_args(p)
+    p.set_defaults(func=cmd_tune)

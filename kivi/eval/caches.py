@@ -1,0 +1,159 @@
+"""Cache specs for the evaluation harness: a :class:`KiviConfig`, ``None`` / ``"fp"`` (transformers'
+``DynamicCache``) or a named baseline (transformers' ``QuantizedCache`` with the quanto backend).
+
+Every cache is measured the same way: :func:`cache_nbytes` sums the bytes of the tensors it really
+holds, and :func:`bits_per_element` divides by the number of cached key/value elements.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import torch
+
+from ..config import KiviConfig
+
+# name -> QuantizedCache(backend="quanto", ...) kwargs. q_group_size / residual_length follow
+# transformers' defaults (64 / 128). axis 0 = groups along the channels of each token (per-token);
+# axis -1 = groups along tokens of each channel (per-channel, as KIVI does for keys).
+BASELINES: dict[str, dict[str, Any] | None] = {
+    "fp": None,
+    "quanto-int4": {"nbits": 4, "axis_key": 0, "axis_value": 0, "q_group_size": 64, "residual_length": 128},
+    "quanto-int2": {"nbits": 2, "axis_key": 0, "axis_value": 0, "q_group_size": 64, "residual_length": 128},
+    "quanto-int2-perchannel": {"nbits": 2, "axis_key": -1, "axis_value": 0, "q_group_size": 64, "residual_length": 128},
+    "quanto-int4-perchannel": {"nbits": 4, "axis_key": -1, "axis_value": 0, "q_group_size": 64, "residual_length": 128},
+}
+
+CacheSpec = Union[KiviConfig, str, None]
+
+
+class BaselineUnavailable(RuntimeError):
+    """A baseline cannot be built here (e.g. optimum-quanto missing); the message says why."""
+
+
+def check_spec(spec: CacheSpec) -> CacheSpec:
+    """Validate a spec; returns it (``"fp"`` normalised to ``None``)."""
+    if spec is None or isinstance(spec, KiviConfig):
+        return spec
+    if isinstance(spec, str):
+        key = spec.strip().lower()
+        if key not in BASELINES:
+            raise ValueError(f"unknown baseline {spec!r}; choose one of {list(BASELINES)}")
+        return None if key == "fp" else key
+    raise ValueError(f"a cache spec must be a KiviConfig, a baseline name or None, got {type(spec).__name__}")
+
+
+def spec_name(spec: CacheSpec) -> str:
+    """Short human-readable description (``"fp"``, ``"quanto-int2"``, ``"K2 V2 G32 R128"``)."""
+    spec = check_spec(spec)
+    if spec is None:
+        return "fp"
+    if isinstance(spec, str):
+        return spec
+    return spec.describe()
+
+
+def spec_to_json(spec: CacheSpec) -> Any:
+    spec = check_spec(spec)
+    if isinstance(spec, KiviConfig):
+        return spec.to_dict()
+    return spec or "fp"
+
+
+def baseline_unavailable_reason(name: str) -> str | None:
+    """``None`` if the baseline can be built here, else a one-line reason."""
+    name = check_spec(name)
+    if name is None or isinstance(name, KiviConfig):
+        return None
+    try:
+        import optimum.quanto  # noqa: F401,PLC0415
+    except Exception as e:  # ImportError, or a broken install
+        return f"optimum-quanto is not importable ({type(e).__name__}: {e}); `pip install optimum-quanto`"
+    return None
+
+
+def make_cache(model: Any, spec: CacheSpec):
+    """A fresh, empty cache for ``model`` as described by ``spec``."""
+    spec = check_spec(spec)
+    if spec is None:
+        from transformers import DynamicCache  # noqa: PLC0415
+
+        return DynamicCache(config=model.config)
+    if isinstance(spec, KiviConfig):
+        from ..cache.cache import KiviCache  # noqa: PLC0415
+
+        return KiviCache.from_model(model, spec)
+    reason = baseline_unavailable_reason(spec)
+    if reason:
+        raise BaselineUnavailable(reason)
+    from transformers.cache_utils import QuantizedCache  # noqa: PLC0415
+
+    try:
+        return QuantizedCache(backend="quanto", config=model.config, **BASELINES[spec])
+    except Exception as e:  # noqa: BLE001 - report any construction failure as unavailability
+        raise BaselineUnavailable(f"QuantizedCache(backend='quanto') failed: {type(e).__name__}: {e}") from e
+
+
+def _tensor_bytes(t: Any) -> int:
+    """Bytes of a tensor, recursing into tensor subclasses (quanto's packed tensors)."""
+    if t is None:
+        return 0
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is not None and type(t) is not torch.Tensor:
+        names, _ = flatten()
+        return sum(_tensor_bytes(getattr(t, n)) for n in names)
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    return 0
+
+
+def cache_nbytes(cache: Any) -> int:
+    """Bytes of every tensor ``cache`` holds (KiviCache: its own accounting)."""
+    nb = getattr(cache, "nbytes", None)
+    if isinstance(nb, int):
+        return nb
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
+            total += _tensor_bytes(getattr(layer, name, None))
+    return total
+
+
+def kv_geometry(model: Any) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)`` of a decoder model."""
+    cfg = model.config.get_text_config(decoder=True)
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, kv, head_dim
+
+
+def bits_per_element(model: Any, cache: Any, tokens: int, batch: int = 1) -> float:
+    """``cache_nbytes * 8 / (2 * layers * kv_heads * head_dim * tokens * batch)``."""
+    layers, kv, hd = kv_geometry(model)
+    denom = 2 * layers * kv * hd * tokens * batch
+    if denom <= 0:
+        raise ValueError("cannot compute bits per element of an empty cache")
+    return cache_nbytes(cache) * 8 / denom
+
+
+def synthetic_bits(model: Any, spec: CacheSpec, tokens: int, *, prefix: int | None = None, chunk: int = 16,
+                   dtype: torch.dtype | None = None) -> float:
+    """Bits per element of ``spec``'s cache after ``tokens`` tokens, without running the model.
+
+    Fills a fresh cache with random keys/values in the same prefill + chunk pattern as the
+    evaluation (prefill ``prefix`` tokens, then ``chunk`` tokens at a time), so block allocation and
+    the full-precision window are exactly as in a real run; only the model forward is skipped.
+    """
+    layers, kv, hd = kv_geometry(model)
+    dtype = dtype or next(model.parameters()).dtype
+    prefix = tokens if prefix is None else min(prefix, tokens)
+    cache = make_cache(model, spec)
+    g = torch.Generator().manual_seed(0)
+    spans = [(0, prefix)] + [(s, min(s + chunk, tokens)) for s in range(prefix, tokens, chunk)]
+    for a, b in spans:
+        for li in range(layers):
+            k = torch.randn(1, kv, b - a, hd, generator=g).to(dtype)
+            v = torch.randn(1, kv, b - a, hd, generator=g).to(dtype)
+            cache.update(k, v, li)
+    return bits_per_element(model, cache, tokens)

@@ -1,0 +1,302 @@
+"""Streaming evaluation: perplexity, KL divergence and top-1 agreement through a real cache.
+
+Protocol, per window of ``L`` tokens: prefill ``prefix`` tokens into a fresh cache, then feed the
+remaining tokens ``chunk`` at a time through that cache. Every token after the prefix is scored:
+the logit at position ``i`` predicts token ``i + 1`` (the first scored token is predicted by the
+prefill's last logit). A chunk's tokens see the history cached *before the chunk* exactly as
+generation would (for a :class:`~kivi.KiviCache`: quantized history + full-precision recent window).
+Inside a chunk, the tokens that token-by-token decoding would already have moved into quantized
+storage (at most ``chunk - 1`` tokens past the residual window) are still seen at full precision, so
+for quantized caches ``chunk=16`` is very slightly optimistic vs ``chunk=1`` (FP caches: identical up
+to float noise). ``chunk=1`` is the exact generation semantics; it is ~10x slower on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from .caches import CacheSpec, bits_per_element, cache_nbytes, check_spec, make_cache, spec_name, spec_to_json
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    """A tqdm bar on stderr (or a no-op object when disabled / tqdm missing)."""
+    if enabled:
+        try:
+            from tqdm.auto import tqdm  # noqa: PLC0415
+
+            return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
+        except ImportError:
+            pass
+
+    class _Null:
+        def update(self, n=1):
+            pass
+
+        def set_postfix_str(self, s):
+            pass
+
+        def close(self):
+            pass
+
+    return _Null()
+
+
+def check_windows(windows: torch.Tensor, prefix: int, chunk: int) -> torch.Tensor:
+    if not isinstance(windows, torch.Tensor) or windows.dtype not in (torch.long, torch.int, torch.int32, torch.int64):
+        raise ValueError("windows must be an integer tensor of token ids, shape [num_windows, context]")
+    if windows.dim() == 1:
+        windows = windows.unsqueeze(0)
+    if windows.dim() != 2 or windows.shape[0] == 0:
+        raise ValueError(f"windows must have shape [num_windows, context], got {tuple(windows.shape)}")
+    for name, v in (("prefix", prefix), ("chunk", chunk)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if prefix >= windows.shape[1]:
+        raise ValueError(
+            f"prefix={prefix} leaves nothing to score in windows of {windows.shape[1]} tokens; "
+            "use a prefix shorter than the context"
+        )
+    return windows.long()
+
+
+def stream_window(model: Any, ids: torch.Tensor, cache: Any, prefix: int, chunk: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Yield ``(logits [B, n, V] float32, targets [B, n])`` for every scored token of ``ids [B, L]``."""
+    L = ids.shape[1]
+    dev = next(model.parameters()).device
+    ids = ids.to(dev)
+    with torch.inference_mode():
+        out = model(input_ids=ids[:, :prefix], cache=cache, use_cache=True, logits_to_keep=1)
+        yield out.logits[:, -1:].float(), ids[:, prefix : prefix + 1]
+        for s in range(prefix, L, chunk):
+            e = min(s + chunk, L)
+            out = model(input_ids=ids[:, s:e], cache=cache, use_cache=True)
+            n = min(e, L - 1) - s  # the last token of the window predicts nothing
+            if n > 0:
+                yield out.logits[:, :n].float(), ids[:, s + 1 : s + 1 + n]
+
+
+class _Acc:
+    """Running sums for one cache spec."""
+
+    def __init__(self, spec: CacheSpec):
+        self.spec = spec
+        self.nll = 0.0
+        self.tokens = 0
+        self.kl = 0.0
+        self.top1 = 0
+        self.bits: list[float] = []
+        self.bytes: list[int] = []
+        self.seconds = 0.0
+        self.windows = 0
+        self.error: str | None = None
+
+    def result(self, fp: "_Acc | None" = None) -> dict[str, Any]:
+        r: dict[str, Any] = {"name": spec_name(self.spec), "config": spec_to_json(self.spec)}
+        if self.error:
+            r["unavailable"] = self.error
+            return r
+        nll = self.nll / max(self.tokens, 1)
+        r.update(
+            ppl=math.exp(nll),
+            nll=nll,
+            tokens_scored=self.tokens,
+            windows=self.windows,
+            bits_per_element=sum(self.bits) / len(self.bits) if self.bits else float("nan"),
+            cache_bytes=int(sum(self.bytes) / len(self.bytes)) if self.bytes else 0,
+            seconds=round(self.seconds, 2),
+        )
+        if fp is not None:
+            r["ppl_fp"] = math.exp(fp.nll / max(fp.tokens, 1))
+            r["delta_ppl_pct"] = 100.0 * (r["ppl"] / r["ppl_fp"] - 1.0)
+            r["kl"] = self.kl / max(self.tokens, 1)
+            r["top1_agreement"] = self.top1 / max(self.tokens, 1)
+        return r
+
+
+def _score(acc: _Acc, logits: torch.Tensor, targets: torch.Tensor, ref_logp: torch.Tensor | None) -> torch.Tensor:
+    logp = torch.log_softmax(logits, dim=-1)
+    acc.nll -= float(logp.gather(-1, targets.unsqueeze(-1)).sum())
+    acc.tokens += targets.numel()
+    if ref_logp is not None:
+        # KL(P_fp || P_q) = sum_v p_fp (log p_fp - log p_q)
+        acc.kl += float((ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp_min(0).sum())
+        acc.top1 += int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())
+    return logp
+
+
+def compare(
+    model: Any,
+    windows: torch.Tensor,
+    specs: Sequence[CacheSpec],
+    *,
+    prefix: int = 512,
+    chunk: int = 16,
+    reference: bool = True,
+    progress: bool = True,
+    on_window: Any = None,
+    batch_size: int = 1,
+) -> dict[str, Any]:
+    """Evaluate several cache specs on the same windows in one streaming pass.
+
+    Per window, the full-precision ``DynamicCache`` runs first (when ``reference``) and its
+    log-probabilities of the scored tokens are kept for that window only; each spec then runs on
+    the same window and is scored against them (KL(P_fp || P_spec), top-1 agreement).
+
+    A baseline that cannot be built (e.g. optimum-quanto missing) is reported as
+    ``{"unavailable": reason}`` instead of failing the run.
+
+    ``on_window(results_so_far)`` is called after each batch of windows (for incremental writing).
+    ``batch_size`` windows go through the model together (same numbers, better CPU throughput:
+    quantization groups never span batch rows).
+
+    Returns ``{"fp": {...} or None, "results": [{...} per spec], "protocol": {...}}``.
+    """
+    windows = check_windows(windows, prefix, chunk)
+    specs = [check_spec(s) for s in specs]
+    fp = _Acc(None) if reference else None
+    accs = [_Acc(s) for s in specs]
+    from ..config import KiviConfig  # noqa: PLC0415
+    from .caches import synthetic_bits  # noqa: PLC0415
+
+    for acc in accs:  # a config this model cannot use (e.g. group_size vs head_dim) fails fast
+        if isinstance(acc.spec, KiviConfig):
+            try:
+                synthetic_bits(model, acc.spec, 2 * max(acc.spec.group_size, 1), prefix=acc.spec.group_size)
+            except ValueError as e:
+                if len(accs) == 1:
+                    raise
+                acc.error = f"invalid for this model: {e}"
+    n_tok = windows.shape[1]
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    bar = _progress(windows.shape[0] * (len(specs) + (1 if reference else 0)), "eval (windows x caches)", progress)
+    t_start = time.time()
+
+    def snapshot() -> dict[str, Any]:
+        return {
+            "protocol": {"windows": int(fp.windows if fp else (accs[0].windows if accs else 0)),
+                         "windows_requested": int(windows.shape[0]), "context": int(n_tok), "prefix": prefix,
+                         "chunk": chunk, "seconds": round(time.time() - t_start, 1)},
+            "fp": fp.result() if fp else None,
+            "results": [a.result(fp) for a in accs],
+        }
+
+    try:
+        for w in range(0, windows.shape[0], batch_size):
+            ids = windows[w : w + batch_size]
+            nb = ids.shape[0]
+            ref: list[torch.Tensor] | None = None
+            if fp is not None:
+                ref = []
+                t0 = time.time()
+                cache = make_cache(model, None)
+                for logits, targets in stream_window(model, ids, cache, prefix, chunk):
+                    ref.append(_score(fp, logits, targets, None))
+                fp.bits.append(bits_per_element(model, cache, n_tok, nb))
+                fp.bytes.append(cache_nbytes(cache) // nb)
+                fp.windows += nb
+                fp.seconds += time.time() - t0
+                del cache
+                bar.update(nb)
+            for acc in accs:
+                if acc.error:
+                    bar.update(nb)
+                    continue
+                t0 = time.time()
+                try:
+                    cache = make_cache(model, acc.spec)
+                    for i, (logits, targets) in enumerate(stream_window(model, ids, cache, prefix, chunk)):
+                        _score(acc, logits, targets, ref[i] if ref is not None else None)
+                except Exception as e:  # noqa: BLE001
+                    if isinstance(acc.spec, str):  # a baseline: report, do not crash the sweep
+                        acc.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                        bar.update(nb)
+                        continue
+                    raise
+                acc.bits.append(bits_per_element(model, cache, n_tok, nb))
+                acc.bytes.append(cache_nbytes(cache) // nb)
+                acc.windows += nb
+                acc.seconds += time.time() - t0
+                del cache
+                bar.update(nb)
+            if fp is not None and accs:
+                bar.set_postfix_str(f"fp ppl {math.exp(fp.nll / fp.tokens):.3f}")
+            if on_window is not None:
+                on_window(snapshot())
+    finally:
+        bar.close()
+    return snapshot()
+
+
+def perplexity(
+    model: Any,
+    tokenizer: Any,
+    windows: torch.Tensor,
+    config: CacheSpec = None,
+    *,
+    prefix: int = 512,
+    chunk: int = 16,
+    progress: bool = True,
+    batch_size: int = 1,
+) -> dict[str, Any]:
+    """Streaming perplexity of ``model`` with the cache ``config`` describes.
+
+    Args:
+        model: a transformers causal LM.
+        tokenizer: unused (kept for a uniform signature; may be ``None``).
+        windows: ``LongTensor [num_windows, context]`` (e.g. :func:`kivi.data.token_windows`).
+        config: a :class:`KiviConfig`, ``None`` / ``"fp"`` for transformers' ``DynamicCache``, or a
+            baseline name from :data:`kivi.eval.BASELINES`.
+        prefix: tokens prefilled into a fresh cache per window (not scored, except that the
+            prefill's last logit scores the first token after it).
+        chunk: tokens per forward after the prefix.
+
+    Returns:
+        ``{"ppl", "nll" (mean per token), "tokens_scored", "windows", "bits_per_element",
+        "cache_bytes" (at the end of a window, averaged over windows), "seconds", "name", "config",
+        "context", "prefix", "chunk"}``.
+    """
+    spec = check_spec(config)
+    out = compare(model, windows, [spec], prefix=prefix, chunk=chunk, reference=False, progress=progress,
+                  batch_size=batch_size)
+    r = out["results"][0]
+    if "unavailable" in r:
+        from .caches import BaselineUnavailable  # noqa: PLC0415
+
+        raise BaselineUnavailable(f"{r['name']} unavailable: {r['unavailable']}")
+    r.update(context=out["protocol"]["context"], prefix=prefix, chunk=chunk)
+    return r
+
+
+def kl_divergence(
+    model: Any,
+    tokenizer: Any,
+    windows: torch.Tensor,
+    config: CacheSpec,
+    *,
+    prefix: int = 512,
+    chunk: int = 16,
+    progress: bool = True,
+    batch_size: int = 1,
+) -> dict[str, Any]:
+    """KL(P_fp || P_config) and top-1 agreement of next-token distributions vs. the FP cache.
+
+    FP (``DynamicCache``) and ``config`` run side by side on each window (only one window's FP
+    log-probabilities are held at a time). Returns the :func:`perplexity` fields for ``config`` plus
+    ``kl`` (nats per scored token), ``top1_agreement`` (fraction), ``ppl_fp`` and ``delta_ppl_pct``.
+    """
+    spec = check_spec(config)
+    out = compare(model, windows, [spec], prefix=prefix, chunk=chunk, reference=True, progress=progress,
+                  batch_size=batch_size)
+    r = out["results"][0]
+    if "unavailable" in r:
+        from .caches import BaselineUnavailable  # noqa: PLC0415
+
+        raise BaselineUnavailable(f"{r['name']} unavailable: {r['unavailable']}")
+    r.update(context=out["protocol"]["context"], prefix=prefix, chunk=chunk)
+    return r

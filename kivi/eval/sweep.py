@@ -1,0 +1,290 @@
+"""Sweeps over cache configs, budgeted selection (`kivi tune`) and the Pareto plot."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ..config import PRESETS, KiviConfig
+from .caches import CacheSpec, check_spec, spec_name, synthetic_bits
+from .stream import _progress, compare, perplexity
+
+ROW_FIELDS = ("name", "kind", "bits_per_element", "cache_bytes", "ppl", "delta_ppl_pct", "kl", "top1_agreement",
+              "tokens_scored", "windows", "passkey_accuracy", "unavailable", "config")
+
+
+def default_grid(include_baselines: bool = True) -> list[CacheSpec]:
+    """Presets, 2-bit variants (group size, keys-only, values-only, symmetric) and quanto baselines."""
+    P = KiviConfig.preset
+    grid: list[CacheSpec] = [P("high"), P("balanced"), P("extreme"),
+                             KiviConfig(group_size=64), KiviConfig(group_size=128),
+                             KiviConfig(quantize_value=False), KiviConfig(quantize_key=False),
+                             KiviConfig(symmetric=True), KiviConfig(k_bits=4, v_bits=2), KiviConfig(k_bits=2, v_bits=4)]
+    if include_baselines:
+        grid += ["quanto-int4", "quanto-int2", "quanto-int2-perchannel"]
+    return grid
+
+
+def _kind(spec: CacheSpec) -> str:
+    if spec is None:
+        return "fp"
+    if isinstance(spec, str):
+        return "baseline"
+    for name, fields in PRESETS.items():
+        if KiviConfig.preset(name).to_dict() == spec.to_dict():
+            return f"preset:{name}"
+    return "kivi"
+
+
+def sweep(
+    model: Any,
+    tokenizer: Any,
+    windows: torch.Tensor,
+    specs: Sequence[CacheSpec] | None = None,
+    *,
+    prefix: int = 512,
+    chunk: int = 16,
+    batch_size: int = 1,
+    passkey_lengths: Sequence[int] = (),
+    passkey_seeds: int = 2,
+    progress: bool = True,
+    on_window: Any = None,
+) -> list[dict[str, Any]]:
+    """One row per spec (plus the ``fp`` row first): bits/element from the real cache, bytes, ppl,
+    Δppl %, KL, top-1 agreement; passkey accuracy when ``passkey_lengths`` is given."""
+    specs = list(default_grid() if specs is None else specs)
+    specs = [check_spec(s) for s in specs]
+    specs = [s for s in specs if s is not None]  # fp is the reference row anyway
+    out = compare(model, windows, specs, prefix=prefix, chunk=chunk, batch_size=batch_size, progress=progress,
+                  on_window=on_window)
+    fp = dict(out["fp"])
+    fp.update(kind="fp", delta_ppl_pct=0.0, kl=0.0, top1_agreement=1.0)
+    rows = [fp] + [{**r, "kind": _kind(s)} for s, r in zip(specs, out["results"])]
+    if passkey_lengths:
+        from .passkey import passkey  # noqa: PLC0415
+
+        pk = passkey(model, tokenizer, [None] + specs, lengths=passkey_lengths, depths=(0.5,), seeds=passkey_seeds,
+                     progress=progress)
+        for row, r in zip(rows, pk["results"]):
+            row["passkey_accuracy"] = r.get("accuracy")
+    for row in rows:
+        row["protocol"] = out["protocol"]
+    return rows
+
+
+def write_rows(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
+    """Write rows as CSV (``.csv``) or JSON (anything else)."""
+    p = Path(path)
+    if p.suffix.lower() == ".csv":
+        with p.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(ROW_FIELDS), extrasaction="ignore")
+            w.writeheader()
+            for r in rows:
+                w.writerow({k: (json.dumps(r[k]) if k == "config" and isinstance(r.get(k), dict) else r.get(k))
+                            for k in ROW_FIELDS})
+    else:
+        p.write_text(json.dumps(list(rows), indent=2, default=str) + "\n")
+    return p
+
+
+# ---------------------------------------------------------------------------- selection
+def parse_percent(value: str | float) -> float:
+    """``"5%"`` or ``"5"`` -> 5.0 (percent)."""
+    s = str(value).strip()
+    try:
+        v = float(s[:-1] if s.endswith("%") else s)
+    except ValueError:
+        raise ValueError(f"cannot read {value!r} as a percentage (e.g. 5%)") from None
+    if not math.isfinite(v) or v < 0:
+        raise ValueError(f"a perplexity increase budget must be >= 0, got {value!r}")
+    return v
+
+
+def select_config(
+    rows: Sequence[dict[str, Any]],
+    *,
+    max_ppl_increase: float | None = None,
+    max_bits: float | None = None,
+) -> dict[str, Any]:
+    """Pick a row under a budget.
+
+    * ``max_ppl_increase`` (percent): the row with the fewest bits per element whose Δppl % is
+      within the budget (ties: lower perplexity);
+    * ``max_bits``: the row with the lowest perplexity within that many bits per element (ties:
+      fewer bits);
+    * both: the cheapest row satisfying both.
+
+    Rows need ``bits_per_element`` and ``delta_ppl_pct`` (and ``ppl``); rows with ``unavailable``
+    or missing numbers are ignored. Raises ``ValueError`` when nothing fits, naming the closest.
+    """
+    if max_ppl_increase is None and max_bits is None:
+        raise ValueError("give a budget: max_ppl_increase (percent) and/or max_bits (bits per element)")
+    ok_rows = [r for r in rows if not r.get("unavailable") and r.get("bits_per_element") is not None
+               and r.get("delta_ppl_pct") is not None and math.isfinite(r["bits_per_element"])]
+    if not ok_rows:
+        raise ValueError("no measured candidates to choose from")
+    fits = [r for r in ok_rows
+            if (max_ppl_increase is None or r["delta_ppl_pct"] <= max_ppl_increase)
+            and (max_bits is None or r["bits_per_element"] <= max_bits)]
+    if not fits:
+        best_q = min(ok_rows, key=lambda r: r["delta_ppl_pct"])
+        cheapest = min(ok_rows, key=lambda r: r["bits_per_element"])
+        raise ValueError(
+            "no candidate fits the budget"
+            + (f" max_ppl_increase={max_ppl_increase}%" if max_ppl_increase is not None else "")
+            + (f" max_bits={max_bits}" if max_bits is not None else "")
+            + f"; best quality: {best_q['name']} ({best_q['delta_ppl_pct']:+.2f}% at {best_q['bits_per_element']:.2f} bits),"
+            f" cheapest: {cheapest['name']} ({cheapest['bits_per_element']:.2f} bits, {cheapest['delta_ppl_pct']:+.2f}%)"
+        )
+    if max_ppl_increase is not None:
+        return min(fits, key=lambda r: (r["bits_per_element"], r["delta_ppl_pct"]))
+    return min(fits, key=lambda r: (r["delta_ppl_pct"], r["bits_per_element"]))
+
+
+def candidate_grid(profile: dict[str, Any] | None = None, num_layers: int | None = None) -> list[KiviConfig]:
+    """Configs `kivi tune` chooses from: 4/4, 4/2, 2/4, 3/3, 2/2 at group sizes 32/64/128, error
+    compensation on 2/2, and (given a layer profile) 2/2 with the 2/4/8 most sensitive layers'
+    keys at 4 bits."""
+    c: list[KiviConfig] = []
+    for g in (32, 64, 128):
+        for kb, vb in ((4, 4), (4, 2), (2, 4), (3, 3), (2, 2)):
+            c.append(KiviConfig(k_bits=kb, v_bits=vb, group_size=g, residual_length=128))
+        c.append(KiviConfig(k_bits=2, v_bits=2, group_size=g, residual_length=128, residual_bits=4))
+    if profile is not None:
+        from .profile import recommend_layer_config  # noqa: PLC0415
+
+        ranking = profile["ranking"]
+        for n in (2, 4, 8):
+            if n <= len(ranking):
+                for g in (32, 64):
+                    base = KiviConfig(group_size=g)
+                    c.append(recommend_layer_config(profile, base, num_layers=n))
+    return c
+
+
+def tune(
+    model: Any,
+    windows: torch.Tensor,
+    candidates: Sequence[KiviConfig] | None = None,
+    *,
+    max_ppl_increase: float | None = None,
+    max_bits: float | None = None,
+    profile: dict[str, Any] | None = None,
+    prefix: int = 512,
+    chunk: int = 16,
+    batch_size: int = 1,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Cheapest candidate within a Δppl budget (or best within a bits budget), measured.
+
+    Bits per element of every candidate come first from a synthetic fill of a real cache (cheap,
+    exact for the storage layout); perplexities are then measured in order of increasing bits,
+    stopping at the first candidate within ``max_ppl_increase`` (with only ``max_bits``, every
+    candidate under it is measured). The chosen config's reported numbers are measured ones.
+
+    Returns ``{"config": {...}, "name", "ppl", "ppl_fp", "delta_ppl_pct", "bits_per_element",
+    "evaluated": [rows]}``.
+    """
+    if max_ppl_increase is None and max_bits is None:
+        raise ValueError("give a budget: max_ppl_increase (percent) and/or max_bits (bits per element)")
+    cands = list(candidates if candidates is not None else candidate_grid(profile))
+    if not cands:
+        raise ValueError("no candidate configs")
+    ctx = windows.shape[-1]
+    est, skipped = [], []
+    for i, c in enumerate(cands):
+        try:  # a candidate that does not fit this model (e.g. group_size vs head_dim) is skipped
+            est.append((synthetic_bits(model, c, ctx, prefix=prefix, chunk=chunk), i, c))
+        except ValueError as e:
+            skipped.append({"name": c.describe(), "reason": str(e)})
+    if not est:
+        raise ValueError(f"no candidate config fits this model: {skipped[0]['reason'] if skipped else ''}")
+    est.sort(key=lambda t: (t[0], t[1]))
+    if max_bits is not None:
+        est = [t for t in est if t[0] <= max_bits]
+        if not est:
+            raise ValueError(f"no candidate fits max_bits={max_bits} bits/element")
+    fp = perplexity(model, None, windows, None, prefix=prefix, chunk=chunk, batch_size=batch_size, progress=progress)
+    rows = []
+    bar = _progress(len(est), "tune candidates", progress)
+    try:
+        for bits_est, _, c in est:
+            r = perplexity(model, None, windows, c, prefix=prefix, chunk=chunk, batch_size=batch_size, progress=False)
+            r["delta_ppl_pct"] = 100.0 * (r["ppl"] / fp["ppl"] - 1.0)
+            r["bits_estimated"] = bits_est
+            r["_cfg"] = c
+            rows.append(r)
+            bar.update(1)
+            bar.set_postfix_str(f"{r['name']}: {r['bits_per_element']:.2f} bits, {r['delta_ppl_pct']:+.2f}%")
+            if max_ppl_increase is not None and r["delta_ppl_pct"] <= max_ppl_increase and (
+                    max_bits is None or r["bits_per_element"] <= max_bits):
+                break
+    finally:
+        bar.close()
+    best = select_config(rows, max_ppl_increase=max_ppl_increase, max_bits=max_bits)
+    cfg = best["_cfg"]
+    for r in rows:
+        r.pop("_cfg", None)
+    return {"config": cfg.to_dict(), "name": cfg.describe(), "ppl": best["ppl"], "ppl_fp": fp["ppl"],
+            "delta_ppl_pct": best["delta_ppl_pct"], "bits_per_element": best["bits_per_element"],
+            "cache_bytes": best["cache_bytes"], "budget": {"max_ppl_increase_pct": max_ppl_increase, "max_bits": max_bits},
+            "protocol": {"windows": int(windows.shape[0]), "context": int(ctx), "prefix": prefix, "chunk": chunk},
+            "evaluated": rows, "skipped": skipped}
+
+
+# ---------------------------------------------------------------------------- plot
+def pareto_plot(rows: Sequence[dict[str, Any]], path: str | Path, *, title: str | None = None) -> Path:
+    """Δppl % vs bits per element (PNG). Presets are stars, baselines squares, FP a diamond; the
+    Pareto front of the KIVI configs is drawn as a line. Needs matplotlib (imported here)."""
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib (or 'kivi[plot]')") from None
+    pts = [r for r in rows if not r.get("unavailable") and r.get("delta_ppl_pct") is not None]
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    styles = {"fp": ("D", "black"), "baseline": ("s", "tab:red"), "kivi": ("o", "tab:blue")}
+    for r in pts:
+        kind = r.get("kind", "kivi")
+        marker, color = ("*", "tab:green") if kind.startswith("preset") else styles.get(kind, ("o", "tab:blue"))
+        ax.scatter(r["bits_per_element"], r["delta_ppl_pct"], marker=marker, color=color,
+                   s=160 if marker == "*" else 50, zorder=3)
+        label = kind.split(":", 1)[1] if kind.startswith("preset") else r["name"]
+        ax.annotate(label, (r["bits_per_element"], r["delta_ppl_pct"]), textcoords="offset points", xytext=(5, 4),
+                    fontsize=7)
+    kivi = sorted((r for r in pts if r.get("kind", "kivi") in ("kivi",) or str(r.get("kind")).startswith("preset")),
+                  key=lambda r: (r["bits_per_element"], r["delta_ppl_pct"]))
+    front, best = [], math.inf
+    for r in kivi:
+        if r["delta_ppl_pct"] < best:
+            front.append(r)
+            best = r["delta_ppl_pct"]
+    if len(front) > 1:
+        ax.plot([r["bits_per_element"] for r in front], [r["delta_ppl_pct"] for r in front], "--", color="tab:blue",
+                alpha=0.6, label="KIVI Pareto front")
+    for k, (m, c) in (("KIVI config", ("o", "tab:blue")), ("preset", ("*", "tab:green")),
+                      ("baseline (quanto)", ("s", "tab:red")), ("FP (DynamicCache)", ("D", "black"))):
+        ax.scatter([], [], marker=m, color=c, label=k)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("bits per cached element (real cache bytes, incl. scales and FP window)")
+    ax.set_ylabel("Δ perplexity vs FP (%)")
+    ax.set_yscale("symlog", linthresh=1.0)
+    lo = min([r["delta_ppl_pct"] for r in pts] + [0.0])
+    ax.set_ylim(bottom=min(-0.5, 1.5 * lo))
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    p = Path(path)
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    return p

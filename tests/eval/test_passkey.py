@@ -1,0 +1,46 @@
+import pytest
+import torch
+
+from kivi import KiviConfig
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from kivi.models import converted_cache_path
+
+    path = converted_cache_path("smollm2")
+    if not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
+        pytest.skip("no converted SmolLM2 tokenizer cached (run `kivi eval ppl` once)")
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def test_prompt_length_and_needle(tokenizer):
+    from kivi.eval.passkey import passkey_prompt
+
+    for length, depth in ((256, 0.0), (512, 0.5), (1024, 1.0)):
+        text, ids = passkey_prompt(tokenizer, length, depth, "12345")
+        assert ids.shape[1] <= length and ids.shape[1] > length * 0.8
+        assert "The pass key is 12345" in text and text.rstrip().endswith("The pass key is")
+    _, lo = passkey_prompt(tokenizer, 512, 0.1, "11111")
+    _, hi = passkey_prompt(tokenizer, 512, 0.9, "11111")
+    assert lo.shape == hi.shape or abs(lo.shape[1] - hi.shape[1]) < 10
+    with pytest.raises(ValueError):
+        passkey_prompt(tokenizer, 512, 1.5, "12345")
+
+
+def test_passkey_runs_with_tiny_model(tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kivi.eval.passkey import passkey
+
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    r = passkey(model, tokenizer, [None, KiviConfig(residual_length=32)], lengths=(256,), depths=(0.5,), seeds=2,
+                max_new_tokens=3, progress=False)
+    assert [x["name"] for x in r["results"]] == ["fp", "K2 V2 G32 R32"]
+    for x in r["results"]:
+        assert 0.0 <= x["accuracy"] <= 1.0 and len(x["trials"]) == 2 and set(x["by_length"]) == {"256"}
