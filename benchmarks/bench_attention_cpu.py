@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--skip", default="", help="comma-separated methods to skip: reference,blocked,bf16")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -107,11 +108,16 @@ def main() -> None:
             "pct_of_copy_bw": 100 * nbytes / t["min_s"] / 1e9 / bw["copy_GBps"],
         })
 
-    add("reference (dequant+attend)", lambda: reference_attention(q, kv, vv, scaling=scaling), qbytes)
-    add("blocked (kivi cpu)", lambda: blocked_attention(q, kv, vv, scaling=scaling, block_tokens=a.block_tokens), qbytes)
+    skip = set(filter(None, a.skip.split(",")))
+    if "reference" not in skip:
+        add("reference (dequant+attend)", lambda: reference_attention(q, kv, vv, scaling=scaling), qbytes)
+    if "blocked" not in skip:
+        add("blocked (kivi cpu)", lambda: blocked_attention(q, kv, vv, scaling=scaling, block_tokens=a.block_tokens), qbytes)
     if fused is not None:
         add("fused (numba)", lambda: fused(q, kv, vv, scaling=scaling), qbytes)
     for dt in (torch.float32, torch.bfloat16):
+        if dt == torch.bfloat16 and "bf16" in skip:
+            continue
         kf, vf, qf = k.to(dt), v.to(dt), q.to(dt).reshape(B, hkv, g, D)  # pack GQA as transformers does
         add(f"sdpa fp cache {str(dt).split('.')[-1]}",
             lambda kf=kf, vf=vf, qf=qf: torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, scale=scaling),

@@ -77,35 +77,37 @@ prange = range
 _NEG32 = np.float32(NEG)
 
 
-def _unpack_py(flat, base, bits, nb, run, out):
-    """Codes of one token (``nb`` packed bytes at ``flat[base:]``) -> float32 ``out[: nb * per]``.
+def _unpack_py(row, bits, nb, out):
+    """Codes of one token (the ``nb`` packed bytes ``row``) -> float32 ``out[: nb * (8 // bits)]``.
 
-    Permuted order, so every inner loop reads contiguous bytes and writes contiguous floats (it
-    vectorises): the bytes are taken in runs of ``run``; position ``r * run * per + k * run + jj``
-    holds code ``k`` of byte ``r * run + jj``, i.e. channel ``(r * run + jj) * per + k``
-    (``per = 8 // bits`` codes per byte). See :func:`_channel_of`.
+    Natural channel order (code ``k`` of byte ``j`` is channel ``j * per + k``). The common widths
+    have their own branch so ``per`` is a compile-time constant (straight-line, SLP-vectorised).
     """
-    per = 8 // bits
-    mask = (1 << bits) - 1
-    for r in range(nb // run):
-        for k in range(per):
-            sh = bits * k
-            o = r * run * per + k * run
-            b0 = base + r * run
-            for jj in range(run):
-                out[o + jj] = np.float32((flat[b0 + jj] >> sh) & mask)
-
-
-def _channel_of(p, per, run):
-    """Channel held at permuted position ``p`` (see :func:`_unpack_py`)."""
-    r = p // (run * per)
-    rem = p - r * run * per
-    k = rem // run
-    return (r * run + rem - k * run) * per + k
+    if bits == 2:
+        for j in range(nb):
+            v = np.int32(row[j])
+            out[4 * j] = np.float32(v & 3)
+            out[4 * j + 1] = np.float32((v >> 2) & 3)
+            out[4 * j + 2] = np.float32((v >> 4) & 3)
+            out[4 * j + 3] = np.float32((v >> 6) & 3)
+    elif bits == 4:
+        for j in range(nb):
+            v = np.int32(row[j])
+            out[2 * j] = np.float32(v & 15)
+            out[2 * j + 1] = np.float32((v >> 4) & 15)
+    elif bits == 8:
+        for j in range(nb):
+            out[j] = np.float32(row[j])
+    else:
+        per = 8 // bits
+        mask = (1 << bits) - 1
+        for j in range(nb):
+            v = np.int32(row[j])
+            for k in range(per):
+                out[j * per + k] = np.float32((v >> (bits * k)) & mask)
 
 
 _unpack = _unpack_py
-_chan = _channel_of
 
 _SIGNATURE = (
     "void(float32[:,:,:], "  # q [B, Hq, D]
@@ -126,22 +128,13 @@ def _segment_py(q, kq, kflat, ks0, ks1, ks2, ksc, kbs, kfp, koff, kbits, kG,
     Dv = acc.shape[2]
     Hkv = ksc.shape[1] if kq else kfp.shape[1]
     g = Hq // Hkv
-    # permuted layouts (see _unpack_py); fp sides use the identity (per = 1, one run)
     kper = 8 // kbits if kq else 1
     knb = (D + kper - 1) // kper
     knpos = knb * kper
     vper = 8 // vbits if vq else 1
     vnb = (Dv + vper - 1) // vper
     vnpos = vnb * vper
-    vrun = vG // vper if vq else vnb  # bytes per value group (vG % vper == 0 is checked by the host)
     nvg = Dv // vG if vq else 1
-    vgs = vrun * vper  # positions per value group
-    kperm = np.empty(knpos, dtype=np.int64)
-    for p in range(knpos):
-        kperm[p] = _chan(p, kper, knb)
-    vperm = np.empty(vnpos, dtype=np.int64)
-    for p in range(vnpos):
-        vperm[p] = _chan(p, vper, vrun)
     nch = (ntok + chunk - 1) // chunk
     ntask = B * Hkv * nch
     pm = np.empty((ntask, g), dtype=np.float32)
@@ -157,51 +150,44 @@ def _segment_py(q, kq, kflat, ks0, ks1, ks2, ksc, kbs, kfp, koff, kbits, kG,
         n = t1 - t0
         s = np.empty((g, n), dtype=np.float32)
         cod = np.zeros(max(knpos, vnpos), dtype=np.float32)
-        x = np.zeros(vnpos, dtype=np.float32)
-        qp = np.zeros((g, knpos), dtype=np.float32)  # scaled query, permuted like the key codes
-        qs = np.zeros((g, knpos), dtype=np.float32)
-        scp = np.zeros(knpos, dtype=np.float32)
-        bsp = np.zeros(knpos, dtype=np.float32)
+        qp = np.zeros((g, D), dtype=np.float32)
+        qs = np.zeros((g, D), dtype=np.float32)
         cst = np.zeros(g, dtype=np.float32)
         for i in range(g):
-            for p in range(knpos):
-                ch = kperm[p]
-                if ch < D:
-                    qp[i, p] = q[b, h * g + i, ch] * scaling
+            for d in range(D):
+                qp[i, d] = q[b, h * g + i, d] * scaling
         # ---------------------------------------------------------------- scores
         if kq:
             grp_prev = -1
+            kbase = b * ks0 + h * ks1
             for t in range(t0, t1):
                 kt = koff + t
                 grp = kt // kG
                 if grp != grp_prev:
                     grp_prev = grp
-                    for p in range(knpos):
-                        ch = kperm[p]
-                        if ch < D:
-                            scp[p] = ksc[b, h, grp, ch]
-                            bsp[p] = kbs[b, h, grp, ch]
+                    scr = ksc[b, h, grp]
+                    bsr = kbs[b, h, grp]
                     for i in range(g):
                         acc_c = np.float32(0.0)
-                        for p in range(knpos):
-                            qs[i, p] = qp[i, p] * scp[p]
-                            acc_c += qp[i, p] * bsp[p]
+                        for d in range(D):
+                            qs[i, d] = qp[i, d] * scr[d]
+                            acc_c += qp[i, d] * bsr[d]
                         cst[i] = acc_c
-                _unpack(kflat, b * ks0 + h * ks1 + kt * ks2, kbits, knb, knb, cod)
+                o = kbase + kt * ks2
+                _unpack(kflat[o : o + knb], kbits, knb, cod)
                 for i in range(g):
                     sc = np.float32(0.0)
-                    for p in range(knpos):
-                        sc += qs[i, p] * cod[p]
+                    for d in range(D):
+                        sc += qs[i, d] * cod[d]
                     s[i, t - t0] = sc + cst[i]
         else:
             for t in range(t0, t1):
                 kt = koff + t
-                for d in range(D):
-                    cod[d] = kfp[b, h, kt, d]
+                kr = kfp[b, h, kt]
                 for i in range(g):
                     sc = np.float32(0.0)
                     for d in range(D):
-                        sc += qp[i, d] * cod[d]
+                        sc += qp[i, d] * kr[d]
                     s[i, t - t0] = sc
         if has_mask:
             for t in range(t0, t1):
@@ -221,30 +207,45 @@ def _segment_py(q, kq, kflat, ks0, ks1, ks2, ksc, kbs, kfp, koff, kbits, kG,
             pm[task, i] = mx
             pl[task, i] = sm
         # ---------------------------------------------------------------- values
-        la = np.zeros((g, vnpos), dtype=np.float32)
-        for t in range(t0, t1):
-            vt = voff + t
-            if vq:
-                _unpack(vflat, b * vs0 + h * vs1 + vt * vs2, vbits, vnb, vrun, cod)
-                for gg in range(nvg):
-                    sv = vsc[b, h, vt, gg]
-                    ov = vbs[b, h, vt, gg]
-                    for p in range(gg * vgs, gg * vgs + vgs):
-                        x[p] = cod[p] * sv + ov
-            else:
-                for d in range(Dv):
-                    x[d] = vfp[b, h, vt, d]
+        # acc_{i,d} = sum_t (p_{i,t} scale_{t,grp}) code_{t,d} + sum_t p_{i,t} base_{t,grp}
+        la = np.zeros((g, Dv), dtype=np.float32)
+        lo = np.zeros((g, nvg), dtype=np.float32)
+        if vq:
+            vbase = b * vs0 + h * vs1
+            for t in range(t0, t1):
+                vt = voff + t
+                o = vbase + vt * vs2
+                _unpack(vflat[o : o + vnb], vbits, vnb, cod)
+                scr = vsc[b, h, vt]
+                bsr = vbs[b, h, vt]
+                for i in range(g):
+                    pe = s[i, t - t0]
+                    if pe == 0.0:
+                        continue
+                    for gg in range(nvg):
+                        w = pe * scr[gg]
+                        lo[i, gg] += pe * bsr[gg]
+                        # slices + range(vG) from 0: a loop with a runtime start does not vectorise
+                        lr = la[i, gg * vG : gg * vG + vG]
+                        cr = cod[gg * vG : gg * vG + vG]
+                        for d in range(vG):
+                            lr[d] += w * cr[d]
             for i in range(g):
-                pe = s[i, t - t0]
-                if pe == 0.0:
-                    continue
-                for p in range(vnpos):
-                    la[i, p] += pe * x[p]
-        for i in range(g):
-            for p in range(vnpos):
-                ch = vperm[p]
-                if ch < Dv:
-                    pacc[task, i, ch] = la[i, p]
+                for d in range(Dv):
+                    pacc[task, i, d] = la[i, d] + lo[i, d // vG]
+        else:
+            for t in range(t0, t1):
+                vt = voff + t
+                vr = vfp[b, h, vt]
+                for i in range(g):
+                    pe = s[i, t - t0]
+                    if pe == 0.0:
+                        continue
+                    for d in range(Dv):
+                        la[i, d] += pe * vr[d]
+            for i in range(g):
+                for d in range(Dv):
+                    pacc[task, i, d] = la[i, d]
     # -------------------------------------------------------------------- merge (log-sum-exp)
     for bh in prange(B * Hkv):
         b = bh // Hkv
@@ -270,7 +271,7 @@ def _segment_py(q, kq, kflat, ks0, ks1, ks2, ksc, kbs, kfp, koff, kbits, kG,
 
 def _build_kernel():
     """Compile (or load from numba's cache) the segment kernel. Imports numba lazily."""
-    global prange, _unpack, _chan
+    global prange, _unpack
     import os
 
     import numba
@@ -282,7 +283,6 @@ def _build_kernel():
 
     prange = numba.prange
     _unpack = numba.njit(inline="always", cache=True)(_unpack_py)
-    _chan = numba.njit(inline="always", cache=True)(_channel_of)
     return numba.njit(_SIGNATURE, parallel=True, fastmath=True, cache=True)(_segment_py)
 
 
