@@ -104,6 +104,9 @@ def run_one(model, kind, context, batch, steps, vocab):
 
 
 def main():
+    from kivi.allocator import reduce_fragmentation
+
+    reduce_fragmentation()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])

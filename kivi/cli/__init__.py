@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..allocator import reduce_fragmentation
+
+    reduce_fragmentation()  # long CPU runs: keep RSS close to what the caches really hold
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
