@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import KiviConfig
-from .quant.packing import packed_size
+from .quant.kv import kv_bytes_breakdown
 
 __all__ = [
     "ModelSpec",
@@ -426,16 +426,8 @@ _FIELDS = ("codes", "scales_zero_points", "compensation", "fp_window", "fp_unqua
 def _side_token_bytes(head_dim: int, bits: int, group_size: int, axis: str, param_bytes: int, symmetric: bool,
                       residual_bits: int) -> dict[str, float]:
     """Bytes per stored token per head, by field (keys' per-group fields amortised over G tokens)."""
-    n_params = 1 if symmetric else 2
-    codes = packed_size(head_dim, bits)
-    if axis == "channel":
-        params = n_params * param_bytes * head_dim / group_size
-        comp = packed_size(head_dim, residual_bits) / group_size if residual_bits else 0.0
-    else:
-        groups = head_dim // group_size
-        params = n_params * param_bytes * groups
-        comp = packed_size(groups, residual_bits) if residual_bits else 0.0
-    return {"codes": codes, "scales_zero_points": params, "compensation": comp}
+    return kv_bytes_breakdown(head_dim, bits, group_size, axis, param_bytes=param_bytes, symmetric=symmetric,
+                              residual_bits=residual_bits)
 
 
 def _stored(axis: str, quantized: bool, seen: int, R: int, G: int) -> int:

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from . import CliError
+from ..eval.caches import cache_nbytes
 from .common import print_json
 
 DEFAULT_PRESETS = "high,balanced,extreme"
@@ -77,18 +78,6 @@ def parse_presets(text: str) -> list[tuple[str, Any]]:
     return out
 
 
-def cache_nbytes(cache: Any) -> int:
-    """Bytes of the tensors a cache holds (``KiviCache.nbytes``; transformers caches: keys + values)."""
-    nb = getattr(cache, "nbytes", None)
-    if isinstance(nb, int):
-        return nb
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for name in ("keys", "values"):
-            t = getattr(layer, name, None)
-            if t is not None and hasattr(t, "numel"):
-                total += t.numel() * t.element_size()
-    return total
 
 
 class _Progress:

@@ -147,20 +147,26 @@ def dequantize_kv(p: PackedKV, dtype: torch.dtype = torch.float32) -> torch.Tens
     return out.to(dtype)
 
 
+def kv_bytes_breakdown(head_dim: int, bits: int, group_size: int, axis: str, *, param_bytes: int,
+                       symmetric: bool = False, residual_bits: int = 0) -> dict[str, float]:
+    """Bytes one stored token of one head costs, by field (keys' per-group fields amortised over G tokens)."""
+    codes = packed_size(head_dim, bits)
+    n_params = 1 if symmetric else 2
+    if axis == "channel":  # D parameters per G tokens
+        params = n_params * param_bytes * head_dim / group_size
+        comp = packed_size(head_dim, residual_bits) / group_size if residual_bits else 0.0
+    else:  # D // G parameters per token
+        groups = head_dim // group_size
+        params = n_params * param_bytes * groups
+        comp = packed_size(groups, residual_bits) if residual_bits else 0.0
+    return {"codes": codes, "scales_zero_points": params, "compensation": comp}
+
+
 def kv_bytes_per_token(head_dim: int, bits: int, group_size: int, axis: str, *, param_bytes: int,
                        symmetric: bool = False, residual_bits: int = 0) -> float:
     """Bytes one token of one head costs in quantized form (for planners and tests)."""
-    codes = packed_size(head_dim, bits)
-    n_params = 1 if symmetric else 2
-    if axis == "channel":
-        groups_per_token = head_dim / group_size  # D parameters per G tokens
-        params = n_params * param_bytes * head_dim / group_size
-        comp = packed_size(head_dim, residual_bits) / group_size if residual_bits else 0.0
-    else:
-        groups_per_token = head_dim // group_size
-        params = n_params * param_bytes * groups_per_token
-        comp = packed_size(groups_per_token, residual_bits) if residual_bits else 0.0
-    return codes + params + comp
+    return sum(kv_bytes_breakdown(head_dim, bits, group_size, axis, param_bytes=param_bytes,
+                                  symmetric=symmetric, residual_bits=residual_bits).values())
 
 
 __all__ = [
@@ -170,5 +176,6 @@ __all__ = [
     "compensation_values",
     "token_divisor",
     "kv_bytes_per_token",
+    "kv_bytes_breakdown",
 ]
 
