@@ -559,14 +559,7 @@ def _kivi_total(plan: list, spec: ModelSpec, T: int, P: int, batch: int, param_b
     memo: dict[Any, dict[str, float]] = {}
     for i, (lcfg, window, key) in enumerate(plan):
         if key not in memo:
-            if window is not None and not (lcfg.quantize_key or lcfg.quantize_value):
-                # KiviCache keeps such layers as transformers' FP sliding layer
-                part = dict.fromkeys(_FIELDS, 0.0)
-                part["fp_unquantized"] = (2.0 * batch * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[spec.dtype]
-                                          * min(T, window - 1))
-                memo[key] = part
-            else:
-                memo[key] = _layer_bytes(lcfg, spec, T, P, batch, window, param_bytes[i])
+            memo[key] = _layer_bytes(lcfg, spec, T, P, batch, window, param_bytes[i])
         part = memo[key]
         for k, v in part.items():
             total[k] += v

@@ -35,7 +35,12 @@ def test_family_quantization_off_matches_dynamic_cache_exactly(family):
     ids = torch.randint(1, 128, (1, 400), generator=torch.Generator().manual_seed(0))
     ref = _chunked_logits(model, ids, DynamicCache(config=model.config), 100)
     got = _chunked_logits(model, ids, KiviCache.from_model(model, OFF), 100)
-    assert torch.equal(ref, got)
+    if "sliding_window" in FAMILIES[family]:
+        # Sliding layers keep whole blocks a little past the window (the mask hides them), so the
+        # attention kernel sums over a longer, masked row: equal up to float summation order.
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    else:
+        assert torch.equal(ref, got)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

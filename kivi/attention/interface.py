@@ -12,8 +12,8 @@ How the attention function reaches the packed cache without materialising it:
 4. :func:`kivi_attention_forward` finds the layer via ``module.layer_idx`` in the active cache,
    takes (and clears) its ``last_views`` and runs the cache's backend over them.
 
-Anything else — no active cache, a non-KIVI cache, a full-precision layer (e.g. a
-``DynamicSlidingWindowLayer`` kept in FP), a cache whose backend is ``"reference"`` — receives real
+Anything else — no active cache, a non-KIVI cache, a non-KIVI layer inside a KiviCache, a cache
+whose backend is ``"reference"`` — receives real
 key/value tensors from ``update`` and goes through transformers' SDPA attention: the correct path
 for full-precision tensors, not a fallback of a quantized layer.
 

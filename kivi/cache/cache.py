@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
 from ..config import KiviConfig
 from .layer import KiviLayer
@@ -64,9 +64,8 @@ class KiviCache(Cache):
                 )
             lcfg = config.for_layer(idx)
             if lt == "sliding_attention":
-                if not (lcfg.quantize_key or lcfg.quantize_value):
-                    layers.append(DynamicSlidingWindowLayer(sliding_window=kw["sliding_window"]))
-                    continue
+                # Always a KiviLayer (also when nothing is quantized): every sliding layer then drops
+                # tokens at the same positions, so transformers' one sliding mask fits them all.
                 sliding_params.add((lcfg.residual_length, lcfg.group_size))
                 layers.append(KiviLayer(lcfg, sliding_window=kw["sliding_window"]))
             else:

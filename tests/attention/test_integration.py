@@ -8,6 +8,8 @@ import pytest
 import torch
 import transformers
 
+from kivi.cache.layer import KiviLayer
+
 import kivi
 from kivi import KiviCache, KiviConfig, dequantize_model, quantize_model
 from kivi.attention import chunked_prefill, resolve_attention_backend
@@ -124,8 +126,8 @@ def test_sliding_window_mistral():
     torch.testing.assert_close(lf, lr, atol=2e-4, rtol=2e-4)
 
 
-def test_fp_sliding_layer_uses_sdpa():
-    """A sliding layer kept at full precision (DynamicSlidingWindowLayer) goes through plain SDPA."""
+def test_unquantized_sliding_layer_beside_quantized_layers():
+    """A sliding layer with nothing quantized is a KiviLayer of full-precision blocks (same eviction rule)."""
     lsc = {0: {"quantize_key": False, "quantize_value": False}}
     kw = dict(
         model_type="qwen2", sliding_window=24, use_sliding_window=True,
@@ -136,7 +138,7 @@ def test_fp_sliding_layer_uses_sdpa():
     ids = torch.randint(1, 128, (1, 90))
     lr, _ = _forward_steps(ref, ids, [60, 1, 29])
     lf, cf = _forward_steps(fast, ids, [60, 1, 29])
-    assert isinstance(cf.layers[0], transformers.cache_utils.DynamicSlidingWindowLayer)
+    assert isinstance(cf.layers[0], KiviLayer) and cf.layers[0].memory_breakdown()["codes"] == 0
     torch.testing.assert_close(lf, lr, atol=2e-4, rtol=2e-4)
 
 
