@@ -54,8 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = args.func(args)
         return int(rc or 0)
-    except (CliError, ValueError, FileNotFoundError, OSError) as e:
-        if os.environ.get("KIVI_DEBUG"):
+    except Exception as e:  # noqa: BLE001 - user-facing errors become one line, others re-raise
+        user_error = isinstance(e, (CliError, ValueError, OSError)) or getattr(e, "user_facing", False)
+        if not user_error or os.environ.get("KIVI_DEBUG"):
             raise
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"kivi {args.command}: error: {msg}", file=sys.stderr)

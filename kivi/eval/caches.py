@@ -30,6 +30,8 @@ CacheSpec = Union[KiviConfig, str, None]
 class BaselineUnavailable(RuntimeError):
     """A baseline cannot be built here (e.g. optimum-quanto missing); the message says why."""
 
+    user_facing = True  # the CLI prints it as one line
+
 
 def check_spec(spec: CacheSpec) -> CacheSpec:
     """Validate a spec; returns it (``"fp"`` normalised to ``None``)."""
