@@ -31,7 +31,7 @@ import torch
 from ..cache.layer import AttentionView
 from ..quant.kv import PackedKV, compensation_values
 from ..quant.packing import unpack_codes
-from .reference import NEG, grouped_mask
+from .reference import NEG, grouped_mask, view_geometry
 
 _LUTS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
@@ -154,17 +154,9 @@ def blocked_attention(
     Returns ``[B, Hq, n, Dv]`` in ``q.dtype``; computes in float32.
     """
     B, hq, n, d = q.shape
-    hkv = k_view.fp.shape[1]
-    if hq % hkv:
-        raise ValueError(f"{hq} query heads are not a multiple of {hkv} kv heads")
+    start, kv_len, hkv, dv = view_geometry(q, k_view, v_view)
     g = hq // hkv
-    start = k_view.start
-    end = k_view.split + k_view.fp.shape[-2]
-    v_end = v_view.split + v_view.fp.shape[-2]
-    if v_end != end or v_view.start != start:
-        raise ValueError(f"key view covers [{start}, {end}) but value view [{v_view.start}, {v_end})")
-    kv_len = end - start
-    dv = v_view.fp.shape[-1]
+    end = start + kv_len
     scaling = d**-0.5 if scaling is None else scaling
     mask = None
     if attention_mask is not None:

@@ -47,6 +47,7 @@ import torch
 
 from ..cache.layer import AttentionView
 from ..quant.kv import PackedKV, compensation_values
+from .reference import view_geometry
 
 SUPPORTED_BITS = (1, 2, 4, 8)
 NEG = float(torch.finfo(torch.float32).min)
@@ -424,16 +425,7 @@ def fused_decode_attention(
     B, hq, n, d = q.shape
     if n != 1:
         raise ValueError(f"fused_decode_attention takes one query token per sequence, got {n}")
-    hkv = k_view.fp.shape[1]
-    if hq % hkv:
-        raise ValueError(f"{hq} query heads are not a multiple of {hkv} kv heads")
-    start = k_view.start
-    end = k_view.split + k_view.fp.shape[-2]
-    v_end = v_view.split + v_view.fp.shape[-2]
-    if v_end != end or v_view.start != start:
-        raise ValueError(f"key view covers [{start}, {end}) but value view [{v_view.start}, {v_end})")
-    kv_len = end - start
-    dv = v_view.fp.shape[-1]
+    start, kv_len, hkv, dv = view_geometry(q, k_view, v_view)
     scaling = d**-0.5 if scaling is None else scaling
     kernel = _kernel()
     valid = _valid_row(attention_mask, B, kv_len)

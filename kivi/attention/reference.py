@@ -90,3 +90,16 @@ def reference_attention(
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"key view holds {k.shape[-2]} tokens but value view {v.shape[-2]}")
     return dense_attention(q, k, v, scaling=scaling, attention_mask=attention_mask)
+
+
+def view_geometry(q: torch.Tensor, k_view, v_view) -> tuple[int, int, int, int]:
+    """Check that ``q [B, Hq, n, D]`` and the two views line up; return ``(start, kv_len, hkv, dv)``."""
+    hq, hkv = q.shape[1], k_view.fp.shape[1]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} kv heads")
+    start = k_view.start
+    end = k_view.split + k_view.fp.shape[-2]
+    v_end = v_view.split + v_view.fp.shape[-2]
+    if v_end != end or v_view.start != start:
+        raise ValueError(f"key view covers [{start}, {end}) but value view [{v_view.start}, {v_end})")
+    return start, end - start, hkv, v_view.fp.shape[-1]

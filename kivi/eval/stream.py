@@ -261,16 +261,7 @@ def perplexity(
         "cache_bytes" (at the end of a window, averaged over windows), "seconds", "name", "config",
         "context", "prefix", "chunk"}``.
     """
-    spec = check_spec(config)
-    out = compare(model, windows, [spec], prefix=prefix, chunk=chunk, reference=False, progress=progress,
-                  batch_size=batch_size)
-    r = out["results"][0]
-    if "unavailable" in r:
-        from .caches import BaselineUnavailable  # noqa: PLC0415
-
-        raise BaselineUnavailable(f"{r['name']} unavailable: {r['unavailable']}")
-    r.update(context=out["protocol"]["context"], prefix=prefix, chunk=chunk)
-    return r
+    return _single(model, windows, config, prefix, chunk, progress, batch_size, reference=False)
 
 
 def kl_divergence(
@@ -290,8 +281,13 @@ def kl_divergence(
     log-probabilities are held at a time). Returns the :func:`perplexity` fields for ``config`` plus
     ``kl`` (nats per scored token), ``top1_agreement`` (fraction), ``ppl_fp`` and ``delta_ppl_pct``.
     """
+    return _single(model, windows, config, prefix, chunk, progress, batch_size, reference=True)
+
+
+def _single(model, windows, config, prefix, chunk, progress, batch_size, *, reference: bool) -> dict[str, Any]:
+    """:func:`compare` for one config; an unavailable baseline raises ``BaselineUnavailable``."""
     spec = check_spec(config)
-    out = compare(model, windows, [spec], prefix=prefix, chunk=chunk, reference=True, progress=progress,
+    out = compare(model, windows, [spec], prefix=prefix, chunk=chunk, reference=reference, progress=progress,
                   batch_size=batch_size)
     r = out["results"][0]
     if "unavailable" in r:
