@@ -130,7 +130,6 @@ class KiviLayer(CacheLayerMixin):
         views = []
         for side, x in ((self.k, key_states), (self.v, value_states)):
             if not side.quantize:
-                split = side.store.length
                 side.store.append(FpSegment(x))
                 fp = x[:, :, :0]
                 # Full-precision storage: attention reads it from the store, nothing pending.
