@@ -420,7 +420,7 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 # --------------------------------------------------------------------------- storage model
 
-_FIELDS = ("codes", "scales_zero_points", "compensation", "fp_window", "fp_unquantized", "block_reserve")
+_FIELDS = ("codes", "scales_zero_points", "compensation", "fp_window", "fp_sink", "fp_unquantized", "block_reserve")
 
 
 def _side_token_bytes(head_dim: int, bits: int, group_size: int, axis: str, param_bytes: int, symmetric: bool,
@@ -430,22 +430,28 @@ def _side_token_bytes(head_dim: int, bits: int, group_size: int, axis: str, para
                               residual_bits=residual_bits)
 
 
-def _stored(axis: str, quantized: bool, seen: int, R: int, G: int) -> int:
-    """Tokens of one side in the block store after ``seen`` tokens (the rest is in the FP window)."""
+def _sink(quantized: bool, seen: int, R: int, sink: int) -> int:
+    """Sink tokens held after ``seen`` tokens (the first tokens to leave the window become sinks)."""
+    return min(sink, max(0, seen - R)) if quantized else 0
+
+
+def _stored(axis: str, quantized: bool, seen: int, R: int, G: int, sink: int = 0) -> int:
+    """Tokens of one side in the block store after ``seen`` tokens (the rest: sink and FP window)."""
     if not quantized:
         return seen
+    seen -= _sink(quantized, seen, R, sink)
     if axis == "channel":
         return max(0, (seen - R) // G * G)
     return max(0, seen - R)
 
 
 def _held_blocks(axis: str, quantized: bool, T: int, P: int, R: int, G: int, bs: int,
-                 window: int | None) -> tuple[int, int]:
+                 window: int | None, sink: int = 0) -> tuple[int, int]:
     """(allocated tokens still held, written tokens in them) of one side's block store."""
-    S = _stored(axis, quantized, T, R, G)
+    S = _stored(axis, quantized, T, R, G, sink)
     if S == 0:
         return 0, 0
-    S0 = _stored(axis, quantized, P, R, G)
+    S0 = _stored(axis, quantized, P, R, G, sink)
     cap0 = max(bs, S0) if S0 > 0 else bs
     n_blocks = 1 + (-(-max(0, S - cap0) // bs))
     cap_total = cap0 + (n_blocks - 1) * bs
@@ -466,15 +472,18 @@ def _layer_bytes(cfg: KiviConfig, spec: ModelSpec, T: int, P: int, batch: int, w
     b = DTYPE_BYTES[spec.dtype]
     D, G, R, bs = spec.head_dim, cfg.group_size, cfg.residual_length, cfg.block_size
     heads = spec.num_kv_heads * batch
+    sink = 0 if window is not None else cfg.sink_tokens  # sliding layers keep no sink
     out = dict.fromkeys(_FIELDS, 0.0)
     for axis, quant, bits in (("channel", cfg.quantize_key, cfg.k_bits), ("token", cfg.quantize_value, cfg.v_bits)):
-        held, used = _held_blocks(axis, quant, T, P, R, G, bs, window)
+        held, used = _held_blocks(axis, quant, T, P, R, G, bs, window, sink)
         if quant:
             per = _side_token_bytes(D, bits, G, axis, param_bytes, cfg.symmetric, cfg.residual_bits)
             for k, v in per.items():
                 out[k] += heads * used * v
             out["block_reserve"] += heads * (held - used) * sum(per.values())
-            out["fp_window"] += heads * (T - _stored(axis, True, T, R, G)) * D * b
+            s = _sink(True, T, R, sink)
+            out["fp_sink"] += heads * s * D * b
+            out["fp_window"] += heads * (T - s - _stored(axis, True, T, R, G, sink)) * D * b
         else:
             out["fp_unquantized"] += heads * used * D * b
             out["block_reserve"] += heads * (held - used) * D * b

@@ -12,8 +12,10 @@ def test_defaults_and_presets():
     c = KiviConfig()
     assert (c.k_bits, c.v_bits, c.group_size, c.residual_length, c.residual_bits) == (2, 2, 32, 128, 0)
     assert KiviConfig.preset("high").k_bits == 4 and KiviConfig.preset("HIGH").v_bits == 4
-    assert KiviConfig.preset("balanced").residual_bits > 0
-    assert KiviConfig.preset("extreme").residual_bits == 0
+    b = KiviConfig.preset("balanced")
+    assert (b.k_bits, b.v_bits, b.sink_tokens, b.residual_bits) == (4, 2, 4, 0)
+    e = KiviConfig.preset("extreme")
+    assert (e.k_bits, e.v_bits, e.sink_tokens, e.residual_bits) == (2, 2, 0, 0)  # plain KIVI-2
     assert KiviConfig.preset("extreme", group_size=64, residual_length=64).group_size == 64
     assert set(PRESETS) == {"high", "balanced", "extreme"}
 
@@ -41,6 +43,7 @@ def test_json_round_trip(tmp_path):
         (dict(layer_specific_config={0: {"bogus": 1}}), r"unknown field\(s\) \['bogus'\]"),
         (dict(layer_specific_config={"x": {}}), r"'x' is not a layer index"),
         (dict(quantize_key="yes"), r"quantize_key='yes' must be true or false"),
+        (dict(sink_tokens=-1), r"sink_tokens=-1 must be an integer >= 0"),
     ],
 )
 def test_validation_names_field_value_and_allowed(kwargs, match):

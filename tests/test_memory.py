@@ -101,12 +101,13 @@ def test_presets_and_layer_specific_config():
     extreme = estimate_kv_memory(spec, 8192, config="extreme")
     balanced = estimate_kv_memory(spec, 8192, config="balanced")
     assert high.kivi_total_bytes > balanced.kivi_total_bytes > extreme.kivi_total_bytes
-    assert balanced.kivi_breakdown["compensation"] > 0 and extreme.kivi_breakdown["compensation"] == 0
+    assert balanced.kivi_breakdown["fp_sink"] == 4 * 2 * 2 * 64 * 2 * 4 and extreme.kivi_breakdown["fp_sink"] == 0
     mixed = estimate_kv_memory(spec, 8192, config=KiviConfig(layer_specific_config={0: {"k_bits": 4, "v_bits": 4}}))
+    four = estimate_kv_memory(spec, 8192, config=KiviConfig(k_bits=4, v_bits=4))
     assert [l["k_bits"] for l in mixed.layers] == [4, 2, 2, 2]
-    assert mixed.layers[0]["bytes"] == high.layers[0]["bytes"]
+    assert mixed.layers[0]["bytes"] == four.layers[0]["bytes"]
     assert mixed.layers[1]["bytes"] == extreme.layers[1]["bytes"]
-    assert mixed.kivi_total_bytes == high.layers[0]["bytes"] + 3 * extreme.layers[1]["bytes"]
+    assert mixed.kivi_total_bytes == four.layers[0]["bytes"] + 3 * extreme.layers[1]["bytes"]
 
 
 def test_sliding_window_layers_are_bounded_during_decode():
@@ -213,6 +214,9 @@ def test_unknown_hub_model_offline(monkeypatch):
     (KiviConfig.preset("balanced", layer_specific_config={1: {"k_bits": 4}}), 600, 615, 2),
     (KiviConfig(quantize_value=False, group_size=16, residual_length=32, block_size=64), 250, 333, 1),
     (KiviConfig(symmetric=True, k_bits=3, v_bits=8), 600, 601, 1),
+    (KiviConfig(sink_tokens=4), 300, 300, 1),
+    (KiviConfig(sink_tokens=1, residual_length=32), 100, 420, 2),  # the sink fills during decode too
+    (KiviConfig(sink_tokens=40, residual_length=32), 20, 90, 1),
 ])
 def test_agrees_with_kivicache_tiny_llama(cfg, prefill, total, batch):
     model = _tiny()
@@ -232,9 +236,10 @@ def test_agrees_with_kivicache_half_precision(dtype):
     assert e.kivi_total_bytes == cache.nbytes
 
 
-def test_agrees_with_kivicache_sliding_window():
+@pytest.mark.parametrize("sink", [0, 2])  # sliding layers keep no sink tokens
+def test_agrees_with_kivicache_sliding_window(sink):
     model = _tiny("mistral", num_hidden_layers=2, num_key_value_heads=1, sliding_window=64)
-    cfg = KiviConfig(group_size=16, residual_length=32, block_size=64)
+    cfg = KiviConfig(group_size=16, residual_length=32, block_size=64, sink_tokens=sink)
     cache = _run(model, cfg, 100, 450)
     e = estimate_kv_memory(model, 450, config=cfg, prefill=100)
     assert e.sliding_layers == 2

@@ -8,7 +8,7 @@
 * ``"auto"`` — resolved once, when the model is quantized / the cache is built: ``"reference"``
   for models whose attention the fused paths do not implement (logit softcapping, e.g. Gemma2;
   attention sinks); else ``"triton"`` on a CUDA device when triton imports and the config is one
-  the kernel implements (asymmetric, 1/2/4/8 bits, no compensation); else ``"cpu"``.
+  the kernel implements (asymmetric, 1/2/4/8 bits, no compensation, no sink tokens); else ``"cpu"``.
 
 An explicitly requested backend that is not available raises; nothing falls back silently.
 This module imports nothing from :mod:`kivi.cache` (the cache imports it lazily).
@@ -58,6 +58,8 @@ def kernel_config_unsupported(config: Any) -> str | None:
     """Why the Triton kernel cannot read caches made with ``config`` (a KiviConfig), or ``None``."""
     if config is None:
         return None
+    if getattr(config, "sink_tokens", 0):
+        return "full-precision sink tokens (sink_tokens > 0)"
     cfgs = [config] + [config.for_layer(i) for i in config.layer_specific_config]
     for c in cfgs:
         if c.symmetric:

@@ -83,6 +83,8 @@ def _slice_value_seg(seg: PackedKV, a: int, b: int) -> PackedKV:
 
 def _key_chunks(view: AttentionView, block_tokens: int):
     """Yield ``(first_token, kind, obj)``: kind "q" (PackedKV) or "fp" (tensor), in token order."""
+    if view.sink is not None:
+        yield 0, "fp", view.sink
     for t0, seg in view.store.iter_blocks(view.split):
         if view.quantized:
             bt = max(seg.group_size, block_tokens // seg.group_size * seg.group_size)
@@ -99,7 +101,7 @@ def _key_chunks(view: AttentionView, block_tokens: int):
 
 def _value_pieces(view: AttentionView):
     """List of ``(first, end, kind, obj)`` covering the value tokens in order."""
-    out = []
+    out = [] if view.sink is None else [(0, view.sink.shape[-2], "fp", view.sink)]
     for t0, seg in view.store.iter_blocks(view.split):
         if view.quantized:
             out.append((t0, t0 + seg.num_tokens, "q", seg))

@@ -337,7 +337,7 @@ def _flat_codes(packed: torch.Tensor):
 
 def _pieces(view: AttentionView) -> list[tuple[int, int, bool, tuple]]:
     """``(first, end, quantized, arrays)`` covering the view's tokens in order."""
-    out = []
+    out = [] if view.sink is None else [(0, view.sink.shape[-2], False, (_f32(view.sink),))]
     for t0, seg in view.store.iter_blocks(view.split):
         n = seg.num_tokens
         if n == 0:

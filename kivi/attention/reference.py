@@ -22,7 +22,7 @@ NEG = torch.finfo(torch.float32).min
 def materialize_view(view: AttentionView, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``[B, H, T, D]``: the stored tokens of ``view`` dequantized, then its full-precision part."""
     dtype = dtype or view.fp.dtype
-    parts = []
+    parts = [] if view.sink is None else [view.sink.to(dtype)]
     for _, seg in view.store.iter_blocks(view.split):
         parts.append(dequantize_kv(seg, dtype) if view.quantized else seg.data.to(dtype))
     if view.fp.shape[-2] or not parts:

@@ -20,6 +20,11 @@ from ..cache.layer import AttentionView
 
 def _side(view: AttentionView):
     """(quantized segment or None, full-precision tail) of one side."""
+    if view.sink is not None:
+        raise ValueError(
+            "attention_backend='triton' does not support sink_tokens > 0 yet; use sink_tokens=0 or "
+            "attention_backend='cpu' (blocked torch path, runs on GPUs too)"
+        )
     stored = view.store.read(view.split)
     if view.quantized:
         return stored, view.fp

@@ -4,10 +4,12 @@ State, for keys and for values separately (``seen`` tokens so far):
 
 * ``store`` — a :class:`BlockStore` of quantized tokens ``[store.start, store.length)``
   (or full-precision tokens when that side is not quantized);
-* ``window`` — the full-precision tokens ``[store.length, seen)``, bit-exact copies of the inputs.
+* ``window`` — the full-precision tokens ``[store.length, seen)``, bit-exact copies of the inputs;
+* ``sink`` — with ``sink_tokens = S > 0``: the first ``S`` tokens ``[0, S)`` in full precision, kept
+  forever and left out of every quantization statistic; the store then starts at ``S``.
 
 Keys leave the window only in whole groups of ``G`` tokens aligned on absolute positions
-(``0, G, 2G, ...``), and only once at least ``residual_length`` newer keys remain, so the key window
+(``S, S + G, S + 2G, ...``; ``S = 0`` without sink tokens), and only once at least ``residual_length`` newer keys remain, so the key window
 holds ``R`` to ``R + G - 1`` tokens. A value leaves the window once it is more than
 ``residual_length`` tokens old. History is never re-quantized.
 
@@ -42,17 +44,20 @@ class AttentionView:
 
     ``store`` tokens ``[store.start, split)`` come from storage (quantized unless ``quantized`` is
     False); ``fp [B, H, T_fp, D]`` holds the tokens ``[split, split + T_fp)`` at full precision
-    (the old window followed by the new tokens).
+    (the old window followed by the new tokens). ``sink [B, H, S, D]`` (or ``None``) holds the
+    tokens ``[0, S)`` at full precision; the store then starts at ``S``.
     """
 
     store: BlockStore
     split: int
     fp: torch.Tensor
     quantized: bool
+    sink: torch.Tensor | None = None
 
     @property
     def start(self) -> int:
-        return self.store.start
+        """First token position the view covers."""
+        return 0 if self.sink is not None else self.store.start
 
 
 class _Side:
@@ -65,13 +70,20 @@ class _Side:
         self.store = BlockStore(block_size)
         self.window: torch.Tensor | None = None  # [B, H, W, D]
         self.window_valid: torch.Tensor | None = None  # [B, W] bool, None = all valid
+        self.sink: torch.Tensor | None = None  # [B, H, S, D], tokens [0, S)
 
     @property
     def window_len(self) -> int:
         return 0 if self.window is None else self.window.shape[-2]
 
+    @property
+    def sink_len(self) -> int:
+        return 0 if self.sink is None else self.sink.shape[-2]
+
     def map_tensors(self, fn) -> None:
         self.store.map_tensors(fn)
+        if self.sink is not None:
+            self.sink = fn(self.sink)
         if self.window is not None:
             self.window = fn(self.window)
         if self.window_valid is not None:
@@ -89,6 +101,8 @@ class KiviLayer(CacheLayerMixin):
         self.config = config
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
+        # Sliding layers keep no sink: their first tokens leave the attention window anyway.
+        self.sink_tokens = 0 if self.is_sliding else config.sink_tokens
         self.seen = 0
         self.k = _Side("channel", config.quantize_key, config.k_bits, config.block_size)
         self.v = _Side("token", config.quantize_value, config.v_bits, config.block_size)
@@ -138,7 +152,7 @@ class KiviLayer(CacheLayerMixin):
             split = side.store.length
             pending = x if side.window is None else torch.cat([side.window, x], dim=-2)
             pvalid = self._pending_valid(side, valid, n)
-            views.append(AttentionView(side.store, split, pending, quantized=True))
+            views.append(AttentionView(side.store, split, pending, quantized=True, sink=side.sink))
             self._flush(side, pending, pvalid)
         self.seen += n
         self.last_views = (views[0], views[1])
@@ -160,6 +174,16 @@ class KiviLayer(CacheLayerMixin):
         cfg = self.config
         total = pending.shape[-2]
         excess = total - cfg.residual_length
+        if excess > 0 and side.sink_len < self.sink_tokens:
+            # The first tokens to leave the window become sink tokens (kept exact, no statistics).
+            s = min(self.sink_tokens - side.sink_len, excess)
+            part = pending[:, :, :s].clone()
+            side.sink = part if side.sink is None else torch.cat([side.sink, part], dim=-2)
+            side.store.start = side.store.length = side.sink_len  # nothing is stored before the sink is full
+            pending = pending[:, :, s:]
+            pvalid = None if pvalid is None else pvalid[:, s:]
+            total -= s
+            excess -= s
         if side.axis == "channel":
             move = (excess // cfg.group_size) * cfg.group_size if excess > 0 else 0
         else:
@@ -206,11 +230,13 @@ class KiviLayer(CacheLayerMixin):
     @property
     def kv_offset(self) -> int:
         """First absolute token position attention sees (0 unless sliding-window eviction happened)."""
+        if self.sliding_window is None:
+            return 0
         return max(self.k.store.start, self._cut())
 
     def materialize(self, view: AttentionView) -> torch.Tensor:
         """Reference path: dequantize the stored part of ``view`` and append its full-precision part."""
-        parts = []
+        parts = [] if view.sink is None else [view.sink]
         for _, seg in view.store.iter_blocks(view.split):
             if view.quantized:
                 parts.append(dequantize_kv(seg, self.dtype))
@@ -287,6 +313,13 @@ class KiviLayer(CacheLayerMixin):
 
     def _crop_side(self, side: _Side, new_seen: int) -> None:
         store = side.store
+        if new_seen < side.sink_len or (side.sink_len and new_seen == side.sink_len):
+            # Back into (or to the end of) the sink: everything after it goes.
+            side.sink = side.sink[:, :, :new_seen].clone() if new_seen else None
+            side.store = BlockStore(self.config.block_size)
+            side.store.start = side.store.length = side.sink_len
+            side.window = side.window_valid = None
+            return
         if new_seen >= store.length:  # only the window shrinks
             keep = new_seen - store.length
             if side.window is not None:
@@ -298,7 +331,8 @@ class KiviLayer(CacheLayerMixin):
         if not side.quantize or side.axis == "token":
             store.truncate(new_seen)
             return
-        g0 = (new_seen // self.config.group_size) * self.config.group_size
+        G = self.config.group_size
+        g0 = side.sink_len + ((new_seen - side.sink_len) // G) * G  # key groups start after the sink
         tail = None
         if g0 < new_seen:
             seg = store.read(min(store.length, g0 + self.config.group_size))
@@ -310,8 +344,8 @@ class KiviLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ accounting
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes held, by kind: codes, scales/zero-points, compensation, windows, unquantized storage."""
-        out = {"codes": 0, "scales_zero_points": 0, "compensation": 0, "fp_window": 0, "fp_unquantized": 0,
-               "padding_masks": 0}
+        out = {"codes": 0, "scales_zero_points": 0, "compensation": 0, "fp_window": 0, "fp_sink": 0,
+               "fp_unquantized": 0, "padding_masks": 0}
         for side in (self.k, self.v):
             for name, nb in side.store.nbytes_by_field().items():
                 key = {"packed": "codes", "scale": "scales_zero_points", "offset": "scales_zero_points",
@@ -319,6 +353,8 @@ class KiviLayer(CacheLayerMixin):
                 out[key] += nb
             if side.window is not None:
                 out["fp_window"] += side.window.numel() * side.window.element_size()
+            if side.sink is not None:
+                out["fp_sink"] += side.sink.numel() * side.sink.element_size()
             if side.window_valid is not None:
                 out["padding_masks"] += side.window_valid.numel()
         return out

@@ -127,7 +127,8 @@ class BlockStore:
             return
         if new_length < self.start:
             raise ValueError(f"cannot truncate to {new_length} tokens: tokens before {self.start} were evicted")
-        if self.template is not None and new_length % self._divisor("scale"):
+        origin = self.starts[0] if self.starts else self.start  # groups are aligned on the first block
+        if self.template is not None and (new_length - origin) % self._divisor("scale"):
             raise ValueError(f"truncation to {new_length} would split a quantization group")
         self.length = new_length
         keep = sum(1 for b0 in self.starts if b0 < new_length)

@@ -141,3 +141,13 @@ def test_mismatched_views_raise():
     _, (_, vv) = _fill(cfg, 1, 1, 16, [21], torch.float32)
     with pytest.raises(ValueError, match="value view"):
         blocked_attention(torch.randn(1, 1, 1, 16), kv, vv)
+
+
+@pytest.mark.parametrize("sink", [1, 5])
+@pytest.mark.parametrize("n", [1, 9])
+def test_sink_tokens_match_reference(sink, n):
+    cfg = KiviConfig(group_size=8, residual_length=16, block_size=32, sink_tokens=sink)
+    B, hkv, D = 2, 2, 32
+    _, views = _fill(cfg, B, hkv, D, [90, 7, n], torch.float32)
+    assert views[0].sink is not None and views[0].start == 0
+    _check(torch.randn(B, hkv * 3, n, D), views, block_tokens=16, query_chunk=4)

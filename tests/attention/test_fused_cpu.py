@@ -133,3 +133,16 @@ def test_generation_matches_reference_backend():
         with torch.no_grad():
             outs.append(model.generate(ids, max_new_tokens=24, do_sample=False))
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("sink", [1, 5])
+@pytest.mark.parametrize("lengths", [[20, 1], [150, 1, 1]])
+def test_sink_tokens_match_reference(sink, lengths):
+    cfg = KiviConfig(group_size=8, residual_length=16, block_size=32, sink_tokens=sink)
+    B, hkv, D = 2, 3, 32
+    valid = torch.ones(B, sum(lengths), dtype=torch.bool)
+    valid[1, :3] = False  # left padding: the padded row's sink slots are padding, masked out
+    views = _fill(cfg, B, hkv, D, lengths, torch.float32, valid=valid)
+    assert (views[0].sink is not None) == (sum(lengths) - 1 > 16)
+    _check(torch.randn(B, hkv * 3, 1, D), views)
+    _check(torch.randn(B, hkv * 3, 1, D), views, valid[:, None, None, :])

@@ -36,7 +36,8 @@ def test_decode_step_matches_reference(prefill, hq):
 
 def test_resolution_rules():
     assert kernel_config_unsupported(KiviConfig()) is None
-    assert "compensation" in kernel_config_unsupported(KiviConfig.preset("balanced"))
+    assert "compensation" in kernel_config_unsupported(KiviConfig(residual_bits=4))
+    assert "sink" in kernel_config_unsupported(KiviConfig(sink_tokens=1))
     assert "3-bit" in kernel_config_unsupported(KiviConfig(layer_specific_config={1: {"k_bits": 3}}))
     assert resolve_attention_backend("auto", "cpu") == "cpu"
 

@@ -170,3 +170,66 @@ def test_sliding_layer_frees_blocks_and_reports_offset():
     keys, _ = layer.update(k[:, :, :1], v[:, :, :1])
     assert keys.shape[2] == kv_len
     assert sum(b is not None for b in layer.k.store.blocks) < 1000 // 64
+
+
+# --------------------------------------------------------------------------- sink tokens
+
+
+@pytest.mark.parametrize("sink", [1, 4, 33])
+@pytest.mark.parametrize("chunks", [[300], [100, 1, 1, 50], [1] * 40 + [200]])
+def test_sink_tokens_exact_and_out_of_statistics(sink, chunks):
+    cfg = KiviConfig(residual_length=32, sink_tokens=sink)
+    k, v = _kv(t=sum(chunks))
+    k[:, :, 0] *= 50.0  # an outlier first token that would widen every key channel group
+    layer = KiviLayer(cfg)
+    keys, values = _feed(layer, k, v, chunks)[-1]
+    T = sum(chunks)
+    assert layer.k.sink_len == layer.v.sink_len == sink
+    assert torch.equal(keys[:, :, :sink], k[:, :, :sink]) and torch.equal(values[:, :, :sink], v[:, :, :sink])
+    assert layer.k.store.start == layer.v.store.start == sink
+    # key groups start after the sink: the stored part is a whole number of groups from `sink`
+    assert (layer.k.store.length - sink) % 32 == 0
+    assert layer.k.store.length + layer.k.window_len == T == layer.v.store.length + layer.v.window_len
+    # the group right after the sink is quantized as if the outlier never existed
+    ref = KiviLayer(KiviConfig(residual_length=32))
+    ref.update(k[:, :, sink:], v[:, :, sink:])
+    assert ref.k.store.length == layer.k.store.length - sink > 0
+    assert torch.equal(dequantize_kv(layer.k.store.read()), dequantize_kv(ref.k.store.read()))
+    assert torch.equal(dequantize_kv(layer.v.store.read()), dequantize_kv(ref.v.store.read()))
+    # what the next forward sees: sink exact, then the stored history, then the window
+    keys, values = layer.update(k[:, :, :1], v[:, :, :1])
+    assert torch.equal(keys[:, :, :sink], k[:, :, :sink]) and torch.equal(values[:, :, :sink], v[:, :, :sink])
+    assert torch.equal(keys[:, :, sink : layer.k.store.start + ref.k.store.length], dequantize_kv(ref.k.store.read()))
+    bd = layer.memory_breakdown()
+    assert bd["fp_sink"] == 2 * k[:, :, :sink].numel() * k.element_size()
+
+
+def test_sink_with_short_sequence_and_crop():
+    cfg = KiviConfig(residual_length=32, sink_tokens=4)
+    k, v = _kv(t=200)
+    layer = KiviLayer(cfg)
+    keys, _ = layer.update(k[:, :, :20], v[:, :, :20])  # nothing leaves the window yet: no sink
+    assert layer.k.sink_len == 0 and torch.equal(keys, k[:, :, :20])
+    _feed(layer, k[:, :, 20:], v[:, :, 20:], [1] * 14)  # 34 tokens: 2 sink tokens so far
+    assert layer.k.sink_len == layer.v.sink_len == 2
+    _feed(layer, k[:, :, 34:], v[:, :, 34:], [150])
+    assert layer.k.sink_len == 4
+    layer.crop(-(184 - 3))  # into the sink
+    assert layer.get_seq_length() == 3 and layer.k.sink_len == 3 and layer.k.window_len == 0
+    keys, values = layer.update(k[:, :, 3:200], v[:, :, 3:200])
+    assert keys.shape[2] == 200 and torch.equal(keys[:, :, :4], k[:, :, :4])
+    assert layer.k.sink_len == 4 and (layer.k.store.length - 4) % 32 == 0
+    layer.crop(-40)  # beyond the window: keeps group alignment relative to the sink
+    assert (layer.k.store.length - 4) % 32 == 0 and layer.get_seq_length() == 160
+
+
+def test_sink_reorder_and_sliding_layers_have_none():
+    layer = KiviLayer(KiviConfig(residual_length=32, sink_tokens=2))
+    k, v = _kv(t=100)  # batch of 2
+    layer.update(k, v)
+    layer.reorder_cache(torch.tensor([1, 0]))
+    keys, _ = layer.update(k[:, :, :1], v[:, :, :1])
+    assert torch.equal(keys[:, :, :2], k.flip(0)[:, :, :2])
+    sliding = KiviLayer(KiviConfig(residual_length=32, sink_tokens=2), sliding_window=64)
+    sliding.update(k, v)
+    assert sliding.k.sink_len == 0 and sliding.kv_offset == 0
