@@ -53,11 +53,12 @@ class AttentionView:
     fp: torch.Tensor
     quantized: bool
     sink: torch.Tensor | None = None
+    first: int = 0  # first token position covered, fixed when the view is made (the store moves on)
 
     @property
     def start(self) -> int:
         """First token position the view covers."""
-        return 0 if self.sink is not None else self.store.start
+        return self.first
 
 
 class _Side:
@@ -147,12 +148,13 @@ class KiviLayer(CacheLayerMixin):
                 side.store.append(FpSegment(x))
                 fp = x[:, :, :0]
                 # Full-precision storage: attention reads it from the store, nothing pending.
-                views.append(AttentionView(side.store, side.store.length, fp, quantized=False))
+                views.append(AttentionView(side.store, side.store.length, fp, quantized=False, first=side.store.start))
                 continue
             split = side.store.length
             pending = x if side.window is None else torch.cat([side.window, x], dim=-2)
             pvalid = self._pending_valid(side, valid, n)
-            views.append(AttentionView(side.store, split, pending, quantized=True, sink=side.sink))
+            first = 0 if side.sink is not None else side.store.start
+            views.append(AttentionView(side.store, split, pending, quantized=True, sink=side.sink, first=first))
             self._flush(side, pending, pvalid)
         self.seen += n
         self.last_views = (views[0], views[1])

@@ -9,8 +9,9 @@ Codes are bit-packed along the last (channel) axis in both cases, see :mod:`kivi
 
 Optional error compensation (``residual_bits > 0``, spec §2.3): per group, the mean quantization
 error ``m = mean(x - x_hat)`` lies in ``[-scale/2, scale/2]``; it is stored as a
-``residual_bits``-bit code ``c = round((m / scale + 1/2) * (2**rb - 1))`` (packed like the codes)
-and added back on dequantization. Its cost is ``rb`` bits per group.
+``residual_bits``-bit code ``c = round(m / scale * 2**rb) + 2**(rb - 1)`` (clamped to the code range;
+``c = 2**(rb-1)`` is exactly zero) and added back on dequantization. Its cost is ``rb`` bits per group.
+Measured (results/README.md): it barely helps, as round-to-nearest errors have near-zero means.
 """
 
 from __future__ import annotations
@@ -108,9 +109,11 @@ def quantize_kv(
         else:
             mean = err.mean(dim=red)
         s = scale.float()
-        levels = 2**residual_bits - 1
+        n = 2**residual_bits
         rel = torch.where(s > 0, mean / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))
-        ccodes = torch.round((rel.clamp(-0.5, 0.5) + 0.5) * levels).to(torch.uint8)
+        # code c stands for (c - n/2) / n steps: zero is exact (a "2**b - 1 levels over [-0.5, 0.5]"
+        # grid has no zero, so every near-zero mean would round to +-half a level by float noise).
+        ccodes = (torch.round(rel * n) + n // 2).clamp_(0, n - 1).to(torch.uint8)
         comp = pack_codes(ccodes, residual_bits)
     return PackedKV(
         packed=pack_codes(codes, bits),
@@ -129,9 +132,9 @@ def compensation_values(p: PackedKV) -> torch.Tensor | None:
     """Decoded per-group mean error (float32, ``scale``'s shape), or ``None``."""
     if p.comp is None:
         return None
-    levels = 2**p.residual_bits - 1
+    n = 2**p.residual_bits
     c = unpack_codes(p.comp, p.residual_bits, p.scale.shape[-1]).float()
-    return (c / levels - 0.5) * p.scale.float()
+    return (c - n // 2) / n * p.scale.float()
 
 
 def dequantize_kv(p: PackedKV, dtype: torch.dtype = torch.float32) -> torch.Tensor:

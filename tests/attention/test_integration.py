@@ -28,10 +28,11 @@ def tiny(model_type="llama", seed=0, **kw):
     return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
 
-def pair(model_type="llama", **kw):
+def pair(model_type="llama", cfg=None, **kw):
     """The same model quantized with the reference backend and with the cpu backend."""
-    ref = quantize_model(tiny(model_type, **kw), KiviConfig(**CFG, attention_backend="reference"))
-    fast = quantize_model(tiny(model_type, **kw), KiviConfig(**CFG, attention_backend="cpu"))
+    c = {**CFG, **(cfg or {})}
+    ref = quantize_model(tiny(model_type, **kw), KiviConfig(**c, attention_backend="reference"))
+    fast = quantize_model(tiny(model_type, **kw), KiviConfig(**c, attention_backend="cpu"))
     return ref, fast
 
 
@@ -72,9 +73,10 @@ def test_backend_resolution_is_explicit():
         quantize_model(tiny(), KiviConfig(**CFG, attention_backend="triton"))
 
 
+@pytest.mark.parametrize("sink", [0, 3])
 @pytest.mark.parametrize("chunks", [[40, 1, 1, 1, 1], [23, 17, 9, 1, 30, 1]])
-def test_logits_cpu_match_reference(chunks):
-    ref, fast = pair()
+def test_logits_cpu_match_reference(chunks, sink):
+    ref, fast = pair(cfg={"sink_tokens": sink})
     ids = torch.randint(1, 128, (2, sum(chunks)))
     lr, _ = _forward_steps(ref, ids, chunks)
     lf, cache = _forward_steps(fast, ids, chunks)
@@ -82,8 +84,9 @@ def test_logits_cpu_match_reference(chunks):
     torch.testing.assert_close(lf, lr, atol=2e-4, rtol=2e-4)
 
 
-def test_padded_batch_logits_match_reference():
-    ref, fast = pair()
+@pytest.mark.parametrize("sink", [0, 3])
+def test_padded_batch_logits_match_reference(sink):
+    ref, fast = pair(cfg={"sink_tokens": sink})
     ids = torch.randint(1, 128, (3, 60))
     mask = torch.ones(3, 60, dtype=torch.long)
     mask[1, :7] = 0
@@ -95,8 +98,9 @@ def test_padded_batch_logits_match_reference():
     torch.testing.assert_close(lf[real], lr[real], atol=2e-4, rtol=2e-4)
 
 
-def test_greedy_generate_identical():
-    ref, fast = pair()
+@pytest.mark.parametrize("sink", [0, 3])
+def test_greedy_generate_identical(sink):
+    ref, fast = pair(cfg={"sink_tokens": sink})
     ids = torch.randint(1, 128, (2, 45))
     mask = torch.ones_like(ids)
     mask[0, :5] = 0

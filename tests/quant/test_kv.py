@@ -35,6 +35,17 @@ def test_compensation_reduces_group_mean_error():
     assert compensation_values(plain) is None
 
 
+@pytest.mark.parametrize("rb", [1, 2, 4])
+def test_compensation_of_exact_groups_is_exactly_zero(rb):
+    """Groups quantized without error (two distinct values at 2 bits) get no correction, whatever the noise."""
+    lo_hi = torch.tensor([-1.0, 2.0]).repeat(16)  # 32 tokens, min/max exactly representable
+    x = lo_hi[None, None, :, None].expand(1, 1, 32, 64).clone()
+    for eps in (0.0, 1e-7, -1e-7):
+        q = quantize_kv(x + eps, "channel", 2, 32, residual_bits=rb)
+        assert torch.equal(compensation_values(q), torch.zeros_like(q.scale.float()))
+        torch.testing.assert_close(dequantize_kv(q), x + eps)
+
+
 def test_valid_mask_only_affects_statistics_of_keys():
     torch.manual_seed(0)
     x = torch.randn(2, 2, 32, 64)
