@@ -33,6 +33,9 @@ def suites() -> dict[str, list]:
                  KiviConfig(quantize_value=False), KiviConfig(quantize_key=False),
                  KiviConfig(symmetric=True),
                  "quanto-int4", "quanto-int2", "quanto-int2-perchannel"],
+        # Sink tokens and the new presets (high / balanced use 4 sinks), the repaired compensation.
+        "sinks": [P("high"), P("balanced"), KiviConfig(sink_tokens=1), KiviConfig(sink_tokens=4),
+                  KiviConfig(k_bits=4, v_bits=2), KiviConfig(residual_bits=4)],
         "sensitivity": [KiviConfig(quantize_value=False), KiviConfig(quantize_key=False),
                         KiviConfig(symmetric=True), KiviConfig(group_size=64), KiviConfig(group_size=128),
                         KiviConfig(residual_length=32), KiviConfig(residual_length=0),
