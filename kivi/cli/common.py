@@ -28,7 +28,8 @@ def add_config_args(p: argparse.ArgumentParser, *, default_preset: str | None = 
     g.add_argument("--v-bits", type=int, default=None)
     g.add_argument("--group-size", type=int, default=None)
     g.add_argument("--residual-length", type=int, default=None)
-    g.add_argument("--residual-bits", type=int, default=None)
+    g.add_argument("--residual-bits", type=int, default=None, help="the spec's per-group error compensation (0 = off)")
+    g.add_argument("--sink-tokens", type=int, default=None, help="first tokens kept in full precision (0 = off)")
     g.add_argument("--no-quantize-key", action="store_true", help="keep keys in full precision")
     g.add_argument("--no-quantize-value", action="store_true", help="keep values in full precision")
     g.add_argument("--symmetric", action="store_true", help="symmetric quantization (for comparison)")
@@ -38,7 +39,8 @@ def add_config_args(p: argparse.ArgumentParser, *, default_preset: str | None = 
 def config_from_args(args: argparse.Namespace) -> KiviConfig | None:
     """The KiviConfig the options describe, or ``None`` when none was given."""
     fields: dict[str, Any] = {}
-    for name in ("k_bits", "v_bits", "group_size", "residual_length", "residual_bits", "attention_backend"):
+    for name in ("k_bits", "v_bits", "group_size", "residual_length", "residual_bits", "sink_tokens",
+                 "attention_backend"):
         v = getattr(args, name, None)
         if v is not None:
             fields[name] = v
