@@ -325,23 +325,41 @@ def _merge(pm, pl, pacc, nch, out):
                 o[k] /= tot
 
 
+def _run_task(task, nch, q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, pm, pl, pacc):
+    """Task ``task`` = ``(b, kv head, chunk c)`` in row-major order; its state goes to row ``task``."""
+    bh = task // nch
+    c = task - bh * nch
+    b = bh // hkv
+    h = bh - b * hkv
+    t0 = c * chunk
+    _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, min(kv_len, t0 + chunk), pm[task], pl[task], pacc[task])
+
+
 def _decode_py(q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, out):
-    """Entry point: tasks ``(b, kv head, chunk of kv positions)`` in ``prange`` (split-K), then merge."""
+    """Entry point, threaded: tasks ``(b, kv head, chunk of kv positions)`` in ``prange``, then merge."""
     B, Hq, _ = q.shape
     g = Hq // hkv
-    Dv = out.shape[2]
     nch = (kv_len + chunk - 1) // chunk
     ntask = B * hkv * nch
     pm = np.empty((ntask, g), dtype=np.float32)
     pl = np.empty((ntask, g), dtype=np.float32)
-    pacc = np.empty((ntask, g, Dv), dtype=np.float32)
+    pacc = np.empty((ntask, g, out.shape[2]), dtype=np.float32)
     for task in prange(ntask):
-        bh = task // nch
-        c = task - bh * nch
-        b = bh // hkv
-        h = bh - b * hkv
-        t0 = c * chunk
-        _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, min(kv_len, t0 + chunk), pm[task], pl[task], pacc[task])
+        _run_task(task, nch, q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, pm, pl, pacc)
+    _merge(pm, pl, pacc, nch, out)
+
+
+def _decode_serial_py(q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, out):
+    """Entry point, calling thread only (small calls: no thread-pool hand-off); same tasks as above."""
+    B, Hq, _ = q.shape
+    g = Hq // hkv
+    nch = (kv_len + chunk - 1) // chunk
+    ntask = B * hkv * nch
+    pm = np.empty((ntask, g), dtype=np.float32)
+    pl = np.empty((ntask, g), dtype=np.float32)
+    pacc = np.empty((ntask, g, out.shape[2]), dtype=np.float32)
+    for task in range(ntask):
+        _run_task(task, nch, q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, pm, pl, pacc)
     _merge(pm, pl, pacc, nch, out)
 
 
@@ -353,7 +371,7 @@ _SIGNATURE = (
 
 def _build_kernel():
     """Compile (or load from numba's cache) the decode kernel. Imports numba lazily."""
-    global prange, carray, _u8p, _f32p, _unpack_planes, _key_scores, _value_accumulate, _task, _merge
+    global prange, carray, _u8p, _f32p, _unpack_planes, _key_scores, _value_accumulate, _task, _merge, _run_task
     import os
 
     import numba
@@ -384,10 +402,14 @@ def _build_kernel():
     for name in ("_u8_rows", "_f32_rows", "_unpack_planes"):
         globals()[name] = inline(globals()[name])
     _key_scores, _value_accumulate, _task, _merge = (jit(f) for f in (_key_scores, _value_accumulate, _task, _merge))
-    return numba.njit(_SIGNATURE, parallel=True, fastmath=True, cache=True)(_decode_py)
+    _run_task = inline(_run_task)
+    threaded = numba.njit(_SIGNATURE, parallel=True, fastmath=True, cache=True)(_decode_py)
+    serial = numba.njit(_SIGNATURE, fastmath=True, cache=True)(_decode_serial_py)
+    return threaded, serial
 
 
 def _kernel():
+    """``(threaded, serial)``: the two compiled entry points (same signature)."""
     global _KERNEL
     if _KERNEL is None:
         _KERNEL = _build_kernel()
@@ -510,6 +532,19 @@ def fused_decode_supported(q: torch.Tensor, k_view: AttentionView, v_view: Atten
     return True
 
 
+#: Below this many ``batch x kv heads x kv positions`` a call runs on the calling thread only.
+#: Measured on the 2-core development machine with another process busy on one core (A/B in one
+#: process, 9q/3kv heads, D=64, 2-bit): the thread pool cost 1.8x at 480 units, 1.1-1.15x at
+#: 3K-12K, 1.05x at 25K-49K and broke even from ~50K (B=1 and B=4 alike). An idle machine would
+#: gain from threads earlier (the pool hand-off costs ~0.1 ms).
+SERIAL_BELOW = 49152
+
+
+def _use_threads(batch: int, hkv: int, kv_len: int) -> bool:
+    """Whether a call of this size goes to numba's thread pool (see :data:`SERIAL_BELOW`)."""
+    return batch * hkv * kv_len >= SERIAL_BELOW
+
+
 def _chunk_tokens(ntok: int, tasks_bh: int, threads: int) -> int:
     """Tokens per task: enough tasks for every thread (x4 for balance), at least :data:`SUB` tokens."""
     want = max(1, -(-4 * threads // max(tasks_bh, 1)))
@@ -524,10 +559,13 @@ def fused_decode_attention(
     *,
     scaling: float | None = None,
     attention_mask: torch.Tensor | None = None,
+    threaded: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q [B, Hq, 1, D]`` over a KIVI layer's views; ``[B, Hq, 1, Dv]`` in ``q.dtype``.
 
     Same semantics as :func:`kivi.attention.reference.reference_attention` for one query token.
+    ``threaded``: run on numba's thread pool (split-K tasks) or on the calling thread only;
+    ``None`` chooses threads when ``B * Hkv * kv_len >= SERIAL_BELOW``.
     """
     import numba
 
@@ -538,7 +576,9 @@ def fused_decode_attention(
     if kv_len == 0:
         raise ValueError("fused_decode_attention: empty cache view")
     scaling = d**-0.5 if scaling is None else scaling
-    kernel = _kernel()
+    if threaded is None:
+        threaded = _use_threads(B, hkv, kv_len)
+    kernel = _kernel()[0 if threaded else 1]
     valid = _valid_row(attention_mask, B, kv_len)
     has_mask = valid is not None
     valid_np = _np(valid) if has_mask else np.ones((1, 1), dtype=np.bool_)
@@ -549,7 +589,7 @@ def fused_decode_attention(
     prm = np.array([kbits, kG, vbits, vG], dtype=np.int64)
     q32 = _np(q[:, :, 0].float().contiguous())
     out = np.empty((B, hq, dv), dtype=np.float32)
-    chunk = _chunk_tokens(kv_len, B * hkv, numba.get_num_threads())
+    chunk = _chunk_tokens(kv_len, B * hkv, numba.get_num_threads()) if threaded else kv_len
     kernel(q32, kd, vd, prm, valid_np, int(has_mask), np.float32(scaling), hkv, kv_len, chunk, out)
     return torch.from_numpy(out).view(B, hq, 1, dv).to(q.dtype)
 
