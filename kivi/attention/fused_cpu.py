@@ -34,11 +34,17 @@ of blocks. Per ``(batch b, kv head h)`` and its ``g = Hq / Hkv`` query heads:
 * masked positions get the score ``finfo(float32).min`` (exactly like the reference: a fully
   masked row attends uniformly instead of producing NaN).
 
-Computation is in float32 (``q``, scales and offsets are converted once per call; codes stay uint8).
-Threads: numba's own pool (``NUMBA_NUM_THREADS`` / ``numba.set_num_threads``); the threading layer
-defaults to ``workqueue`` unless ``NUMBA_THREADING_LAYER`` is set (the ``omp`` layer shares libgomp
-with torch and measured 3-4x slower with 2 threads). Compile: ``@njit(parallel=True, fastmath=True, cache=True)`` with one explicit signature, so the
-first call of a process either loads the on-disk cache or compiles once (seconds).
+Computation is in float32 (``q``, and scales / offsets stored in another dtype, are converted on
+every call — a cost that grows with the context for bf16/fp16 caches; codes stay uint8). The
+softmax uses a vectorisable expf (:func:`_exp_into`, relative error ~1e-7).
+Threads: two compiled entry points with the same tasks, ``prange`` on numba's pool and a serial
+one on the calling thread; :func:`fused_decode_attention` picks the serial one below
+:data:`SERIAL_BELOW` ``batch x kv heads x kv positions`` (measured) or as told by ``threaded=``.
+``NUMBA_NUM_THREADS`` / ``numba.set_num_threads`` size the pool; the threading layer defaults to
+``workqueue`` unless ``NUMBA_THREADING_LAYER`` is set (the ``omp`` layer shares libgomp with torch
+and measured 3-4x slower with 2 threads). Compile: ``@njit(fastmath=True, cache=True)`` (the
+threaded entry with ``parallel=True``) with one explicit signature, so the first call of a
+process either loads the on-disk cache or compiles once (~15 s for both entries).
 """
 
 from __future__ import annotations
