@@ -120,6 +120,10 @@ def main():
         torch.set_num_threads(a.threads)
     model = load()
     vocab = model.config.vocab_size
+    from kivi.attention.fused_cpu import fused_decode_available, warmup
+
+    if fused_decode_available():  # compile / load the numba kernel now, not inside the first timed decode
+        warmup()
     results = []
     for ctx in a.contexts:
         for bs in a.batches:

@@ -3,7 +3,9 @@
 * ``"reference"`` — every layer dequantizes its whole cache, then the model's own attention runs
   (``KiviLayer.update`` = append + materialize). Ground truth; slow at long context.
 * ``"cpu"`` — :func:`kivi.attention.blocked.blocked_attention`: pure torch, reads the packed store
-  block by block with an online softmax (works on any torch device; tuned for CPU).
+  block by block with an online softmax (works on any torch device; tuned for CPU); decode steps
+  (one query token) run the numba kernel of :mod:`kivi.attention.fused_cpu` instead when numba is
+  installed and the format qualifies.
 * ``"triton"`` — ``kivi.kernels.triton_attention.decode_attention`` (CUDA).
 * ``"auto"`` — resolved once, when the model is quantized / the cache is built: ``"reference"``
   for models whose attention the fused paths do not implement (logit softcapping, e.g. Gemma2;

@@ -10,37 +10,44 @@ byte's codes (``group_size % (8 // bits) != 0``), per-head masks, additive masks
 documented dispatch, not a silent fallback: :func:`fused_decode_available` says whether numba is
 there, :func:`fused_decode_supported` whether a given call qualifies.
 
-Algorithm, per ``(batch b, kv head h)`` and its ``g = Hq / Hkv`` query heads, over the tokens
-``[start, end)`` of the views:
+Algorithm: one kernel call per layer and step. The host describes each side (keys, values) as a
+table of *pieces* (:func:`_side_table`: the store blocks, quantized or not, and the fp tail; kv
+positions, addresses and strides — no copies), so a call covers the whole view whatever the number
+of blocks. Per ``(batch b, kv head h)`` and its ``g = Hq / Hkv`` query heads:
 
-* the kv axis is cut into *segments* where both the key representation and the value
-  representation come from one piece (a store block, quantized or not, or the fp tail; keys and
-  values have different splits); each segment is one kernel call that updates a running
-  ``(m, l, acc)`` online-softmax state per query head, so nothing is ever materialised;
-* inside a segment, ``prange`` runs over ``(b, h, token chunk)`` tasks (split-K: both cores work
-  even at batch 1 with few kv heads); every task keeps its own ``(m, l, acc)`` and a final
-  ``prange`` over ``(b, h)`` merges them with log-sum-exp weights;
+* split-K: ``prange`` runs over ``(b, h, chunk of kv positions)`` tasks (both cores work even at
+  batch 1 with few kv heads); every task keeps its own ``(m, l, acc)`` online-softmax state, walks
+  its chunk in steps of :data:`SUB` tokens (scores for the step from the key pieces it overlaps,
+  softmax update, then the value pieces it overlaps) and a final merge combines the tasks with
+  log-sum-exp weights;
+* codes are unpacked in *plane order* (plane ``k`` = code ``k`` of every byte, one contiguous loop
+  per plane) and the other operand is permuted instead: the query for keys, the accumulator for
+  values;
 * keys (per-channel groups of ``G`` tokens, ``x = code * scale + base``, ``base`` = offset,
   offset + compensation, or ``-qmax * scale`` when symmetric): per group,
   ``q'_{i,d} = q_{i,d} * scale_d * scaling`` and ``c_i = scaling * sum_d q_{i,d} * base_d``; per
-  token the ``D`` codes are unpacked once into a small float buffer and reused for all ``g`` query
-  heads: ``s_i = c_i + sum_d q'_{i,d} * code_d``;
-* values (per-token groups of ``G`` channels): ``acc_{i,d} += (p_i * scale_{t,grp}) * code_{t,d}``
-  and the offsets are summed separately per group (``sum_t p_i * base_{t,grp}``) and added at the
-  end of the chunk;
+  token the codes are unpacked once and reused for all ``g`` query heads:
+  ``s_i = c_i + sum_d q'_{i,d} * code_d``;
+* values (per-token groups of ``G`` channels): per token the codes are unpacked already multiplied
+  by their group's scale and added with weight ``p_i``; the offsets are summed separately per group
+  (``sum_t p_i * base_{t,grp}``) and added when the task writes its result;
 * masked positions get the score ``finfo(float32).min`` (exactly like the reference: a fully
-  masked row attends uniformly instead of producing NaN); their values are skipped when ``p == 0``.
+  masked row attends uniformly instead of producing NaN).
 
-Computation is in float32 (``q``, scales and offsets are converted once per call; codes stay uint8).
-Threads: numba's own pool (``NUMBA_NUM_THREADS`` / ``numba.set_num_threads``); the threading layer
-defaults to ``workqueue`` unless ``NUMBA_THREADING_LAYER`` is set (the ``omp`` layer shares libgomp
-with torch and measured 3-4x slower with 2 threads). Compile: ``@njit(parallel=True, fastmath=True, cache=True)`` with one explicit signature, so the
-first call of a process either loads the on-disk cache or compiles once (seconds).
+Computation is in float32 (``q``, and scales / offsets stored in another dtype, are converted on
+every call — a cost that grows with the context for bf16/fp16 caches; codes stay uint8). The
+softmax uses a vectorisable expf (:func:`_exp_into`, relative error ~1e-7).
+Threads: two compiled entry points with the same tasks, ``prange`` on numba's pool and a serial
+one on the calling thread; :func:`fused_decode_attention` picks the serial one below
+:data:`SERIAL_BELOW` ``batch x kv heads x kv positions`` (measured) or as told by ``threaded=``.
+``NUMBA_NUM_THREADS`` / ``numba.set_num_threads`` size the pool; the threading layer defaults to
+``workqueue`` unless ``NUMBA_THREADING_LAYER`` is set (the ``omp`` layer shares libgomp with torch
+and measured 3-4x slower with 2 threads). Compile: ``@njit(fastmath=True, cache=True)`` (the
+threaded entry with ``parallel=True``) with one explicit signature, so the first call of a
+process either loads the on-disk cache or compiles once (~15 s for both entries).
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import torch
@@ -72,222 +79,377 @@ def fused_decode_available() -> bool:
 # --------------------------------------------------------------------------------------------- kernel
 # The kernel is written as plain module-level Python and compiled lazily by :func:`_kernel`
 # (``import kivi`` never imports numba). Module-level functions keep numba's on-disk cache valid
-# across processes (closures would not be found again). ``prange`` / ``_unpack`` are bound to the
-# numba objects before compilation.
+# across processes (closures would not be found again). ``prange``, ``carray`` and the pointer
+# casts ``_u8p`` / ``_f32p`` are bound to the numba objects before compilation.
 prange = range
+carray = None
+_u8p = None
+_f32p = None
+_bits_f32 = None
 _NEG32 = np.float32(NEG)
+_F0 = np.float32(0.0)
+
+#: Tokens per inner step of a task: the scores of one step (``g x SUB`` floats) stay in L1.
+SUB = 256
+
+# Columns of a piece descriptor (one int64 row per piece of a side, see :func:`_side_table`).
+# Strides are in elements of the array they describe; addresses are ``data_ptr()`` values.
+_LO, _HI, _QUANT = 0, 1, 2  # kv positions [lo, hi) (relative to the view start); quantized?
+_DATA, _DS0, _DS1, _DS2 = 3, 4, 5, 6  # codes (uint8) or full-precision data (float32): b, h, t strides
+_SC, _SS0, _SS1, _SS2 = 7, 8, 9, 10  # float32 scale (quantized pieces)
+_BS, _BS0, _BS1, _BS2 = 11, 12, 13, 14  # float32 base (quantized pieces)
+NCOL = 15
 
 
-def _unpack_py(row, bits, nb, out):
-    """Codes of one token (the ``nb`` packed bytes ``row``) -> float32 ``out[: nb * (8 // bits)]``.
+def _u8_rows(addr, off, n):
+    """The ``n`` bytes at ``addr + off`` as a 1-D uint8 array (no copy)."""
+    return carray(_u8p(addr + off), (n,))
 
-    Natural channel order (code ``k`` of byte ``j`` is channel ``j * per + k``). The common widths
-    have their own branch so ``per`` is a compile-time constant (straight-line, SLP-vectorised).
+
+def _f32_rows(addr, off, n):
+    """The ``n`` float32 at ``addr + 4 * off`` as a 1-D array (no copy)."""
+    return carray(_f32p(addr + 4 * off), (n,))
+
+
+def _exp_into(si, n, mx):
+    """``si[t] = exp(si[t] - mx)`` for ``t < n`` (all arguments ``<= 0``); returns their sum.
+
+    A branch-free expf that LLVM vectorises (numba's ``np.exp`` is a scalar libm call per element,
+    ~15% of a 32K decode): ``2**k * e**r`` with ``k = round(x / ln 2)``, ``|r| <= ln(2) / 2``, the
+    Cephes ``expf`` polynomial for ``e**r`` (relative error ~1e-7) and ``2**k`` built from its
+    exponent bits. ``x < -87`` (masked positions, ``finfo.min - mx``) gives exactly 0, like libm.
     """
-    if bits == 2:
+    tot = _F0
+    for t in range(n):
+        x = max(si[t] - mx, np.float32(-87.0))
+        k = np.floor(x * np.float32(1.44269504) + np.float32(0.5))
+        r = x - k * np.float32(0.693359375) + k * np.float32(2.12194440e-4)
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        p = p * r * r + r + np.float32(1.0)
+        e = p * _bits_f32(np.int32((k + np.float32(127.0)) * np.float32(8388608.0)))
+        e = e if x > np.float32(-87.0) else _F0
+        si[t] = e
+        tot += e
+    return tot
+
+
+def _unpack_planes(row, nb, bits, per, mask, weight, cod):
+    """Codes of one token (``nb`` bytes ``row``) -> ``cod[k * nb + j] = weight[j] * code(channel j*per + k)``.
+
+    *Plane order*: plane ``k`` holds code ``k`` of every byte, so each plane is one contiguous loop
+    over the bytes (load, shift, mask, convert: vectorised by LLVM, in int64 lanes) — the natural
+    channel order would interleave ``per`` codes per byte. Callers permute their other operand
+    (the query for keys, the accumulator for values) instead of the codes.
+    """
+    for k in range(per):
+        sh = bits * k
+        ck = cod[k * nb : k * nb + nb]
         for j in range(nb):
-            v = np.int32(row[j])
-            out[4 * j] = np.float32(v & 3)
-            out[4 * j + 1] = np.float32((v >> 2) & 3)
-            out[4 * j + 2] = np.float32((v >> 4) & 3)
-            out[4 * j + 3] = np.float32((v >> 6) & 3)
-    elif bits == 4:
-        for j in range(nb):
-            v = np.int32(row[j])
-            out[2 * j] = np.float32(v & 15)
-            out[2 * j + 1] = np.float32((v >> 4) & 15)
-    elif bits == 8:
-        for j in range(nb):
-            out[j] = np.float32(row[j])
-    else:
-        per = 8 // bits
-        mask = (1 << bits) - 1
-        for j in range(nb):
-            v = np.int32(row[j])
+            ck[j] = weight[j] * np.float32((np.int32(row[j]) >> sh) & mask)
+
+
+def _key_scores(d, p, b, h, a, e, qsc, bits, G, c0, s, qp, cst, ones, cod):
+    """Scores ``s[i, t - c0]`` of the ``g`` query heads for kv positions ``[a, e)`` of key piece ``p``.
+
+    Quantized pieces (per-channel groups of ``G`` tokens, ``x = code * scale + base``), per group:
+    ``qp_i`` = ``qsc_i * scale`` in plane order and ``cst_i = qsc_i . base``; per token the codes are
+    unpacked once and shared by the ``g`` heads: ``s_i = cst_i + qp_i . codes``.
+    """
+    g, D = qsc.shape
+    lo = d[p, _LO]
+    r0, r1 = a - lo, e - lo  # rows of the piece
+    boff = b * d[p, _DS0] + h * d[p, _DS1]
+    ds2 = d[p, _DS2]
+    if d[p, _QUANT] == 0:
+        x = _f32_rows(d[p, _DATA], boff, (r1 - 1) * ds2 + D)
+        for r in range(r0, r1):
+            xr = x[r * ds2 : r * ds2 + D]
+            for i in range(g):
+                qi = qsc[i]
+                acc = _F0
+                for k in range(D):
+                    acc += qi[k] * xr[k]
+                s[i, r + lo - c0] = acc
+        return
+    per = 8 // bits
+    nb = (D + per - 1) // per
+    npos = nb * per
+    mask = (1 << bits) - 1
+    codes = _u8_rows(d[p, _DATA], boff, (r1 - 1) * ds2 + nb)
+    ss2, bs2 = d[p, _SS2], d[p, _BS2]
+    ngrp = (r1 - 1) // G + 1
+    sc = _f32_rows(d[p, _SC], b * d[p, _SS0] + h * d[p, _SS1], (ngrp - 1) * ss2 + D)
+    bs = _f32_rows(d[p, _BS], b * d[p, _BS0] + h * d[p, _BS1], (ngrp - 1) * bs2 + D)
+    r = r0
+    while r < r1:
+        grp = r // G
+        rend = min(r1, (grp + 1) * G)
+        scr = sc[grp * ss2 : grp * ss2 + D]
+        bsr = bs[grp * bs2 : grp * bs2 + D]
+        for i in range(g):
+            qi = qsc[i]
+            cc = _F0
+            for k in range(D):
+                cc += qi[k] * bsr[k]
+            cst[i] = cc
             for k in range(per):
-                out[j * per + k] = np.float32((v >> (bits * k)) & mask)
+                for j in range(nb):
+                    ch = j * per + k
+                    qp[i, k * nb + j] = qi[ch] * scr[ch] if ch < D else _F0
+        for rr in range(r, rend):
+            _unpack_planes(codes[rr * ds2 : rr * ds2 + nb], nb, bits, per, mask, ones, cod)
+            for i in range(g):
+                qpi = qp[i]
+                acc = _F0
+                for k in range(npos):
+                    acc += qpi[k] * cod[k]
+                s[i, rr + lo - c0] = acc + cst[i]
+        r = rend
 
 
-_unpack = _unpack_py
+def _value_accumulate(d, p, b, h, a, e, bits, G, c0, pr, accq, accf, accb, wrow, cod):
+    """Add ``sum_t p[i, t] v_t`` over kv positions ``[a, e)`` of value piece ``p`` to the accumulators.
 
-_SIGNATURE = (
-    "void(float32[:,:,:], "  # q [B, Hq, D]
-    # keys: quantized?, codes (flat bytes) + strides (b, h, t), scale, base, fp data, token offset, bits, G
-    "int64, uint8[::1], int64, int64, int64, float32[:,:,:,:], float32[:,:,:,:], float32[:,:,:,:], int64, int64, int64, "
-    # values: the same
-    "int64, uint8[::1], int64, int64, int64, float32[:,:,:,:], float32[:,:,:,:], float32[:,:,:,:], int64, int64, int64, "
-    # ntok, has_mask, valid [B, kv_len], first kv position of the segment, scaling, chunk, state m, l, acc
-    "int64, int64, boolean[:,:], int64, float32, int64, float32[:,:], float32[:,:], float32[:,:,:])"
-)
+    Quantized pieces (per-token groups of ``G`` channels, ``v = code * scale + base``): per token
+    the codes are unpacked once, already multiplied by their group's scale, into plane order and
+    added to ``accq`` (plane order) with weight ``p_i``; the bases go to ``accb[i, group]``
+    (``p_i * base``). Full-precision pieces go to ``accf`` (natural order).
+    """
+    g, Dv = accf.shape
+    lo = d[p, _LO]
+    r0, r1 = a - lo, e - lo
+    boff = b * d[p, _DS0] + h * d[p, _DS1]
+    ds2 = d[p, _DS2]
+    if d[p, _QUANT] == 0:
+        x = _f32_rows(d[p, _DATA], boff, (r1 - 1) * ds2 + Dv)
+        for r in range(r0, r1):
+            xr = x[r * ds2 : r * ds2 + Dv]
+            for i in range(g):
+                pe = pr[i, r + lo - c0]
+                ai = accf[i]
+                for k in range(Dv):
+                    ai[k] += pe * xr[k]
+        return
+    per = 8 // bits
+    nb = Dv // per  # G % per == 0 and G | Dv: no partial byte
+    npos = nb * per
+    mask = (1 << bits) - 1
+    bpg = G // per  # bytes per value group
+    nvg = Dv // G
+    codes = _u8_rows(d[p, _DATA], boff, (r1 - 1) * ds2 + nb)
+    ss2, bs2 = d[p, _SS2], d[p, _BS2]
+    sc = _f32_rows(d[p, _SC], b * d[p, _SS0] + h * d[p, _SS1], (r1 - 1) * ss2 + nvg)
+    bs = _f32_rows(d[p, _BS], b * d[p, _BS0] + h * d[p, _BS1], (r1 - 1) * bs2 + nvg)
+    for r in range(r0, r1):
+        for gg in range(nvg):
+            w = sc[r * ss2 + gg]
+            for j in range(bpg):
+                wrow[gg * bpg + j] = w
+        _unpack_planes(codes[r * ds2 : r * ds2 + nb], nb, bits, per, mask, wrow, cod)
+        bsr = bs[r * bs2 : r * bs2 + nvg]
+        for i in range(g):
+            pe = pr[i, r + lo - c0]
+            ai = accq[i]
+            for k in range(npos):
+                ai[k] += pe * cod[k]
+            bi = accb[i]
+            for gg in range(nvg):
+                bi[gg] += pe * bsr[gg]
 
 
-def _segment_py(q, kq, kflat, ks0, ks1, ks2, ksc, kbs, kfp, koff, kbits, kG,
-                vq, vflat, vs0, vs1, vs2, vsc, vbs, vfp, voff, vbits, vG,
-                ntok, has_mask, valid, vstart, scaling, chunk, m, l, acc):
-    """One segment of tokens (one key piece x one value piece): update the state ``(m, l, acc)``."""
-    B, Hq, D = q.shape
-    Dv = acc.shape[2]
-    Hkv = ksc.shape[1] if kq else kfp.shape[1]
-    g = Hq // Hkv
-    kper = 8 // kbits if kq else 1
-    knb = (D + kper - 1) // kper
-    knpos = knb * kper
-    vper = 8 // vbits if vq else 1
+def _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, t1, om, ol, oacc):
+    """Kv head ``h`` of sequence ``b`` over kv positions ``[t0, t1)``: this task's softmax state.
+
+    Writes ``om[i]`` (max score), ``ol[i]`` (sum of ``exp(s - m)``) and ``oacc[i, :]`` (the
+    unnormalised ``sum exp(s - m) v``, natural channel order) for the ``g`` query heads of ``h``.
+    Walks ``[t0, t1)`` in steps of :data:`SUB` tokens with an online softmax.
+    """
+    g = om.shape[0]
+    D = q.shape[2]
+    Dv = oacc.shape[1]
+    kbits, kG, vbits, vG = prm[0], prm[1], prm[2], prm[3]
+    kper = 8 // kbits
+    knpos = ((D + kper - 1) // kper) * kper
+    vper = 8 // vbits
     vnb = (Dv + vper - 1) // vper
     vnpos = vnb * vper
-    nvg = Dv // vG if vq else 1
-    nch = (ntok + chunk - 1) // chunk
-    ntask = B * Hkv * nch
-    pm = np.empty((ntask, g), dtype=np.float32)
-    pl = np.empty((ntask, g), dtype=np.float32)
-    pacc = np.empty((ntask, g, Dv), dtype=np.float32)
-    for task in prange(ntask):
-        bh = task // nch
-        c = task - bh * nch
-        b = bh // Hkv
-        h = bh - b * Hkv
-        t0 = c * chunk
-        t1 = min(ntok, t0 + chunk)
-        n = t1 - t0
-        s = np.empty((g, n), dtype=np.float32)
-        cod = np.zeros(max(knpos, vnpos), dtype=np.float32)
-        qp = np.zeros((g, D), dtype=np.float32)
-        qs = np.zeros((g, D), dtype=np.float32)
-        cst = np.zeros(g, dtype=np.float32)
-        for i in range(g):
-            for d in range(D):
-                qp[i, d] = q[b, h * g + i, d] * scaling
-        # ---------------------------------------------------------------- scores
-        if kq:
-            grp_prev = -1
-            kbase = b * ks0 + h * ks1
-            for t in range(t0, t1):
-                kt = koff + t
-                grp = kt // kG
-                if grp != grp_prev:
-                    grp_prev = grp
-                    scr = ksc[b, h, grp]
-                    bsr = kbs[b, h, grp]
-                    for i in range(g):
-                        acc_c = np.float32(0.0)
-                        for d in range(D):
-                            qs[i, d] = qp[i, d] * scr[d]
-                            acc_c += qp[i, d] * bsr[d]
-                        cst[i] = acc_c
-                o = kbase + kt * ks2
-                _unpack(kflat[o : o + knb], kbits, knb, cod)
-                for i in range(g):
-                    sc = np.float32(0.0)
-                    for d in range(D):
-                        sc += qs[i, d] * cod[d]
-                    s[i, t - t0] = sc + cst[i]
-        else:
-            for t in range(t0, t1):
-                kt = koff + t
-                kr = kfp[b, h, kt]
-                for i in range(g):
-                    sc = np.float32(0.0)
-                    for d in range(D):
-                        sc += qp[i, d] * kr[d]
-                    s[i, t - t0] = sc
+    qsc = np.empty((g, D), dtype=np.float32)
+    for i in range(g):
+        for k in range(D):
+            qsc[i, k] = q[b, h * g + i, k] * scaling
+    s = np.empty((g, SUB), dtype=np.float32)
+    qp = np.zeros((g, knpos), dtype=np.float32)
+    cst = np.zeros(g, dtype=np.float32)
+    cod = np.empty(max(knpos, vnpos), dtype=np.float32)
+    ones = np.ones(knpos, dtype=np.float32)
+    wrow = np.empty(vnb, dtype=np.float32)
+    accq = np.zeros((g, vnpos), dtype=np.float32)
+    accf = np.zeros((g, Dv), dtype=np.float32)
+    accb = np.zeros((g, Dv), dtype=np.float32)
+    m_run = np.full(g, _NEG32, dtype=np.float32)
+    l_run = np.zeros(g, dtype=np.float32)
+    for c0 in range(t0, t1, SUB):
+        c1 = min(t1, c0 + SUB)
+        n = c1 - c0
+        for p in range(kd.shape[0]):
+            a, e = max(c0, kd[p, _LO]), min(c1, kd[p, _HI])
+            if a < e:
+                _key_scores(kd, p, b, h, a, e, qsc, kbits, kG, c0, s, qp, cst, ones, cod)
         if has_mask:
-            for t in range(t0, t1):
-                if not valid[b, vstart + t]:
+            for t in range(c0, c1):
+                if not valid[b, t]:
                     for i in range(g):
-                        s[i, t - t0] = _NEG32
-        # ---------------------------------------------------------------- local softmax
+                        s[i, t - c0] = _NEG32
+        for i in range(g):
+            si = s[i]
+            mx = m_run[i]
+            for t in range(n):
+                mx = max(mx, si[t])
+            alpha = np.exp(m_run[i] - mx)
+            tot = _exp_into(si, n, mx)
+            l_run[i] = l_run[i] * alpha + tot
+            m_run[i] = mx
+            for k in range(vnpos):
+                accq[i, k] *= alpha
+            for k in range(Dv):
+                accf[i, k] *= alpha
+                accb[i, k] *= alpha
+        for p in range(vd.shape[0]):
+            a, e = max(c0, vd[p, _LO]), min(c1, vd[p, _HI])
+            if a < e:
+                _value_accumulate(vd, p, b, h, a, e, vbits, vG, c0, s, accq, accf, accb, wrow, cod)
+    for i in range(g):
+        om[i] = m_run[i]
+        ol[i] = l_run[i]
+        for k in range(Dv):
+            oacc[i, k] = accq[i, (k % vper) * vnb + k // vper] + accf[i, k] + accb[i, k // vG]
+
+
+def _merge(pm, pl, pacc, nch, out):
+    """Combine the ``nch`` split-K partial states of every ``(b, kv head)`` (log-sum-exp) into ``out``."""
+    B, Hq, Dv = out.shape
+    g = pm.shape[1]
+    hkv = Hq // g
+    for bh in range(B * hkv):
+        b = bh // hkv
+        h = bh - b * hkv
         for i in range(g):
             mx = _NEG32
-            for j in range(n):
-                mx = max(mx, s[i, j])
-            sm = np.float32(0.0)
-            for j in range(n):
-                pe = np.exp(s[i, j] - mx)
-                s[i, j] = pe
-                sm += pe
-            pm[task, i] = mx
-            pl[task, i] = sm
-        # ---------------------------------------------------------------- values
-        # acc_{i,d} = sum_t (p_{i,t} scale_{t,grp}) code_{t,d} + sum_t p_{i,t} base_{t,grp}
-        la = np.zeros((g, Dv), dtype=np.float32)
-        lo = np.zeros((g, nvg), dtype=np.float32)
-        if vq:
-            vbase = b * vs0 + h * vs1
-            for t in range(t0, t1):
-                vt = voff + t
-                o = vbase + vt * vs2
-                _unpack(vflat[o : o + vnb], vbits, vnb, cod)
-                scr = vsc[b, h, vt]
-                bsr = vbs[b, h, vt]
-                for i in range(g):
-                    pe = s[i, t - t0]
-                    if pe == 0.0:
-                        continue
-                    for gg in range(nvg):
-                        w = pe * scr[gg]
-                        lo[i, gg] += pe * bsr[gg]
-                        # slices + range(vG) from 0: a loop with a runtime start does not vectorise
-                        lr = la[i, gg * vG : gg * vG + vG]
-                        cr = cod[gg * vG : gg * vG + vG]
-                        for d in range(vG):
-                            lr[d] += w * cr[d]
-            for i in range(g):
-                for d in range(Dv):
-                    pacc[task, i, d] = la[i, d] + lo[i, d // vG]
-        else:
-            for t in range(t0, t1):
-                vt = voff + t
-                vr = vfp[b, h, vt]
-                for i in range(g):
-                    pe = s[i, t - t0]
-                    if pe == 0.0:
-                        continue
-                    for d in range(Dv):
-                        la[i, d] += pe * vr[d]
-            for i in range(g):
-                for d in range(Dv):
-                    pacc[task, i, d] = la[i, d]
-    # -------------------------------------------------------------------- merge (log-sum-exp)
-    for bh in prange(B * Hkv):
-        b = bh // Hkv
-        h = bh - b * Hkv
-        for i in range(g):
-            hq = h * g + i
-            mo = m[b, hq]
-            mx = mo
             for c in range(nch):
                 mx = max(mx, pm[bh * nch + c, i])
-            alpha = np.exp(mo - mx)
-            tot = l[b, hq] * alpha
-            for d in range(Dv):
-                acc[b, hq, d] *= alpha
+            tot = _F0
+            o = out[b, h * g + i]
+            o[:] = 0.0
             for c in range(nch):
                 w = np.exp(pm[bh * nch + c, i] - mx)
                 tot += w * pl[bh * nch + c, i]
-                for d in range(Dv):
-                    acc[b, hq, d] += w * pacc[bh * nch + c, i, d]
-            m[b, hq] = mx
-            l[b, hq] = tot
+                pa = pacc[bh * nch + c, i]
+                for k in range(Dv):
+                    o[k] += w * pa[k]
+            for k in range(Dv):
+                o[k] /= tot
+
+
+def _run_task(task, nch, q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, pm, pl, pacc):
+    """Task ``task`` = ``(b, kv head, chunk c)`` in row-major order; its state goes to row ``task``."""
+    bh = task // nch
+    c = task - bh * nch
+    b = bh // hkv
+    h = bh - b * hkv
+    t0 = c * chunk
+    _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, min(kv_len, t0 + chunk), pm[task], pl[task], pacc[task])
+
+
+def _decode_py(q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, out):
+    """Entry point, threaded: tasks ``(b, kv head, chunk of kv positions)`` in ``prange``, then merge."""
+    B, Hq, _ = q.shape
+    g = Hq // hkv
+    nch = (kv_len + chunk - 1) // chunk
+    ntask = B * hkv * nch
+    pm = np.empty((ntask, g), dtype=np.float32)
+    pl = np.empty((ntask, g), dtype=np.float32)
+    pacc = np.empty((ntask, g, out.shape[2]), dtype=np.float32)
+    for task in prange(ntask):
+        _run_task(task, nch, q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, pm, pl, pacc)
+    _merge(pm, pl, pacc, nch, out)
+
+
+def _decode_serial_py(q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, out):
+    """Entry point, calling thread only (small calls: no thread-pool hand-off); same tasks as above."""
+    B, Hq, _ = q.shape
+    g = Hq // hkv
+    nch = (kv_len + chunk - 1) // chunk
+    ntask = B * hkv * nch
+    pm = np.empty((ntask, g), dtype=np.float32)
+    pl = np.empty((ntask, g), dtype=np.float32)
+    pacc = np.empty((ntask, g, out.shape[2]), dtype=np.float32)
+    for task in range(ntask):
+        _run_task(task, nch, q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, pm, pl, pacc)
+    _merge(pm, pl, pacc, nch, out)
+
+
+_SIGNATURE = (
+    "void(float32[:,:,::1], int64[:,::1], int64[:,::1], int64[::1], boolean[:,::1], int64, float32, "
+    "int64, int64, int64, float32[:,:,::1])"
+)
 
 
 def _build_kernel():
-    """Compile (or load from numba's cache) the segment kernel. Imports numba lazily."""
-    global prange, _unpack
+    """Compile (or load from numba's cache) the decode kernel. Imports numba lazily."""
+    global prange, carray, _u8p, _f32p, _bits_f32, _unpack_planes, _key_scores, _value_accumulate, _task, _merge, _run_task
     import os
 
     import numba
+    from numba import types
+    from numba.extending import intrinsic
 
     if "NUMBA_THREADING_LAYER" not in os.environ:
         # numba's "omp" layer shares libgomp with torch; measured 3-4x slower with 2 threads on a
         # loaded 2-core machine (threads spin against torch's pool). "workqueue" has no such clash.
         numba.config.THREADING_LAYER = "workqueue"
 
-    prange = numba.prange
-    _unpack = numba.njit(inline="always", cache=True)(_unpack_py)
-    return numba.njit(_SIGNATURE, parallel=True, fastmath=True, cache=True)(_segment_py)
+    def pointer(dtype):
+        @intrinsic
+        def cast(typingctx, addr):
+            sig = types.CPointer(dtype)(types.int64)
+
+            def codegen(context, builder, signature, args):
+                return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+            return sig, codegen
+
+        return cast
+
+    @intrinsic
+    def bits_f32(typingctx, x):
+        """The float32 whose bit pattern is the int32 ``x``."""
+        sig = types.float32(types.int32)
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], context.get_value_type(types.float32))
+
+        return sig, codegen
+
+    prange, carray = numba.prange, numba.carray
+    _u8p, _f32p, _bits_f32 = pointer(types.uint8), pointer(types.float32), bits_f32
+    jit = numba.njit(fastmath=True, cache=True)
+    inline = numba.njit(inline="always", fastmath=True, cache=True)
+    for name in ("_u8_rows", "_f32_rows", "_unpack_planes", "_exp_into"):
+        globals()[name] = inline(globals()[name])
+    _key_scores, _value_accumulate, _task, _merge = (jit(f) for f in (_key_scores, _value_accumulate, _task, _merge))
+    _run_task = inline(_run_task)
+    threaded = numba.njit(_SIGNATURE, parallel=True, fastmath=True, cache=True)(_decode_py)
+    serial = numba.njit(_SIGNATURE, fastmath=True, cache=True)(_decode_serial_py)
+    return threaded, serial
 
 
 def _kernel():
+    """``(threaded, serial)``: the two compiled entry points (same signature)."""
     global _KERNEL
     if _KERNEL is None:
         _KERNEL = _build_kernel()
@@ -308,10 +470,6 @@ def _np(t: torch.Tensor):
     return t.detach().numpy()
 
 
-def _f32(t: torch.Tensor):
-    return _np(t if t.dtype == torch.float32 else t.float())
-
-
 def _base(seg: PackedKV) -> torch.Tensor:
     """float32 additive term per group (``scale``'s shape): offset (+ compensation), or symmetric."""
     if seg.offset is None:
@@ -322,35 +480,52 @@ def _base(seg: PackedKV) -> torch.Tensor:
     return base if comp is None else base + comp
 
 
-def _flat_codes(packed: torch.Tensor):
-    """``(flat uint8 array, stride_b, stride_h, stride_t)``: a 1-D view of the bytes ``packed`` spans.
+def _rows_f32(t: torch.Tensor) -> torch.Tensor:
+    """float32 with a unit-stride last axis (the kernel reads rows with pointer arithmetic)."""
+    if t.dtype != torch.float32:
+        t = t.float()
+    return t if t.stride(-1) == 1 else t.contiguous()
 
-    The store's segments are token slices of contiguous blocks (inner axis contiguous); a flat
-    view lets the kernel use unit-stride loads (which vectorise) without copying anything.
+
+def _addr(t: torch.Tensor, keep: list) -> tuple[int, int, int, int]:
+    """``(address, stride_b, stride_h, stride_t)`` of a ``[B, H, T, ...]`` tensor; ``keep`` holds it alive."""
+    keep.append(t)
+    return (t.data_ptr(), *t.stride()[:3])
+
+
+def _side_table(view: AttentionView, start: int, keep: list) -> tuple[np.ndarray, int, int]:
+    """``(descriptors [P, NCOL] int64, bits, group_size)`` of one side's pieces, in token order.
+
+    Pieces are the sink (if any), the store blocks (quantized or full precision) and the fp tail. Each descriptor
+    row holds the piece's kv positions (relative to ``start``) and the address and strides of its
+    codes / data, scale and base (float32; converted here when stored in another dtype). Nothing
+    is copied when the store holds float32 parameters; everything referenced is appended to
+    ``keep`` so it outlives the kernel call. ``bits`` / ``group_size`` are 8 / 1 when the side is
+    not quantized.
     """
-    if packed.stride(-1) != 1:
-        packed = packed.contiguous()
-    span = 1 + sum((n - 1) * st for n, st in zip(packed.shape, packed.stride()))
-    flat = torch.as_strided(packed, (span,), (1,), packed.storage_offset())
-    return (_np(flat), *packed.stride()[:3])
-
-
-def _pieces(view: AttentionView) -> list[tuple[int, int, bool, tuple]]:
-    """``(first, end, quantized, arrays)`` covering the view's tokens in order."""
-    out = [] if view.sink is None else [(0, view.sink.shape[-2], False, (_f32(view.sink),))]
+    rows = []
+    bits, group = 8, 1
+    if view.sink is not None:  # full-precision sink tokens [0, S)
+        lo = 0 - start
+        rows.append((lo, lo + view.sink.shape[-2], 0, *_addr(_rows_f32(view.sink), keep)) + (0,) * 8)
     for t0, seg in view.store.iter_blocks(view.split):
         n = seg.num_tokens
         if n == 0:
             continue
+        lo = t0 - start
         if view.quantized:
-            arrays = (*_flat_codes(seg.packed), _f32(seg.scale), _np(_base(seg)), seg.bits, seg.group_size)
-            out.append((t0, t0 + n, True, arrays))
+            bits, group = seg.bits, seg.group_size
+            packed = seg.packed if seg.packed.stride(-1) == 1 else seg.packed.contiguous()
+            rows.append((lo, lo + n, 1, *_addr(packed, keep), *_addr(_rows_f32(seg.scale), keep),
+                         *_addr(_rows_f32(_base(seg)), keep)))
         else:
-            out.append((t0, t0 + n, False, (_f32(seg.data),)))
+            rows.append((lo, lo + n, 0, *_addr(_rows_f32(seg.data), keep)) + (0,) * 8)
     nfp = view.fp.shape[-2]
     if nfp:
-        out.append((view.split, view.split + nfp, False, (_f32(view.fp),)))
-    return out
+        lo = view.split - start
+        rows.append((lo, lo + nfp, 0, *_addr(_rows_f32(view.fp), keep)) + (0,) * 8)
+    table = np.array(rows, dtype=np.int64).reshape(len(rows), NCOL)
+    return table, bits, group
 
 
 def _valid_row(attention_mask: torch.Tensor | None, batch: int, kv_len: int) -> torch.Tensor | None:
@@ -400,11 +575,24 @@ def fused_decode_supported(q: torch.Tensor, k_view: AttentionView, v_view: Atten
     return True
 
 
-def _chunk_tokens(ntok: int, tasks_bh: int, threads: int, group: int) -> int:
-    """Tokens per task: enough tasks for every thread (x4 for balance), at least 256 tokens."""
+#: Below this many ``batch x kv heads x kv positions`` a call runs on the calling thread only.
+#: Measured on the 2-core development machine with another process busy on one core (A/B in one
+#: process, 9q/3kv heads, D=64, 2-bit): the thread pool cost 1.8x at 480 units, 1.1-1.15x at
+#: 3K-12K, 1.05x at 25K-49K and broke even from ~50K (B=1 and B=4 alike). An idle machine would
+#: gain from threads earlier (the pool hand-off costs ~0.1 ms).
+SERIAL_BELOW = 49152
+
+
+def _use_threads(batch: int, hkv: int, kv_len: int) -> bool:
+    """Whether a call of this size goes to numba's thread pool (see :data:`SERIAL_BELOW`)."""
+    return batch * hkv * kv_len >= SERIAL_BELOW
+
+
+def _chunk_tokens(ntok: int, tasks_bh: int, threads: int) -> int:
+    """Tokens per task: enough tasks for every thread (x4 for balance), at least :data:`SUB` tokens."""
     want = max(1, -(-4 * threads // max(tasks_bh, 1)))
-    chunk = max(256, -(-ntok // want))
-    return -(-chunk // group) * group
+    chunk = max(SUB, -(-ntok // want))
+    return -(-chunk // SUB) * SUB
 
 
 def fused_decode_attention(
@@ -414,62 +602,39 @@ def fused_decode_attention(
     *,
     scaling: float | None = None,
     attention_mask: torch.Tensor | None = None,
+    threaded: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q [B, Hq, 1, D]`` over a KIVI layer's views; ``[B, Hq, 1, Dv]`` in ``q.dtype``.
 
     Same semantics as :func:`kivi.attention.reference.reference_attention` for one query token.
+    ``threaded``: run on numba's thread pool (split-K tasks) or on the calling thread only;
+    ``None`` chooses threads when ``B * Hkv * kv_len >= SERIAL_BELOW``.
     """
     import numba
-    import numpy as np
 
     B, hq, n, d = q.shape
     if n != 1:
         raise ValueError(f"fused_decode_attention takes one query token per sequence, got {n}")
     start, kv_len, hkv, dv = view_geometry(q, k_view, v_view)
+    if kv_len == 0:
+        raise ValueError("fused_decode_attention: empty cache view")
     scaling = d**-0.5 if scaling is None else scaling
-    kernel = _kernel()
+    if threaded is None:
+        threaded = _use_threads(B, hkv, kv_len)
+    kernel = _kernel()[0 if threaded else 1]
     valid = _valid_row(attention_mask, B, kv_len)
     has_mask = valid is not None
     valid_np = _np(valid) if has_mask else np.ones((1, 1), dtype=np.bool_)
 
+    keep: list = []
+    kd, kbits, kG = _side_table(k_view, start, keep)
+    vd, vbits, vG = _side_table(v_view, start, keep)
+    prm = np.array([kbits, kG, vbits, vG], dtype=np.int64)
     q32 = _np(q[:, :, 0].float().contiguous())
-    m = np.full((B, hq), NEG, dtype=np.float32)
-    l = np.zeros((B, hq), dtype=np.float32)
-    acc = np.zeros((B, hq, dv), dtype=np.float32)
-    du8 = np.zeros(1, dtype=np.uint8)
-    df32 = np.zeros((1, 1, 1, 1), dtype=np.float32)
-    threads = numba.get_num_threads()
-
-    kp, vp = _pieces(k_view), _pieces(v_view)
-    vi = 0
-    for ka, kb, kquant, karr in kp:
-        for va, vb, vquant, varr in vp[vi:]:
-            lo, hi = max(ka, va), min(kb, vb)
-            if va >= kb:
-                break
-            if lo >= hi:
-                continue
-            if kquant:
-                kpk, ks0, ks1, ks2, ksc, kbs, kbits, kG = karr
-                kfp = df32
-            else:
-                kpk, ks0, ks1, ks2, ksc, kbs, kbits, kG, kfp = du8, 0, 0, 0, df32, df32, 8, 1, karr[0]
-            if vquant:
-                vpk, vs0, vs1, vs2, vsc, vbs, vbits, vG = varr
-                vfp = df32
-            else:
-                vpk, vs0, vs1, vs2, vsc, vbs, vbits, vG, vfp = du8, 0, 0, 0, df32, df32, 8, 1, varr[0]
-            ntok = hi - lo
-            chunk = _chunk_tokens(ntok, B * hkv, threads, kG if kquant else 1)
-            kernel(q32, int(kquant), kpk, ks0, ks1, ks2, ksc, kbs, kfp, lo - ka, kbits, kG,
-                   int(vquant), vpk, vs0, vs1, vs2, vsc, vbs, vfp, lo - va, vbits, vG,
-                   ntok, int(has_mask), valid_np, lo - start, np.float32(scaling), chunk, m, l, acc)
-        while vi < len(vp) and vp[vi][1] <= kb:
-            vi += 1
-    if kv_len == 0 or not math.isfinite(float(l.min(initial=1.0))):
-        raise ValueError("fused_decode_attention: empty cache view")
-    out = torch.from_numpy(acc / l[:, :, None])
-    return out.view(B, hq, 1, dv).to(q.dtype)
+    out = np.empty((B, hq, dv), dtype=np.float32)
+    chunk = _chunk_tokens(kv_len, B * hkv, numba.get_num_threads()) if threaded else kv_len
+    kernel(q32, kd, vd, prm, valid_np, int(has_mask), np.float32(scaling), hkv, kv_len, chunk, out)
+    return torch.from_numpy(out).view(B, hq, 1, dv).to(q.dtype)
 
 
 __all__ = ["fused_decode_available", "fused_decode_supported", "fused_decode_attention", "warmup", "SUPPORTED_BITS"]

@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("numba")
 
 from kivi import KiviConfig  # noqa: E402
-from kivi.attention import reference_attention  # noqa: E402
+from kivi.attention import fused_cpu, reference_attention  # noqa: E402
 from kivi.attention.fused_cpu import (  # noqa: E402
     fused_decode_attention,
     fused_decode_available,
@@ -34,13 +34,15 @@ def _fill(cfg, B, hkv, D, lengths, dtype, valid=None, seed=0, const=False):
     return views
 
 
-def _check(q, views, mask=None):
+def _check(q, views, mask=None, threaded=(True, False)):
+    """Both entry points (thread pool and calling thread) against the reference."""
     assert fused_decode_supported(q, *views, mask)
     ref = reference_attention(q, *views, attention_mask=mask)
-    out = fused_decode_attention(q, *views, attention_mask=mask)
-    assert out.shape == ref.shape and out.dtype == q.dtype
     tol = 2e-2 if q.dtype == torch.bfloat16 else 1e-4
-    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    for th in threaded:
+        out = fused_decode_attention(q, *views, attention_mask=mask, threaded=th)
+        assert out.shape == ref.shape and out.dtype == q.dtype
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
 def _lengths(total):
@@ -54,7 +56,7 @@ def test_available():
     assert fused_decode_available()
 
 
-@pytest.mark.parametrize("total", [1, 13, 67, 300])
+@pytest.mark.parametrize("total", [1, 13, 67, 300, 1300])
 @pytest.mark.parametrize("ratio", [1, 3, 8])
 @pytest.mark.parametrize("bits", [2, 4])
 def test_decode_matches_reference(total, ratio, bits):
@@ -106,6 +108,18 @@ def test_constant_groups():
 def test_formats(cfg):
     views = _fill(cfg, 2, 3, 32, [150, 3, 41, 1], torch.float32)
     _check(torch.randn(2, 9, 1, 32), views)
+
+
+@pytest.mark.parametrize("delta", [-1, 0, 1], ids=["below", "at", "above"])
+def test_serial_threshold_boundary(monkeypatch, delta):
+    """Automatic choice at the threshold (B * Hkv * kv_len vs SERIAL_BELOW), 300 tokens (not a multiple of G)."""
+    cfg = KiviConfig(group_size=8, residual_length=16, block_size=32)
+    B, hkv = 2, 3
+    views = _fill(cfg, B, hkv, 32, _lengths(300), torch.float32)
+    units = B * hkv * 300
+    monkeypatch.setattr(fused_cpu, "SERIAL_BELOW", units - delta)
+    assert fused_cpu._use_threads(B, hkv, 300) == (delta >= 0)
+    _check(torch.randn(B, hkv * 3, 1, 32), views, threaded=(None,))
 
 
 def test_unsupported_goes_to_blocked():
