@@ -6,7 +6,7 @@ tokens (not timed), then ``--steps`` greedy decode steps (timed) -> tokens/s = b
 Peak memory: "peak_rss_delta_MiB" = peak process RSS (psutil, sampled every 2 ms by a thread)
 during prefill+decode minus the RSS just before, i.e. the cache plus transient activations; also
 the cache's own tensor bytes where it can be counted exactly ("cache_MiB", KIVI and DynamicCache).
-Ratios are against DynamicCache measured in the same run.
+Ratios are against DynamicCache (and quanto int2, when it ran first) measured in the same run.
 
     python benchmarks/bench_decode.py --contexts 1024 4096 --batches 1 4 [--steps 32] [--json]
 """
@@ -127,7 +127,7 @@ def main():
     results = []
     for ctx in a.contexts:
         for bs in a.batches:
-            base = None
+            base = q2 = None
             for name in a.configs:
                 dequantize_model(model)
                 kind = name
@@ -142,16 +142,21 @@ def main():
                 r.update(config=name, context=ctx, batch=bs)
                 if name == "dynamic" and "error" not in r:
                     base = r
+                if name == "quanto2" and "error" not in r:
+                    q2 = r
                 if base and "error" not in r:
                     r["speed_vs_dynamic"] = r["tok_s"] / base["tok_s"]
                     r["rss_vs_dynamic"] = r["peak_rss_delta_MiB"] / max(base["peak_rss_delta_MiB"], 1e-9)
+                if q2 and "error" not in r:
+                    r["speed_vs_quanto2"] = r["tok_s"] / q2["tok_s"]
                 results.append(r)
                 if not a.json:
                     if "error" in r:
                         print(f"ctx={ctx:6d} bs={bs} {name:16s} ERROR {r['error']}", flush=True)
                     else:
                         cm = "-" if r["cache_MiB"] is None else f"{r['cache_MiB']:.1f}"
-                        print(f"ctx={ctx:6d} bs={bs} {name:16s} {r['tok_s']:8.2f} tok/s  x{r.get('speed_vs_dynamic', 1):5.2f}  "
+                        vq = f"  x{r['speed_vs_quanto2']:5.2f} vs quanto2" if "speed_vs_quanto2" in r else ""
+                        print(f"ctx={ctx:6d} bs={bs} {name:16s} {r['tok_s']:8.2f} tok/s  x{r.get('speed_vs_dynamic', 1):5.2f}{vq}  "
                               f"peakRSSΔ {r['peak_rss_delta_MiB']:8.1f} MiB (x{r.get('rss_vs_dynamic', 1):4.2f})  cache {cm} MiB",
                               flush=True)
     dequantize_model(model)
