@@ -6,6 +6,7 @@ Protocol (default): windows of 1024 tokens, prefix 512, chunk 16. Results are wr
 
     python benchmarks/run_eval_suite.py --suite main --windows 20 --out results/main.json
     python benchmarks/run_eval_suite.py --suite sensitivity --windows 4 --out results/sensitivity.json
+    python benchmarks/run_eval_suite.py --summarize a.json b.json --csv table.csv --plot pareto.png
 """
 
 from __future__ import annotations
@@ -45,13 +46,22 @@ def suites() -> dict[str, list]:
     }
 
 
-def summarize(path: str, csv_path: str | None, plot: str | None) -> int:
+def summarize(paths: list[str], csv_path: str | None, plot: str | None) -> int:
+    """Table (+ CSV / Pareto plot) of one or more suite JSONs measured with the same protocol and windows."""
     from kivi.eval.sweep import _kind, pareto_plot, write_rows
 
-    d = json.loads(Path(path).read_text())
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    d = runs[0]
+    for other, p in zip(runs[1:], paths[1:]):
+        if other["protocol"]["windows"] != d["protocol"]["windows"] or abs(other["fp"]["ppl"] - d["fp"]["ppl"]) > 1e-9:
+            raise SystemExit(f"{p}: different windows or FP perplexity than {paths[0]}; not comparable")
     fp = dict(d["fp"], kind="fp", delta_ppl_pct=0.0, kl=0.0, top1_agreement=1.0)
     rows = [fp]
-    for r in d["results"]:
+    seen = set()
+    for r in (r for run in runs for r in run["results"]):
+        if r["name"] in seen:
+            continue
+        seen.add(r["name"])
         spec = r["config"] if isinstance(r["config"], str) else KiviConfig.from_dict(r["config"])
         rows.append(dict(r, kind=_kind(spec)))
     if csv_path:
@@ -81,7 +91,8 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (1 is faster on a busy machine)")
     ap.add_argument("--out", default=None, help="JSON written after every batch of windows")
-    ap.add_argument("--summarize", default=None, help="instead of measuring: turn this JSON into --csv / --plot")
+    ap.add_argument("--summarize", nargs="+", default=None,
+                    help="instead of measuring: turn these JSON files (same protocol) into a table, --csv, --plot")
     ap.add_argument("--csv", default=None)
     ap.add_argument("--plot", default=None)
     a = ap.parse_args()
