@@ -9,8 +9,8 @@ State, for keys and for values separately (``seen`` tokens so far):
   forever and left out of every quantization statistic; the store then starts at ``S``.
 
 Keys leave the window only in whole groups of ``G`` tokens aligned on absolute positions
-(``S, S + G, S + 2G, ...``; ``S = 0`` without sink tokens), and only once at least ``residual_length`` newer keys remain, so the key window
-holds ``R`` to ``R + G - 1`` tokens. A value leaves the window once it is more than
+(``S, S + G, S + 2G, ...``; ``S = 0`` without sink tokens), and only once at least
+``residual_length`` newer keys remain, so the key window holds ``R`` to ``R + G - 1`` tokens. A value leaves the window once it is more than
 ``residual_length`` tokens old. History is never re-quantized.
 
 An update with ``n`` new tokens first returns what attention must see — the stored history
