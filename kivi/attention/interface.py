@@ -92,6 +92,11 @@ def _check_unsupported(module: torch.nn.Module, kwargs: dict) -> None:
         )
 
 
+def _only_full_precision(view) -> bool:
+    """The view holds no stored (quantized or sink) token: all of it is its ``fp`` tensor."""
+    return view.quantized and view.sink is None and view.split == view.first
+
+
 def kivi_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -124,6 +129,12 @@ def kivi_attention_forward(
             raise NotImplementedError("kivi attention does not implement attention dropout (training)")
         if attention_mask is not None and attention_mask.dim() != 4:
             raise ValueError(f"kivi attention expects a 4-D mask, got shape {tuple(attention_mask.shape)}")
+        if all(_only_full_precision(v) for v in views):
+            # Nothing stored yet (e.g. a prefill): every token is exact, so this is plain attention;
+            # torch's SDPA kernels do it faster and in O(chunk) memory.
+            return sdpa_attention_forward(
+                module, query, views[0].fp, views[1].fp, attention_mask, scaling=scaling, is_causal=is_causal, **kwargs
+            )
         out = run_backend(
             cache.attention_backend, query, views[0], views[1], scaling=scaling, attention_mask=attention_mask
         )

@@ -179,3 +179,20 @@ def test_softcapping_resolves_auto_to_reference_and_rejects_explicit_cpu():
     assert torch.isfinite(out).all()
     with pytest.raises(ValueError, match="softcapping"):
         quantize_model(tiny("gemma2", sliding_window=32), KiviConfig(**{**CFG, "attention_backend": "cpu"}))
+
+
+def test_forward_with_nothing_stored_uses_plain_sdpa(monkeypatch):
+    """A prefill (no stored token yet) is exact attention: it goes to SDPA, not to a kivi backend."""
+    import kivi.attention.interface as iface
+
+    calls = []
+    real = iface.run_backend
+    monkeypatch.setattr(iface, "run_backend", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ref, fast = pair()
+    ids = torch.randint(1, 128, (2, 40))
+    lf, _ = _forward_steps(fast, ids, [40])
+    assert calls == []
+    lr, _ = _forward_steps(ref, ids, [40])
+    torch.testing.assert_close(lf, lr, atol=2e-5, rtol=2e-5)
+    _forward_steps(fast, ids, [39, 1])  # the second forward reads the quantized store
+    assert len(calls) == 2  # one per layer
