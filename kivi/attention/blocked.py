@@ -146,14 +146,15 @@ def blocked_attention(
     *,
     scaling: float | None = None,
     attention_mask: torch.Tensor | None = None,
-    block_tokens: int = 2048,
+    block_tokens: int = 1024,
     query_chunk: int = 128,
 ) -> torch.Tensor:
     """Attention of ``q [B, Hq, n, D]`` over a KIVI layer's views, reading the packed store blockwise.
 
     ``attention_mask``: as transformers gives it (covers kv positions ``[start, start + kv_len)``,
     boolean True = attend, or additive float), or ``None`` (causal bottom-right when ``n > 1``).
-    Returns ``[B, Hq, n, Dv]`` in ``q.dtype``; computes in float32.
+    Returns ``[B, Hq, n, Dv]`` in ``q.dtype``; computes in float32. ``block_tokens`` x ``query_chunk``
+    bounds the transient: with SmolLM2 shapes one score tile is 9 heads x 128 x 1024 x 4 B = 4.5 MiB.
     """
     B, hq, n, d = q.shape
     start, kv_len, hkv, dv = view_geometry(q, k_view, v_view)
