@@ -5,15 +5,9 @@ from kivi import KiviConfig
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from kivi.models import converted_cache_path
-
-    path = converted_cache_path("smollm2")
-    if not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
-        pytest.skip("no converted SmolLM2 tokenizer cached (run `kivi eval ppl` once)")
-    return AutoTokenizer.from_pretrained(str(path))
+def tokenizer(smollm2):
+    """The embedded SmolLM2's tokenizer (the session fixture converts the model once per machine)."""
+    return smollm2[1]
 
 
 def test_prompt_length_and_needle(tokenizer):
