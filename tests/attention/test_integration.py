@@ -74,7 +74,7 @@ def test_backend_resolution_is_explicit():
 
 
 @pytest.mark.parametrize("sink", [0, 3])
-@pytest.mark.parametrize("chunks", [[40, 1, 1, 1, 1], [23, 17, 9, 1, 30, 1]])
+@pytest.mark.parametrize("chunks", [[40, 1, 1, 1, 1], [23, 17, 9, 1, 30, 1], [5, 3, 1, 6, 1]])
 def test_logits_cpu_match_reference(chunks, sink):
     ref, fast = pair(cfg={"sink_tokens": sink})
     ids = torch.randint(1, 128, (2, sum(chunks)))
