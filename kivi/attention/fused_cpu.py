@@ -365,15 +365,21 @@ def _run_task(task, nch, q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, 
     _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, min(kv_len, t0 + chunk), pm[task], pl[task], pacc[task])
 
 
-def _decode_py(q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, out):
-    """Entry point, threaded: tasks ``(b, kv head, chunk of kv positions)`` in ``prange``, then merge."""
+def _partials(q, hkv, kv_len, chunk, dv):
+    """``(chunks per head, tasks, max, sum, accumulator)`` buffers of the split-K tasks."""
     B, Hq, _ = q.shape
     g = Hq // hkv
     nch = (kv_len + chunk - 1) // chunk
     ntask = B * hkv * nch
     pm = np.empty((ntask, g), dtype=np.float32)
     pl = np.empty((ntask, g), dtype=np.float32)
-    pacc = np.empty((ntask, g, out.shape[2]), dtype=np.float32)
+    pacc = np.empty((ntask, g, dv), dtype=np.float32)
+    return nch, ntask, pm, pl, pacc
+
+
+def _decode_py(q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, out):
+    """Entry point, threaded: tasks ``(b, kv head, chunk of kv positions)`` in ``prange``, then merge."""
+    nch, ntask, pm, pl, pacc = _partials(q, hkv, kv_len, chunk, out.shape[2])
     for task in prange(ntask):
         _run_task(task, nch, q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, pm, pl, pacc)
     _merge(pm, pl, pacc, nch, out)
@@ -381,13 +387,7 @@ def _decode_py(q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, out
 
 def _decode_serial_py(q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, out):
     """Entry point, calling thread only (small calls: no thread-pool hand-off); same tasks as above."""
-    B, Hq, _ = q.shape
-    g = Hq // hkv
-    nch = (kv_len + chunk - 1) // chunk
-    ntask = B * hkv * nch
-    pm = np.empty((ntask, g), dtype=np.float32)
-    pl = np.empty((ntask, g), dtype=np.float32)
-    pacc = np.empty((ntask, g, out.shape[2]), dtype=np.float32)
+    nch, ntask, pm, pl, pacc = _partials(q, hkv, kv_len, chunk, out.shape[2])
     for task in range(ntask):
         _run_task(task, nch, q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, pm, pl, pacc)
     _merge(pm, pl, pacc, nch, out)
@@ -401,7 +401,7 @@ _SIGNATURE = (
 
 def _build_kernel():
     """Compile (or load from numba's cache) the decode kernel. Imports numba lazily."""
-    global prange, carray, _u8p, _f32p, _bits_f32, _unpack_planes, _key_scores, _value_accumulate, _task, _merge, _run_task
+    global prange, carray, _u8p, _f32p, _bits_f32, _unpack_planes, _key_scores, _value_accumulate, _task, _merge, _run_task, _partials
     import os
 
     import numba
@@ -442,7 +442,7 @@ def _build_kernel():
     for name in ("_u8_rows", "_f32_rows", "_unpack_planes", "_exp_into"):
         globals()[name] = inline(globals()[name])
     _key_scores, _value_accumulate, _task, _merge = (jit(f) for f in (_key_scores, _value_accumulate, _task, _merge))
-    _run_task = inline(_run_task)
+    _run_task, _partials = inline(_run_task), inline(_partials)
     threaded = numba.njit(_SIGNATURE, parallel=True, fastmath=True, cache=True)(_decode_py)
     serial = numba.njit(_SIGNATURE, fastmath=True, cache=True)(_decode_serial_py)
     return threaded, serial

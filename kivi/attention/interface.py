@@ -94,7 +94,7 @@ def _check_unsupported(module: torch.nn.Module, kwargs: dict) -> None:
 
 def _only_full_precision(view) -> bool:
     """The view holds no stored (quantized or sink) token: all of it is its ``fp`` tensor."""
-    return view.quantized and view.sink is None and view.split == view.first
+    return view.quantized and view.sink is None and view.split == view.start
 
 
 def kivi_attention_forward(

@@ -53,12 +53,7 @@ class AttentionView:
     fp: torch.Tensor
     quantized: bool
     sink: torch.Tensor | None = None
-    first: int = 0  # first token position covered, fixed when the view is made (the store moves on)
-
-    @property
-    def start(self) -> int:
-        """First token position the view covers."""
-        return self.first
+    start: int = 0  # first token position covered, fixed when the view is made (the store moves on)
 
 
 class _Side:
@@ -148,13 +143,13 @@ class KiviLayer(CacheLayerMixin):
                 side.store.append(FpSegment(x))
                 fp = x[:, :, :0]
                 # Full-precision storage: attention reads it from the store, nothing pending.
-                views.append(AttentionView(side.store, side.store.length, fp, quantized=False, first=side.store.start))
+                views.append(AttentionView(side.store, side.store.length, fp, quantized=False, start=side.store.start))
                 continue
             split = side.store.length
             pending = x if side.window is None else torch.cat([side.window, x], dim=-2)
             pvalid = self._pending_valid(side, valid, n)
-            first = 0 if side.sink is not None else side.store.start
-            views.append(AttentionView(side.store, split, pending, quantized=True, sink=side.sink, first=first))
+            start = 0 if side.sink is not None else side.store.start
+            views.append(AttentionView(side.store, split, pending, quantized=True, sink=side.sink, start=start))
             self._flush(side, pending, pvalid)
         self.seen += n
         self.last_views = (views[0], views[1])
