@@ -20,17 +20,22 @@ of blocks. Per ``(batch b, kv head h)`` and its ``g = Hq / Hkv`` query heads:
   its chunk in steps of :data:`SUB` tokens (scores for the step from the key pieces it overlaps,
   softmax update, then the value pieces it overlaps) and a final merge combines the tasks with
   log-sum-exp weights;
-* codes are unpacked in *plane order* (plane ``k`` = code ``k`` of every byte, one contiguous loop
-  per plane) and the other operand is permuted instead: the query for keys, the accumulator for
-  values;
+* codes are unpacked *token-major*: the rows of a block are transposed to 32-bit words
+  (:func:`_transpose_words`, ``tw[word, token]``) so that every unpack loop runs over tokens —
+  contiguous, vectorised in 32-bit lanes (the :func:`_code` intrinsic: numba would widen the
+  integer arithmetic to 64 bits, and AVX2 has no vector int64 -> float conversion) — and each
+  pass over a word serves :data:`HC` query heads (GQA without repeating the cache; ``g`` is padded
+  to a multiple of ``HC`` with zero rows);
 * keys (per-channel groups of ``G`` tokens, ``x = code * scale + base``, ``base`` = offset,
   offset + compensation, or ``-qmax * scale`` when symmetric): per group,
-  ``q'_{i,d} = q_{i,d} * scale_d * scaling`` and ``c_i = scaling * sum_d q_{i,d} * base_d``; per
-  token the codes are unpacked once and reused for all ``g`` query heads:
-  ``s_i = c_i + sum_d q'_{i,d} * code_d``;
-* values (per-token groups of ``G`` channels): per token the codes are unpacked already multiplied
-  by their group's scale and added with weight ``p_i``; the offsets are summed separately per group
-  (``sum_t p_i * base_{t,grp}``) and added when the task writes its result;
+  ``q'_{i,d} = q_{i,d} * scale_d * scaling`` and ``c_i = scaling * sum_d q_{i,d} * base_d``; then
+  ``s_i(t) = c_i + sum_d q'_{i,d} * code_d(t)``, 4 channels x ``HC`` heads per pass, vectorised
+  over the group's tokens;
+* values (per-token groups of ``G`` channels, ``G % 4 == 0``): ``w_i(t) = p_i(t) * scale_{t,grp}``
+  per token and group, then ``acc_{i,d} += sum_t w_i(t) * code_d(t)`` — a reduction over the
+  block's tokens, 2 channels x ``HC`` heads per pass (8 accumulators in registers); the offsets
+  are summed separately per group (``sum_t p_i * base_{t,grp}``) and added when the task writes
+  its result;
 * masked positions get the score ``finfo(float32).min`` (exactly like the reference: a fully
   masked row attends uniformly instead of producing NaN).
 
@@ -40,9 +45,12 @@ softmax uses a vectorisable expf (:func:`_exp_into`, relative error ~1e-7).
 Threads: two compiled entry points with the same tasks, ``prange`` on numba's pool and a serial
 one on the calling thread; :func:`fused_decode_attention` picks the serial one below
 :data:`SERIAL_BELOW` ``batch x kv heads x kv positions`` (measured) or as told by ``threaded=``.
-``NUMBA_NUM_THREADS`` / ``numba.set_num_threads`` size the pool; the threading layer defaults to
-``workqueue`` unless ``NUMBA_THREADING_LAYER`` is set (the ``omp`` layer shares libgomp with torch
-and measured 3-4x slower with 2 threads). Compile: ``@njit(fastmath=True, cache=True)`` (the
+``NUMBA_NUM_THREADS`` / ``numba.set_num_threads`` size the pool and ``NUMBA_THREADING_LAYER``
+picks it (numba's default order: tbb, omp, workqueue). Measured on the 2-core development machine
+with torch matmuls between calls (as in a decoder): the ``omp`` pool 1.15-1.9x faster than
+serial from 3K units, the ``workqueue`` pool slower than serial at every size (0.68-0.94x). With
+other processes busy on the cores, ``omp``'s spinning threads can lose; set the variable then.
+Compile: ``@njit(fastmath=True, cache=True)`` (the
 threaded entry with ``parallel=True``) with one explicit signature, so the first call of a
 process either loads the on-disk cache or compiles once (~15 s for both entries).
 """
@@ -84,8 +92,10 @@ def fused_decode_available() -> bool:
 prange = range
 carray = None
 _u8p = None
+_u32p = None
 _f32p = None
 _bits_f32 = None
+_code = None
 _NEG32 = np.float32(NEG)
 _F0 = np.float32(0.0)
 
@@ -104,6 +114,11 @@ NCOL = 15
 def _u8_rows(addr, off, n):
     """The ``n`` bytes at ``addr + off`` as a 1-D uint8 array (no copy)."""
     return carray(_u8p(addr + off), (n,))
+
+
+def _u32_rows(addr, off, n):
+    """The ``n`` uint32 at ``addr + 4 * off`` as a 1-D array (no copy; ``addr`` 4-byte aligned)."""
+    return carray(_u32p(addr + 4 * off), (n,))
 
 
 def _f32_rows(addr, off, n):
@@ -138,27 +153,45 @@ def _exp_into(si, n, mx):
     return tot
 
 
-def _unpack_planes(row, nb, bits, per, mask, weight, cod):
-    """Codes of one token (``nb`` bytes ``row``) -> ``cod[k * nb + j] = weight[j] * code(channel j*per + k)``.
+#: Query heads handled per pass over a block's codes (register blocking; ``g`` is padded up to a
+#: multiple of it with zero rows, so a GQA ratio of 3 wastes a quarter of the multiply-adds).
+HC = 4
 
-    *Plane order*: plane ``k`` holds code ``k`` of every byte, so each plane is one contiguous loop
-    over the bytes (load, shift, mask, convert: vectorised by LLVM, in int64 lanes) — the natural
-    channel order would interleave ``per`` codes per byte. Callers permute their other operand
-    (the query for keys, the accumulator for values) instead of the codes.
+
+def _transpose_words(codes, r0, n, ds2, nbytes, nw, tw):
+    """Rows ``r0 .. r0+n`` of a piece's codes into ``tw[w, t]`` = little-endian uint32 of row bytes ``[4w, 4w+4)``.
+
+    Transposed so the unpack loops run over *tokens* (contiguous, vectorised); bytes past
+    ``nbytes`` read as 0. Channel ``c`` of word ``w`` (``32 // bits`` per word) sits at bits
+    ``[bits * c, bits * (c + 1))`` — the packing is a little-endian bit stream along the channels.
+    Rows whose bytes are 4-aligned are read as words; otherwise assembled from bytes.
     """
-    for k in range(per):
-        sh = bits * k
-        ck = cod[k * nb : k * nb + nb]
-        for j in range(nb):
-            ck[j] = weight[j] * np.float32((np.int32(row[j]) >> sh) & mask)
+    addr = codes.ctypes.data
+    if nbytes % 4 == 0 and ds2 % 4 == 0 and addr % 4 == 0:
+        words = _u32_rows(addr, 0, (codes.shape[0] + 3) // 4)
+        ws2 = ds2 // 4
+        for t in range(n):
+            base = (r0 + t) * ws2
+            for w in range(nw):
+                tw[w, t] = words[base + w]
+        return
+    for t in range(n):
+        base = (r0 + t) * ds2
+        for w in range(nw):
+            j = 4 * w
+            x = np.uint32(0)
+            for u in range(min(4, nbytes - j)):
+                x |= np.uint32(codes[base + j + u]) << np.uint32(8 * u)
+            tw[w, t] = x
 
 
-def _key_scores(d, p, b, h, a, e, qsc, bits, G, c0, s, qp, cst, ones, cod):
+def _key_scores(d, p, b, h, a, e, qsc, bits, G, c0, s, qp, cst, tw):
     """Scores ``s[i, t - c0]`` of the ``g`` query heads for kv positions ``[a, e)`` of key piece ``p``.
 
     Quantized pieces (per-channel groups of ``G`` tokens, ``x = code * scale + base``), per group:
-    ``qp_i`` = ``qsc_i * scale`` in plane order and ``cst_i = qsc_i . base``; per token the codes are
-    unpacked once and shared by the ``g`` heads: ``s_i = cst_i + qp_i . codes``.
+    ``qp_i = qsc_i * scale`` and ``cst_i = qsc_i . base``; the group's codes are transposed to
+    words (:func:`_transpose_words`) and each pass over a word updates the scores of :data:`HC`
+    heads from 4 channels at a time: ``s_i[t] += sum_u qp_{i,c+u} * code_{c+u}(t)``.
     """
     g, D = qsc.shape
     lo = d[p, _LO]
@@ -176,11 +209,12 @@ def _key_scores(d, p, b, h, a, e, qsc, bits, G, c0, s, qp, cst, ones, cod):
                     acc += qi[k] * xr[k]
                 s[i, r + lo - c0] = acc
         return
-    per = 8 // bits
-    nb = (D + per - 1) // per
-    npos = nb * per
-    mask = (1 << bits) - 1
-    codes = _u8_rows(d[p, _DATA], boff, (r1 - 1) * ds2 + nb)
+    cpw = 32 // bits  # channels per word
+    nbytes = (D * bits + 7) // 8
+    nw = (nbytes + 3) // 4
+    mask = np.uint32((1 << bits) - 1)
+    b1, b2, b3 = np.uint32(bits), np.uint32(2 * bits), np.uint32(3 * bits)
+    codes = _u8_rows(d[p, _DATA], boff, (r1 - 1) * ds2 + nbytes)
     ss2, bs2 = d[p, _SS2], d[p, _BS2]
     ngrp = (r1 - 1) // G + 1
     sc = _f32_rows(d[p, _SC], b * d[p, _SS0] + h * d[p, _SS1], (ngrp - 1) * ss2 + D)
@@ -189,6 +223,8 @@ def _key_scores(d, p, b, h, a, e, qsc, bits, G, c0, s, qp, cst, ones, cod):
     while r < r1:
         grp = r // G
         rend = min(r1, (grp + 1) * G)
+        n = rend - r
+        o = r + lo - c0
         scr = sc[grp * ss2 : grp * ss2 + D]
         bsr = bs[grp * bs2 : grp * bs2 + D]
         for i in range(g):
@@ -196,31 +232,49 @@ def _key_scores(d, p, b, h, a, e, qsc, bits, G, c0, s, qp, cst, ones, cod):
             cc = _F0
             for k in range(D):
                 cc += qi[k] * bsr[k]
-            cst[i] = cc
-            for k in range(per):
-                for j in range(nb):
-                    ch = j * per + k
-                    qp[i, k * nb + j] = qi[ch] * scr[ch] if ch < D else _F0
-        for rr in range(r, rend):
-            _unpack_planes(codes[rr * ds2 : rr * ds2 + nb], nb, bits, per, mask, ones, cod)
-            for i in range(g):
-                qpi = qp[i]
-                acc = _F0
-                for k in range(npos):
-                    acc += qpi[k] * cod[k]
-                s[i, rr + lo - c0] = acc + cst[i]
+                qp[i, k] = qi[k] * scr[k]
+            si = s[i]
+            for t in range(n):
+                si[o + t] = cc
+        _transpose_words(codes, r, n, ds2, nbytes, nw, tw)
+        for i0 in range(0, g, HC):
+            s0, s1, s2, s3 = s[i0, o : o + n], s[i0 + 1, o : o + n], s[i0 + 2, o : o + n], s[i0 + 3, o : o + n]
+            for w in range(nw):
+                tww = tw[w]
+                for m in range(cpw // 4):
+                    c = w * cpw + 4 * m
+                    if c >= D:
+                        break
+                    a0, a1, a2, a3 = qp[i0, c], qp[i0, c + 1], qp[i0, c + 2], qp[i0, c + 3]
+                    e0, e1, e2, e3 = qp[i0 + 1, c], qp[i0 + 1, c + 1], qp[i0 + 1, c + 2], qp[i0 + 1, c + 3]
+                    f0, f1, f2, f3 = qp[i0 + 2, c], qp[i0 + 2, c + 1], qp[i0 + 2, c + 2], qp[i0 + 2, c + 3]
+                    h0, h1, h2, h3 = qp[i0 + 3, c], qp[i0 + 3, c + 1], qp[i0 + 3, c + 2], qp[i0 + 3, c + 3]
+                    sh0 = np.uint32(4 * bits * m)
+                    sh1, sh2, sh3 = sh0 + b1, sh0 + b2, sh0 + b3
+                    for t in range(n):
+                        x = tww[t]
+                        x0 = _code(x, sh0, mask)
+                        x1 = _code(x, sh1, mask)
+                        x2 = _code(x, sh2, mask)
+                        x3 = _code(x, sh3, mask)
+                        s0[t] += a0 * x0 + a1 * x1 + a2 * x2 + a3 * x3
+                        s1[t] += e0 * x0 + e1 * x1 + e2 * x2 + e3 * x3
+                        s2[t] += f0 * x0 + f1 * x1 + f2 * x2 + f3 * x3
+                        s3[t] += h0 * x0 + h1 * x1 + h2 * x2 + h3 * x3
         r = rend
 
 
-def _value_accumulate(d, p, b, h, a, e, bits, G, c0, pr, accq, accf, accb, wrow, cod):
+def _value_accumulate(d, p, b, h, a, e, bits, G, c0, pr, accq, accf, accb, wt, sbt, tw):
     """Add ``sum_t p[i, t] v_t`` over kv positions ``[a, e)`` of value piece ``p`` to the accumulators.
 
-    Quantized pieces (per-token groups of ``G`` channels, ``v = code * scale + base``): per token
-    the codes are unpacked once, already multiplied by their group's scale, into plane order and
-    added to ``accq`` (plane order) with weight ``p_i``; the bases go to ``accb[i, group]``
-    (``p_i * base``). Full-precision pieces go to ``accf`` (natural order).
+    Quantized pieces (per-token groups of ``G`` channels, ``v = code * scale + base``): the rows'
+    codes are transposed to words, ``wt[i, grp, t] = p_i(t) * scale_{t,grp}``, and each pass over a
+    word reduces over the tokens 4 channels x :data:`HC` heads at a time into ``accq`` (natural
+    channel order); the bases go to ``accb[i, group]`` (``sum_t p_i * base``). Full-precision pieces
+    go to ``accf``.
     """
-    g, Dv = accf.shape
+    g = accf.shape[0]
+    Dv = accf.shape[1]
     lo = d[p, _LO]
     r0, r1 = a - lo, e - lo
     boff = b * d[p, _DS0] + h * d[p, _DS1]
@@ -235,31 +289,70 @@ def _value_accumulate(d, p, b, h, a, e, bits, G, c0, pr, accq, accf, accb, wrow,
                 for k in range(Dv):
                     ai[k] += pe * xr[k]
         return
-    per = 8 // bits
-    nb = Dv // per  # G % per == 0 and G | Dv: no partial byte
-    npos = nb * per
-    mask = (1 << bits) - 1
-    bpg = G // per  # bytes per value group
+    cpw = 32 // bits
+    nbytes = (Dv * bits) // 8  # G % 4 == 0 and G | Dv: whole bytes
+    nw = (nbytes + 3) // 4
+    mask = np.uint32((1 << bits) - 1)
+    b1, b2, b3 = np.uint32(bits), np.uint32(2 * bits), np.uint32(3 * bits)
     nvg = Dv // G
-    codes = _u8_rows(d[p, _DATA], boff, (r1 - 1) * ds2 + nb)
+    n = r1 - r0
+    o = r0 + lo - c0
+    codes = _u8_rows(d[p, _DATA], boff, (r1 - 1) * ds2 + nbytes)
     ss2, bs2 = d[p, _SS2], d[p, _BS2]
     sc = _f32_rows(d[p, _SC], b * d[p, _SS0] + h * d[p, _SS1], (r1 - 1) * ss2 + nvg)
     bs = _f32_rows(d[p, _BS], b * d[p, _BS0] + h * d[p, _BS1], (r1 - 1) * bs2 + nvg)
-    for r in range(r0, r1):
+    _transpose_words(codes, r0, n, ds2, nbytes, nw, tw)
+    for gg in range(nvg):  # the rows' scales and bases, token-contiguous (shared by the heads)
+        sg, bg = sbt[0, gg], sbt[1, gg]
+        for t in range(n):
+            sg[t] = sc[(r0 + t) * ss2 + gg]
+            bg[t] = bs[(r0 + t) * bs2 + gg]
+    for i in range(g):
+        pi = pr[i, o : o + n]
         for gg in range(nvg):
-            w = sc[r * ss2 + gg]
-            for j in range(bpg):
-                wrow[gg * bpg + j] = w
-        _unpack_planes(codes[r * ds2 : r * ds2 + nb], nb, bits, per, mask, wrow, cod)
-        bsr = bs[r * bs2 : r * bs2 + nvg]
-        for i in range(g):
-            pe = pr[i, r + lo - c0]
-            ai = accq[i]
-            for k in range(npos):
-                ai[k] += pe * cod[k]
-            bi = accb[i]
-            for gg in range(nvg):
-                bi[gg] += pe * bsr[gg]
+            wig, sg, bg = wt[i, gg], sbt[0, gg], sbt[1, gg]
+            tot = _F0
+            for t in range(n):
+                wig[t] = pi[t] * sg[t]
+                tot += pi[t] * bg[t]
+            accb[i, gg] += tot
+    for i0 in range(0, g, HC):
+        a0, a1, a2, a3 = accq[i0], accq[i0 + 1], accq[i0 + 2], accq[i0 + 3]
+        for w in range(nw):
+            tww = tw[w]
+            for m in range(cpw // 2):  # 2 channels x HC heads: 8 accumulators stay in registers
+                c = w * cpw + 2 * m
+                if c >= Dv:
+                    break
+                gg = c // G
+                w0, w1, w2, w3 = wt[i0, gg, :n], wt[i0 + 1, gg, :n], wt[i0 + 2, gg, :n], wt[i0 + 3, gg, :n]
+                sh0 = np.uint32(2 * bits * m)
+                sh1 = sh0 + b1
+                r00 = r01 = r10 = r11 = r20 = r21 = r30 = r31 = _F0
+                for t in range(n):
+                    x = tww[t]
+                    x0 = _code(x, sh0, mask)
+                    x1 = _code(x, sh1, mask)
+                    y = w0[t]
+                    r00 += y * x0
+                    r01 += y * x1
+                    y = w1[t]
+                    r10 += y * x0
+                    r11 += y * x1
+                    y = w2[t]
+                    r20 += y * x0
+                    r21 += y * x1
+                    y = w3[t]
+                    r30 += y * x0
+                    r31 += y * x1
+                a0[c] += r00
+                a0[c + 1] += r01
+                a1[c] += r10
+                a1[c + 1] += r11
+                a2[c] += r20
+                a2[c + 1] += r21
+                a3[c] += r30
+                a3[c + 1] += r31
 
 
 def _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, t1, om, ol, oacc):
@@ -270,25 +363,23 @@ def _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, t1, om, ol, oacc):
     Walks ``[t0, t1)`` in steps of :data:`SUB` tokens with an online softmax.
     """
     g = om.shape[0]
+    gp = (g + HC - 1) // HC * HC  # heads padded for the HC-head passes (zero rows)
     D = q.shape[2]
     Dv = oacc.shape[1]
     kbits, kG, vbits, vG = prm[0], prm[1], prm[2], prm[3]
-    kper = 8 // kbits
-    knpos = ((D + kper - 1) // kper) * kper
-    vper = 8 // vbits
-    vnb = (Dv + vper - 1) // vper
-    vnpos = vnb * vper
+    nw = max(((D * kbits + 7) // 8 + 3) // 4, ((Dv * vbits + 7) // 8 + 3) // 4)
+    nvg = Dv // vG if vG > 1 else 1
     qsc = np.empty((g, D), dtype=np.float32)
     for i in range(g):
         for k in range(D):
             qsc[i, k] = q[b, h * g + i, k] * scaling
-    s = np.empty((g, SUB), dtype=np.float32)
-    qp = np.zeros((g, knpos), dtype=np.float32)
+    s = np.zeros((gp, SUB), dtype=np.float32)
+    qp = np.zeros((gp, (D + 3) // 4 * 4), dtype=np.float32)  # channels read 4 at a time
     cst = np.zeros(g, dtype=np.float32)
-    cod = np.empty(max(knpos, vnpos), dtype=np.float32)
-    ones = np.ones(knpos, dtype=np.float32)
-    wrow = np.empty(vnb, dtype=np.float32)
-    accq = np.zeros((g, vnpos), dtype=np.float32)
+    tw = np.empty((nw, SUB), dtype=np.uint32)
+    wt = np.zeros((gp, nvg, SUB), dtype=np.float32)
+    sbt = np.empty((2, nvg, SUB), dtype=np.float32)
+    accq = np.zeros((gp, Dv), dtype=np.float32)
     accf = np.zeros((g, Dv), dtype=np.float32)
     accb = np.zeros((g, Dv), dtype=np.float32)
     m_run = np.full(g, _NEG32, dtype=np.float32)
@@ -299,7 +390,7 @@ def _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, t1, om, ol, oacc):
         for p in range(kd.shape[0]):
             a, e = max(c0, kd[p, _LO]), min(c1, kd[p, _HI])
             if a < e:
-                _key_scores(kd, p, b, h, a, e, qsc, kbits, kG, c0, s, qp, cst, ones, cod)
+                _key_scores(kd, p, b, h, a, e, qsc, kbits, kG, c0, s, qp, cst, tw)
         if has_mask:
             for t in range(c0, c1):
                 if not valid[b, t]:
@@ -314,20 +405,19 @@ def _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, t1, om, ol, oacc):
             tot = _exp_into(si, n, mx)
             l_run[i] = l_run[i] * alpha + tot
             m_run[i] = mx
-            for k in range(vnpos):
-                accq[i, k] *= alpha
             for k in range(Dv):
+                accq[i, k] *= alpha
                 accf[i, k] *= alpha
                 accb[i, k] *= alpha
         for p in range(vd.shape[0]):
             a, e = max(c0, vd[p, _LO]), min(c1, vd[p, _HI])
             if a < e:
-                _value_accumulate(vd, p, b, h, a, e, vbits, vG, c0, s, accq, accf, accb, wrow, cod)
+                _value_accumulate(vd, p, b, h, a, e, vbits, vG, c0, s, accq, accf, accb, wt, sbt, tw)
     for i in range(g):
         om[i] = m_run[i]
         ol[i] = l_run[i]
         for k in range(Dv):
-            oacc[i, k] = accq[i, (k % vper) * vnb + k // vper] + accf[i, k] + accb[i, k // vG]
+            oacc[i, k] = accq[i, k] + accf[i, k] + accb[i, k // vG]
 
 
 def _merge(pm, pl, pacc, nch, out):
@@ -401,17 +491,10 @@ _SIGNATURE = (
 
 def _build_kernel():
     """Compile (or load from numba's cache) the decode kernel. Imports numba lazily."""
-    global prange, carray, _u8p, _f32p, _bits_f32, _unpack_planes, _key_scores, _value_accumulate, _task, _merge, _run_task, _partials
-    import os
-
+    global prange, carray, _u8p, _u32p, _f32p, _bits_f32, _code, _transpose_words, _key_scores, _value_accumulate, _task, _merge, _run_task, _partials
     import numba
     from numba import types
     from numba.extending import intrinsic
-
-    if "NUMBA_THREADING_LAYER" not in os.environ:
-        # numba's "omp" layer shares libgomp with torch; measured 3-4x slower with 2 threads on a
-        # loaded 2-core machine (threads spin against torch's pool). "workqueue" has no such clash.
-        numba.config.THREADING_LAYER = "workqueue"
 
     def pointer(dtype):
         @intrinsic
@@ -435,11 +518,28 @@ def _build_kernel():
 
         return sig, codegen
 
+    @intrinsic
+    def code(typingctx, x, shift, mask):
+        """``float32((x >> shift) & mask)`` in 32-bit lanes (uint32 arguments).
+
+        Written as an intrinsic because numba widens integer arithmetic to 64 bits, and AVX2 has
+        no vector int64 -> float conversion: the unpack loops would stay scalar. The masked code is
+        non-negative, so a signed conversion is exact.
+        """
+        sig = types.float32(types.uint32, types.uint32, types.uint32)
+
+        def codegen(context, builder, signature, args):
+            v = builder.and_(builder.lshr(args[0], args[1]), args[2])
+            return builder.sitofp(v, context.get_value_type(types.float32))
+
+        return sig, codegen
+
     prange, carray = numba.prange, numba.carray
-    _u8p, _f32p, _bits_f32 = pointer(types.uint8), pointer(types.float32), bits_f32
+    _u8p, _u32p, _f32p = pointer(types.uint8), pointer(types.uint32), pointer(types.float32)
+    _bits_f32, _code = bits_f32, code
     jit = numba.njit(fastmath=True, cache=True)
     inline = numba.njit(inline="always", fastmath=True, cache=True)
-    for name in ("_u8_rows", "_f32_rows", "_unpack_planes", "_exp_into"):
+    for name in ("_u8_rows", "_u32_rows", "_f32_rows", "_transpose_words", "_exp_into"):
         globals()[name] = inline(globals()[name])
     _key_scores, _value_accumulate, _task, _merge = (jit(f) for f in (_key_scores, _value_accumulate, _task, _merge))
     _run_task, _partials = inline(_run_task), inline(_partials)
@@ -560,8 +660,8 @@ def fused_decode_supported(q: torch.Tensor, k_view: AttentionView, v_view: Atten
             t = view.store.template
             if t.bits not in SUPPORTED_BITS:
                 return False
-            if t.axis == "token" and t.group_size % (8 // t.bits):
-                return False  # a byte's codes would straddle two value groups
+            if t.axis == "token" and t.group_size % 4:
+                return False  # the kernel reads value channels 4 at a time, within one group
     if q.shape[1] % k_view.fp.shape[1]:
         return False
     if attention_mask is not None:
@@ -576,11 +676,11 @@ def fused_decode_supported(q: torch.Tensor, k_view: AttentionView, v_view: Atten
 
 
 #: Below this many ``batch x kv heads x kv positions`` a call runs on the calling thread only.
-#: Measured on the 2-core development machine with another process busy on one core (A/B in one
-#: process, 9q/3kv heads, D=64, 2-bit): the thread pool cost 1.8x at 480 units, 1.1-1.15x at
-#: 3K-12K, 1.05x at 25K-49K and broke even from ~50K (B=1 and B=4 alike). An idle machine would
-#: gain from threads earlier (the pool hand-off costs ~0.1 ms).
-SERIAL_BELOW = 49152
+#: Measured on the idle 2-core development machine with ``benchmarks/bench_fused_threads.py``
+#: (omp pool, a torch matmul before each call, medians of 30, 9q/3kv heads, D=64, 2-bit):
+#: serial / threaded = 1.01 at 1.5K units, 1.15 at 3K, 1.2-1.3 at 6K-12K, 1.5-1.9 from 24K
+#: (B=1 and B=4 alike).
+SERIAL_BELOW = 3072
 
 
 def _use_threads(batch: int, hkv: int, kv_len: int) -> bool:

@@ -67,6 +67,35 @@ def test_decode_matches_reference(total, ratio, bits):
     _check(q, views)
 
 
+@pytest.mark.parametrize(
+    "D,kbits,vbits,G,ratio",
+    [
+        (30, 2, 2, 6, 3),  # G % 4 != 0: refused (values are read 4 channels at a time)
+        (36, 2, 2, 12, 3),  # 9 code bytes per row: words assembled from bytes (unaligned rows)
+        (36, 4, 4, 12, 5),  # GQA 5: heads padded to 8 (two passes, three zero rows)
+        (32, 1, 1, 8, 1),  # 1-bit: 32 channels per word, 8 quads
+        (32, 8, 8, 4, 8),  # 8-bit: one quad per word, value groups of 4 channels
+        (64, 2, 4, 32, 2),  # SmolLM2-like head, mixed bits
+    ],
+)
+def test_shapes_and_bit_widths(D, kbits, vbits, G, ratio):
+    cfg = KiviConfig(group_size=G, residual_length=2 * G, block_size=4 * G, k_bits=kbits, v_bits=vbits)
+    views = _fill(cfg, 2, 2, D, [203, 1, 1], torch.float32, seed=D + kbits)
+    q = torch.randn(2, 2 * ratio, 1, D)
+    if G % 4:  # values cannot be read 4 channels at a time: documented route to the blocked path
+        assert not fused_decode_supported(q, *views)
+        return
+    _check(q, views)
+
+
+@pytest.mark.parametrize("kbits", [1, 2, 4])
+def test_keys_with_partial_channel_quad(kbits):
+    """D % 4 != 0 (keys only: quantized values need G % 4 == 0 and G | D): the last quad is padding."""
+    cfg = KiviConfig(group_size=6, residual_length=12, block_size=48, k_bits=kbits, quantize_value=False)
+    views = _fill(cfg, 2, 3, 30, [150, 1, 1], torch.float32, seed=kbits)
+    _check(torch.randn(2, 9, 1, 30), views)
+
+
 @pytest.mark.parametrize("bits", [2, 4])
 def test_bf16(bits):
     cfg = KiviConfig(group_size=8, residual_length=16, block_size=32, k_bits=bits, v_bits=bits)
