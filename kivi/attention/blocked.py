@@ -198,7 +198,7 @@ def blocked_attention(
                 else:
                     s5.add_(mask[..., q0:q1, a - start : b - start].float()).clamp_min_(NEG)
             m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-            p = torch.exp(s - m_new)
+            p = s.sub_(m_new).exp_()  # in place: s is this block's own tensor (one score tile alive, not three)
             alpha = torch.exp(m - m_new)
             l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
             acc.mul_(alpha)

@@ -24,16 +24,17 @@ of blocks. Per ``(batch b, kv head h)`` and its ``g = Hq / Hkv`` query heads:
   (:func:`_transpose_words`, ``tw[word, token]``) so that every unpack loop runs over tokens —
   contiguous, vectorised in 32-bit lanes (the :func:`_code` intrinsic: numba would widen the
   integer arithmetic to 64 bits, and AVX2 has no vector int64 -> float conversion) — and each
-  pass over a word serves :data:`HC` query heads (GQA without repeating the cache; ``g`` is padded
-  to a multiple of ``HC`` with zero rows);
+  pass over a word serves :data:`HC` = 4 query heads while 3 or more remain, then single heads
+  (GQA without repeating the cache; a pass with 3 real heads carries a zero row);
 * keys (per-channel groups of ``G`` tokens, ``x = code * scale + base``, ``base`` = offset,
   offset + compensation, or ``-qmax * scale`` when symmetric): per group,
   ``q'_{i,d} = q_{i,d} * scale_d * scaling`` and ``c_i = scaling * sum_d q_{i,d} * base_d``; then
-  ``s_i(t) = c_i + sum_d q'_{i,d} * code_d(t)``, 4 channels x ``HC`` heads per pass, vectorised
-  over the group's tokens;
+  ``s_i(t) = c_i + sum_d q'_{i,d} * code_d(t)``, 4 channels x 4 heads per pass
+  (:func:`_key_pass4`, :func:`_key_pass1`), vectorised over the group's tokens;
 * values (per-token groups of ``G`` channels, ``G % 4 == 0``): ``w_i(t) = p_i(t) * scale_{t,grp}``
   per token and group, then ``acc_{i,d} += sum_t w_i(t) * code_d(t)`` — a reduction over the
-  block's tokens, 2 channels x ``HC`` heads per pass (8 accumulators in registers); the offsets
+  block's tokens, 2 channels x 4 heads per pass (8 accumulators in registers; :func:`_value_pass4`,
+  :func:`_value_pass1`); the offsets
   are summed separately per group (``sum_t p_i * base_{t,grp}``) and added when the task writes
   its result;
 * masked positions get the score ``finfo(float32).min`` (exactly like the reference: a fully
@@ -153,8 +154,9 @@ def _exp_into(si, n, mx):
     return tot
 
 
-#: Query heads handled per pass over a block's codes (register blocking; ``g`` is padded up to a
-#: multiple of it with zero rows, so a GQA ratio of 3 wastes a quarter of the multiply-adds).
+#: Query heads handled per pass over a block's codes (register blocking). Passes take 4 heads while
+#: 3 or more remain (a GQA ratio of 3 runs one 4-head pass with a zero row: a quarter of its
+#: multiply-adds wasted, still cheaper than unpacking twice), then single heads (MHA, ratio 2).
 HC = 4
 
 
@@ -185,13 +187,141 @@ def _transpose_words(codes, r0, n, ds2, nbytes, nw, tw):
             tw[w, t] = x
 
 
+def _padded_heads(g):
+    """Rows the passes touch: 4-head passes while 3 or more heads remain, then 1-head passes."""
+    i0 = 0
+    while i0 < g:
+        i0 += HC if g - i0 >= 3 else 1
+    return i0
+
+
+def _key_pass4(tw, nw, cpw, bits, D, qp, i0, s, o, n):
+    """``s[i0 + j, o + t] += sum_c qp[i0 + j, c] * code_c(t)`` for 4 heads ``j``, 4 channels at a time."""
+    mask = np.uint32((1 << bits) - 1)
+    b1, b2, b3 = np.uint32(bits), np.uint32(2 * bits), np.uint32(3 * bits)
+    s0, s1, s2, s3 = s[i0, o : o + n], s[i0 + 1, o : o + n], s[i0 + 2, o : o + n], s[i0 + 3, o : o + n]
+    for w in range(nw):
+        tww = tw[w]
+        for m in range(cpw // 4):
+            c = w * cpw + 4 * m
+            if c >= D:
+                break
+            a0, a1, a2, a3 = qp[i0, c], qp[i0, c + 1], qp[i0, c + 2], qp[i0, c + 3]
+            e0, e1, e2, e3 = qp[i0 + 1, c], qp[i0 + 1, c + 1], qp[i0 + 1, c + 2], qp[i0 + 1, c + 3]
+            f0, f1, f2, f3 = qp[i0 + 2, c], qp[i0 + 2, c + 1], qp[i0 + 2, c + 2], qp[i0 + 2, c + 3]
+            h0, h1, h2, h3 = qp[i0 + 3, c], qp[i0 + 3, c + 1], qp[i0 + 3, c + 2], qp[i0 + 3, c + 3]
+            sh0 = np.uint32(4 * bits * m)
+            sh1, sh2, sh3 = sh0 + b1, sh0 + b2, sh0 + b3
+            for t in range(n):
+                x = tww[t]
+                x0 = _code(x, sh0, mask)
+                x1 = _code(x, sh1, mask)
+                x2 = _code(x, sh2, mask)
+                x3 = _code(x, sh3, mask)
+                s0[t] += a0 * x0 + a1 * x1 + a2 * x2 + a3 * x3
+                s1[t] += e0 * x0 + e1 * x1 + e2 * x2 + e3 * x3
+                s2[t] += f0 * x0 + f1 * x1 + f2 * x2 + f3 * x3
+                s3[t] += h0 * x0 + h1 * x1 + h2 * x2 + h3 * x3
+
+
+def _key_pass1(tw, nw, cpw, bits, D, qp, i0, s, o, n):
+    """:func:`_key_pass4` for the single head ``i0``."""
+    mask = np.uint32((1 << bits) - 1)
+    b1, b2, b3 = np.uint32(bits), np.uint32(2 * bits), np.uint32(3 * bits)
+    s0 = s[i0, o : o + n]
+    for w in range(nw):
+        tww = tw[w]
+        for m in range(cpw // 4):
+            c = w * cpw + 4 * m
+            if c >= D:
+                break
+            a0, a1, a2, a3 = qp[i0, c], qp[i0, c + 1], qp[i0, c + 2], qp[i0, c + 3]
+            sh0 = np.uint32(4 * bits * m)
+            sh1, sh2, sh3 = sh0 + b1, sh0 + b2, sh0 + b3
+            for t in range(n):
+                x = tww[t]
+                s0[t] += (a0 * _code(x, sh0, mask) + a1 * _code(x, sh1, mask)
+                          + a2 * _code(x, sh2, mask) + a3 * _code(x, sh3, mask))
+
+
+def _value_pass4(tw, nw, cpw, bits, Dv, G, wt, i0, accq, n):
+    """``accq[i0 + j, c] += sum_t wt[i0 + j, grp(c), t] * code_c(t)`` for 4 heads, 2 channels at a time
+    (8 accumulators stay in registers)."""
+    mask = np.uint32((1 << bits) - 1)
+    b1 = np.uint32(bits)
+    a0, a1, a2, a3 = accq[i0], accq[i0 + 1], accq[i0 + 2], accq[i0 + 3]
+    for w in range(nw):
+        tww = tw[w]
+        for m in range(cpw // 2):
+            c = w * cpw + 2 * m
+            if c >= Dv:
+                break
+            gg = c // G
+            w0, w1, w2, w3 = wt[i0, gg, :n], wt[i0 + 1, gg, :n], wt[i0 + 2, gg, :n], wt[i0 + 3, gg, :n]
+            sh0 = np.uint32(2 * bits * m)
+            sh1 = sh0 + b1
+            r00 = r01 = r10 = r11 = r20 = r21 = r30 = r31 = _F0
+            for t in range(n):
+                x = tww[t]
+                x0 = _code(x, sh0, mask)
+                x1 = _code(x, sh1, mask)
+                y = w0[t]
+                r00 += y * x0
+                r01 += y * x1
+                y = w1[t]
+                r10 += y * x0
+                r11 += y * x1
+                y = w2[t]
+                r20 += y * x0
+                r21 += y * x1
+                y = w3[t]
+                r30 += y * x0
+                r31 += y * x1
+            a0[c] += r00
+            a0[c + 1] += r01
+            a1[c] += r10
+            a1[c + 1] += r11
+            a2[c] += r20
+            a2[c + 1] += r21
+            a3[c] += r30
+            a3[c + 1] += r31
+
+
+def _value_pass1(tw, nw, cpw, bits, Dv, G, wt, i0, accq, n):
+    """:func:`_value_pass4` for the single head ``i0``, 4 channels at a time."""
+    mask = np.uint32((1 << bits) - 1)
+    b1, b2, b3 = np.uint32(bits), np.uint32(2 * bits), np.uint32(3 * bits)
+    a0 = accq[i0]
+    for w in range(nw):
+        tww = tw[w]
+        for m in range(cpw // 4):
+            c = w * cpw + 4 * m
+            if c >= Dv:
+                break
+            w0 = wt[i0, c // G, :n]
+            sh0 = np.uint32(4 * bits * m)
+            sh1, sh2, sh3 = sh0 + b1, sh0 + b2, sh0 + b3
+            r0 = r1 = r2 = r3 = _F0
+            for t in range(n):
+                x = tww[t]
+                y = w0[t]
+                r0 += y * _code(x, sh0, mask)
+                r1 += y * _code(x, sh1, mask)
+                r2 += y * _code(x, sh2, mask)
+                r3 += y * _code(x, sh3, mask)
+            a0[c] += r0
+            a0[c + 1] += r1
+            a0[c + 2] += r2
+            a0[c + 3] += r3
+
+
 def _key_scores(d, p, b, h, a, e, qsc, bits, G, c0, s, qp, cst, tw):
     """Scores ``s[i, t - c0]`` of the ``g`` query heads for kv positions ``[a, e)`` of key piece ``p``.
 
     Quantized pieces (per-channel groups of ``G`` tokens, ``x = code * scale + base``), per group:
     ``qp_i = qsc_i * scale`` and ``cst_i = qsc_i . base``; the group's codes are transposed to
-    words (:func:`_transpose_words`) and each pass over a word updates the scores of :data:`HC`
-    heads from 4 channels at a time: ``s_i[t] += sum_u qp_{i,c+u} * code_{c+u}(t)``.
+    words (:func:`_transpose_words`) and each head pass (:func:`_key_pass4` / :func:`_key_pass1`)
+    adds ``sum_c qp_{i,c} * code_c(t)`` to the scores, 4 channels at a time.
     """
     g, D = qsc.shape
     lo = d[p, _LO]
@@ -212,8 +342,6 @@ def _key_scores(d, p, b, h, a, e, qsc, bits, G, c0, s, qp, cst, tw):
     cpw = 32 // bits  # channels per word
     nbytes = (D * bits + 7) // 8
     nw = (nbytes + 3) // 4
-    mask = np.uint32((1 << bits) - 1)
-    b1, b2, b3 = np.uint32(bits), np.uint32(2 * bits), np.uint32(3 * bits)
     codes = _u8_rows(d[p, _DATA], boff, (r1 - 1) * ds2 + nbytes)
     ss2, bs2 = d[p, _SS2], d[p, _BS2]
     ngrp = (r1 - 1) // G + 1
@@ -237,30 +365,14 @@ def _key_scores(d, p, b, h, a, e, qsc, bits, G, c0, s, qp, cst, tw):
             for t in range(n):
                 si[o + t] = cc
         _transpose_words(codes, r, n, ds2, nbytes, nw, tw)
-        for i0 in range(0, g, HC):
-            s0, s1, s2, s3 = s[i0, o : o + n], s[i0 + 1, o : o + n], s[i0 + 2, o : o + n], s[i0 + 3, o : o + n]
-            for w in range(nw):
-                tww = tw[w]
-                for m in range(cpw // 4):
-                    c = w * cpw + 4 * m
-                    if c >= D:
-                        break
-                    a0, a1, a2, a3 = qp[i0, c], qp[i0, c + 1], qp[i0, c + 2], qp[i0, c + 3]
-                    e0, e1, e2, e3 = qp[i0 + 1, c], qp[i0 + 1, c + 1], qp[i0 + 1, c + 2], qp[i0 + 1, c + 3]
-                    f0, f1, f2, f3 = qp[i0 + 2, c], qp[i0 + 2, c + 1], qp[i0 + 2, c + 2], qp[i0 + 2, c + 3]
-                    h0, h1, h2, h3 = qp[i0 + 3, c], qp[i0 + 3, c + 1], qp[i0 + 3, c + 2], qp[i0 + 3, c + 3]
-                    sh0 = np.uint32(4 * bits * m)
-                    sh1, sh2, sh3 = sh0 + b1, sh0 + b2, sh0 + b3
-                    for t in range(n):
-                        x = tww[t]
-                        x0 = _code(x, sh0, mask)
-                        x1 = _code(x, sh1, mask)
-                        x2 = _code(x, sh2, mask)
-                        x3 = _code(x, sh3, mask)
-                        s0[t] += a0 * x0 + a1 * x1 + a2 * x2 + a3 * x3
-                        s1[t] += e0 * x0 + e1 * x1 + e2 * x2 + e3 * x3
-                        s2[t] += f0 * x0 + f1 * x1 + f2 * x2 + f3 * x3
-                        s3[t] += h0 * x0 + h1 * x1 + h2 * x2 + h3 * x3
+        i0 = 0
+        while i0 < g:
+            if g - i0 >= 3:
+                _key_pass4(tw, nw, cpw, bits, D, qp, i0, s, o, n)
+                i0 += HC
+            else:
+                _key_pass1(tw, nw, cpw, bits, D, qp, i0, s, o, n)
+                i0 += 1
         r = rend
 
 
@@ -268,10 +380,10 @@ def _value_accumulate(d, p, b, h, a, e, bits, G, c0, pr, accq, accf, accb, wt, s
     """Add ``sum_t p[i, t] v_t`` over kv positions ``[a, e)`` of value piece ``p`` to the accumulators.
 
     Quantized pieces (per-token groups of ``G`` channels, ``v = code * scale + base``): the rows'
-    codes are transposed to words, ``wt[i, grp, t] = p_i(t) * scale_{t,grp}``, and each pass over a
-    word reduces over the tokens 4 channels x :data:`HC` heads at a time into ``accq`` (natural
-    channel order); the bases go to ``accb[i, group]`` (``sum_t p_i * base``). Full-precision pieces
-    go to ``accf``.
+    codes are transposed to words, ``wt[i, grp, t] = p_i(t) * scale_{t,grp}``, and each head pass
+    (:func:`_value_pass4` / :func:`_value_pass1`) reduces ``sum_t wt * code`` over the tokens into
+    ``accq`` (natural channel order); the bases go to ``accb[i, group]`` (``sum_t p_i * base``).
+    Full-precision pieces go to ``accf``.
     """
     g = accf.shape[0]
     Dv = accf.shape[1]
@@ -292,8 +404,6 @@ def _value_accumulate(d, p, b, h, a, e, bits, G, c0, pr, accq, accf, accb, wt, s
     cpw = 32 // bits
     nbytes = (Dv * bits) // 8  # G % 4 == 0 and G | Dv: whole bytes
     nw = (nbytes + 3) // 4
-    mask = np.uint32((1 << bits) - 1)
-    b1, b2, b3 = np.uint32(bits), np.uint32(2 * bits), np.uint32(3 * bits)
     nvg = Dv // G
     n = r1 - r0
     o = r0 + lo - c0
@@ -316,43 +426,14 @@ def _value_accumulate(d, p, b, h, a, e, bits, G, c0, pr, accq, accf, accb, wt, s
                 wig[t] = pi[t] * sg[t]
                 tot += pi[t] * bg[t]
             accb[i, gg] += tot
-    for i0 in range(0, g, HC):
-        a0, a1, a2, a3 = accq[i0], accq[i0 + 1], accq[i0 + 2], accq[i0 + 3]
-        for w in range(nw):
-            tww = tw[w]
-            for m in range(cpw // 2):  # 2 channels x HC heads: 8 accumulators stay in registers
-                c = w * cpw + 2 * m
-                if c >= Dv:
-                    break
-                gg = c // G
-                w0, w1, w2, w3 = wt[i0, gg, :n], wt[i0 + 1, gg, :n], wt[i0 + 2, gg, :n], wt[i0 + 3, gg, :n]
-                sh0 = np.uint32(2 * bits * m)
-                sh1 = sh0 + b1
-                r00 = r01 = r10 = r11 = r20 = r21 = r30 = r31 = _F0
-                for t in range(n):
-                    x = tww[t]
-                    x0 = _code(x, sh0, mask)
-                    x1 = _code(x, sh1, mask)
-                    y = w0[t]
-                    r00 += y * x0
-                    r01 += y * x1
-                    y = w1[t]
-                    r10 += y * x0
-                    r11 += y * x1
-                    y = w2[t]
-                    r20 += y * x0
-                    r21 += y * x1
-                    y = w3[t]
-                    r30 += y * x0
-                    r31 += y * x1
-                a0[c] += r00
-                a0[c + 1] += r01
-                a1[c] += r10
-                a1[c + 1] += r11
-                a2[c] += r20
-                a2[c + 1] += r21
-                a3[c] += r30
-                a3[c + 1] += r31
+    i0 = 0
+    while i0 < g:
+        if g - i0 >= 3:
+            _value_pass4(tw, nw, cpw, bits, Dv, G, wt, i0, accq, n)
+            i0 += HC
+        else:
+            _value_pass1(tw, nw, cpw, bits, Dv, G, wt, i0, accq, n)
+            i0 += 1
 
 
 def _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, t1, om, ol, oacc):
@@ -363,7 +444,7 @@ def _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, t1, om, ol, oacc):
     Walks ``[t0, t1)`` in steps of :data:`SUB` tokens with an online softmax.
     """
     g = om.shape[0]
-    gp = (g + HC - 1) // HC * HC  # heads padded for the HC-head passes (zero rows)
+    gp = _padded_heads(g)  # rows the head passes touch (zero rows past g)
     D = q.shape[2]
     Dv = oacc.shape[1]
     kbits, kG, vbits, vG = prm[0], prm[1], prm[2], prm[3]
@@ -491,7 +572,8 @@ _SIGNATURE = (
 
 def _build_kernel():
     """Compile (or load from numba's cache) the decode kernel. Imports numba lazily."""
-    global prange, carray, _u8p, _u32p, _f32p, _bits_f32, _code, _transpose_words, _key_scores, _value_accumulate, _task, _merge, _run_task, _partials
+    global prange, carray, _u8p, _u32p, _f32p, _bits_f32, _code, _transpose_words, _key_scores, _value_accumulate, _task, _merge
+    global _run_task, _partials, _padded_heads, _key_pass4, _key_pass1, _value_pass4, _value_pass1
     import numba
     from numba import types
     from numba.extending import intrinsic
@@ -541,8 +623,9 @@ def _build_kernel():
     inline = numba.njit(inline="always", fastmath=True, cache=True)
     for name in ("_u8_rows", "_u32_rows", "_f32_rows", "_transpose_words", "_exp_into"):
         globals()[name] = inline(globals()[name])
+    _key_pass4, _key_pass1, _value_pass4, _value_pass1 = (jit(f) for f in (_key_pass4, _key_pass1, _value_pass4, _value_pass1))
     _key_scores, _value_accumulate, _task, _merge = (jit(f) for f in (_key_scores, _value_accumulate, _task, _merge))
-    _run_task, _partials = inline(_run_task), inline(_partials)
+    _run_task, _partials, _padded_heads = inline(_run_task), inline(_partials), inline(_padded_heads)
     threaded = numba.njit(_SIGNATURE, parallel=True, fastmath=True, cache=True)(_decode_py)
     serial = numba.njit(_SIGNATURE, fastmath=True, cache=True)(_decode_serial_py)
     return threaded, serial
@@ -678,8 +761,8 @@ def fused_decode_supported(q: torch.Tensor, k_view: AttentionView, v_view: Atten
 #: Below this many ``batch x kv heads x kv positions`` a call runs on the calling thread only.
 #: Measured on the idle 2-core development machine with ``benchmarks/bench_fused_threads.py``
 #: (omp pool, a torch matmul before each call, medians of 30, 9q/3kv heads, D=64, 2-bit):
-#: serial / threaded = 1.01 at 1.5K units, 1.15 at 3K, 1.2-1.3 at 6K-12K, 1.5-1.9 from 24K
-#: (B=1 and B=4 alike).
+#: serial / threaded = 0.89-1.01 at 1.5K units, 1.15-1.19 at 3K, 1.2-1.35 at 6K-12K, 1.4-1.9 from
+#: 24K (B=1 and B=4 alike; ``results/bench_fused_threads.txt``).
 SERIAL_BELOW = 3072
 
 
