@@ -13,6 +13,14 @@ fp window for KIVI methods, the full fp tensors for SDPA). The machine's copy ba
 in the same run (``dst.copy_(src)`` of a 256 MiB tensor; reported as read+write bytes / time and as
 bytes copied / time).
 
+Roofline: the same run also measures the machine's float32 matmul rate (``torch.mm`` of two
+2048 x 2048 matrices, all torch threads) and reports each method's *useful* GFLOP/s — 2 x the
+multiply-adds of exact attention, ``B * Hq * T * (D + Dv)`` (unpacking and dequantization not
+counted) — and the rate that reading the cache at 50% of copy bandwidth would require. At 2 bits
+the cache holds ~0.6 bytes per (token, kv head, channel) while attention does ``g = Hq / Hkv``
+multiply-adds per channel for keys and as many for values, so a CPU decode kernel is compute-bound
+well before it is memory-bound.
+
     python benchmarks/bench_attention_cpu.py [--tokens 32768] [--bits 2] [--json]
 """
 
@@ -47,6 +55,12 @@ def copy_bandwidth(mib: int = 256, repeat: int = 10) -> dict:
     t = timeit(lambda: dst.copy_(src), repeat)
     nbytes = src.numel() * 4
     return {"bytes": nbytes, "copy_GBps": nbytes / t["min_s"] / 1e9, "rw_GBps": 2 * nbytes / t["min_s"] / 1e9}
+
+
+def matmul_gflops(n: int = 2048, repeat: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    t = timeit(lambda: torch.mm(a, b), repeat)
+    return 2 * n**3 / t["min_s"] / 1e9
 
 
 def main() -> None:
@@ -99,6 +113,8 @@ def main() -> None:
     g = hq // hkv
     rows = []
     bw = copy_bandwidth()
+    mm = matmul_gflops()
+    flops = 2 * B * hq * T * (D + D)  # useful multiply-adds of one decode step, x2
 
     def add(name, fn, nbytes):
         t = timeit(fn, a.repeat)
@@ -106,6 +122,7 @@ def main() -> None:
             "method": name, "ms_min": t["min_s"] * 1e3, "ms_median": t["median_s"] * 1e3, "bytes_read": nbytes,
             "eff_GBps": nbytes / t["min_s"] / 1e9, "pct_of_rw_bw": 100 * nbytes / t["min_s"] / 1e9 / bw["rw_GBps"],
             "pct_of_copy_bw": 100 * nbytes / t["min_s"] / 1e9 / bw["copy_GBps"],
+            "useful_GFLOPs": flops / t["min_s"] / 1e9,
         })
 
     skip = set(filter(None, a.skip.split(",")))
@@ -126,6 +143,8 @@ def main() -> None:
     err = (blocked_attention(q, kv, vv, scaling=scaling) - reference_attention(q, kv, vv, scaling=scaling)).abs().max().item()
     result = {"tokens": T, "bits": a.bits, "shape": {"batch": B, "q_heads": hq, "kv_heads": hkv, "head_dim": D},
               "threads": torch.get_num_threads(), "quantized_bytes": qbytes, "bandwidth": bw, "rows": rows,
+              "matmul_GFLOPs": mm, "useful_flops_per_call": flops,
+              "GFLOPs_needed_for_50pct_copy_bw": flops / (qbytes / (0.5 * bw["copy_GBps"] * 1e9)) / 1e9,
               "max_abs_err_blocked_vs_reference": err, "fused_compile_or_load_s": compile_s}
     if fused is not None:
         result["max_abs_err_fused_vs_reference"] = (
@@ -138,11 +157,17 @@ def main() -> None:
     if fused is not None:
         print(f"fused: max|fused-ref|={result['max_abs_err_fused_vs_reference']:.2e}, "
               f"numba compile/cache load {compile_s:.2f} s")
-    print(f"copy bandwidth: {bw['copy_GBps']:.2f} GB/s copied ({bw['rw_GBps']:.2f} GB/s read+write)")
-    print(f"{'method':30s} {'ms(min)':>9s} {'ms(med)':>9s} {'MiB read':>9s} {'eff GB/s':>9s} {'%rw bw':>7s} {'%copy':>7s}")
+    print(f"copy bandwidth: {bw['copy_GBps']:.2f} GB/s copied ({bw['rw_GBps']:.2f} GB/s read+write); "
+          f"float32 matmul: {mm:.1f} GFLOP/s")
+    print(f"useful work per call: {flops / 1e6:.1f} MFLOP; reading the quantized cache at 50% of copy bandwidth "
+          f"would need {result['GFLOPs_needed_for_50pct_copy_bw']:.1f} GFLOP/s "
+          f"({100 * result['GFLOPs_needed_for_50pct_copy_bw'] / mm:.0f}% of the matmul rate)")
+    print(f"{'method':30s} {'ms(min)':>9s} {'ms(med)':>9s} {'MiB read':>9s} {'eff GB/s':>9s} {'%rw bw':>7s} {'%copy':>7s} "
+          f"{'GFLOP/s':>8s} {'%matmul':>8s}")
     for r in rows:
         print(f"{r['method']:30s} {r['ms_min']:9.3f} {r['ms_median']:9.3f} {r['bytes_read'] / 2**20:9.2f} "
-              f"{r['eff_GBps']:9.2f} {r['pct_of_rw_bw']:7.1f} {r['pct_of_copy_bw']:7.1f}")
+              f"{r['eff_GBps']:9.2f} {r['pct_of_rw_bw']:7.1f} {r['pct_of_copy_bw']:7.1f} "
+              f"{r['useful_GFLOPs']:8.1f} {100 * r['useful_GFLOPs'] / mm:8.1f}")
 
 
 if __name__ == "__main__":
