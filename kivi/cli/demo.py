@@ -261,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
             f"is longer than the model supports ({max_ctx} tokens, max_position_embeddings)"
         )
     from ..data import _tokenize  # cached tokenization of the whole text
+    from ..integration import dequantize_model, quantize_model
 
     ids = _tokenize(tokenizer, text)
     if ids.numel() < args.context + args.eval_tokens:
@@ -279,7 +280,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         with torch.inference_mode():
             for label, cfg in runs:
-                r = run_one(model, cfg, prompt, cont, args.max_new_tokens, args.chunk, progress, label)
+                # KIVI rows run through kivi's attention (quantize_model): a KiviCache on an unquantized
+                # model would be read by the model's own attention after a full dequantization per layer
+                # and step (the "reference" path), which is what the decode column must not time.
+                if cfg is not None:
+                    quantize_model(model, cfg)
+                try:
+                    r = run_one(model, cfg, prompt, cont, args.max_new_tokens, args.chunk, progress, label)
+                    r["attention_backend"] = getattr(model, "kivi_attention_backend", None)
+                finally:
+                    if cfg is not None:
+                        dequantize_model(model)
                 r["name"] = label
                 r["config"] = None if cfg is None else cfg.to_dict()
                 r["config_description"] = "DynamicCache (full precision)" if cfg is None else cfg.describe()
@@ -298,6 +309,7 @@ def run(args: argparse.Namespace) -> int:
             "name": r["name"],
             "config": r["config"],
             "config_description": r["config_description"],
+            "attention_backend": r["attention_backend"],
             "prefill_tokens_per_s": args.context / r["prefill_s"],
             "decode_tokens_per_s": (args.max_new_tokens - 1) / r["decode_s"] if args.max_new_tokens > 1 else None,
             "prefill_s": r["prefill_s"],

@@ -117,6 +117,8 @@ def test_demo_json_small():
     d = json.loads(p.stdout)
     fp, ex = d["rows"]
     assert fp["name"] == "fp" and ex["name"] == "extreme"
+    # the KIVI row decodes through kivi's attention, not the dequantize-everything reference path
+    assert fp["attention_backend"] is None and ex["attention_backend"] == "cpu"
     assert ex["cache_bytes"] == ex["predicted_cache_bytes"]
     assert ex["compression_ratio"] > 1 and fp["same_tokens_vs_fp"] == 1.0
     assert ex["ppl"] > 1 and ex["kl_vs_fp"] >= 0
