@@ -187,11 +187,16 @@ def _transpose_words(codes, r0, n, ds2, nbytes, nw, tw):
             tw[w, t] = x
 
 
+def _pass_width(g, i0):
+    """Heads of the pass starting at head ``i0``: :data:`HC` while 3 or more remain, else 1."""
+    return HC if g - i0 >= 3 else 1
+
+
 def _padded_heads(g):
-    """Rows the passes touch: 4-head passes while 3 or more heads remain, then 1-head passes."""
+    """Rows the head passes touch (the last 4-head pass may run past ``g`` on zero rows)."""
     i0 = 0
     while i0 < g:
-        i0 += HC if g - i0 >= 3 else 1
+        i0 += _pass_width(g, i0)
     return i0
 
 
@@ -315,11 +320,11 @@ def _value_pass1(tw, nw, cpw, bits, Dv, G, wt, i0, accq, n):
             a0[c + 3] += r3
 
 
-def _key_scores(d, p, b, h, a, e, qsc, bits, G, c0, s, qp, cst, tw):
+def _key_scores(d, p, b, h, a, e, qsc, bits, G, c0, s, qp, tw):
     """Scores ``s[i, t - c0]`` of the ``g`` query heads for kv positions ``[a, e)`` of key piece ``p``.
 
     Quantized pieces (per-channel groups of ``G`` tokens, ``x = code * scale + base``), per group:
-    ``qp_i = qsc_i * scale`` and ``cst_i = qsc_i . base``; the group's codes are transposed to
+    ``qp_i = qsc_i * scale`` and the scores start at ``qsc_i . base``; the group's codes are transposed to
     words (:func:`_transpose_words`) and each head pass (:func:`_key_pass4` / :func:`_key_pass1`)
     adds ``sum_c qp_{i,c} * code_c(t)`` to the scores, 4 channels at a time.
     """
@@ -367,12 +372,12 @@ def _key_scores(d, p, b, h, a, e, qsc, bits, G, c0, s, qp, cst, tw):
         _transpose_words(codes, r, n, ds2, nbytes, nw, tw)
         i0 = 0
         while i0 < g:
-            if g - i0 >= 3:
+            w = _pass_width(g, i0)
+            if w == HC:
                 _key_pass4(tw, nw, cpw, bits, D, qp, i0, s, o, n)
-                i0 += HC
             else:
                 _key_pass1(tw, nw, cpw, bits, D, qp, i0, s, o, n)
-                i0 += 1
+            i0 += w
         r = rend
 
 
@@ -428,12 +433,12 @@ def _value_accumulate(d, p, b, h, a, e, bits, G, c0, pr, accq, accf, accb, wt, s
             accb[i, gg] += tot
     i0 = 0
     while i0 < g:
-        if g - i0 >= 3:
+        w = _pass_width(g, i0)
+        if w == HC:
             _value_pass4(tw, nw, cpw, bits, Dv, G, wt, i0, accq, n)
-            i0 += HC
         else:
             _value_pass1(tw, nw, cpw, bits, Dv, G, wt, i0, accq, n)
-            i0 += 1
+        i0 += w
 
 
 def _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, t1, om, ol, oacc):
@@ -456,7 +461,6 @@ def _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, t1, om, ol, oacc):
             qsc[i, k] = q[b, h * g + i, k] * scaling
     s = np.zeros((gp, SUB), dtype=np.float32)
     qp = np.zeros((gp, (D + 3) // 4 * 4), dtype=np.float32)  # channels read 4 at a time
-    cst = np.zeros(g, dtype=np.float32)
     tw = np.empty((nw, SUB), dtype=np.uint32)
     wt = np.zeros((gp, nvg, SUB), dtype=np.float32)
     sbt = np.empty((2, nvg, SUB), dtype=np.float32)
@@ -471,7 +475,7 @@ def _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, t1, om, ol, oacc):
         for p in range(kd.shape[0]):
             a, e = max(c0, kd[p, _LO]), min(c1, kd[p, _HI])
             if a < e:
-                _key_scores(kd, p, b, h, a, e, qsc, kbits, kG, c0, s, qp, cst, tw)
+                _key_scores(kd, p, b, h, a, e, qsc, kbits, kG, c0, s, qp, tw)
         if has_mask:
             for t in range(c0, c1):
                 if not valid[b, t]:
@@ -573,7 +577,7 @@ _SIGNATURE = (
 def _build_kernel():
     """Compile (or load from numba's cache) the decode kernel. Imports numba lazily."""
     global prange, carray, _u8p, _u32p, _f32p, _bits_f32, _code, _transpose_words, _key_scores, _value_accumulate, _task, _merge
-    global _run_task, _partials, _padded_heads, _key_pass4, _key_pass1, _value_pass4, _value_pass1
+    global _run_task, _partials, _pass_width, _padded_heads, _key_pass4, _key_pass1, _value_pass4, _value_pass1
     import numba
     from numba import types
     from numba.extending import intrinsic
@@ -625,7 +629,8 @@ def _build_kernel():
         globals()[name] = inline(globals()[name])
     _key_pass4, _key_pass1, _value_pass4, _value_pass1 = (jit(f) for f in (_key_pass4, _key_pass1, _value_pass4, _value_pass1))
     _key_scores, _value_accumulate, _task, _merge = (jit(f) for f in (_key_scores, _value_accumulate, _task, _merge))
-    _run_task, _partials, _padded_heads = inline(_run_task), inline(_partials), inline(_padded_heads)
+    _run_task, _partials = inline(_run_task), inline(_partials)
+    _pass_width, _padded_heads = inline(_pass_width), inline(_padded_heads)
     threaded = numba.njit(_SIGNATURE, parallel=True, fastmath=True, cache=True)(_decode_py)
     serial = numba.njit(_SIGNATURE, fastmath=True, cache=True)(_decode_serial_py)
     return threaded, serial
