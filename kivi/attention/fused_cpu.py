@@ -681,6 +681,57 @@ def _addr(t: torch.Tensor, keep: list) -> tuple[int, int, int, int]:
     return (t.data_ptr(), *t.stride()[:3])
 
 
+def _block_entry(store, blk: dict, quantized: bool) -> tuple[bool, tuple, tuple]:
+    """``(direct, descriptor columns _QUANT.., tensors referenced)`` of one store block.
+
+    ``direct``: the columns point at the block's own tensors (float32, unit-stride rows), so they
+    stay valid whatever is appended to the block later. Otherwise (bf16 / fp16 data or
+    parameters, symmetric, compensation) they point at float32 copies of the block made now.
+    """
+    keep: list = []
+    if not quantized:
+        data = blk["data"]
+        direct = data.dtype == torch.float32 and data.stride(-1) == 1
+        cols = (0, *_addr(_rows_f32(data), keep)) + (0,) * 8
+    else:
+        seg = store.template.with_tensors(**blk)
+        packed = seg.packed if seg.packed.stride(-1) == 1 else seg.packed.contiguous()
+        direct = (packed is seg.packed and seg.scale.dtype == torch.float32 and seg.scale.stride(-1) == 1
+                  and seg.offset is not None and seg.offset.dtype == torch.float32 and seg.offset.stride(-1) == 1
+                  and seg.comp is None)
+        cols = (1, *_addr(packed, keep), *_addr(_rows_f32(seg.scale), keep), *_addr(_rows_f32(_base(seg)), keep))
+    return direct, cols, tuple(keep)
+
+
+def _store_rows(view: AttentionView, start: int, keep: list) -> list[tuple]:
+    """Descriptor rows of the store blocks holding tokens ``[store.start, view.split)``, in token order.
+
+    Each row describes a whole block (``lo`` = its first token relative to ``start``, possibly
+    negative after an eviction: the kernel only visits positions ``>= 0``) up to ``view.split``.
+    Columns that point at the blocks' own tensors are memoised in ``store.derived`` (cleared
+    whenever blocks are added, dropped or replaced), so a decode step does not rebuild them.
+    float32 copies (bf16 / fp16 parameters, ...) are made per call and not kept: memoising them
+    would hold a float32 copy of every scale and offset, as many bytes again as the 2-bit codes.
+    """
+    store = view.store
+    memo = store.derived.setdefault("fused_cpu", {})
+    rows = []
+    for i, (blk, b0, cap) in enumerate(zip(store.blocks, store.starts, store.caps)):
+        if blk is None or b0 + cap <= store.start:
+            continue
+        if b0 >= view.split:
+            break
+        hi = min(view.split, b0 + cap)
+        ent = memo.get(i)
+        if ent is None:
+            ent = _block_entry(store, blk, view.quantized)
+            if ent[0]:
+                memo[i] = ent
+        keep.append(ent[2])
+        rows.append((b0 - start, hi - start, *ent[1]))
+    return rows
+
+
 def _side_table(view: AttentionView, start: int, keep: list) -> tuple[np.ndarray, int, int]:
     """``(descriptors [P, NCOL] int64, bits, group_size)`` of one side's pieces, in token order.
 
@@ -696,18 +747,10 @@ def _side_table(view: AttentionView, start: int, keep: list) -> tuple[np.ndarray
     if view.sink is not None:  # full-precision sink tokens [0, S)
         lo = 0 - start
         rows.append((lo, lo + view.sink.shape[-2], 0, *_addr(_rows_f32(view.sink), keep)) + (0,) * 8)
-    for t0, seg in view.store.iter_blocks(view.split):
-        n = seg.num_tokens
-        if n == 0:
-            continue
-        lo = t0 - start
+    if view.store.template is not None and view.split > view.store.start:
+        rows += _store_rows(view, start, keep)
         if view.quantized:
-            bits, group = seg.bits, seg.group_size
-            packed = seg.packed if seg.packed.stride(-1) == 1 else seg.packed.contiguous()
-            rows.append((lo, lo + n, 1, *_addr(packed, keep), *_addr(_rows_f32(seg.scale), keep),
-                         *_addr(_rows_f32(_base(seg)), keep)))
-        else:
-            rows.append((lo, lo + n, 0, *_addr(_rows_f32(seg.data), keep)) + (0,) * 8)
+            bits, group = view.store.template.bits, view.store.template.group_size
     nfp = view.fp.shape[-2]
     if nfp:
         lo = view.split - start
@@ -777,10 +820,21 @@ def _use_threads(batch: int, hkv: int, kv_len: int) -> bool:
 
 
 def _chunk_tokens(ntok: int, tasks_bh: int, threads: int) -> int:
-    """Tokens per task: enough tasks for every thread (x4 for balance), at least :data:`SUB` tokens."""
-    want = max(1, -(-4 * threads // max(tasks_bh, 1)))
+    """Tokens per split-K task: at least 2 tasks per thread, a task count divisible by ``threads``.
+
+    numba's ``prange`` (omp layer) hands each thread an equal contiguous share of the tasks, so a
+    task count that does not divide evenly leaves a thread idle at the end: 9 tasks on 2 threads
+    (batch 1, 3 kv heads, the earlier "4 per thread" rule) ran 5 + 4, 11% longer than 6 tasks
+    (3 + 3). Chunks are multiples of 64 tokens (whole key groups of 32 or 64 tokens).
+    """
+    tasks_bh = max(tasks_bh, 1)
+    want = max(1, -(-2 * threads // tasks_bh))
+    for extra in range(threads):  # smallest count >= want whose total divides evenly
+        if (tasks_bh * (want + extra)) % threads == 0:
+            want += extra
+            break
     chunk = max(SUB, -(-ntok // want))
-    return -(-chunk // SUB) * SUB
+    return -(-chunk // 64) * 64
 
 
 def fused_decode_attention(

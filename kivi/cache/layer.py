@@ -32,6 +32,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..config import KiviConfig
+from ..quant.fused_cpu import quantize_tokens_into, token_quantizer_supported
 from ..quant.kv import PackedKV, dequantize_kv, quantize_kv
 from .store import BlockStore, FpSegment
 
@@ -185,7 +186,16 @@ class KiviLayer(CacheLayerMixin):
             move = (excess // cfg.group_size) * cfg.group_size if excess > 0 else 0
         else:
             move = max(excess, 0)
-        if move:
+        if move and side.axis == "token" and side.store.template is not None and self._fast_tokens(side, pending.dtype):
+            # One compiled pass, written straight into the block storage (decode: one token per step).
+            x = pending[:, :, :move]
+
+            def write(lo: int, hi: int, views: dict[str, torch.Tensor]) -> None:
+                quantize_tokens_into(x[:, :, lo:hi], side.bits, cfg.group_size, views["packed"], views["scale"],
+                                     views["offset"])
+
+            side.store.append_in_place(move, write)
+        elif move:
             seg = quantize_kv(
                 pending[:, :, :move],
                 side.axis,
@@ -203,6 +213,18 @@ class KiviLayer(CacheLayerMixin):
         side.window_valid = None
         if pvalid is not None and side.window is not None and not bool(pvalid[:, move:].all()):
             side.window_valid = pvalid[:, move:].clone()
+
+    def _fast_tokens(self, side: _Side, dtype: torch.dtype) -> bool:
+        """Whether values leave the window through :func:`kivi.quant.fused_cpu.quantize_tokens_into`.
+
+        It reproduces :func:`quantize_kv` bit for bit where it applies (CPU, float32, asymmetric, no
+        compensation, finiteness checked, numba installed); everything else takes the torch path.
+        """
+        cfg = self.config
+        return self.device.type == "cpu" and token_quantizer_supported(
+            dtype, side.bits, symmetric=cfg.symmetric, residual_bits=cfg.residual_bits,
+            param_dtype=self._param_dtype(dtype), check_finite=cfg.check_finite,
+        )
 
     def _param_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype if self.config.scale_dtype == "auto" else _SCALE_DTYPES[self.config.scale_dtype]

@@ -54,6 +54,10 @@ class BlockStore:
     caps: list[int] = field(default_factory=list)  # tokens each block can hold
     length: int = 0  # tokens appended so far (absolute index of the next token)
     start: int = 0  # first token still stored (after evictions)
+    #: Memo for readers that derive data from the blocks (e.g. the fused kernel's descriptor tables),
+    #: keyed by reader. Cleared whenever a block is added, dropped or replaced; appends that write
+    #: into an existing block keep it, so memoised data must not assume a block's contents are final.
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     # ------------------------------------------------------------------ writing
     def _divisor(self, name: str) -> int:
@@ -69,27 +73,54 @@ class BlockStore:
         self.blocks.append(blk)
         self.starts.append(self.length)
         self.caps.append(tokens)
+        self.derived.clear()
 
     def append(self, seg: Segment) -> None:
         """Write ``seg`` (its tokens become ``[length, length + seg.num_tokens)``)."""
-        n = seg.num_tokens
-        if n == 0:
+        if seg.num_tokens == 0:
             return
         if self.template is None:
             self.template = seg.with_tensors(**{k: v[:, :, :0] for k, v in seg.tensors().items()})
         tensors = seg.tensors()
-        done = 0
-        while done < n:
-            if not self.blocks or self.starts[-1] + self.caps[-1] <= self.length:
-                self._new_block(max(self.block_size, n - done))
-            blk = self.blocks[-1]
-            off = self.length - self.starts[-1]
-            m = min(self.caps[-1] - off, n - done)
-            for name, t in tensors.items():
+
+        def copy(lo: int, hi: int, views: dict[str, torch.Tensor]) -> None:
+            for name, dst in views.items():
                 d = self._divisor(name)
-                blk[name][:, :, off // d : (off + m) // d].copy_(t[:, :, done // d : (done + m) // d])
-            done += m
-            self.length += m
+                dst.copy_(tensors[name][:, :, lo // d : hi // d])
+
+        self.append_in_place(seg.num_tokens, copy)
+
+    def append_in_place(self, n: int, write: Callable[[int, int, dict[str, torch.Tensor]], None]) -> None:
+        """Append ``n`` tokens by letting ``write(lo, hi, views)`` fill the storage of tokens ``[lo, hi)`` of them.
+
+        ``views`` maps every tensor field of the template to the block rows those tokens occupy
+        (in-place views; ``write`` must fill them all). Called once per block the tokens span. The
+        template (first :meth:`append`) must exist: it gives the fields, shapes and dtypes.
+        """
+        if self.template is None:
+            raise ValueError("append_in_place needs a template: the first segment goes through append()")
+        length, nblocks = self.length, len(self.blocks)
+        done = 0
+        try:
+            while done < n:
+                if not self.blocks or self.starts[-1] + self.caps[-1] <= self.length:
+                    self._new_block(max(self.block_size, n - done))
+                blk = self.blocks[-1]
+                off = self.length - self.starts[-1]
+                m = min(self.caps[-1] - off, n - done)
+                views = {}
+                for name, t in blk.items():
+                    d = self._divisor(name)
+                    views[name] = t[:, :, off // d : (off + m) // d]
+                write(done, done + m, views)
+                done += m
+                self.length += m
+        except BaseException:
+            # All or nothing: a failed write (e.g. non-finite input) leaves the store as it was.
+            self.length = length
+            del self.blocks[nblocks:], self.starts[nblocks:], self.caps[nblocks:]
+            self.derived.clear()
+            raise
 
     # ------------------------------------------------------------------ reading
     def iter_blocks(self, end: int | None = None) -> Iterator[tuple[int, Segment]]:
@@ -133,17 +164,20 @@ class BlockStore:
         self.length = new_length
         keep = sum(1 for b0 in self.starts if b0 < new_length)
         del self.blocks[keep:], self.starts[keep:], self.caps[keep:]
+        self.derived.clear()
 
     def evict(self, before: int) -> None:
         """Stop exposing tokens ``< before`` and free the blocks that hold only such tokens."""
         before = min(before, self.length)
         self.start = max(self.start, before)
+        self.derived.clear()
         for i, (b0, cap) in enumerate(zip(self.starts, self.caps)):
             if self.blocks[i] is not None and b0 + cap <= self.start:
                 self.blocks[i] = None
 
     def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply ``fn`` (e.g. a batch ``index_select``) to every stored tensor."""
+        self.derived.clear()
         for i, blk in enumerate(self.blocks):
             if blk is not None:
                 self.blocks[i] = {k: fn(v) for k, v in blk.items()}

@@ -189,3 +189,53 @@ def test_sink_tokens_match_reference(sink, lengths):
     assert (views[0].sink is not None) == (sum(lengths) - 1 > 16)
     _check(torch.randn(B, hkv * 3, 1, D), views)
     _check(torch.randn(B, hkv * 3, 1, D), views, valid[:, None, None, :])
+
+
+def _decode_and_check(layer, B, hkv, D, steps, g, ratio=3):
+    """``steps`` single-token appends, each checked against the reference; returns the last views."""
+    views = None
+    for _ in range(steps):
+        views = layer.append(torch.randn(B, hkv, 1, D, generator=g), torch.randn(B, hkv, 1, D, generator=g))
+        _check(torch.randn(B, hkv * ratio, 1, D, generator=g), views)
+    return views
+
+
+def test_descriptor_memo_is_reused_and_invalidated():
+    """The per-block descriptor columns are memoised per store; every layout change must drop them."""
+    cfg = KiviConfig(group_size=8, residual_length=16, block_size=32)
+    B, hkv, D = 3, 2, 32
+    g = torch.Generator().manual_seed(3)
+    layer = KiviLayer(cfg)
+    layer.append(torch.randn(B, hkv, 100, D, generator=g), torch.randn(B, hkv, 100, D, generator=g))
+    _decode_and_check(layer, B, hkv, D, 2, g)
+    memo = layer.v.store.derived["fused_cpu"]
+    entry = memo[0]
+    _decode_and_check(layer, B, hkv, D, 2, g)  # values append inside the last block
+    assert layer.v.store.derived["fused_cpu"][0] is entry
+    _decode_and_check(layer, B, hkv, D, 40, g)  # new blocks on both sides
+    layer.reorder_cache(torch.tensor([2, 0, 1]))  # every block tensor replaced
+    assert layer.v.store.derived == {} and layer.k.store.derived == {}
+    _decode_and_check(layer, B, hkv, D, 3, g)
+    layer.crop(-30)  # blocks truncated, then rewritten by the next appends
+    _decode_and_check(layer, B, hkv, D, 40, g)
+
+
+def test_sliding_eviction_with_memo():
+    cfg = KiviConfig(group_size=8, residual_length=16, block_size=32)
+    B, hkv, D = 1, 2, 32
+    g = torch.Generator().manual_seed(4)
+    layer = KiviLayer(cfg, sliding_window=40)
+    layer.append(torch.randn(B, hkv, 90, D, generator=g), torch.randn(B, hkv, 90, D, generator=g))
+    views = _decode_and_check(layer, B, hkv, D, 120, g)
+    assert layer.k.store.start > 0 and layer.k.store.blocks[0] is None  # blocks were evicted
+    assert views[0].start == layer.kv_offset
+
+
+@pytest.mark.parametrize("tasks_bh,threads", [(1, 2), (3, 2), (4, 2), (3, 4), (12, 2), (5, 3), (2, 8)])
+def test_task_count_divides_evenly(tasks_bh, threads):
+    for ntok in (300, 8192, 8193, 32768):
+        chunk = fused_cpu._chunk_tokens(ntok, tasks_bh, threads)
+        nch = -(-ntok // chunk)
+        assert chunk % 64 == 0 and chunk >= fused_cpu.SUB
+        if ntok >= 8192:  # long enough that the chunk floor does not decide
+            assert (tasks_bh * nch) % threads == 0 and tasks_bh * nch >= 2 * threads, (ntok, chunk, nch)

@@ -233,3 +233,40 @@ def test_sink_reorder_and_sliding_layers_have_none():
     sliding = KiviLayer(KiviConfig(residual_length=32, sink_tokens=2), sliding_window=64)
     sliding.update(k, v)
     assert sliding.k.sink_len == 0 and sliding.kv_offset == 0
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_value_fast_path_stores_what_the_torch_path_stores(monkeypatch, bits):
+    """Decode appends move values through quantize_tokens_into (numba); the store must be identical."""
+    pytest.importorskip("numba")
+    cfg = KiviConfig(k_bits=bits, v_bits=bits, residual_length=16, group_size=16, block_size=32)
+    k, v = _kv(t=120)
+    layers = []
+    for fast in (True, False):
+        layer = KiviLayer(cfg)
+        if not fast:
+            monkeypatch.setattr(layer, "_fast_tokens", lambda side, dtype: False)
+        layer.update(k[:, :, :50], v[:, :, :50])
+        for t in range(50, 120):  # crosses several 32-token blocks
+            layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        layers.append(layer)
+    fast, slow = layers
+    assert fast._fast_tokens(fast.v, torch.float32)
+    assert fast.v.store.length == slow.v.store.length == 120 - 16
+    a, b = fast.v.store.read(), slow.v.store.read()
+    for name in ("packed", "scale", "offset"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert torch.equal(fast.v.window, slow.v.window)
+
+
+def test_nan_in_a_decode_value_raises_and_leaves_the_store_as_it_was():
+    layer = KiviLayer(KiviConfig(residual_length=32, group_size=32, block_size=64))
+    k, v = _kv(t=40)
+    layer.update(k, v)
+    before = layer.v.store.length
+    assert before == 8
+    k1, v1 = _kv(t=33, seed=1)
+    v1[0, 0, 0, 3] = float("nan")  # leaves the 32-token window at once (33 new tokens)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        layer.update(k1, v1)
+    assert layer.v.store.length == before

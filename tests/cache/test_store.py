@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from kivi.cache.store import BlockStore, FpSegment
@@ -49,3 +50,40 @@ def test_truncate_and_evict():
     s.evict(40)
     assert s.start == 40 and s.blocks[0] is None and s.blocks[1] is not None
     assert torch.equal(s.read().data, x[:, :, 40:70])
+
+
+def test_append_in_place_fills_views_across_blocks_and_rolls_back_on_error():
+    s = BlockStore(block_size=8)
+    x = torch.randn(1, 2, 20, 4)
+    s.append(FpSegment(x[:, :, :5]))
+    calls = []
+
+    def write(lo, hi, views):
+        calls.append((lo, hi, views["data"].shape[2]))
+        views["data"].copy_(x[:, :, 5 + lo : 5 + hi])
+
+    s.append_in_place(6, write)  # 3 tokens finish block 0, 3 start block 1
+    assert calls == [(0, 3, 3), (3, 6, 3)]
+    assert torch.equal(s.read().data, x[:, :, :11]) and len(s.blocks) == 2
+
+    def fail_second(lo, hi, views):
+        if lo:
+            raise ValueError("boom")
+        views["data"].copy_(x[:, :, 11 + lo : 11 + hi])
+
+    with pytest.raises(ValueError, match="boom"):
+        s.append_in_place(12, fail_second)  # would span blocks 1, 2 and 3
+    assert s.length == 11 and len(s.blocks) == 2 and torch.equal(s.read().data, x[:, :, :11])
+
+
+def test_derived_memo_survives_in_block_appends_only():
+    s = BlockStore(block_size=8)
+    s.append(FpSegment(torch.randn(1, 1, 3, 4)))
+    s.derived["reader"] = "memo"
+    s.append(FpSegment(torch.randn(1, 1, 2, 4)))  # same block
+    assert s.derived == {"reader": "memo"}
+    for change in (lambda: s.append(FpSegment(torch.randn(1, 1, 4, 4))),  # new block
+                   lambda: s.truncate(4), lambda: s.evict(2), lambda: s.map_tensors(lambda t: t.clone())):
+        s.derived["reader"] = "memo"
+        change()
+        assert s.derived == {}

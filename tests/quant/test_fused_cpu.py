@@ -1,0 +1,110 @@
+"""quantize_tokens_into (numba, per-token values) against quantize_kv(axis="token"): bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("numba")
+
+from kivi.quant.fused_cpu import quantize_tokens_into, token_quantizer_supported  # noqa: E402
+from kivi.quant.kv import dequantize_kv, quantize_kv  # noqa: E402
+from kivi.quant.packing import packed_size  # noqa: E402
+
+
+def _outputs(B, H, n, D, bits, G):
+    return (torch.empty(B, H, n, packed_size(D, bits), dtype=torch.uint8), torch.empty(B, H, n, D // G),
+            torch.empty(B, H, n, D // G))
+
+
+def _assert_same(x, bits, G):
+    ref = quantize_kv(x, "token", bits, G)
+    pk, sc, of = _outputs(*x.shape, bits, G)
+    quantize_tokens_into(x, bits, G, pk, sc, of)
+    assert torch.equal(pk, ref.packed)
+    assert torch.equal(sc, ref.scale)
+    assert torch.equal(of, ref.offset)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    bits=st.sampled_from([1, 2, 4, 8]),
+    G=st.sampled_from([4, 8, 12, 32]),
+    groups=st.integers(1, 4),
+    n=st.integers(1, 5),
+    scale=st.sampled_from([1e-4, 1.0, 300.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_rows_match_reference(bits, G, groups, n, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, n, G * groups, generator=g) * scale
+    _assert_same(x, bits, G)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_ties_round_half_to_even_like_torch(bits):
+    """Values on a half-step grid: (x - lo) / scale lands exactly on .5 for many elements."""
+    g = torch.Generator().manual_seed(1)
+    levels = 2**bits - 1
+    x = torch.randint(0, 2 * levels + 1, (2, 2, 7, 32), generator=g).float() * 0.25
+    x[..., 0] = 0.0
+    x[..., 31] = 0.5 * levels  # every 32-wide row spans [0, levels/2]: scale 0.5, codes hit .5 ties
+    _assert_same(x, bits, 32)
+
+
+def test_constant_groups_and_odd_head_dim():
+    x = torch.randn(1, 2, 3, 12)
+    x[:, :, :, :4] = 0.75  # one constant group per row: scale 0, codes 0, dequantizes exactly
+    for bits in (1, 2, 4, 8):
+        _assert_same(x, bits, 4)  # 12 channels at 1 bit: 2 bytes, the last half-empty
+    pk, sc, of = _outputs(1, 2, 3, 12, 2, 4)
+    quantize_tokens_into(x, 2, 4, pk, sc, of)
+    assert torch.all(sc[..., 0] == 0)
+    ref = quantize_kv(x, "token", 2, 4)
+    assert torch.equal(dequantize_kv(ref)[..., :4], x[..., :4])
+
+
+def test_writes_into_strided_views():
+    """The store hands out row ranges of bigger blocks: non-contiguous views."""
+    x = torch.randn(2, 3, 4, 64)
+    pk = torch.full((2, 3, 10, 16), 0xAB, dtype=torch.uint8)
+    sc, of = torch.full((2, 3, 10, 2), 7.0), torch.full((2, 3, 10, 2), 7.0)
+    quantize_tokens_into(x, 2, 32, pk[:, :, 3:7], sc[:, :, 3:7], of[:, :, 3:7])
+    ref = quantize_kv(x, "token", 2, 32)
+    assert torch.equal(pk[:, :, 3:7], ref.packed) and torch.equal(sc[:, :, 3:7], ref.scale)
+    assert torch.equal(of[:, :, 3:7], ref.offset)
+    assert torch.all(pk[:, :, :3] == 0xAB) and torch.all(pk[:, :, 7:] == 0xAB)  # nothing else touched
+    assert torch.all(sc[:, :, :3] == 7.0) and torch.all(of[:, :, 7:] == 7.0)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_raises(bad):
+    x = torch.randn(1, 1, 2, 32)
+    x[0, 0, 1, 5] = bad
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        quantize_tokens_into(x, 2, 32, *_outputs(1, 1, 2, 32, 2, 32))
+
+
+def test_bad_arguments_raise():
+    x = torch.randn(1, 1, 2, 32)
+    with pytest.raises(ValueError, match="float32"):
+        quantize_tokens_into(x.bfloat16(), 2, 32, *_outputs(1, 1, 2, 32, 2, 32))
+    with pytest.raises(ValueError, match="bits=3"):
+        quantize_tokens_into(x, 3, 32, *_outputs(1, 1, 2, 32, 2, 32))
+    with pytest.raises(ValueError, match="group_size=12"):
+        quantize_tokens_into(x, 2, 12, *_outputs(1, 1, 2, 32, 2, 32))
+    with pytest.raises(ValueError, match="do not match"):
+        quantize_tokens_into(x, 2, 32, *_outputs(1, 1, 3, 32, 2, 32))
+
+
+def test_supported_only_where_it_is_exact():
+    ok = dict(symmetric=False, residual_bits=0, param_dtype=torch.float32, check_finite=True)
+    assert token_quantizer_supported(torch.float32, 2, **ok)
+    assert not token_quantizer_supported(torch.bfloat16, 2, **ok)
+    assert not token_quantizer_supported(torch.float32, 3, **ok)
+    assert not token_quantizer_supported(torch.float32, 2, **{**ok, "symmetric": True})
+    assert not token_quantizer_supported(torch.float32, 2, **{**ok, "residual_bits": 2})
+    assert not token_quantizer_supported(torch.float32, 2, **{**ok, "param_dtype": torch.float16})
+    assert not token_quantizer_supported(torch.float32, 2, **{**ok, "check_finite": False})
