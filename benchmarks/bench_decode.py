@@ -1,14 +1,27 @@
 """Decode throughput and memory on SmolLM2: DynamicCache vs transformers' QuantizedCache (quanto) vs KIVI.
 
 For each context length and batch size, each configuration: prefill a random prompt of ``context``
-tokens (not timed), then ``--steps`` greedy decode steps (timed) -> tokens/s = batch * steps / time.
+tokens and ``--warmup-steps`` decode steps (not timed), then ``--steps`` greedy decode steps (timed)
+-> tokens/s = batch * steps / time.
+
+This machine class is noisy (the same row varied by 30% between runs, and a row's speed depends on
+what ran before it in the process: quanto int2 at 8K measured 3.75 tok/s alone, 2.89 after a
+DynamicCache row and once 0.22). Hence ``--isolate`` (each row in a fresh process) and
+``--repeat N`` (rows interleaved, N rounds; the table shows the median and the spread); ratios
+are medians over medians measured in the same run.
+
+``floor`` is a pseudo-configuration: DynamicCache decoding after a 32-token prompt, i.e. what a
+decode step costs without any cache to speak of (weights, norms, MLP, framework). ``step - floor``
+is then the part of a step spent on the cache and attention; the table reports it per row and
+its ratio to quanto int2's.
 
 Peak memory: "peak_rss_delta_MiB" = peak process RSS (psutil, sampled every 2 ms by a thread)
 during prefill+decode minus the RSS just before, i.e. the cache plus transient activations; also
 the cache's own tensor bytes where it can be counted exactly ("cache_MiB", KIVI and DynamicCache).
-Ratios are against DynamicCache (and quanto int2, when it ran first) measured in the same run.
+Without ``--isolate`` this delta is meaningless for later rows (freed memory of earlier rows is reused).
 
     python benchmarks/bench_decode.py --contexts 1024 4096 --batches 1 4 [--steps 32] [--json]
+    python benchmarks/bench_decode.py --contexts 8192 --batches 1 --configs floor dynamic quanto2 kivi2-cpu --isolate --repeat 3
 """
 
 from __future__ import annotations
@@ -74,10 +87,13 @@ def cache_bytes(cache):
         return None
 
 
+FLOOR_CONTEXT = 32
+
+
 def make_cache(model, kind):
     import transformers
 
-    if kind == "dynamic":
+    if kind in ("dynamic", "floor"):
         return transformers.DynamicCache(config=model.config)
     if kind.startswith("quanto"):
         return transformers.QuantizedCache(backend="quanto", config=model.config, nbits=int(kind[-1]))
@@ -85,7 +101,7 @@ def make_cache(model, kind):
 
 
 @torch.no_grad()
-def run_one(model, kind, context, batch, steps, vocab):
+def run_one(model, kind, context, batch, steps, vocab, warmup_steps=2):
     torch.manual_seed(0)
     ids = torch.randint(10, vocab, (batch, context))
     gc.collect()
@@ -93,6 +109,9 @@ def run_one(model, kind, context, batch, steps, vocab):
         cache = make_cache(model, kind)
         out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         nxt = out.logits[:, -1:].argmax(-1)
+        for _ in range(warmup_steps):  # first steps after a prefill: allocations, thread pools (all configs alike)
+            out = model(input_ids=nxt, cache=cache, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
         t0 = time.perf_counter()
         for _ in range(steps):
             out = model(input_ids=nxt, cache=cache, use_cache=True)
@@ -103,18 +122,85 @@ def run_one(model, kind, context, batch, steps, vocab):
             "cache_MiB": None if cb is None else cb / 2**20}
 
 
+@torch.no_grad()
+def _warm(model):
+    """One short forward before any measured row: the first forward of a process allocates ~0.5 GiB of
+    lasting buffers (measured: a fresh process's first row showed +507 MiB even at 32 tokens)."""
+    model(input_ids=torch.ones(1, 8, dtype=torch.long), use_cache=False)
+
+
+def _prepare(model, name):
+    """Set the model up for row ``name``; returns the cache kind for :func:`run_one`."""
+    dequantize_model(model)
+    if name.startswith("kivi"):
+        bits, backend = int(name[4]), name.split("-")[1]
+        quantize_model(model, KiviConfig(k_bits=bits, v_bits=bits, attention_backend=backend))
+        return "kivi"
+    return name
+
+
+def _row(model, name, ctx, bs, steps, warmup_steps):
+    kind = _prepare(model, name)
+    try:
+        r = run_one(model, kind, FLOOR_CONTEXT if name == "floor" else ctx, bs, steps, model.config.vocab_size,
+                    warmup_steps)
+    except Exception as e:  # noqa: BLE001 - report (e.g. quanto missing)
+        r = {"error": f"{type(e).__name__}: {e}"[:200]}
+    r.update(config=name, context=ctx, batch=bs)
+    return r
+
+
+def _row_isolated(name, ctx, bs, steps, warmup_steps, threads, pin):
+    """The row in a fresh interpreter (nothing left over from other rows: allocator state, caches)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, __file__, "--one-row", name, str(ctx), str(bs), "--steps", str(steps),
+           "--warmup-steps", str(warmup_steps), "--threads", str(threads)] + (["--pin-allocator"] if pin else [])
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode or not lines:
+        return {"error": f"row process failed ({out.returncode}): {out.stderr.strip()[-300:]}", "config": name,
+                "context": ctx, "batch": bs}
+    return json.loads(lines[-1])
+
+
+def _median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+def _summarise(runs):
+    """Median over repeats of one row's runs (errors: the first error)."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return dict(runs[0])
+    out = dict(ok[0])
+    for k in ("tok_s", "decode_s", "peak_rss_delta_MiB"):
+        out[k] = _median([r[k] for r in ok])
+    out["tok_s_all"] = [round(r["tok_s"], 3) for r in ok]
+    out["ms_per_step"] = 1e3 * out["decode_s"] / out["steps"]
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps after the prefill")
     ap.add_argument("--configs", nargs="+",
-                    default=["dynamic", "quanto2", "quanto4", "kivi2-reference", "kivi2-cpu", "kivi4-reference", "kivi4-cpu"])
+                    default=["dynamic", "quanto2", "quanto4", "kivi2-reference", "kivi2-cpu", "kivi4-reference", "kivi4-cpu"],
+                    help="dynamic, floor, quanto2, quanto4, kivi{2,4}-{reference,cpu,triton}")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of every row, interleaved; the table shows medians")
+    ap.add_argument("--isolate", action="store_true", help="run every row in a fresh process")
     ap.add_argument("--pin-allocator", action="store_true",
                     help="call kivi.allocator.reduce_fragmentation() first (as the kivi CLI does). Off by default: "
                          "the pinned mmap threshold makes every large temporary a fresh mapping, which slowed "
                          "DynamicCache decoding (a torch.cat of the whole cache per layer and step) by ~35%% at 2K")
+    ap.add_argument("--one-row", nargs=3, metavar=("CONFIG", "CONTEXT", "BATCH"), help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.pin_allocator:
@@ -123,51 +209,84 @@ def main():
         reduce_fragmentation()
     if a.threads:
         torch.set_num_threads(a.threads)
-    model = load()
-    vocab = model.config.vocab_size
-    from kivi.attention.fused_cpu import fused_decode_available, warmup
+    if a.repeat < 1:
+        ap.error(f"--repeat={a.repeat} must be at least 1")
+    model = None
+    if not a.isolate:
+        model = load()
+        _warm(model)
+        from kivi.attention.fused_cpu import fused_decode_available, warmup
 
-    if fused_decode_available():  # compile / load the numba kernel now, not inside the first timed decode
-        warmup()
+        if fused_decode_available():  # compile / load the numba kernel now, not inside the first timed decode
+            warmup()
+    if a.one_row:
+        name, ctx, bs = a.one_row[0], int(a.one_row[1]), int(a.one_row[2])
+        r = _row(model, name, ctx, bs, a.steps, a.warmup_steps)
+        r.update(steps=a.steps)
+        print(json.dumps(r))
+        return
+    rows = [(ctx, bs, name) for ctx in a.contexts for bs in a.batches for name in a.configs]
+    runs: dict = {row: [] for row in rows}
+    for rep in range(a.repeat):
+        for ctx, bs, name in rows:
+            if a.isolate:
+                r = _row_isolated(name, ctx, bs, a.steps, a.warmup_steps, a.threads, a.pin_allocator)
+            else:
+                r = _row(model, name, ctx, bs, a.steps, a.warmup_steps)
+            r.update(steps=a.steps, round=rep)
+            runs[(ctx, bs, name)].append(r)
+            if a.repeat > 1 and not a.json:
+                shown = r.get("error") or f"{r['tok_s']:.2f} tok/s"
+                print(f"  round {rep + 1}/{a.repeat} ctx={ctx} bs={bs} {name}: {shown}", flush=True)
     results = []
     for ctx in a.contexts:
         for bs in a.batches:
-            base = q2 = None
+            group = {name: _summarise(runs[(ctx, bs, name)]) for name in a.configs}
+            base, q2, floor = (group.get(n) for n in ("dynamic", "quanto2", "floor"))
+            base = base if base and "error" not in base else None
+            q2 = q2 if q2 and "error" not in q2 else None
+            floor = floor if floor and "error" not in floor else None
             for name in a.configs:
-                dequantize_model(model)
-                kind = name
-                if name.startswith("kivi"):
-                    bits, backend = int(name[4]), name.split("-")[1]
-                    quantize_model(model, KiviConfig(k_bits=bits, v_bits=bits, attention_backend=backend))
-                    kind = "kivi"
-                try:
-                    r = run_one(model, kind, ctx, bs, a.steps, vocab)
-                except Exception as e:  # noqa: BLE001 - report (e.g. quanto missing)
-                    r = {"error": f"{type(e).__name__}: {e}"[:200]}
-                r.update(config=name, context=ctx, batch=bs)
-                if name == "dynamic" and "error" not in r:
-                    base = r
-                if name == "quanto2" and "error" not in r:
-                    q2 = r
-                if base and "error" not in r:
-                    r["speed_vs_dynamic"] = r["tok_s"] / base["tok_s"]
-                    r["rss_vs_dynamic"] = r["peak_rss_delta_MiB"] / max(base["peak_rss_delta_MiB"], 1e-9)
-                if q2 and "error" not in r:
-                    r["speed_vs_quanto2"] = r["tok_s"] / q2["tok_s"]
+                r = group[name]
+                if "error" not in r and name != "floor":
+                    if base:
+                        r["speed_vs_dynamic"] = r["tok_s"] / base["tok_s"]
+                        r["rss_vs_dynamic"] = r["peak_rss_delta_MiB"] / max(base["peak_rss_delta_MiB"], 1e-9)
+                    if q2:
+                        r["speed_vs_quanto2"] = r["tok_s"] / q2["tok_s"]
+                    if floor:
+                        r["cache_attention_ms_per_step"] = r["ms_per_step"] - floor["ms_per_step"]
+                        qa = q2["ms_per_step"] - floor["ms_per_step"] if q2 else 0.0
+                        if qa > 0.5 and r["cache_attention_ms_per_step"] > 0.5:  # below that: noise
+                            r["cache_attention_vs_quanto2"] = qa / r["cache_attention_ms_per_step"]
                 results.append(r)
                 if not a.json:
-                    if "error" in r:
-                        print(f"ctx={ctx:6d} bs={bs} {name:16s} ERROR {r['error']}", flush=True)
-                    else:
-                        cm = "-" if r["cache_MiB"] is None else f"{r['cache_MiB']:.1f}"
-                        vq = f"  x{r['speed_vs_quanto2']:5.2f} vs quanto2" if "speed_vs_quanto2" in r else ""
-                        print(f"ctx={ctx:6d} bs={bs} {name:16s} {r['tok_s']:8.2f} tok/s  x{r.get('speed_vs_dynamic', 1):5.2f}{vq}  "
-                              f"peakRSSΔ {r['peak_rss_delta_MiB']:8.1f} MiB (x{r.get('rss_vs_dynamic', 1):4.2f})  cache {cm} MiB",
-                              flush=True)
-    dequantize_model(model)
+                    _print_row(r, a.repeat)
+    if model is not None:
+        dequantize_model(model)
     if a.json:
-        print(json.dumps({"threads": torch.get_num_threads(), "dtype": str(next(model.parameters()).dtype),
-                          "steps": a.steps, "results": results}, indent=2))
+        print(json.dumps({"threads": torch.get_num_threads(), "steps": a.steps, "warmup_steps": a.warmup_steps,
+                          "repeat": a.repeat,
+                          "isolate": a.isolate, "results": results}, indent=2))
+
+
+def _print_row(r, repeat):
+    name, ctx, bs = r["config"], r["context"], r["batch"]
+    if "error" in r:
+        print(f"ctx={ctx:6d} bs={bs} {name:16s} ERROR {r['error']}", flush=True)
+        return
+    cm = "-" if r.get("cache_MiB") is None else f"{r['cache_MiB']:.1f}"
+    spread = f" [{min(r['tok_s_all']):.2f}-{max(r['tok_s_all']):.2f}]" if repeat > 1 else ""
+    vq = f"  x{r['speed_vs_quanto2']:5.2f} vs quanto2" if "speed_vs_quanto2" in r else ""
+    ca = ""
+    if "cache_attention_ms_per_step" in r:
+        ca = f"  cache+attn {r['cache_attention_ms_per_step']:6.1f} ms/step"
+        if "cache_attention_vs_quanto2" in r:
+            ca += f" (quanto2 / this x{r['cache_attention_vs_quanto2']:5.2f})"
+    ctx_s = f"{FLOOR_CONTEXT:6d}" if name == "floor" else f"{ctx:6d}"
+    print(f"ctx={ctx_s} bs={bs} {name:16s} {r['tok_s']:8.2f} tok/s{spread}  {r['ms_per_step']:7.1f} ms/step  "
+          f"x{r.get('speed_vs_dynamic', 1):5.2f}{vq}{ca}  peakRSSΔ {r['peak_rss_delta_MiB']:8.1f} MiB  cache {cm} MiB",
+          flush=True)
 
 
 if __name__ == "__main__":

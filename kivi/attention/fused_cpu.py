@@ -98,6 +98,7 @@ _f32p = None
 _bits_f32 = None
 _code = None
 _NEG32 = np.float32(NEG)
+_ALL_VALID = np.ones((1, 1), dtype=np.bool_)  # the kernel's mask argument when there is no mask
 _F0 = np.float32(0.0)
 
 #: Tokens per inner step of a task: the scores of one step (``g x SUB`` floats) stay in L1.
@@ -852,8 +853,6 @@ def fused_decode_attention(
     ``threaded``: run on numba's thread pool (split-K tasks) or on the calling thread only;
     ``None`` chooses threads when ``B * Hkv * kv_len >= SERIAL_BELOW``.
     """
-    import numba
-
     B, hq, n, d = q.shape
     if n != 1:
         raise ValueError(f"fused_decode_attention takes one query token per sequence, got {n}")
@@ -866,17 +865,23 @@ def fused_decode_attention(
     kernel = _kernel()[0 if threaded else 1]
     valid = _valid_row(attention_mask, B, kv_len)
     has_mask = valid is not None
-    valid_np = _np(valid) if has_mask else np.ones((1, 1), dtype=np.bool_)
+    valid_np = _np(valid) if has_mask else _ALL_VALID
 
     keep: list = []
     kd, kbits, kG = _side_table(k_view, start, keep)
     vd, vbits, vG = _side_table(v_view, start, keep)
     prm = np.array([kbits, kG, vbits, vG], dtype=np.int64)
-    q32 = _np(q[:, :, 0].float().contiguous())
-    out = np.empty((B, hq, dv), dtype=np.float32)
-    chunk = _chunk_tokens(kv_len, B * hkv, numba.get_num_threads()) if threaded else kv_len
-    kernel(q32, kd, vd, prm, valid_np, int(has_mask), np.float32(scaling), hkv, kv_len, chunk, out)
-    return torch.from_numpy(out).view(B, hq, 1, dv).to(q.dtype)
+    q32 = _np(q.reshape(B, hq, d).float().contiguous())  # a view when q is contiguous float32
+    out = torch.empty(B, hq, 1, dv)
+    if threaded:
+        import numba
+
+        chunk = _chunk_tokens(kv_len, B * hkv, numba.get_num_threads())
+    else:
+        chunk = kv_len
+    kernel(q32, kd, vd, prm, valid_np, int(has_mask), np.float32(scaling), hkv, kv_len, chunk,
+           out.numpy().reshape(B, hq, dv))
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
 __all__ = ["fused_decode_available", "fused_decode_supported", "fused_decode_attention", "warmup", "SUPPORTED_BITS"]

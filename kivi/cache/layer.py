@@ -104,6 +104,7 @@ class KiviLayer(CacheLayerMixin):
         self.k = _Side("channel", config.quantize_key, config.k_bits, config.block_size)
         self.v = _Side("token", config.quantize_value, config.v_bits, config.block_size)
         self.dtype: torch.dtype | None = None
+        self._fast: dict[torch.dtype, bool] = {}  # values quantized by the numba pass, per input dtype
         self.last_views: tuple[AttentionView, AttentionView] | None = None
 
     # ------------------------------------------------------------------ transformers API
@@ -220,11 +221,14 @@ class KiviLayer(CacheLayerMixin):
         It reproduces :func:`quantize_kv` bit for bit where it applies (CPU, float32, asymmetric, no
         compensation, finiteness checked, numba installed); everything else takes the torch path.
         """
-        cfg = self.config
-        return self.device.type == "cpu" and token_quantizer_supported(
-            dtype, side.bits, symmetric=cfg.symmetric, residual_bits=cfg.residual_bits,
-            param_dtype=self._param_dtype(dtype), check_finite=cfg.check_finite,
-        )
+        fast = self._fast.get(dtype)  # decided once per dtype (the config and device do not change)
+        if fast is None:
+            cfg = self.config
+            fast = self._fast[dtype] = self.device.type == "cpu" and token_quantizer_supported(
+                dtype, side.bits, symmetric=cfg.symmetric, residual_bits=cfg.residual_bits,
+                param_dtype=self._param_dtype(dtype), check_finite=cfg.check_finite,
+            )
+        return fast
 
     def _param_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype if self.config.scale_dtype == "auto" else _SCALE_DTYPES[self.config.scale_dtype]
