@@ -13,7 +13,9 @@ there, :func:`fused_decode_supported` whether a given call qualifies.
 Algorithm: one kernel call per layer and step. The host describes each side (keys, values) as a
 table of *pieces* (:func:`_side_table`: the store blocks, quantized or not, and the fp tail; kv
 positions, addresses and strides — no copies), so a call covers the whole view whatever the number
-of blocks. Per ``(batch b, kv head h)`` and its ``g = Hq / Hkv`` query heads:
+of blocks. A block's columns are memoised in its store (``BlockStore.derived``, dropped whenever a
+block is added, dropped or replaced) while they point at the block's own float32 tensors, so a
+decode step only adds the fp tail's row. Per ``(batch b, kv head h)`` and its ``g = Hq / Hkv`` query heads:
 
 * split-K: ``prange`` runs over ``(b, h, chunk of kv positions)`` tasks (both cores work even at
   batch 1 with few kv heads); every task keeps its own ``(m, l, acc)`` online-softmax state, walks
@@ -62,6 +64,8 @@ import numpy as np
 import torch
 
 from ..cache.layer import AttentionView
+from ..quant.fused_cpu import numba_available
+from ..quant.fused_cpu import warmup as _warmup_quantizer
 from ..quant.kv import PackedKV, compensation_values
 from .reference import view_geometry
 
@@ -69,20 +73,11 @@ SUPPORTED_BITS = (1, 2, 4, 8)
 NEG = float(torch.finfo(torch.float32).min)
 
 _KERNEL = None
-_AVAILABLE: bool | None = None
 
 
 def fused_decode_available() -> bool:
     """True when numba can be imported (the fused decode kernel can run)."""
-    global _AVAILABLE
-    if _AVAILABLE is None:
-        try:
-            import numba  # noqa: F401
-
-            _AVAILABLE = True
-        except Exception:  # pragma: no cover - depends on the environment
-            _AVAILABLE = False
-    return _AVAILABLE
+    return numba_available()
 
 
 # --------------------------------------------------------------------------------------------- kernel
@@ -646,11 +641,12 @@ def _kernel():
 
 
 def warmup() -> float:
-    """Compile (or load) the kernel now; returns the seconds it took."""
+    """Compile (or load) the decode kernel and the value quantizer now; returns the seconds it took."""
     import time
 
     t0 = time.perf_counter()
     _kernel()
+    _warmup_quantizer()
     return time.perf_counter() - t0
 
 
