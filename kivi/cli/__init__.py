@@ -61,7 +61,12 @@ def main(argv: list[str] | None = None) -> int:
         reduce_fragmentation()  # long CPU runs: keep RSS close to what the caches really hold
     try:
         rc = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows up here, inside the handler below, not at interpreter exit
         return int(rc or 0)
+    except BrokenPipeError:
+        # `kivi ... | head`: the reader left. Not an error of ours; exit quietly like other Unix tools.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit-time flush must not fail again
+        return 141  # 128 + SIGPIPE
     except Exception as e:  # noqa: BLE001 - user-facing errors become one line, others re-raise
         user_error = isinstance(e, (CliError, ValueError, OSError)) or getattr(e, "user_facing", False)
         if not user_error or os.environ.get("KIVI_DEBUG"):

@@ -133,3 +133,17 @@ def test_generate_json():
     assert len(d["tokens"]) == 4 and isinstance(d["text"], str)
     assert d["cache_bytes"] == d["predicted_cache_bytes"]
     assert d["fp_cache_bytes"] > 0
+
+
+def test_closed_stdout_is_quiet():
+    """`kivi estimate ... | head -0`: the reader is gone before the first write; no traceback, no error line."""
+    e = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    e.pop("KIVI_DEBUG", None)
+    p = subprocess.Popen([sys.executable, "-m", "kivi", "estimate", "--num-layers", "40", "--num-kv-heads", "40",
+                          "--head-dim", "128", "--context", "128k"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         cwd=ROOT, env=e)
+    p.stdout.close()  # like `head` exiting at once
+    err = p.stderr.read().decode()
+    rc = p.wait(timeout=300)
+    assert "Traceback" not in err and "Broken pipe" not in err and "Exception ignored" not in err, err
+    assert rc == 141, (rc, err)  # 128 + SIGPIPE, what a shell reports for a writer killed by the pipe
