@@ -211,6 +211,12 @@ def main():
         torch.set_num_threads(a.threads)
     if a.repeat < 1:
         ap.error(f"--repeat={a.repeat} must be at least 1")
+    import re
+
+    for name in a.configs + ([a.one_row[0]] if a.one_row else []):
+        if not re.fullmatch(r"dynamic|floor|quanto[24]|kivi[12348]-(reference|cpu|triton)", name):
+            ap.error(f"--configs: {name!r} is not one of dynamic, floor, quanto2, quanto4, "
+                     "kivi<bits>-<backend> (bits 1/2/3/4/8, backend reference/cpu/triton)")
     model = None
     if not a.isolate:
         model = load()

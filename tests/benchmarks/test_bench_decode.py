@@ -1,0 +1,31 @@
+"""benchmarks/bench_decode.py: row summaries (medians over rounds) and config-name checking."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_decode.py"
+spec = importlib.util.spec_from_file_location("bench_decode", _PATH)
+bd = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bd)
+
+
+def test_summary_is_the_median_round_and_skips_errors():
+    runs = [{"tok_s": t, "decode_s": 8 / t, "peak_rss_delta_MiB": m, "steps": 8} for t, m in ((2.0, 5.0), (4.0, 1.0), (3.0, 9.0))]
+    runs.append({"error": "boom"})
+    r = bd._summarise(runs)
+    assert r["tok_s"] == 3.0 and r["peak_rss_delta_MiB"] == 5.0
+    assert r["ms_per_step"] == 1e3 * (8 / 3.0) / 8
+    assert r["tok_s_all"] == [2.0, 4.0, 3.0]
+    assert bd._median([1.0, 4.0]) == 2.5
+    assert "error" in bd._summarise([{"error": "boom"}])
+
+
+def test_unknown_config_is_refused_before_any_work():
+    p = subprocess.run([sys.executable, str(_PATH), "--configs", "dynamic", "kivi2-gpu"], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2
+    assert "'kivi2-gpu' is not one of" in p.stderr
