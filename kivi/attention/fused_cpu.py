@@ -5,8 +5,8 @@ kernel runs when numba is importable (optional dependency, extra ``kivi[cpu]``),
 1 and :func:`fused_decode_supported` accepts the views and mask — quantized sides with 1, 2, 4 or
 8 bits (asymmetric, symmetric and with error compensation), full-precision sides, any GQA ratio,
 any batch, a mask whose last row is a per-kv-position validity (boolean, or additive 0 / "min").
-Everything else — prefill and chunked queries (n > 1), 3-bit codes, value groups smaller than a
-byte's codes (``group_size % (8 // bits) != 0``), per-head masks, additive masks with other values — goes through :func:`kivi.attention.blocked.blocked_attention`. This is a
+Everything else — prefill and chunked queries (n > 1), 3-bit codes, value groups
+whose channel count is not a multiple of 4 (``group_size % 4 != 0``: values are read 4 channels at a time), per-head masks, additive masks with other values — goes through :func:`kivi.attention.blocked.blocked_attention`. This is a
 documented dispatch, not a silent fallback: :func:`fused_decode_available` says whether numba is
 there, :func:`fused_decode_supported` whether a given call qualifies.
 
