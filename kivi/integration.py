@@ -20,63 +20,14 @@ from __future__ import annotations
 import types
 from typing import Any
 
-import torch
-
-from .attention.backends import resolve_attention_backend
-from .attention.interface import ATTN_IMPLEMENTATION, set_active_cache
-from .cache.cache import SUPPORTED_LAYER_TYPES, KiviCache
+from . import attention  # noqa: F401 - registers the "kivi" attention and mask functions with transformers
+from .backends import ATTN_IMPLEMENTATION, PACKED_BACKENDS, resolve_attention_backend
+from .cache.cache import SUPPORTED_LAYER_TYPES, KiviCache, plan_layers
+from .cache.padding import install_padding_hook
 from .config import KiviConfig
 
 # Families tested with tiny random models (tests/test_integration.py) and SmolLM2 (Llama).
 TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
-
-_HOOK_ATTR = "_kivi_padding_hook"
-
-
-def _decoder_of(model: Any) -> Any:
-    get = getattr(model, "get_decoder", None)
-    if callable(get):
-        try:
-            dec = get()
-            if dec is not None:
-                return dec
-        except (AttributeError, NotImplementedError):
-            pass
-    return getattr(model, "model", model)
-
-
-def _padding_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    # kivi attention (kivi/attention/interface.py) finds the forward's cache here.
-    set_active_cache(cache if isinstance(cache, KiviCache) else None)
-    if not isinstance(cache, KiviCache):
-        return
-    cfg = getattr(module, "config", None)
-    cache._kivi_defer_attention = (
-        getattr(cfg, "_attn_implementation", None) == ATTN_IMPLEMENTATION and cache.attention_backend != "reference"
-    )
-    mask = kwargs.get("attention_mask")
-    if mask is None and len(args) >= 2 and isinstance(args[1], torch.Tensor):
-        mask = args[1]
-    cache.set_attention_mask(mask)
-
-
-def _padding_post_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    set_active_cache(None)
-    if isinstance(cache, KiviCache):
-        cache.set_attention_mask(None)
-        cache._kivi_defer_attention = False
-
-
-def install_padding_hook(model: Any) -> None:
-    """Make every forward of ``model``'s decoder pass its 2-D attention mask to a ``KiviCache``."""
-    dec = _decoder_of(model)
-    if getattr(dec, _HOOK_ATTR, None) is not None:
-        return
-    h1 = dec.register_forward_pre_hook(_padding_pre_hook, with_kwargs=True)
-    h2 = dec.register_forward_hook(_padding_post_hook, with_kwargs=True)
-    setattr(dec, _HOOK_ATTR, (h1, h2))
 
 
 def check_model_supported(model: Any) -> None:
@@ -117,8 +68,8 @@ def quantize_model(model: Any, config: KiviConfig | None = None) -> Any:
     if not isinstance(config, KiviConfig):
         raise TypeError(f"config must be a KiviConfig, got {type(config).__name__}")
     check_model_supported(model)
+    plan_layers(model.config, config)  # validates the config against the model's layers
     text_cfg = model.config.get_text_config(decoder=True)
-    config.validate(num_layers=text_cfg.num_hidden_layers)
     head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
     for idx in range(text_cfg.num_hidden_layers):
         lcfg = config.for_layer(idx)
@@ -128,15 +79,15 @@ def quantize_model(model: Any, config: KiviConfig | None = None) -> Any:
                 f"{where}group_size={lcfg.group_size} must divide head_dim={head_dim} (values are grouped per token "
                 "over channels)"
             )
-    KiviCache.from_model_config(model.config, config)  # raises early on unsupported layer types
-    model.kivi_config = config
-    # attention_backend: "auto" resolved once here; not "reference" -> the model runs "kivi" attention.
+    # attention_backend: "auto" resolved once here; a packed backend -> the model runs "kivi" attention,
+    # and KiviCache.from_model hands this result to every cache it builds for the model.
     backend = resolve_attention_backend(
         config.attention_backend, getattr(model, "device", None), config=config, model_config=model.config
     )
+    model.kivi_config = config
     model.kivi_attention_backend = backend
     current = model.config._attn_implementation
-    if backend != "reference" and current != ATTN_IMPLEMENTATION:
+    if backend in PACKED_BACKENDS and current != ATTN_IMPLEMENTATION:
         model._kivi_previous_attn_implementation = current
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     elif backend == "reference" and current == ATTN_IMPLEMENTATION:

@@ -4,14 +4,13 @@ Importing this package registers the ``"kivi"`` attention implementation and mas
 transformers.
 """
 
-from .backends import BACKENDS, resolve_attention_backend
+from ..backends import ATTN_IMPLEMENTATION, resolve_attention_backend
 from .blocked import blocked_attention
-from .interface import ATTN_IMPLEMENTATION, active_cache, kivi_attention_forward, register
+from .interface import kivi_attention_forward, register
 from .prefill import chunked_prefill
 from .reference import dense_attention, materialize_view, reference_attention
 
 __all__ = [
-    "BACKENDS",
     "ATTN_IMPLEMENTATION",
     "resolve_attention_backend",
     "blocked_attention",
@@ -19,7 +18,6 @@ __all__ = [
     "dense_attention",
     "materialize_view",
     "kivi_attention_forward",
-    "active_cache",
     "register",
     "chunked_prefill",
 ]

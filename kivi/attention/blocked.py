@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.layer import AttentionView
+from ..cache.view import AttentionView
 from ..quant.kv import PackedKV, compensation_values
 from ..quant.packing import unpack_codes
 from .reference import NEG, grouped_mask, view_geometry

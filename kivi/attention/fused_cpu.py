@@ -63,7 +63,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..cache.layer import AttentionView
+from ..cache.view import AttentionView
 from ..quant.fused_cpu import numba_available
 from ..quant.fused_cpu import warmup as _warmup_quantizer
 from ..quant.kv import PackedKV, compensation_values

@@ -1,21 +1,15 @@
 """transformers integration: the ``"kivi"`` attention implementation and its mask function.
 
-How the attention function reaches the packed cache without materialising it:
+A model calls ``key, value = cache.update(...)`` and then ``attention(module, query, key, value,
+mask, ...)``. :func:`kivi_attention_forward` is that attention function for models switched to
+``"kivi"`` by :func:`kivi.quantize_model`:
 
-1. ``quantize_model`` (backend != "reference") switches the model to ``attn_implementation="kivi"``.
-2. The decoder's forward pre-hook (:func:`kivi.integration._padding_pre_hook`) sees the forward's
-   ``KiviCache``; it publishes it in a context variable (:func:`active_cache`) and, when the model
-   runs ``"kivi"`` attention and the cache's resolved backend is not ``"reference"``, sets
-   ``cache._kivi_defer_attention``. The post-hook clears both.
-3. With that flag, ``KiviCache.update`` only *appends* (``KiviLayer.append`` records
-   ``layer.last_views``) and returns the new tokens as cheap placeholders.
-4. :func:`kivi_attention_forward` finds the layer via ``module.layer_idx`` in the active cache,
-   takes (and clears) its ``last_views`` and runs the cache's backend over them.
-
-Anything else — no active cache, a non-KIVI cache, a non-KIVI layer inside a KiviCache, a cache
-whose backend is ``"reference"`` — receives real
-key/value tensors from ``update`` and goes through transformers' SDPA attention: the correct path
-for full-precision tensors, not a fallback of a quantized layer.
+* ``key`` / ``value`` are :class:`~kivi.cache.view.PackedStates` (a :class:`KiviCache` built for
+  packed attention returned them): the views inside say what to read, the backend inside how
+  (resolved once when the cache was built). A forward whose views hold nothing stored yet (a
+  prefill) is exact attention and goes to transformers' SDPA over the full-precision tokens.
+* anything else — plain tensors from a cache built with ``attention_backend="reference"``, a
+  non-KIVI cache, no cache — is full precision: transformers' SDPA is the right path for it.
 
 Masks: ``"kivi"`` is registered in ``AttentionMaskInterface`` with transformers' ``sdpa_mask``
 (boolean, ``None`` when it is a plain causal/decode mask), so padding, causal chunks and sliding
@@ -25,35 +19,20 @@ function transformers builds no mask at all for an unknown implementation.
 
 from __future__ import annotations
 
-from contextvars import ContextVar
-from typing import Any
-
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..cache.layer import KiviLayer
-
-ATTN_IMPLEMENTATION = "kivi"
-
-_ACTIVE_CACHE: ContextVar[Any] = ContextVar("kivi_active_cache", default=None)
-
-
-def active_cache() -> Any:
-    """The ``KiviCache`` of the forward in progress (set by the decoder pre-hook), or ``None``."""
-    return _ACTIVE_CACHE.get()
-
-
-def set_active_cache(cache: Any) -> None:
-    _ACTIVE_CACHE.set(cache)
+from ..backends import ATTN_IMPLEMENTATION
+from ..cache.view import AttentionView, PackedStates
 
 
 def run_backend(
     backend: str,
     query: torch.Tensor,
-    k_view,
-    v_view,
+    k_view: AttentionView,
+    v_view: AttentionView,
     *,
     scaling: float | None,
     attention_mask: torch.Tensor | None,
@@ -92,16 +71,11 @@ def _check_unsupported(module: torch.nn.Module, kwargs: dict) -> None:
         )
 
 
-def _only_full_precision(view) -> bool:
-    """The view holds no stored (quantized or sink) token: all of it is its ``fp`` tensor."""
-    return view.quantized and view.sink is None and view.split == view.start
-
-
 def kivi_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    key: torch.Tensor | PackedStates,
+    value: torch.Tensor | PackedStates,
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
@@ -109,40 +83,25 @@ def kivi_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function; returns ``([B, n, Hq, D], None)`` like SDPA's."""
-    _check_unsupported(module, kwargs)
-    cache = _ACTIVE_CACHE.get()
-    layer = None
-    if cache is not None and getattr(cache, "_kivi_defer_attention", False):
-        idx = getattr(module, "layer_idx", None)
-        if idx is None:
-            raise RuntimeError(f"{type(module).__name__} has no layer_idx; kivi attention cannot find its cache layer")
-        layer = cache.layers[idx] if idx < len(cache.layers) else None
-    if isinstance(layer, KiviLayer):
-        views = layer.last_views
-        if views is None:
-            raise RuntimeError(
-                f"kivi attention: layer {module.layer_idx} has no pending views (Cache.update was not called "
-                "for this forward)"
-            )
-        layer.last_views = None  # never reuse stale views
-        if dropout:
-            raise NotImplementedError("kivi attention does not implement attention dropout (training)")
-        if attention_mask is not None and attention_mask.dim() != 4:
-            raise ValueError(f"kivi attention expects a 4-D mask, got shape {tuple(attention_mask.shape)}")
-        if all(_only_full_precision(v) for v in views):
-            # Nothing stored yet (e.g. a prefill): every token is exact, so this is plain attention;
-            # torch's SDPA kernels do it faster and in O(chunk) memory.
-            return sdpa_attention_forward(
-                module, query, views[0].fp, views[1].fp, attention_mask, scaling=scaling, is_causal=is_causal, **kwargs
-            )
-        out = run_backend(
-            cache.attention_backend, query, views[0], views[1], scaling=scaling, attention_mask=attention_mask
+    if not isinstance(key, PackedStates):
+        # Full-precision tensors (reference cache, FP layer, no/other cache): plain SDPA is the right path.
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-        return out.transpose(1, 2).contiguous(), None
-    # Full-precision tensors (FP layer, no/other cache, reference backend): plain SDPA is the right path.
-    return sdpa_attention_forward(
-        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-    )
+    _check_unsupported(module, kwargs)
+    if dropout:
+        raise NotImplementedError("kivi attention does not implement attention dropout (training)")
+    if attention_mask is not None and attention_mask.dim() != 4:
+        raise ValueError(f"kivi attention expects a 4-D mask, got shape {tuple(attention_mask.shape)}")
+    k_view, v_view = key.view, value.view
+    if k_view.only_full_precision and v_view.only_full_precision:
+        # Nothing stored yet (e.g. a prefill): every token is exact, so this is plain attention;
+        # torch's SDPA kernels do it faster and in O(chunk) memory.
+        return sdpa_attention_forward(
+            module, query, k_view.fp, v_view.fp, attention_mask, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    out = run_backend(key.backend, query, k_view, v_view, scaling=scaling, attention_mask=attention_mask)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def register() -> None:

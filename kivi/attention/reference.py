@@ -1,6 +1,6 @@
 """Ground-truth attention over a KIVI layer's views: dequantize everything, then plain softmax.
 
-Same semantics as :meth:`kivi.cache.layer.KiviLayer.materialize` followed by an attention that
+Same semantics as :func:`kivi.cache.view.materialize` followed by an attention that
 groups query heads (GQA) instead of repeating the cache.
 
 Masks, as transformers gives them, cover kv positions ``[kv_offset, kv_offset + kv_length)``
@@ -13,21 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.layer import AttentionView
-from ..quant.kv import dequantize_kv
+from ..cache.view import AttentionView
+from ..cache.view import materialize as materialize_view
 
 NEG = torch.finfo(torch.float32).min
-
-
-def materialize_view(view: AttentionView, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``[B, H, T, D]``: the stored tokens of ``view`` dequantized, then its full-precision part."""
-    dtype = dtype or view.fp.dtype
-    parts = [] if view.sink is None else [view.sink.to(dtype)]
-    for _, seg in view.store.iter_blocks(view.split):
-        parts.append(dequantize_kv(seg, dtype) if view.quantized else seg.data.to(dtype))
-    if view.fp.shape[-2] or not parts:
-        parts.append(view.fp.to(dtype))
-    return torch.cat(parts, dim=-2) if len(parts) > 1 else parts[0]
 
 
 def grouped_mask(mask: torch.Tensor, hkv: int, g: int) -> torch.Tensor:
@@ -83,7 +72,7 @@ def reference_attention(
     """Attention of ``q [B, Hq, n, D]`` over a KIVI layer's views (dequantize, then attend).
 
     ``dtype``: the dtype the cache is materialised in (default: the views' full-precision dtype,
-    as :meth:`KiviLayer.materialize` does). Returns ``[B, Hq, n, Dv]`` in ``q.dtype``.
+    as :func:`kivi.cache.view.materialize` does). Returns ``[B, Hq, n, Dv]`` in ``q.dtype``.
     """
     k = materialize_view(k_view, dtype)
     v = materialize_view(v_view, dtype)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.layer import AttentionView
+from ..cache.view import AttentionView
 
 
 def _side(view: AttentionView):

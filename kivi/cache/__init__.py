@@ -1,7 +1,8 @@
 """KIVI cache: per-layer storage (`KiviLayer`) and the transformers `Cache` (`KiviCache`)."""
 
 from .cache import KiviCache
-from .layer import AttentionView, KiviLayer
+from .layer import KiviLayer
 from .store import BlockStore, FpSegment
+from .view import AttentionView, PackedStates, materialize
 
-__all__ = ["KiviCache", "KiviLayer", "AttentionView", "BlockStore", "FpSegment"]
+__all__ = ["KiviCache", "KiviLayer", "AttentionView", "PackedStates", "materialize", "BlockStore", "FpSegment"]

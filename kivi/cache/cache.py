@@ -7,8 +7,11 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
+from ..backends import PACKED_BACKENDS, cache_attention_backend, resolve_attention_backend
 from ..config import KiviConfig
 from .layer import KiviLayer
+from .padding import install_padding_hook
+from .view import PackedStates
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -20,62 +23,40 @@ class KiviCache(Cache):
     model config and installs the padding hook), or ``KiviCache(config)`` for a plain stack of
     full-attention layers created on first use.
 
+    What ``update`` returns is decided once, when the cache is built (``attention_backend``):
+    ``"reference"`` (the default of ``KiviCache(config)``) returns dequantized keys/values, which any
+    attention reads; ``"cpu"`` / ``"triton"`` return :class:`~kivi.cache.view.PackedStates` that only
+    the ``"kivi"`` attention reads (what :meth:`from_model` builds for a model after
+    :func:`kivi.quantize_model`).
+
     Padding: the cache leaves padded tokens out of every quantization statistic. It learns which
     tokens are padding from the 2-D ``attention_mask`` of each forward: the hook that
     :meth:`from_model` / :func:`kivi.quantize_model` install passes it on; without the hook, call
     :meth:`set_attention_mask` before each forward (otherwise all tokens count as real).
     """
 
-    def __init__(self, config: KiviConfig | None = None, layers: list | None = None, attention_backend: str | None = None):
-        from ..attention.backends import resolve_attention_backend  # noqa: PLC0415 (light, no cycle)
-
+    def __init__(self, config: KiviConfig | None = None, layers: list | None = None, *,
+                 attention_backend: str = "reference"):
         self.config = config if config is not None else KiviConfig()
         self._attention_mask: torch.Tensor | None = None
-        # Resolved once ("auto" -> "cpu"/"triton"); see kivi.attention.backends.
-        self.attention_backend = resolve_attention_backend(attention_backend or self.config.attention_backend)
-        self._kivi_defer_attention = False  # set per forward by the decoder hook (kivi attention)
+        # Fixed for the cache's life: "reference" materialises, "cpu"/"triton" return PackedStates.
+        self.attention_backend = resolve_attention_backend(attention_backend)
         super().__init__(layers=list(layers) if layers is not None else [])
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_model(cls, model: Any, config: KiviConfig | None = None) -> "KiviCache":
         """A cache with one layer per decoder layer of ``model`` (HF ``PreTrainedModel``)."""
-        from ..integration import install_padding_hook  # noqa: PLC0415 (avoid an import cycle)
-
         config = config if config is not None else getattr(model, "kivi_config", None) or KiviConfig()
-        cache = cls.from_model_config(model.config, config)
-        cache.attention_backend = _resolve(config, model)
+        cache = cls.from_model_config(model.config, config, attention_backend=cache_attention_backend(model, config))
         install_padding_hook(model)
         return cache
 
     @classmethod
-    def from_model_config(cls, model_config: Any, config: KiviConfig) -> "KiviCache":
-        text_config = model_config.get_text_config(decoder=True)
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
-        num_layers = len(layer_types)
-        config.validate(num_layers=num_layers)
-        layers = []
-        sliding_params = set()
-        for idx, (lt, kw) in enumerate(zip(layer_types, layer_kwargs)):
-            if lt not in SUPPORTED_LAYER_TYPES:
-                raise ValueError(
-                    f"layer {idx} of {type(model_config).__name__} is a {lt!r} layer; KiviCache supports "
-                    f"{list(SUPPORTED_LAYER_TYPES)} (attention layers whose keys/values go through Cache.update)"
-                )
-            lcfg = config.for_layer(idx)
-            if lt == "sliding_attention":
-                # Always a KiviLayer (also when nothing is quantized): every sliding layer then drops
-                # tokens at the same positions, so transformers' one sliding mask fits them all.
-                sliding_params.add((lcfg.residual_length, lcfg.group_size))
-                layers.append(KiviLayer(lcfg, sliding_window=kw["sliding_window"]))
-            else:
-                layers.append(KiviLayer(lcfg))
-        if len(sliding_params) > 1:
-            raise ValueError(
-                "sliding-window layers must share residual_length and group_size (transformers builds one mask for "
-                f"all of them); layer_specific_config gives {sorted(sliding_params)}"
-            )
-        return cls(config, layers=layers)
+    def from_model_config(cls, model_config: Any, config: KiviConfig, *,
+                          attention_backend: str = "reference") -> "KiviCache":
+        layers = [KiviLayer(lcfg, sliding_window=window) for lcfg, window in plan_layers(model_config, config)]
+        return cls(config, layers=layers, attention_backend=attention_backend)
 
     # ------------------------------------------------------------------ padding
     def set_attention_mask(self, attention_mask: torch.Tensor | None) -> None:
@@ -108,9 +89,9 @@ class KiviCache(Cache):
         layer = self.layers[layer_idx]
         if isinstance(layer, KiviLayer):
             valid = self._new_token_valid(key_states.shape[-2], key_states.shape[0])
-            if self._kivi_defer_attention:  # kivi attention reads layer.last_views; skip materialize
-                layer.append(key_states, value_states, valid=valid)
-                return key_states, value_states
+            if self.attention_backend in PACKED_BACKENDS:  # the "kivi" attention reads the views
+                k_view, v_view = layer.append(key_states, value_states, valid=valid)
+                return PackedStates(k_view, self.attention_backend), PackedStates(v_view, self.attention_backend)
             return layer.update(key_states, value_states, valid=valid)
         return layer.update(key_states, value_states, *args, **kwargs)
 
@@ -142,9 +123,34 @@ class KiviCache(Cache):
         )
 
 
-def _resolve(config: KiviConfig, model: Any) -> str:
-    from ..attention.backends import resolve_attention_backend  # noqa: PLC0415
+def plan_layers(model_config: Any, config: KiviConfig) -> list[tuple[KiviConfig, int | None]]:
+    """Per decoder layer of ``model_config``: its KIVI config and its sliding window (``None``: full).
 
-    return resolve_attention_backend(
-        config.attention_backend, getattr(model, "device", None), config=config, model_config=model.config
-    )
+    Validates ``config`` against the model: layer indices, supported layer types, and one
+    ``(residual_length, group_size)`` for all sliding layers. Raises ``ValueError`` naming the problem.
+    """
+    text_config = model_config.get_text_config(decoder=True)
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+    config.validate(num_layers=len(layer_types))
+    plan = []
+    sliding_params = set()
+    for idx, (lt, kw) in enumerate(zip(layer_types, layer_kwargs)):
+        if lt not in SUPPORTED_LAYER_TYPES:
+            raise ValueError(
+                f"layer {idx} of {type(model_config).__name__} is a {lt!r} layer; KiviCache supports "
+                f"{list(SUPPORTED_LAYER_TYPES)} (attention layers whose keys/values go through Cache.update)"
+            )
+        lcfg = config.for_layer(idx)
+        if lt == "sliding_attention":
+            # Always a KiviLayer (also when nothing is quantized): every sliding layer then drops
+            # tokens at the same positions, so transformers' one sliding mask fits them all.
+            sliding_params.add((lcfg.residual_length, lcfg.group_size))
+            plan.append((lcfg, kw["sliding_window"]))
+        else:
+            plan.append((lcfg, None))
+    if len(sliding_params) > 1:
+        raise ValueError(
+            "sliding-window layers must share residual_length and group_size (transformers builds one mask for "
+            f"all of them); layer_specific_config gives {sorted(sliding_params)}"
+        )
+    return plan

@@ -26,8 +26,6 @@ only those; ``get_mask_sizes`` reports the first exposed token as the mask's ``k
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -35,26 +33,9 @@ from ..config import KiviConfig
 from ..quant.fused_cpu import quantize_tokens_into, token_quantizer_supported
 from ..quant.kv import PackedKV, dequantize_kv, quantize_kv
 from .store import BlockStore, FpSegment
+from .view import AttentionView, materialize
 
 _SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-@dataclass
-class AttentionView:
-    """What one side (keys or values) of a layer shows attention for the current forward.
-
-    ``store`` tokens ``[store.start, split)`` come from storage (quantized unless ``quantized`` is
-    False); ``fp [B, H, T_fp, D]`` holds the tokens ``[split, split + T_fp)`` at full precision
-    (the old window followed by the new tokens). ``sink [B, H, S, D]`` (or ``None``) holds the
-    tokens ``[0, S)`` at full precision; the store then starts at ``S``.
-    """
-
-    store: BlockStore
-    split: int
-    fp: torch.Tensor
-    quantized: bool
-    sink: torch.Tensor | None = None
-    start: int = 0  # first token position covered, fixed when the view is made (the store moves on)
 
 
 class _Side:
@@ -105,7 +86,6 @@ class KiviLayer(CacheLayerMixin):
         self.v = _Side("token", config.quantize_value, config.v_bits, config.block_size)
         self.dtype: torch.dtype | None = None
         self._fast: dict[torch.dtype, bool] = {}  # values quantized by the numba pass, per input dtype
-        self.last_views: tuple[AttentionView, AttentionView] | None = None
 
     # ------------------------------------------------------------------ transformers API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -126,7 +106,7 @@ class KiviLayer(CacheLayerMixin):
         ``valid [B, n]`` marks real (non-padding) tokens; ``None`` means all are real.
         """
         kv, vv = self.append(key_states, value_states, valid=valid)
-        return self.materialize(kv), self.materialize(vv)
+        return materialize(kv, self.dtype), materialize(vv, self.dtype)
 
     def append(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *, valid: torch.Tensor | None = None
@@ -154,7 +134,6 @@ class KiviLayer(CacheLayerMixin):
             views.append(AttentionView(side.store, split, pending, quantized=True, sink=side.sink, start=start))
             self._flush(side, pending, pvalid)
         self.seen += n
-        self.last_views = (views[0], views[1])
         return views[0], views[1]
 
     def _pending_valid(self, side: _Side, valid: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -257,18 +236,6 @@ class KiviLayer(CacheLayerMixin):
             return 0
         return max(self.k.store.start, self._cut())
 
-    def materialize(self, view: AttentionView) -> torch.Tensor:
-        """Reference path: dequantize the stored part of ``view`` and append its full-precision part."""
-        parts = [] if view.sink is None else [view.sink]
-        for _, seg in view.store.iter_blocks(view.split):
-            if view.quantized:
-                parts.append(dequantize_kv(seg, self.dtype))
-            else:
-                parts.append(seg.data)
-        if view.fp.shape[-2]:
-            parts.append(view.fp)
-        return torch.cat(parts, dim=-2) if len(parts) > 1 else parts[0]
-
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         kv_offset = self.kv_offset
         return self.seen - kv_offset + query_length, kv_offset
@@ -284,7 +251,6 @@ class KiviLayer(CacheLayerMixin):
         self.seen = 0
         self.k = _Side("channel", cfg.quantize_key, cfg.k_bits, cfg.block_size)
         self.v = _Side("token", cfg.quantize_value, cfg.v_bits, cfg.block_size)
-        self.last_views = None
         self.is_initialized = False
 
     def offload(self):  # pragma: no cover - not supported
@@ -297,7 +263,6 @@ class KiviLayer(CacheLayerMixin):
     def _map(self, fn) -> None:
         self.k.map_tensors(fn)
         self.v.map_tensors(fn)
-        self.last_views = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
@@ -332,7 +297,6 @@ class KiviLayer(CacheLayerMixin):
         for side in (self.k, self.v):
             self._crop_side(side, max(new_seen, 0))
         self.seen = max(new_seen, 0)
-        self.last_views = None
 
     def _crop_side(self, side: _Side, new_seen: int) -> None:
         store = side.store

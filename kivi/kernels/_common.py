@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
 import torch
 
+from ..optional import triton_available
+
 _INSTALL_HINT = "Triton kernels need the optional dependency: pip install 'kivi[triton]' (or pip install triton)"
-
-
-def triton_available() -> bool:
-    """True when ``triton`` can be imported (it is not imported by this call)."""
-    if sys.modules.get("triton") is not None:
-        return True
-    try:
-        return importlib.util.find_spec("triton") is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def require_triton(device: torch.device) -> None:

@@ -80,7 +80,7 @@ def test_logits_cpu_match_reference(chunks, sink):
     ids = torch.randint(1, 128, (2, sum(chunks)))
     lr, _ = _forward_steps(ref, ids, chunks)
     lf, cache = _forward_steps(fast, ids, chunks)
-    assert all(layer.last_views is None for layer in cache.layers)  # consumed by kivi attention
+    assert cache.attention_backend == "cpu"  # update handed attention packed states, not tensors
     torch.testing.assert_close(lf, lr, atol=2e-4, rtol=2e-4)
 
 
@@ -196,3 +196,61 @@ def test_forward_with_nothing_stored_uses_plain_sdpa(monkeypatch):
     torch.testing.assert_close(lf, lr, atol=2e-5, rtol=2e-5)
     _forward_steps(fast, ids, [39, 1])  # the second forward reads the quantized store
     assert len(calls) == 2  # one per layer
+
+
+def test_packed_states_reach_the_backend_through_the_call(monkeypatch):
+    """What KiviCache.update returns is what the "kivi" attention function reads: a decode step of a
+    quantized model calls the backend once per layer with the views that update produced."""
+    import kivi.attention.interface as interface
+    from kivi.cache.view import PackedStates
+
+    model = quantize_model(tiny(), KiviConfig(**CFG, attention_backend="cpu"))
+    cache = KiviCache.from_model(model)
+    seen_updates, seen_backend = [], []
+    update = cache.update
+
+    def spy_update(*a, **kw):
+        out = update(*a, **kw)
+        seen_updates.append(out)
+        return out
+
+    run = interface.run_backend
+
+    def spy_run(backend, query, k_view, v_view, **kw):
+        seen_backend.append((backend, k_view, v_view))
+        return run(backend, query, k_view, v_view, **kw)
+
+    monkeypatch.setattr(cache, "update", spy_update)
+    monkeypatch.setattr(interface, "run_backend", spy_run)
+    ids = torch.randint(1, 128, (1, 40))
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)  # prefill: nothing stored yet -> SDPA over the fp views
+        assert seen_backend == []
+        model(ids[:, :1], cache=cache, use_cache=True)
+    n_layers = model.config.num_hidden_layers
+    assert len(seen_backend) == n_layers
+    for (k, v), (backend, kv, vv) in zip(seen_updates[-n_layers:], seen_backend):
+        assert isinstance(k, PackedStates) and backend == "cpu"
+        assert kv is k.view and vv is v.view
+
+
+def test_packed_states_refuse_other_attention():
+    """A cache built for packed attention used by a model whose attention is SDPA fails loudly."""
+    from kivi.cache.view import PackedStates
+
+    cache = KiviCache(KiviConfig(**CFG), attention_backend="cpu")
+    k = torch.randn(1, 2, 40, 32)
+    ks, vs = cache.update(k, k, 0)
+    assert isinstance(ks, PackedStates) and isinstance(vs, PackedStates)
+    with pytest.raises(TypeError, match="PackedStates"):
+        torch.nn.functional.scaled_dot_product_attention(torch.randn(1, 2, 1, 32), ks, vs)
+    # The default cache returns plain tensors that any attention reads.
+    kr, vr = KiviCache(KiviConfig(**CFG)).update(k, k, 0)
+    assert isinstance(kr, torch.Tensor) and torch.equal(kr, k)
+
+
+def test_explicit_packed_backend_needs_kivi_attention():
+    model = tiny()  # not quantized: its attention is SDPA
+    with pytest.raises(ValueError, match="quantize_model"):
+        KiviCache.from_model(model, KiviConfig(**CFG, attention_backend="cpu"))
+    assert KiviCache.from_model(model, KiviConfig(**CFG)).attention_backend == "reference"

@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 import torch
 
-from kivi.attention.backends import kernel_config_unsupported, resolve_attention_backend
+from kivi.backends import kernel_config_unsupported, resolve_attention_backend
 from kivi.attention.reference import reference_attention
 from kivi.cache.layer import KiviLayer
 from kivi.config import KiviConfig

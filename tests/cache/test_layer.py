@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from kivi.cache.layer import KiviLayer
+from kivi.cache.view import materialize
 from kivi.config import KiviConfig
 from kivi.quant.kv import dequantize_kv
 
@@ -113,12 +114,12 @@ def test_reorder_and_batch_ops():
     layer = KiviLayer(KiviConfig(residual_length=32))
     k, v = _kv(b=3, t=150)
     layer.update(k, v)
-    ref = [layer.materialize(x) for x in layer.append(k[:, :, :1], v[:, :, :1])]
+    ref = [materialize(x) for x in layer.append(k[:, :, :1], v[:, :, :1])]
     idx = torch.tensor([2, 0, 0])
     layer2 = KiviLayer(KiviConfig(residual_length=32))
     layer2.update(k, v)
     layer2.reorder_cache(idx)
-    got = [layer2.materialize(x) for x in layer2.append(k[idx, :, :1], v[idx, :, :1])]
+    got = [materialize(x) for x in layer2.append(k[idx, :, :1], v[idx, :, :1])]
     assert torch.equal(got[0], ref[0][idx]) and torch.equal(got[1], ref[1][idx])
     layer2.batch_select_indices(torch.tensor([1]))
     layer2.batch_repeat_interleave(2)
