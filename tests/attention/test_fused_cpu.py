@@ -8,8 +8,9 @@ import torch
 pytest.importorskip("numba")
 
 from kivi import KiviConfig  # noqa: E402
-from kivi.attention import fused_cpu, reference_attention  # noqa: E402
+from kivi.attention import reference_attention  # noqa: E402
 from kivi.attention.fused_cpu import (  # noqa: E402
+    dispatch,
     fused_decode_attention,
     fused_decode_available,
     fused_decode_supported,
@@ -146,8 +147,8 @@ def test_serial_threshold_boundary(monkeypatch, delta):
     B, hkv = 2, 3
     views = _fill(cfg, B, hkv, 32, _lengths(300), torch.float32)
     units = B * hkv * 300
-    monkeypatch.setattr(fused_cpu, "SERIAL_BELOW", units - delta)
-    assert fused_cpu._use_threads(B, hkv, 300) == (delta >= 0)
+    monkeypatch.setattr(dispatch, "SERIAL_BELOW", units - delta)
+    assert dispatch._use_threads(B, hkv, 300) == (delta >= 0)
     _check(torch.randn(B, hkv * 3, 1, 32), views, threaded=(None,))
 
 
@@ -233,9 +234,11 @@ def test_sliding_eviction_with_memo():
 
 @pytest.mark.parametrize("tasks_bh,threads", [(1, 2), (3, 2), (4, 2), (3, 4), (12, 2), (5, 3), (2, 8)])
 def test_task_count_divides_evenly(tasks_bh, threads):
+    from kivi.attention.fused_cpu.kernel import SUB
+
     for ntok in (300, 8192, 8193, 32768):
-        chunk = fused_cpu._chunk_tokens(ntok, tasks_bh, threads)
+        chunk = dispatch._chunk_tokens(ntok, tasks_bh, threads)
         nch = -(-ntok // chunk)
-        assert chunk % 64 == 0 and chunk >= fused_cpu.SUB
+        assert chunk % 64 == 0 and chunk >= SUB
         if ntok >= 8192:  # long enough that the chunk floor does not decide
             assert (tasks_bh * nch) % threads == 0 and tasks_bh * nch >= 2 * threads, (ntok, chunk, nch)
