@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -53,8 +56,15 @@ def _lengths(total):
     return [total - 3, 1, 1, 1]
 
 
-def test_available():
-    assert fused_decode_available()
+def test_numba_is_imported_with_the_kernel_only():
+    """``import kivi`` and the package leave numba (and compilation) to the first fused call."""
+    from kivi.quant.fused_cpu import numba_available
+
+    assert fused_decode_available is numba_available  # one availability check, in the lower layer
+    code = ("import sys, kivi, kivi.attention.fused_cpu; "
+            "print(sorted(m for m in ('numba', 'kivi.attention.fused_cpu.kernel') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("total", [1, 13, 67, 300, 1300])
