@@ -12,33 +12,22 @@ Numerics, kept identical to the torch reference (``fastmath`` off, float32 throu
 ``offset = min``, ``scale = (max - offset) / (2**bits - 1)``, ``code = clamp(rint((x - offset) /
 scale), 0, 2**bits - 1)`` (round half to even, like ``torch.round``), code 0 where ``scale == 0``.
 Codes are packed as in :mod:`kivi.quant.packing` (``8 // bits`` codes per byte, little-endian).
-numba is imported lazily; ``import kivi`` does not need it.
+numba is imported, and the kernel compiled or loaded from numba's on-disk cache, on first use
+(:func:`_kernel`): ``import kivi`` does not import it. :func:`kivi.optional.numba_available` is kivi's one check
+for numba (the fused decode attention of :mod:`kivi.attention.fused_cpu` uses it too).
 """
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
+from ..optional import numba_available
 from .packing import packed_size
 
 SUPPORTED_BITS = (1, 2, 4, 8)
-
-_KERNEL = None
-_AVAILABLE: bool | None = None
-
-
-def numba_available() -> bool:
-    """True when numba can be imported."""
-    global _AVAILABLE
-    if _AVAILABLE is None:
-        try:
-            import numba  # noqa: F401
-
-            _AVAILABLE = True
-        except Exception:  # pragma: no cover - depends on the environment
-            _AVAILABLE = False
-    return _AVAILABLE
 
 
 def token_quantizer_supported(
@@ -96,16 +85,15 @@ def _quantize_tokens(x, bits, G, packed, scale, offset):
     return 0
 
 
+@functools.cache
 def _kernel():
-    global _KERNEL
-    if _KERNEL is None:
-        import numba
+    """:func:`_quantize_tokens` compiled (or loaded from numba's cache); imports numba on first use."""
+    import numba
 
-        _KERNEL = numba.njit(
-            "int64(float32[:,:,:,:], int64, int64, uint8[:,:,:,:], float32[:,:,:,:], float32[:,:,:,:])",
-            cache=True,
-        )(_quantize_tokens)
-    return _KERNEL
+    return numba.njit(
+        "int64(float32[:,:,:,:], int64, int64, uint8[:,:,:,:], float32[:,:,:,:], float32[:,:,:,:])",
+        cache=True,
+    )(_quantize_tokens)
 
 
 def quantize_tokens_into(

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 pytest.importorskip("numba")
 
 from kivi import KiviConfig  # noqa: E402
-from kivi.attention import fused_cpu, reference_attention  # noqa: E402
+from kivi.attention import reference_attention  # noqa: E402
 from kivi.attention.fused_cpu import (  # noqa: E402
+    dispatch,
     fused_decode_attention,
     fused_decode_available,
     fused_decode_supported,
@@ -52,8 +56,15 @@ def _lengths(total):
     return [total - 3, 1, 1, 1]
 
 
-def test_available():
-    assert fused_decode_available()
+def test_numba_is_imported_with_the_kernel_only():
+    """``import kivi`` and the package leave numba (and compilation) to the first fused call."""
+    from kivi.quant.fused_cpu import numba_available
+
+    assert fused_decode_available is numba_available  # one availability check, in the lower layer
+    code = ("import sys, kivi, kivi.attention.fused_cpu; "
+            "print(sorted(m for m in ('numba', 'kivi.attention.fused_cpu.kernel') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("total", [1, 13, 67, 300, 1300])
@@ -146,8 +157,8 @@ def test_serial_threshold_boundary(monkeypatch, delta):
     B, hkv = 2, 3
     views = _fill(cfg, B, hkv, 32, _lengths(300), torch.float32)
     units = B * hkv * 300
-    monkeypatch.setattr(fused_cpu, "SERIAL_BELOW", units - delta)
-    assert fused_cpu._use_threads(B, hkv, 300) == (delta >= 0)
+    monkeypatch.setattr(dispatch, "SERIAL_BELOW", units - delta)
+    assert dispatch._use_threads(B, hkv, 300) == (delta >= 0)
     _check(torch.randn(B, hkv * 3, 1, 32), views, threaded=(None,))
 
 
@@ -233,9 +244,11 @@ def test_sliding_eviction_with_memo():
 
 @pytest.mark.parametrize("tasks_bh,threads", [(1, 2), (3, 2), (4, 2), (3, 4), (12, 2), (5, 3), (2, 8)])
 def test_task_count_divides_evenly(tasks_bh, threads):
+    from kivi.attention.fused_cpu.kernel import SUB
+
     for ntok in (300, 8192, 8193, 32768):
-        chunk = fused_cpu._chunk_tokens(ntok, tasks_bh, threads)
+        chunk = dispatch._chunk_tokens(ntok, tasks_bh, threads)
         nch = -(-ntok // chunk)
-        assert chunk % 64 == 0 and chunk >= fused_cpu.SUB
+        assert chunk % 64 == 0 and chunk >= SUB
         if ntok >= 8192:  # long enough that the chunk floor does not decide
             assert (tasks_bh * nch) % threads == 0 and tasks_bh * nch >= 2 * threads, (ntok, chunk, nch)

@@ -1,0 +1,163 @@
+"""Entry point of the fused CPU decode: does a call qualify, threads or not, split-K chunks.
+
+:func:`fused_decode_supported` is the dispatch rule of the ``"cpu"`` backend (see the package
+docstring); :func:`fused_decode_attention` builds the kernel's inputs (:mod:`.tables`) and calls one
+of its two entry points (:mod:`.kernel`, imported here on first use: importing this module does not
+import numba).
+
+Threads: both entry points run the same split-K tasks, ``prange`` on numba's pool or serially on
+the calling thread; :func:`fused_decode_attention` takes the serial one below :data:`SERIAL_BELOW`
+``batch x kv heads x kv positions`` (measured) or as told by ``threaded=``. ``NUMBA_NUM_THREADS``
+/ ``numba.set_num_threads`` size the pool and ``NUMBA_THREADING_LAYER`` picks it (numba's default
+order: tbb, omp, workqueue). Measured on the 2-core development machine with torch matmuls between
+calls (as in a decoder): the ``omp`` pool 1.15-1.9x faster than serial from 3K units, the
+``workqueue`` pool slower than serial at every size (0.68-0.94x). With other processes busy on the
+cores, ``omp``'s spinning threads can lose; set the variable then.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ...optional import numba_available
+from ...quant.fused_cpu import warmup as _warmup_quantizer
+from ..reference import view_geometry
+from .tables import _side_table, _valid_row
+
+if TYPE_CHECKING:
+    from ...cache.view import AttentionView
+
+SUPPORTED_BITS = (1, 2, 4, 8)
+_ALL_VALID = np.ones((1, 1), dtype=np.bool_)  # the kernel's mask argument when there is no mask
+
+
+def _kernel():
+    """The :mod:`.kernel` module: imports numba and compiles (or loads) the entry points on first use."""
+    from . import kernel
+
+    return kernel
+
+
+def warmup() -> float:
+    """Compile (or load) the decode kernel and the value quantizer now; returns the seconds it took."""
+    import time
+
+    t0 = time.perf_counter()
+    _kernel()
+    _warmup_quantizer()
+    return time.perf_counter() - t0
+
+
+def _np(t: torch.Tensor):
+    return t.detach().numpy()
+
+
+def fused_decode_supported(q: torch.Tensor, k_view: AttentionView, v_view: AttentionView,
+                           attention_mask: torch.Tensor | None = None) -> bool:
+    """Whether :func:`fused_decode_attention` handles this call (numba present, n == 1, formats)."""
+    if not numba_available() or q.dim() != 4 or q.shape[2] != 1 or q.device.type != "cpu":
+        return False
+    for view in (k_view, v_view):
+        if view.quantized and view.store.template is not None:
+            t = view.store.template
+            if t.bits not in SUPPORTED_BITS:
+                return False
+            if t.axis == "token" and t.group_size % 4:
+                return False  # the kernel reads value channels 4 at a time, within one group
+    if q.shape[1] % k_view.fp.shape[1]:
+        return False
+    if attention_mask is not None:
+        if attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
+            return False
+        if attention_mask.dtype != torch.bool:
+            row = attention_mask[:, 0, -1]
+            keep = row > torch.finfo(row.dtype).min / 2
+            if bool((row[keep] != 0).any()):
+                return False
+    return True
+
+
+#: Below this many ``batch x kv heads x kv positions`` a call runs on the calling thread only.
+#: Measured on the idle 2-core development machine with ``benchmarks/bench_fused_threads.py``
+#: (omp pool, a torch matmul before each call, medians of 30, 9q/3kv heads, D=64, 2-bit):
+#: serial / threaded = 0.89-1.01 at 1.5K units, 1.15-1.19 at 3K, 1.2-1.35 at 6K-12K, 1.4-1.9 from
+#: 24K (B=1 and B=4 alike; ``results/bench_fused_threads.txt``).
+SERIAL_BELOW = 3072
+
+
+def _use_threads(batch: int, hkv: int, kv_len: int) -> bool:
+    """Whether a call of this size goes to numba's thread pool (see :data:`SERIAL_BELOW`)."""
+    return batch * hkv * kv_len >= SERIAL_BELOW
+
+
+def _chunk_tokens(ntok: int, tasks_bh: int, threads: int) -> int:
+    """Tokens per split-K task: at least 2 tasks per thread, a task count divisible by ``threads``.
+
+    numba's ``prange`` (omp layer) hands each thread an equal contiguous share of the tasks, so a
+    task count that does not divide evenly leaves a thread idle at the end: 9 tasks on 2 threads
+    (batch 1, 3 kv heads, the earlier "4 per thread" rule) ran 5 + 4, 11% longer than 6 tasks
+    (3 + 3). Chunks are multiples of 64 tokens (whole key groups of 32 or 64 tokens) and at least
+    one step of the kernel (:data:`.kernel.SUB` tokens).
+    """
+    SUB = _kernel().SUB
+    tasks_bh = max(tasks_bh, 1)
+    want = max(1, -(-2 * threads // tasks_bh))
+    for extra in range(threads):  # smallest count >= want whose total divides evenly
+        if (tasks_bh * (want + extra)) % threads == 0:
+            want += extra
+            break
+    chunk = max(SUB, -(-ntok // want))
+    return -(-chunk // 64) * 64
+
+
+def fused_decode_attention(
+    q: torch.Tensor,
+    k_view: AttentionView,
+    v_view: AttentionView,
+    *,
+    scaling: float | None = None,
+    attention_mask: torch.Tensor | None = None,
+    threaded: bool | None = None,
+) -> torch.Tensor:
+    """Decode attention of ``q [B, Hq, 1, D]`` over a KIVI layer's views; ``[B, Hq, 1, Dv]`` in ``q.dtype``.
+
+    Same semantics as :func:`kivi.attention.reference.reference_attention` for one query token.
+    ``threaded``: run on numba's thread pool (split-K tasks) or on the calling thread only;
+    ``None`` chooses threads when ``B * Hkv * kv_len >= SERIAL_BELOW``.
+    """
+    B, hq, n, d = q.shape
+    if n != 1:
+        raise ValueError(f"fused_decode_attention takes one query token per sequence, got {n}")
+    start, kv_len, hkv, dv = view_geometry(q, k_view, v_view)
+    if kv_len == 0:
+        raise ValueError("fused_decode_attention: empty cache view")
+    scaling = d**-0.5 if scaling is None else scaling
+    if threaded is None:
+        threaded = _use_threads(B, hkv, kv_len)
+    kernel = _kernel()
+    entry = kernel.decode_threaded if threaded else kernel.decode_serial
+    valid = _valid_row(attention_mask, B, kv_len)
+    has_mask = valid is not None
+    valid_np = _np(valid) if has_mask else _ALL_VALID
+
+    keep: list = []
+    kd, kbits, kG = _side_table(k_view, start, keep)
+    vd, vbits, vG = _side_table(v_view, start, keep)
+    prm = np.array([kbits, kG, vbits, vG], dtype=np.int64)
+    q32 = _np(q.reshape(B, hq, d).float().contiguous())  # a view when q is contiguous float32
+    out = torch.empty(B, hq, 1, dv)
+    if threaded:
+        import numba  # loaded with the kernel
+
+        chunk = _chunk_tokens(kv_len, B * hkv, numba.get_num_threads())
+    else:
+        chunk = kv_len
+    entry(q32, kd, vd, prm, valid_np, int(has_mask), np.float32(scaling), hkv, kv_len, chunk,
+           out.numpy().reshape(B, hq, dv))
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+__all__ = ["fused_decode_supported", "fused_decode_attention", "warmup", "SUPPORTED_BITS", "SERIAL_BELOW"]

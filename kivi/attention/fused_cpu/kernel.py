@@ -1,0 +1,589 @@
+"""The numba decode kernel: one call per layer and step, straight from the packed codes.
+
+Importing this module imports numba and compiles the two entry points (:func:`decode_threaded`,
+:func:`decode_serial`), or loads them from numba's on-disk cache; :mod:`.dispatch` imports it on
+first use. Every function is decorated here at module level, so a name means one thing and
+``cache=True`` finds the compiled code again in the next process.
+
+Inputs: ``q [B, Hq, D]`` float32, the piece descriptor tables of keys and values (:mod:`.tables`),
+``prm = [key bits, key group, value bits, value group]``, a ``[B, kv_len]`` validity row, and the
+output ``[B, Hq, Dv]``. Per ``(batch b, kv head h)`` and its ``g = Hq / Hkv`` query heads:
+
+* split-K: ``prange`` runs over ``(b, h, chunk of kv positions)`` tasks (both cores work even at
+  batch 1 with few kv heads); every task keeps its own ``(m, l, acc)`` online-softmax state, walks
+  its chunk in steps of :data:`SUB` tokens (scores for the step from the key pieces it overlaps,
+  softmax update, then the value pieces it overlaps) and :func:`_merge` combines the tasks with
+  log-sum-exp weights;
+* codes are unpacked *token-major*: a block's rows are transposed to 32-bit words
+  (:func:`_transpose_words`) so that every unpack loop runs over tokens, vectorised in 32-bit
+  lanes (the :func:`_code` intrinsic), and each pass over a word serves :data:`HC` = 4 query heads
+  while 3 or more remain, then single heads (GQA without repeating the cache);
+* keys (per-channel groups, ``x = code * scale + base``; ``base`` = offset, offset +
+  compensation, or ``-qmax * scale`` when symmetric): ``s_i(t) = c_i + sum_d q'_{i,d} code_d(t)``
+  with ``q' = q * scale * scaling`` and ``c_i = scaling * q_i . base`` per group
+  (:func:`_key_scores`);
+* values (per-token groups of ``G`` channels, ``G % 4 == 0``): ``acc_{i,d} += sum_t p_i(t)
+  scale_t code_d(t)``, the offsets summed separately per group (:func:`_value_accumulate`);
+* masked positions score ``finfo(float32).min`` (like the reference: a fully masked row attends
+  uniformly instead of producing NaN).
+
+Computation is in float32; the softmax uses a vectorisable expf (:func:`_exp_into`, relative
+error ~1e-7). Compile: ``fastmath=True, cache=True`` everywhere, the helpers ``inline="always"``,
+the entry points with one explicit signature (the threaded one ``parallel=True``): a process
+either loads the cache or compiles once (~15 s for both entries).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import carray, prange, types
+from numba.extending import intrinsic
+
+from .tables import _BS, _BS0, _BS1, _BS2, _DATA, _DS0, _DS1, _DS2, _HI, _LO, _QUANT, _SC, _SS0, _SS1, _SS2, NCOL
+
+# The descriptor columns are compiled in as constants, but numba's on-disk cache is keyed on this
+# file only: a layout change in tables.py must change this file too, or a stale cache would read
+# the wrong columns. Hence this check.
+if (_LO, _HI, _QUANT, _DATA, _DS0, _DS1, _DS2, _SC, _SS0, _SS1, _SS2, _BS, _BS0, _BS1, _BS2, NCOL) != (*range(15), 15):
+    raise ImportError("the descriptor layout of tables.py changed: update the check in kernel.py")
+
+_NEG32 = np.finfo(np.float32).min  # the score of a masked position
+_F0 = np.float32(0.0)
+
+#: Tokens per inner step of a task: the scores of one step (``g x SUB`` floats) stay in L1.
+SUB = 256
+
+jit = numba.njit(fastmath=True, cache=True)
+inline = numba.njit(inline="always", fastmath=True, cache=True)
+
+
+# --------------------------------------------------------------------------------------------- intrinsics
+def _pointer(dtype):
+    """An intrinsic casting an int64 address to a ``dtype`` pointer (for :func:`numba.carray`)."""
+
+    @intrinsic
+    def cast(typingctx, addr):
+        sig = types.CPointer(dtype)(types.int64)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+        return sig, codegen
+
+    return cast
+
+
+_u8p = _pointer(types.uint8)
+_u32p = _pointer(types.uint32)
+_f32p = _pointer(types.float32)
+
+
+@intrinsic
+def _bits_f32(typingctx, x):
+    """The float32 whose bit pattern is the int32 ``x``."""
+    sig = types.float32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.float32))
+
+    return sig, codegen
+
+
+@intrinsic
+def _code(typingctx, x, shift, mask):
+    """``float32((x >> shift) & mask)`` in 32-bit lanes (uint32 arguments).
+
+    Written as an intrinsic because numba widens integer arithmetic to 64 bits, and AVX2 has
+    no vector int64 -> float conversion: the unpack loops would stay scalar. The masked code is
+    non-negative, so a signed conversion is exact.
+    """
+    sig = types.float32(types.uint32, types.uint32, types.uint32)
+
+    def codegen(context, builder, signature, args):
+        v = builder.and_(builder.lshr(args[0], args[1]), args[2])
+        return builder.sitofp(v, context.get_value_type(types.float32))
+
+    return sig, codegen
+
+
+# --------------------------------------------------------------------------------------------- kernel
+@inline
+def _u8_rows(addr, off, n):
+    """The ``n`` bytes at ``addr + off`` as a 1-D uint8 array (no copy)."""
+    return carray(_u8p(addr + off), (n,))
+
+
+@inline
+def _u32_rows(addr, off, n):
+    """The ``n`` uint32 at ``addr + 4 * off`` as a 1-D array (no copy; ``addr`` 4-byte aligned)."""
+    return carray(_u32p(addr + 4 * off), (n,))
+
+
+@inline
+def _f32_rows(addr, off, n):
+    """The ``n`` float32 at ``addr + 4 * off`` as a 1-D array (no copy)."""
+    return carray(_f32p(addr + 4 * off), (n,))
+
+
+@inline
+def _exp_into(si, n, mx):
+    """``si[t] = exp(si[t] - mx)`` for ``t < n`` (all arguments ``<= 0``); returns their sum.
+
+    A branch-free expf that LLVM vectorises (numba's ``np.exp`` is a scalar libm call per element,
+    ~15% of a 32K decode): ``2**k * e**r`` with ``k = round(x / ln 2)``, ``|r| <= ln(2) / 2``, the
+    Cephes ``expf`` polynomial for ``e**r`` (relative error ~1e-7) and ``2**k`` built from its
+    exponent bits. ``x < -87`` (masked positions, ``finfo.min - mx``) gives exactly 0, like libm.
+    """
+    tot = _F0
+    for t in range(n):
+        x = max(si[t] - mx, np.float32(-87.0))
+        k = np.floor(x * np.float32(1.44269504) + np.float32(0.5))
+        r = x - k * np.float32(0.693359375) + k * np.float32(2.12194440e-4)
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        p = p * r * r + r + np.float32(1.0)
+        e = p * _bits_f32(np.int32((k + np.float32(127.0)) * np.float32(8388608.0)))
+        e = e if x > np.float32(-87.0) else _F0
+        si[t] = e
+        tot += e
+    return tot
+
+
+#: Query heads handled per pass over a block's codes (register blocking). Passes take 4 heads while
+#: 3 or more remain (a GQA ratio of 3 runs one 4-head pass with a zero row: a quarter of its
+#: multiply-adds wasted, still cheaper than unpacking twice), then single heads (MHA, ratio 2).
+HC = 4
+
+
+@inline
+def _transpose_words(codes, r0, n, ds2, nbytes, nw, tw):
+    """Rows ``r0 .. r0+n`` of a piece's codes into ``tw[w, t]`` = little-endian uint32 of row bytes ``[4w, 4w+4)``.
+
+    Transposed so the unpack loops run over *tokens* (contiguous, vectorised); bytes past
+    ``nbytes`` read as 0. Channel ``c`` of word ``w`` (``32 // bits`` per word) sits at bits
+    ``[bits * c, bits * (c + 1))`` — the packing is a little-endian bit stream along the channels.
+    Rows whose bytes are 4-aligned are read as words; otherwise assembled from bytes.
+    """
+    addr = codes.ctypes.data
+    if nbytes % 4 == 0 and ds2 % 4 == 0 and addr % 4 == 0:
+        words = _u32_rows(addr, 0, (codes.shape[0] + 3) // 4)
+        ws2 = ds2 // 4
+        for t in range(n):
+            base = (r0 + t) * ws2
+            for w in range(nw):
+                tw[w, t] = words[base + w]
+        return
+    for t in range(n):
+        base = (r0 + t) * ds2
+        for w in range(nw):
+            j = 4 * w
+            x = np.uint32(0)
+            for u in range(min(4, nbytes - j)):
+                x |= np.uint32(codes[base + j + u]) << np.uint32(8 * u)
+            tw[w, t] = x
+
+
+@inline
+def _pass_width(g, i0):
+    """Heads of the pass starting at head ``i0``: :data:`HC` while 3 or more remain, else 1."""
+    return HC if g - i0 >= 3 else 1
+
+
+@inline
+def _padded_heads(g):
+    """Rows the head passes touch (the last 4-head pass may run past ``g`` on zero rows)."""
+    i0 = 0
+    while i0 < g:
+        i0 += _pass_width(g, i0)
+    return i0
+
+
+@jit
+def _key_pass4(tw, nw, cpw, bits, D, qp, i0, s, o, n):
+    """``s[i0 + j, o + t] += sum_c qp[i0 + j, c] * code_c(t)`` for 4 heads ``j``, 4 channels at a time."""
+    mask = np.uint32((1 << bits) - 1)
+    b1, b2, b3 = np.uint32(bits), np.uint32(2 * bits), np.uint32(3 * bits)
+    s0, s1, s2, s3 = s[i0, o : o + n], s[i0 + 1, o : o + n], s[i0 + 2, o : o + n], s[i0 + 3, o : o + n]
+    for w in range(nw):
+        tww = tw[w]
+        for m in range(cpw // 4):
+            c = w * cpw + 4 * m
+            if c >= D:
+                break
+            a0, a1, a2, a3 = qp[i0, c], qp[i0, c + 1], qp[i0, c + 2], qp[i0, c + 3]
+            e0, e1, e2, e3 = qp[i0 + 1, c], qp[i0 + 1, c + 1], qp[i0 + 1, c + 2], qp[i0 + 1, c + 3]
+            f0, f1, f2, f3 = qp[i0 + 2, c], qp[i0 + 2, c + 1], qp[i0 + 2, c + 2], qp[i0 + 2, c + 3]
+            h0, h1, h2, h3 = qp[i0 + 3, c], qp[i0 + 3, c + 1], qp[i0 + 3, c + 2], qp[i0 + 3, c + 3]
+            sh0 = np.uint32(4 * bits * m)
+            sh1, sh2, sh3 = sh0 + b1, sh0 + b2, sh0 + b3
+            for t in range(n):
+                x = tww[t]
+                x0 = _code(x, sh0, mask)
+                x1 = _code(x, sh1, mask)
+                x2 = _code(x, sh2, mask)
+                x3 = _code(x, sh3, mask)
+                s0[t] += a0 * x0 + a1 * x1 + a2 * x2 + a3 * x3
+                s1[t] += e0 * x0 + e1 * x1 + e2 * x2 + e3 * x3
+                s2[t] += f0 * x0 + f1 * x1 + f2 * x2 + f3 * x3
+                s3[t] += h0 * x0 + h1 * x1 + h2 * x2 + h3 * x3
+
+
+@jit
+def _key_pass1(tw, nw, cpw, bits, D, qp, i0, s, o, n):
+    """:func:`_key_pass4` for the single head ``i0``."""
+    mask = np.uint32((1 << bits) - 1)
+    b1, b2, b3 = np.uint32(bits), np.uint32(2 * bits), np.uint32(3 * bits)
+    s0 = s[i0, o : o + n]
+    for w in range(nw):
+        tww = tw[w]
+        for m in range(cpw // 4):
+            c = w * cpw + 4 * m
+            if c >= D:
+                break
+            a0, a1, a2, a3 = qp[i0, c], qp[i0, c + 1], qp[i0, c + 2], qp[i0, c + 3]
+            sh0 = np.uint32(4 * bits * m)
+            sh1, sh2, sh3 = sh0 + b1, sh0 + b2, sh0 + b3
+            for t in range(n):
+                x = tww[t]
+                s0[t] += (a0 * _code(x, sh0, mask) + a1 * _code(x, sh1, mask)
+                          + a2 * _code(x, sh2, mask) + a3 * _code(x, sh3, mask))
+
+
+@jit
+def _value_pass4(tw, nw, cpw, bits, Dv, G, wt, i0, accq, n):
+    """``accq[i0 + j, c] += sum_t wt[i0 + j, grp(c), t] * code_c(t)`` for 4 heads, 2 channels at a time
+    (8 accumulators stay in registers)."""
+    mask = np.uint32((1 << bits) - 1)
+    b1 = np.uint32(bits)
+    a0, a1, a2, a3 = accq[i0], accq[i0 + 1], accq[i0 + 2], accq[i0 + 3]
+    for w in range(nw):
+        tww = tw[w]
+        for m in range(cpw // 2):
+            c = w * cpw + 2 * m
+            if c >= Dv:
+                break
+            gg = c // G
+            w0, w1, w2, w3 = wt[i0, gg, :n], wt[i0 + 1, gg, :n], wt[i0 + 2, gg, :n], wt[i0 + 3, gg, :n]
+            sh0 = np.uint32(2 * bits * m)
+            sh1 = sh0 + b1
+            r00 = r01 = r10 = r11 = r20 = r21 = r30 = r31 = _F0
+            for t in range(n):
+                x = tww[t]
+                x0 = _code(x, sh0, mask)
+                x1 = _code(x, sh1, mask)
+                y = w0[t]
+                r00 += y * x0
+                r01 += y * x1
+                y = w1[t]
+                r10 += y * x0
+                r11 += y * x1
+                y = w2[t]
+                r20 += y * x0
+                r21 += y * x1
+                y = w3[t]
+                r30 += y * x0
+                r31 += y * x1
+            a0[c] += r00
+            a0[c + 1] += r01
+            a1[c] += r10
+            a1[c + 1] += r11
+            a2[c] += r20
+            a2[c + 1] += r21
+            a3[c] += r30
+            a3[c + 1] += r31
+
+
+@jit
+def _value_pass1(tw, nw, cpw, bits, Dv, G, wt, i0, accq, n):
+    """:func:`_value_pass4` for the single head ``i0``, 4 channels at a time."""
+    mask = np.uint32((1 << bits) - 1)
+    b1, b2, b3 = np.uint32(bits), np.uint32(2 * bits), np.uint32(3 * bits)
+    a0 = accq[i0]
+    for w in range(nw):
+        tww = tw[w]
+        for m in range(cpw // 4):
+            c = w * cpw + 4 * m
+            if c >= Dv:
+                break
+            w0 = wt[i0, c // G, :n]
+            sh0 = np.uint32(4 * bits * m)
+            sh1, sh2, sh3 = sh0 + b1, sh0 + b2, sh0 + b3
+            r0 = r1 = r2 = r3 = _F0
+            for t in range(n):
+                x = tww[t]
+                y = w0[t]
+                r0 += y * _code(x, sh0, mask)
+                r1 += y * _code(x, sh1, mask)
+                r2 += y * _code(x, sh2, mask)
+                r3 += y * _code(x, sh3, mask)
+            a0[c] += r0
+            a0[c + 1] += r1
+            a0[c + 2] += r2
+            a0[c + 3] += r3
+
+
+@jit
+def _key_scores(d, p, b, h, a, e, qsc, bits, G, c0, s, qp, tw):
+    """Scores ``s[i, t - c0]`` of the ``g`` query heads for kv positions ``[a, e)`` of key piece ``p``.
+
+    Quantized pieces (per-channel groups of ``G`` tokens, ``x = code * scale + base``), per group:
+    ``qp_i = qsc_i * scale`` and the scores start at ``qsc_i . base``; the group's codes are transposed to
+    words (:func:`_transpose_words`) and each head pass (:func:`_key_pass4` / :func:`_key_pass1`)
+    adds ``sum_c qp_{i,c} * code_c(t)`` to the scores, 4 channels at a time.
+    """
+    g, D = qsc.shape
+    lo = d[p, _LO]
+    r0, r1 = a - lo, e - lo  # rows of the piece
+    boff = b * d[p, _DS0] + h * d[p, _DS1]
+    ds2 = d[p, _DS2]
+    if d[p, _QUANT] == 0:
+        x = _f32_rows(d[p, _DATA], boff, (r1 - 1) * ds2 + D)
+        for r in range(r0, r1):
+            xr = x[r * ds2 : r * ds2 + D]
+            for i in range(g):
+                qi = qsc[i]
+                acc = _F0
+                for k in range(D):
+                    acc += qi[k] * xr[k]
+                s[i, r + lo - c0] = acc
+        return
+    cpw = 32 // bits  # channels per word
+    nbytes = (D * bits + 7) // 8
+    nw = (nbytes + 3) // 4
+    codes = _u8_rows(d[p, _DATA], boff, (r1 - 1) * ds2 + nbytes)
+    ss2, bs2 = d[p, _SS2], d[p, _BS2]
+    ngrp = (r1 - 1) // G + 1
+    sc = _f32_rows(d[p, _SC], b * d[p, _SS0] + h * d[p, _SS1], (ngrp - 1) * ss2 + D)
+    bs = _f32_rows(d[p, _BS], b * d[p, _BS0] + h * d[p, _BS1], (ngrp - 1) * bs2 + D)
+    r = r0
+    while r < r1:
+        grp = r // G
+        rend = min(r1, (grp + 1) * G)
+        n = rend - r
+        o = r + lo - c0
+        scr = sc[grp * ss2 : grp * ss2 + D]
+        bsr = bs[grp * bs2 : grp * bs2 + D]
+        for i in range(g):
+            qi = qsc[i]
+            cc = _F0
+            for k in range(D):
+                cc += qi[k] * bsr[k]
+                qp[i, k] = qi[k] * scr[k]
+            si = s[i]
+            for t in range(n):
+                si[o + t] = cc
+        _transpose_words(codes, r, n, ds2, nbytes, nw, tw)
+        i0 = 0
+        while i0 < g:
+            w = _pass_width(g, i0)
+            if w == HC:
+                _key_pass4(tw, nw, cpw, bits, D, qp, i0, s, o, n)
+            else:
+                _key_pass1(tw, nw, cpw, bits, D, qp, i0, s, o, n)
+            i0 += w
+        r = rend
+
+
+@jit
+def _value_accumulate(d, p, b, h, a, e, bits, G, c0, pr, accq, accf, accb, wt, sbt, tw):
+    """Add ``sum_t p[i, t] v_t`` over kv positions ``[a, e)`` of value piece ``p`` to the accumulators.
+
+    Quantized pieces (per-token groups of ``G`` channels, ``v = code * scale + base``): the rows'
+    codes are transposed to words, ``wt[i, grp, t] = p_i(t) * scale_{t,grp}``, and each head pass
+    (:func:`_value_pass4` / :func:`_value_pass1`) reduces ``sum_t wt * code`` over the tokens into
+    ``accq`` (natural channel order); the bases go to ``accb[i, group]`` (``sum_t p_i * base``).
+    Full-precision pieces go to ``accf``.
+    """
+    g = accf.shape[0]
+    Dv = accf.shape[1]
+    lo = d[p, _LO]
+    r0, r1 = a - lo, e - lo
+    boff = b * d[p, _DS0] + h * d[p, _DS1]
+    ds2 = d[p, _DS2]
+    if d[p, _QUANT] == 0:
+        x = _f32_rows(d[p, _DATA], boff, (r1 - 1) * ds2 + Dv)
+        for r in range(r0, r1):
+            xr = x[r * ds2 : r * ds2 + Dv]
+            for i in range(g):
+                pe = pr[i, r + lo - c0]
+                ai = accf[i]
+                for k in range(Dv):
+                    ai[k] += pe * xr[k]
+        return
+    cpw = 32 // bits
+    nbytes = (Dv * bits) // 8  # G % 4 == 0 and G | Dv: whole bytes
+    nw = (nbytes + 3) // 4
+    nvg = Dv // G
+    n = r1 - r0
+    o = r0 + lo - c0
+    codes = _u8_rows(d[p, _DATA], boff, (r1 - 1) * ds2 + nbytes)
+    ss2, bs2 = d[p, _SS2], d[p, _BS2]
+    sc = _f32_rows(d[p, _SC], b * d[p, _SS0] + h * d[p, _SS1], (r1 - 1) * ss2 + nvg)
+    bs = _f32_rows(d[p, _BS], b * d[p, _BS0] + h * d[p, _BS1], (r1 - 1) * bs2 + nvg)
+    _transpose_words(codes, r0, n, ds2, nbytes, nw, tw)
+    for gg in range(nvg):  # the rows' scales and bases, token-contiguous (shared by the heads)
+        sg, bg = sbt[0, gg], sbt[1, gg]
+        for t in range(n):
+            sg[t] = sc[(r0 + t) * ss2 + gg]
+            bg[t] = bs[(r0 + t) * bs2 + gg]
+    for i in range(g):
+        pi = pr[i, o : o + n]
+        for gg in range(nvg):
+            wig, sg, bg = wt[i, gg], sbt[0, gg], sbt[1, gg]
+            tot = _F0
+            for t in range(n):
+                wig[t] = pi[t] * sg[t]
+                tot += pi[t] * bg[t]
+            accb[i, gg] += tot
+    i0 = 0
+    while i0 < g:
+        w = _pass_width(g, i0)
+        if w == HC:
+            _value_pass4(tw, nw, cpw, bits, Dv, G, wt, i0, accq, n)
+        else:
+            _value_pass1(tw, nw, cpw, bits, Dv, G, wt, i0, accq, n)
+        i0 += w
+
+
+@jit
+def _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, t1, om, ol, oacc):
+    """Kv head ``h`` of sequence ``b`` over kv positions ``[t0, t1)``: this task's softmax state.
+
+    Writes ``om[i]`` (max score), ``ol[i]`` (sum of ``exp(s - m)``) and ``oacc[i, :]`` (the
+    unnormalised ``sum exp(s - m) v``, natural channel order) for the ``g`` query heads of ``h``.
+    Walks ``[t0, t1)`` in steps of :data:`SUB` tokens with an online softmax.
+    """
+    g = om.shape[0]
+    gp = _padded_heads(g)  # rows the head passes touch (zero rows past g)
+    D = q.shape[2]
+    Dv = oacc.shape[1]
+    kbits, kG, vbits, vG = prm[0], prm[1], prm[2], prm[3]
+    nw = max(((D * kbits + 7) // 8 + 3) // 4, ((Dv * vbits + 7) // 8 + 3) // 4)
+    nvg = Dv // vG if vG > 1 else 1
+    qsc = np.empty((g, D), dtype=np.float32)
+    for i in range(g):
+        for k in range(D):
+            qsc[i, k] = q[b, h * g + i, k] * scaling
+    s = np.zeros((gp, SUB), dtype=np.float32)
+    qp = np.zeros((gp, (D + 3) // 4 * 4), dtype=np.float32)  # channels read 4 at a time
+    tw = np.empty((nw, SUB), dtype=np.uint32)
+    wt = np.zeros((gp, nvg, SUB), dtype=np.float32)
+    sbt = np.empty((2, nvg, SUB), dtype=np.float32)
+    accq = np.zeros((gp, Dv), dtype=np.float32)
+    accf = np.zeros((g, Dv), dtype=np.float32)
+    accb = np.zeros((g, Dv), dtype=np.float32)
+    m_run = np.full(g, _NEG32, dtype=np.float32)
+    l_run = np.zeros(g, dtype=np.float32)
+    for c0 in range(t0, t1, SUB):
+        c1 = min(t1, c0 + SUB)
+        n = c1 - c0
+        for p in range(kd.shape[0]):
+            a, e = max(c0, kd[p, _LO]), min(c1, kd[p, _HI])
+            if a < e:
+                _key_scores(kd, p, b, h, a, e, qsc, kbits, kG, c0, s, qp, tw)
+        if has_mask:
+            for t in range(c0, c1):
+                if not valid[b, t]:
+                    for i in range(g):
+                        s[i, t - c0] = _NEG32
+        for i in range(g):
+            si = s[i]
+            mx = m_run[i]
+            for t in range(n):
+                mx = max(mx, si[t])
+            alpha = np.exp(m_run[i] - mx)
+            tot = _exp_into(si, n, mx)
+            l_run[i] = l_run[i] * alpha + tot
+            m_run[i] = mx
+            for k in range(Dv):
+                accq[i, k] *= alpha
+                accf[i, k] *= alpha
+                accb[i, k] *= alpha
+        for p in range(vd.shape[0]):
+            a, e = max(c0, vd[p, _LO]), min(c1, vd[p, _HI])
+            if a < e:
+                _value_accumulate(vd, p, b, h, a, e, vbits, vG, c0, s, accq, accf, accb, wt, sbt, tw)
+    for i in range(g):
+        om[i] = m_run[i]
+        ol[i] = l_run[i]
+        for k in range(Dv):
+            oacc[i, k] = accq[i, k] + accf[i, k] + accb[i, k // vG]
+
+
+@jit
+def _merge(pm, pl, pacc, nch, out):
+    """Combine the ``nch`` split-K partial states of every ``(b, kv head)`` (log-sum-exp) into ``out``."""
+    B, Hq, Dv = out.shape
+    g = pm.shape[1]
+    hkv = Hq // g
+    for bh in range(B * hkv):
+        b = bh // hkv
+        h = bh - b * hkv
+        for i in range(g):
+            mx = _NEG32
+            for c in range(nch):
+                mx = max(mx, pm[bh * nch + c, i])
+            tot = _F0
+            o = out[b, h * g + i]
+            o[:] = 0.0
+            for c in range(nch):
+                w = np.exp(pm[bh * nch + c, i] - mx)
+                tot += w * pl[bh * nch + c, i]
+                pa = pacc[bh * nch + c, i]
+                for k in range(Dv):
+                    o[k] += w * pa[k]
+            for k in range(Dv):
+                o[k] /= tot
+
+
+@inline
+def _run_task(task, nch, q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, pm, pl, pacc):
+    """Task ``task`` = ``(b, kv head, chunk c)`` in row-major order; its state goes to row ``task``."""
+    bh = task // nch
+    c = task - bh * nch
+    b = bh // hkv
+    h = bh - b * hkv
+    t0 = c * chunk
+    _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, min(kv_len, t0 + chunk), pm[task], pl[task], pacc[task])
+
+
+@inline
+def _partials(q, hkv, kv_len, chunk, dv):
+    """``(chunks per head, tasks, max, sum, accumulator)`` buffers of the split-K tasks."""
+    B, Hq, _ = q.shape
+    g = Hq // hkv
+    nch = (kv_len + chunk - 1) // chunk
+    ntask = B * hkv * nch
+    pm = np.empty((ntask, g), dtype=np.float32)
+    pl = np.empty((ntask, g), dtype=np.float32)
+    pacc = np.empty((ntask, g, dv), dtype=np.float32)
+    return nch, ntask, pm, pl, pacc
+
+
+_SIGNATURE = (
+    "void(float32[:,:,::1], int64[:,::1], int64[:,::1], int64[::1], boolean[:,::1], int64, float32, "
+    "int64, int64, int64, float32[:,:,::1])"
+)
+
+
+@numba.njit(_SIGNATURE, parallel=True, fastmath=True, cache=True)
+def decode_threaded(q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, out):
+    """Entry point, threaded: tasks ``(b, kv head, chunk of kv positions)`` in ``prange``, then merge."""
+    nch, ntask, pm, pl, pacc = _partials(q, hkv, kv_len, chunk, out.shape[2])
+    for task in prange(ntask):
+        _run_task(task, nch, q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, pm, pl, pacc)
+    _merge(pm, pl, pacc, nch, out)
+
+
+@numba.njit(_SIGNATURE, fastmath=True, cache=True)
+def decode_serial(q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, out):
+    """Entry point, calling thread only (small calls: no thread-pool hand-off); same tasks as above."""
+    nch, ntask, pm, pl, pacc = _partials(q, hkv, kv_len, chunk, out.shape[2])
+    for task in range(ntask):
+        _run_task(task, nch, q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, pm, pl, pacc)
+    _merge(pm, pl, pacc, nch, out)
