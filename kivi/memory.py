@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .cache.support import check_head_dim, check_layer_types, model_head_dim, model_layer_types, text_config
 from .config import KiviConfig
 from .quant.kv import kv_bytes_breakdown
 
@@ -174,11 +175,7 @@ class ModelSpec:
         self.layer_types = list(self.layer_types)
         if len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
-        bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
-        if bad:
-            raise ValueError(
-                f"layer types {bad} are not supported by KiviCache (it supports full_attention and sliding_attention)"
-            )
+        check_layer_types(self.layer_types, "ModelSpec")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ValueError("sliding_attention layers need sliding_window")
         for f in ("params", "weights_bytes", "max_context"):
@@ -219,22 +216,15 @@ def _count_params_from_config(config: Any) -> int | None:
 def spec_from_hf_config(config: Any, *, name: str = "model", dtype: Any = None, params: int | None = None,
                         count_params: bool = True) -> ModelSpec:
     """A :class:`ModelSpec` from a transformers ``PretrainedConfig``."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     n_layers = getattr(text, "num_hidden_layers", None)
     heads = getattr(text, "num_attention_heads", None)
     if not n_layers or not heads:
         raise ValueError(f"{type(config).__name__} has no num_hidden_layers / num_attention_heads; is it a decoder?")
     kv = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    layer_types, kwargs = get_layer_types_and_kwargs(text)
-    bad = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
-    if bad:
-        raise ValueError(
-            f"{type(config).__name__} has layer types {bad}; KiviCache supports full_attention and sliding_attention"
-        )
-    windows = {kw.get("sliding_window") for t, kw in zip(layer_types, kwargs) if t == "sliding_attention"}
+    head_dim = model_head_dim(text)
+    layers = model_layer_types(config)
+    windows = {w for _, w in layers if w is not None}
     window = max(windows) if windows else None
     if dtype is None:
         dtype = getattr(text, "dtype", None) or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
@@ -247,7 +237,7 @@ def spec_from_hf_config(config: Any, *, name: str = "model", dtype: Any = None, 
     max_ctx = getattr(text, "max_position_embeddings", None)
     return ModelSpec(
         num_layers=int(n_layers), num_kv_heads=int(kv), head_dim=int(head_dim), dtype=dtype, num_heads=int(heads),
-        layer_types=list(layer_types), sliding_window=window, params=params,
+        layer_types=[t for t, _ in layers], sliding_window=window, params=params,
         max_context=int(max_ctx) if isinstance(max_ctx, int) else None, name=name,
         model_type=getattr(text, "model_type", None),
     )
@@ -646,14 +636,8 @@ def estimate_kv_memory(
     cfg = _resolve_config(config)
     cfg.validate(num_layers=spec.num_layers)
     sd = None if cfg.scale_dtype == "auto" else cfg.scale_dtype
-    param_bytes = {}
-    for i in range(spec.num_layers):
-        lcfg = cfg.for_layer(i)
-        if lcfg.quantize_value and spec.head_dim % lcfg.group_size:
-            where = f"layer_specific_config[{i}]." if i in cfg.layer_specific_config else ""
-            raise ValueError(f"{where}group_size={lcfg.group_size} must divide head_dim={spec.head_dim} "
-                             "(values are grouped per token over channels)")
-        param_bytes[i] = DTYPE_BYTES[sd or spec.dtype]
+    check_head_dim(cfg, spec.head_dim, spec.num_layers)
+    param_bytes = {i: DTYPE_BYTES[sd or spec.dtype] for i in range(spec.num_layers)}
     dev_mem = parse_bytes(device_memory) if device_memory is not None else None
 
     b = DTYPE_BYTES[spec.dtype]

@@ -5,12 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache
 
 from ..config import KiviConfig
 from .layer import KiviLayer
-
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+from .support import model_layer_types
 
 
 class KiviCache(Cache):
@@ -50,24 +49,18 @@ class KiviCache(Cache):
 
     @classmethod
     def from_model_config(cls, model_config: Any, config: KiviConfig) -> "KiviCache":
-        text_config = model_config.get_text_config(decoder=True)
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+        layer_types = model_layer_types(model_config)  # raises on unsupported layer types
         num_layers = len(layer_types)
         config.validate(num_layers=num_layers)
         layers = []
         sliding_params = set()
-        for idx, (lt, kw) in enumerate(zip(layer_types, layer_kwargs)):
-            if lt not in SUPPORTED_LAYER_TYPES:
-                raise ValueError(
-                    f"layer {idx} of {type(model_config).__name__} is a {lt!r} layer; KiviCache supports "
-                    f"{list(SUPPORTED_LAYER_TYPES)} (attention layers whose keys/values go through Cache.update)"
-                )
+        for idx, (lt, window) in enumerate(layer_types):
             lcfg = config.for_layer(idx)
             if lt == "sliding_attention":
                 # Always a KiviLayer (also when nothing is quantized): every sliding layer then drops
                 # tokens at the same positions, so transformers' one sliding mask fits them all.
                 sliding_params.add((lcfg.residual_length, lcfg.group_size))
-                layers.append(KiviLayer(lcfg, sliding_window=kw["sliding_window"]))
+                layers.append(KiviLayer(lcfg, sliding_window=window))
             else:
                 layers.append(KiviLayer(lcfg))
         if len(sliding_params) > 1:

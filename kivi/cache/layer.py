@@ -35,6 +35,7 @@ from ..config import KiviConfig
 from ..quant.fused_cpu import quantize_tokens_into, token_quantizer_supported
 from ..quant.kv import PackedKV, dequantize_kv, quantize_kv
 from .store import BlockStore, FpSegment
+from .support import check_head_dim
 
 _SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -111,11 +112,7 @@ class KiviLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         self.dtype = key_states.dtype
-        head_dim = value_states.shape[-1]
-        if self.config.quantize_value and head_dim % self.config.group_size:
-            raise ValueError(
-                f"group_size={self.config.group_size} must divide head_dim={head_dim} to quantize values per token"
-            )
+        check_head_dim(self.config, value_states.shape[-1])
         self.is_initialized = True
 
     def update(
