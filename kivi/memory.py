@@ -37,6 +37,15 @@ from pathlib import Path
 from typing import Any
 
 from .cache.support import check_head_dim, check_layer_types, model_head_dim, model_layer_types, text_config
+from .cache.schedule import (
+    KEY_AXIS,
+    VALUE_AXIS,
+    allocated_tokens,
+    freed_tokens,
+    layer_sink_tokens,
+    side_tokens,
+    sliding_cut,
+)
 from .config import KiviConfig
 from .quant.kv import kv_bytes_breakdown
 
@@ -410,74 +419,63 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 # --------------------------------------------------------------------------- storage model
 
-_FIELDS = ("codes", "scales_zero_points", "compensation", "fp_window", "fp_sink", "fp_unquantized", "block_reserve")
+#: Fields of a KIVI estimate's breakdown (bytes).
+FIELDS = ("codes", "scales_zero_points", "compensation", "fp_window", "fp_sink", "fp_unquantized", "block_reserve")
 
 
-def _side_token_bytes(head_dim: int, bits: int, group_size: int, axis: str, param_bytes: int, symmetric: bool,
-                      residual_bits: int) -> dict[str, float]:
+def side_token_bytes(head_dim: int, bits: int, group_size: int, axis: str, param_bytes: int, symmetric: bool,
+                     residual_bits: int) -> dict[str, float]:
     """Bytes per stored token per head, by field (keys' per-group fields amortised over G tokens)."""
     return kv_bytes_breakdown(head_dim, bits, group_size, axis, param_bytes=param_bytes, symmetric=symmetric,
                               residual_bits=residual_bits)
 
 
-def _sink(quantized: bool, seen: int, R: int, sink: int) -> int:
-    """Sink tokens held after ``seen`` tokens (the first tokens to leave the window become sinks)."""
-    return min(sink, max(0, seen - R)) if quantized else 0
+def held_tokens(cfg: KiviConfig, axis: str, quantized: bool, T: int, P: int, window: int | None,
+                sink: int) -> tuple[int, int]:
+    """(allocated tokens still held, written tokens in them) of one side's block store.
 
-
-def _stored(axis: str, quantized: bool, seen: int, R: int, G: int, sink: int = 0) -> int:
-    """Tokens of one side in the block store after ``seen`` tokens (the rest: sink and FP window)."""
-    if not quantized:
-        return seen
-    seen -= _sink(quantized, seen, R, sink)
-    if axis == "channel":
-        return max(0, (seen - R) // G * G)
-    return max(0, seen - R)
-
-
-def _held_blocks(axis: str, quantized: bool, T: int, P: int, R: int, G: int, bs: int,
-                 window: int | None, sink: int = 0) -> tuple[int, int]:
-    """(allocated tokens still held, written tokens in them) of one side's block store."""
-    S = _stored(axis, quantized, T, R, G, sink)
-    if S == 0:
+    One prefill of ``P`` tokens (one append: its own block), then one-token decode steps up to ``T``.
+    A sliding layer (``window``) evicts at the start of every decode step; the last one ran with
+    ``T - 1`` tokens cached. After a single prefill nothing is evicted yet.
+    """
+    R, G, bs = cfg.residual_length, cfg.group_size, cfg.block_size
+    stored = side_tokens(axis, T, R, G, sink, quantized)[1]
+    if stored == 0:
         return 0, 0
-    S0 = _stored(axis, quantized, P, R, G, sink)
-    cap0 = max(bs, S0) if S0 > 0 else bs
-    n_blocks = 1 + (-(-max(0, S - cap0) // bs))
-    cap_total = cap0 + (n_blocks - 1) * bs
-    first_held = 0
+    first = side_tokens(axis, P, R, G, sink, quantized)[1]
+    allocated = allocated_tokens(stored, first, bs)
+    freed = 0
     if window is not None and T > P:
-        seen_before = T - 1  # the last forward evicts before appending (its mask already excludes those tokens)
-        cut = max(0, (seen_before - window - R - G) // bs * bs)
-        start = min(cut, _stored(axis, quantized, seen_before, R, G))
-        # blocks whose end <= start are freed
-        if start >= cap0:
-            freed_after_first = (start - cap0) // bs
-            first_held = cap0 + freed_after_first * bs
-    return cap_total - first_held, S - first_held
+        seen_before = T - 1
+        stored_before = side_tokens(axis, seen_before, R, G, sink, quantized)[1]
+        # BlockStore.evict(cut) exposes from min(cut, length); sliding layers keep no sink, so store
+        # positions are absolute positions.
+        start = min(sliding_cut(seen_before, window, R, G, bs), stored_before)
+        freed = freed_tokens(start, first, bs)
+    return allocated - freed, stored - freed
 
 
-def _layer_bytes(cfg: KiviConfig, spec: ModelSpec, T: int, P: int, batch: int, window: int | None,
-                 param_bytes: int) -> dict[str, float]:
-    b = DTYPE_BYTES[spec.dtype]
-    D, G, R, bs = spec.head_dim, cfg.group_size, cfg.residual_length, cfg.block_size
-    heads = spec.num_kv_heads * batch
-    sink = 0 if window is not None else cfg.sink_tokens  # sliding layers keep no sink
-    out = dict.fromkeys(_FIELDS, 0.0)
-    for axis, quant, bits in (("channel", cfg.quantize_key, cfg.k_bits), ("token", cfg.quantize_value, cfg.v_bits)):
-        held, used = _held_blocks(axis, quant, T, P, R, G, bs, window, sink)
+def layer_bytes(cfg: KiviConfig, head_dim: int, heads: int, dtype_bytes: int, T: int, P: int,
+                window: int | None, param_bytes: int) -> dict[str, float]:
+    """Bytes of one layer (config ``cfg``, ``heads`` = KV heads x batch), by field of :data:`FIELDS`."""
+    D = head_dim
+    sink = layer_sink_tokens(cfg.sink_tokens, window)
+    out = dict.fromkeys(FIELDS, 0.0)
+    for axis, quant, bits in ((KEY_AXIS, cfg.quantize_key, cfg.k_bits), (VALUE_AXIS, cfg.quantize_value, cfg.v_bits)):
+        held, used = held_tokens(cfg, axis, quant, T, P, window, sink)
         if quant:
-            per = _side_token_bytes(D, bits, G, axis, param_bytes, cfg.symmetric, cfg.residual_bits)
+            per = side_token_bytes(D, bits, cfg.group_size, axis, param_bytes, cfg.symmetric, cfg.residual_bits)
             for k, v in per.items():
                 out[k] += heads * used * v
             out["block_reserve"] += heads * (held - used) * sum(per.values())
-            s = _sink(True, T, R, sink)
-            out["fp_sink"] += heads * s * D * b
-            out["fp_window"] += heads * (T - s - _stored(axis, True, T, R, G, sink)) * D * b
+            s, _, in_window = side_tokens(axis, T, cfg.residual_length, cfg.group_size, sink)
+            out["fp_sink"] += heads * s * D * dtype_bytes
+            out["fp_window"] += heads * in_window * D * dtype_bytes
         else:
-            out["fp_unquantized"] += heads * used * D * b
-            out["block_reserve"] += heads * (held - used) * D * b
+            out["fp_unquantized"] += heads * used * D * dtype_bytes
+            out["block_reserve"] += heads * (held - used) * D * dtype_bytes
     return out
+
 
 
 # --------------------------------------------------------------------------- the estimate
@@ -553,12 +551,13 @@ def _layer_plan(cfg: KiviConfig, spec: ModelSpec) -> list[tuple[KiviConfig, int 
 
 def _kivi_total(plan: list, spec: ModelSpec, T: int, P: int, batch: int, param_bytes: dict[int, int],
                 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    total = dict.fromkeys(_FIELDS, 0.0)
+    total = dict.fromkeys(FIELDS, 0.0)
     layers = []
     memo: dict[Any, dict[str, float]] = {}
     for i, (lcfg, window, key) in enumerate(plan):
         if key not in memo:
-            memo[key] = _layer_bytes(lcfg, spec, T, P, batch, window, param_bytes[i])
+            memo[key] = layer_bytes(lcfg, spec.head_dim, spec.num_kv_heads * batch, DTYPE_BYTES[spec.dtype], T, P,
+                                    window, param_bytes[i])
         part = memo[key]
         for k, v in part.items():
             total[k] += v
@@ -651,10 +650,11 @@ def estimate_kv_memory(
     per_tok = {"codes": 0.0, "scales_zero_points": 0.0, "compensation": 0.0, "fp_unquantized": 0.0}
     for i in range(spec.num_layers):
         lcfg = cfg.for_layer(i)
-        for axis, quant, bits in (("channel", lcfg.quantize_key, lcfg.k_bits), ("token", lcfg.quantize_value, lcfg.v_bits)):
+        sides = ((KEY_AXIS, lcfg.quantize_key, lcfg.k_bits), (VALUE_AXIS, lcfg.quantize_value, lcfg.v_bits))
+        for axis, quant, bits in sides:
             if quant:
-                for k, v in _side_token_bytes(spec.head_dim, bits, lcfg.group_size, axis, param_bytes[i],
-                                              lcfg.symmetric, lcfg.residual_bits).items():
+                for k, v in side_token_bytes(spec.head_dim, bits, lcfg.group_size, axis, param_bytes[i],
+                                             lcfg.symmetric, lcfg.residual_bits).items():
                     per_tok[k] += spec.num_kv_heads * v
             else:
                 per_tok["fp_unquantized"] += spec.num_kv_heads * spec.head_dim * b
