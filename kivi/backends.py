@@ -26,6 +26,7 @@ from typing import Any
 
 from .config import ATTENTION_BACKENDS
 from .optional import numba_available, triton_available
+from .quant.packing import WORD_BITS
 
 #: Name of the attention implementation kivi registers with transformers (kivi.attention.interface).
 ATTN_IMPLEMENTATION = "kivi"
@@ -69,8 +70,9 @@ def kernel_config_unsupported(config: Any) -> str | None:
             return "symmetric quantization"
         if c.residual_bits:
             return "error compensation (residual_bits > 0)"
-        if 3 in (c.k_bits, c.v_bits):
-            return "3-bit codes"
+        odd = [b for b in (c.k_bits, c.v_bits) if b not in WORD_BITS]
+        if odd:
+            return f"{odd[0]}-bit codes"
     return None
 
 

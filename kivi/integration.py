@@ -22,8 +22,9 @@ from typing import Any
 
 from . import attention  # noqa: F401 - registers the "kivi" attention and mask functions with transformers
 from .backends import ATTN_IMPLEMENTATION, PACKED_BACKENDS, resolve_attention_backend
-from .cache.cache import SUPPORTED_LAYER_TYPES, KiviCache, plan_layers
+from .cache.cache import KiviCache
 from .cache.padding import install_padding_hook
+from .cache.support import check_head_dim, model_head_dim, model_layer_types, plan_layers
 from .config import KiviConfig
 
 # Families tested with tiny random models (tests/test_integration.py) and SmolLM2 (Llama).
@@ -48,14 +49,7 @@ def check_model_supported(model: Any) -> None:
             "(it brings its own cache), so a KiviCache cannot be plugged in"
         )
     # Raises for layer types that are not plain attention (linear attention, MoE-only, shared KV...).
-    from transformers.cache_utils import get_layer_types_and_kwargs  # noqa: PLC0415
-
-    layer_types, _ = get_layer_types_and_kwargs(cfg.get_text_config(decoder=True))
-    bad = sorted({t for t in layer_types if t not in SUPPORTED_LAYER_TYPES})
-    if bad:
-        raise ValueError(
-            f"{type(model).__name__} has layer types {bad}; KiviCache supports {list(SUPPORTED_LAYER_TYPES)}"
-        )
+    model_layer_types(cfg)
 
 
 def quantize_model(model: Any, config: KiviConfig | None = None) -> Any:
@@ -70,15 +64,7 @@ def quantize_model(model: Any, config: KiviConfig | None = None) -> Any:
     check_model_supported(model)
     plan_layers(model.config, config)  # validates the config against the model's layers
     text_cfg = model.config.get_text_config(decoder=True)
-    head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
-    for idx in range(text_cfg.num_hidden_layers):
-        lcfg = config.for_layer(idx)
-        if lcfg.quantize_value and head_dim % lcfg.group_size:
-            where = f"layer_specific_config[{idx}]." if idx in config.layer_specific_config else ""
-            raise ValueError(
-                f"{where}group_size={lcfg.group_size} must divide head_dim={head_dim} (values are grouped per token "
-                "over channels)"
-            )
+    check_head_dim(config, model_head_dim(text_cfg), text_cfg.num_hidden_layers)
     # attention_backend: "auto" resolved once here; a packed backend -> the model runs "kivi" attention,
     # and KiviCache.from_model hands this result to every cache it builds for the model.
     backend = resolve_attention_backend(

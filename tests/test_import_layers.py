@@ -23,8 +23,8 @@ LAYERS: dict[str, int] = {
     "kivi.config": 1, "kivi.backends": 1,
     # 2 formats: quantized segments and the kernels that write them
     "kivi.quant": 2, "kivi.kernels._common": 2, "kivi.kernels.triton_quant": 2, "kivi.kernels._quant_kernels": 2,
-    # 3 storage
-    "kivi.cache.store": 3,
+    # 3 storage, and the token arithmetic (pure ints) that storage, cache and planner share
+    "kivi.cache.store": 3, "kivi.cache.schedule": 3,
     # 4 cache (schedule, layers, the transformers Cache, what update hands to attention)
     "kivi.cache": 4,
     # 5 attention over the cache's views, and its kernels

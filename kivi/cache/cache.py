@@ -5,15 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache
 
 from ..backends import PACKED_BACKENDS, cache_attention_backend, resolve_attention_backend
 from ..config import KiviConfig
 from .layer import KiviLayer
 from .padding import install_padding_hook
+from .support import plan_layers
 from .view import PackedStates
-
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class KiviCache(Cache):
@@ -122,35 +121,3 @@ class KiviCache(Cache):
             f"attention_backend={self.attention_backend!r})"
         )
 
-
-def plan_layers(model_config: Any, config: KiviConfig) -> list[tuple[KiviConfig, int | None]]:
-    """Per decoder layer of ``model_config``: its KIVI config and its sliding window (``None``: full).
-
-    Validates ``config`` against the model: layer indices, supported layer types, and one
-    ``(residual_length, group_size)`` for all sliding layers. Raises ``ValueError`` naming the problem.
-    """
-    text_config = model_config.get_text_config(decoder=True)
-    layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
-    config.validate(num_layers=len(layer_types))
-    plan = []
-    sliding_params = set()
-    for idx, (lt, kw) in enumerate(zip(layer_types, layer_kwargs)):
-        if lt not in SUPPORTED_LAYER_TYPES:
-            raise ValueError(
-                f"layer {idx} of {type(model_config).__name__} is a {lt!r} layer; KiviCache supports "
-                f"{list(SUPPORTED_LAYER_TYPES)} (attention layers whose keys/values go through Cache.update)"
-            )
-        lcfg = config.for_layer(idx)
-        if lt == "sliding_attention":
-            # Always a KiviLayer (also when nothing is quantized): every sliding layer then drops
-            # tokens at the same positions, so transformers' one sliding mask fits them all.
-            sliding_params.add((lcfg.residual_length, lcfg.group_size))
-            plan.append((lcfg, kw["sliding_window"]))
-        else:
-            plan.append((lcfg, None))
-    if len(sliding_params) > 1:
-        raise ValueError(
-            "sliding-window layers must share residual_length and group_size (transformers builds one mask for "
-            f"all of them); layer_specific_config gives {sorted(sliding_params)}"
-        )
-    return plan

@@ -32,7 +32,9 @@ from transformers.cache_utils import CacheLayerMixin
 from ..config import KiviConfig
 from ..quant.fused_cpu import quantize_tokens_into, token_quantizer_supported
 from ..quant.kv import PackedKV, dequantize_kv, quantize_kv
+from .schedule import flush_count, key_group_start, layer_sink_tokens, sink_take, sliding_cut
 from .store import BlockStore, FpSegment
+from .support import check_head_dim
 from .view import AttentionView, materialize
 
 _SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -80,7 +82,7 @@ class KiviLayer(CacheLayerMixin):
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         # Sliding layers keep no sink: their first tokens leave the attention window anyway.
-        self.sink_tokens = 0 if self.is_sliding else config.sink_tokens
+        self.sink_tokens = layer_sink_tokens(config.sink_tokens, sliding_window)
         self.seen = 0
         self.k = _Side("channel", config.quantize_key, config.k_bits, config.block_size)
         self.v = _Side("token", config.quantize_value, config.v_bits, config.block_size)
@@ -91,11 +93,7 @@ class KiviLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         self.dtype = key_states.dtype
-        head_dim = value_states.shape[-1]
-        if self.config.quantize_value and head_dim % self.config.group_size:
-            raise ValueError(
-                f"group_size={self.config.group_size} must divide head_dim={head_dim} to quantize values per token"
-            )
+        check_head_dim(self.config, value_states.shape[-1])
         self.is_initialized = True
 
     def update(
@@ -151,21 +149,16 @@ class KiviLayer(CacheLayerMixin):
         """Move what is due from ``pending`` (old window + new tokens) into quantized storage."""
         cfg = self.config
         total = pending.shape[-2]
-        excess = total - cfg.residual_length
-        if excess > 0 and side.sink_len < self.sink_tokens:
+        s = sink_take(total, cfg.residual_length, side.sink_len, self.sink_tokens)
+        if s:
             # The first tokens to leave the window become sink tokens (kept exact, no statistics).
-            s = min(self.sink_tokens - side.sink_len, excess)
             part = pending[:, :, :s].clone()
             side.sink = part if side.sink is None else torch.cat([side.sink, part], dim=-2)
             side.store.start = side.store.length = side.sink_len  # nothing is stored before the sink is full
             pending = pending[:, :, s:]
             pvalid = None if pvalid is None else pvalid[:, s:]
             total -= s
-            excess -= s
-        if side.axis == "channel":
-            move = (excess // cfg.group_size) * cfg.group_size if excess > 0 else 0
-        else:
-            move = max(excess, 0)
+        move = flush_count(side.axis, total, cfg.residual_length, cfg.group_size)
         if move and side.axis == "token" and side.store.template is not None and self._fast_tokens(side, pending.dtype):
             # One compiled pass, written straight into the block storage (decode: one token per step).
             x = pending[:, :, :move]
@@ -220,8 +213,7 @@ class KiviLayer(CacheLayerMixin):
         if self.sliding_window is None:
             return 0
         cfg = self.config
-        dead = self.seen - self.sliding_window - cfg.residual_length - cfg.group_size
-        return max(0, (dead // cfg.block_size) * cfg.block_size)
+        return sliding_cut(self.seen, self.sliding_window, cfg.residual_length, cfg.group_size, cfg.block_size)
 
     def _evict(self) -> None:
         cut = self._cut()
@@ -319,7 +311,7 @@ class KiviLayer(CacheLayerMixin):
             store.truncate(new_seen)
             return
         G = self.config.group_size
-        g0 = side.sink_len + ((new_seen - side.sink_len) // G) * G  # key groups start after the sink
+        g0 = key_group_start(new_seen, side.sink_len, G)  # key groups start after the sink
         tail = None
         if g0 < new_seen:
             seg = store.read(min(store.length, g0 + self.config.group_size))

@@ -19,6 +19,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..quant.kv import PackedKV, token_divisor
+from .schedule import new_block_tokens
 
 
 @dataclass
@@ -104,7 +105,7 @@ class BlockStore:
         try:
             while done < n:
                 if not self.blocks or self.starts[-1] + self.caps[-1] <= self.length:
-                    self._new_block(max(self.block_size, n - done))
+                    self._new_block(new_block_tokens(n - done, self.block_size))
                 blk = self.blocks[-1]
                 off = self.length - self.starts[-1]
                 m = min(self.caps[-1] - off, n - done)

@@ -157,6 +157,7 @@ def _per(n: float) -> str:
 
 
 def render(e: Any, *, per_layer: bool = False) -> None:
+    from ..cache.schedule import KEY_AXIS, VALUE_AXIS, side_tokens
     from ..memory import DTYPE_BYTES
 
     heads = f"{e.num_heads} heads / " if e.num_heads else ""
@@ -174,9 +175,8 @@ def render(e: Any, *, per_layer: bool = False) -> None:
     pt = e.kivi_per_token_breakdown
     fp_name = {"float16": "FP16", "bfloat16": "BF16", "float32": "FP32"}[e.dtype]
     R, G = cfg["residual_length"], cfg["group_size"]
-    sink = min(cfg.get("sink_tokens", 0), max(0, e.context - R))
-    ctx = e.context - sink
-    key_window = ctx if ctx < R else R + (ctx - R) % G
+    sink, _, key_window = side_tokens(KEY_AXIS, e.context, R, G, cfg.get("sink_tokens", 0))
+    value_window = side_tokens(VALUE_AXIS, e.context, R, G, cfg.get("sink_tokens", 0))[2]
     rows.append((f"{fp_name} cache (2 x layers x kv_heads x head_dim x {DTYPE_BYTES[e.dtype]} B)",
                  _per(e.fp_bytes_per_token) + " x batch", _fmt(e.fp_total_bytes)))
     rows.append(("KIVI codes (bit-packed)", _per(pt["codes"]), _fmt(b["codes"])))
@@ -184,7 +184,7 @@ def render(e: Any, *, per_layer: bool = False) -> None:
     rows.append(("KIVI error compensation", _per(pt["compensation"]), _fmt(b["compensation"])))
     if b["fp_unquantized"] or pt["fp_unquantized"]:
         rows.append(("KIVI unquantized sides / layers", _per(pt["fp_unquantized"]), _fmt(b["fp_unquantized"])))
-    rows.append((f"KIVI full-precision window (V {min(R, ctx)}, K {key_window} tokens)", "-", _fmt(b["fp_window"])))
+    rows.append((f"KIVI full-precision window (V {value_window}, K {key_window} tokens)", "-", _fmt(b["fp_window"])))
     if b["fp_sink"]:
         rows.append((f"KIVI full-precision sink tokens (first {sink})", "-", _fmt(b["fp_sink"])))
     rows.append(("KIVI block reserve (allocated, not yet written)", "-", _fmt(b["block_reserve"])))

@@ -11,6 +11,7 @@ from typing import Any, Union
 
 import torch
 
+from ..cache.support import model_head_dim
 from ..config import KiviConfig
 
 # name -> QuantizedCache(backend="quanto", ...) kwargs. q_group_size / residual_length follow
@@ -126,7 +127,7 @@ def kv_geometry(model: Any) -> tuple[int, int, int]:
     cfg = model.config.get_text_config(decoder=True)
     heads = cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    head_dim = model_head_dim(cfg)
     return cfg.num_hidden_layers, kv, head_dim
 
 

@@ -8,6 +8,7 @@ import sys
 import torch
 
 from ..optional import triton_available
+from ..quant.packing import WORD_BITS
 
 _INSTALL_HINT = "Triton kernels need the optional dependency: pip install 'kivi[triton]' (or pip install triton)"
 
@@ -43,13 +44,10 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-PACKABLE_BITS = (1, 2, 4, 8)
-
-
 def check_kernel_bits(bits: int, name: str = "bits") -> None:
-    if isinstance(bits, bool) or bits not in PACKABLE_BITS:
+    if isinstance(bits, bool) or bits not in WORD_BITS:
         raise ValueError(
-            f"{name}={bits!r}: the Triton kernels support bits in {list(PACKABLE_BITS)} (3-bit packing spans "
+            f"{name}={bits!r}: the Triton kernels support bits in {list(WORD_BITS)} (3-bit packing spans "
             "byte boundaries; use the torch path kivi.quant.kv for it)"
         )
 

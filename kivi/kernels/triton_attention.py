@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..quant.kv import PackedKV, dequantize_kv
-from ..quant.packing import packed_size
+from ..quant.packing import WORD_BITS, packed_size
 from ._common import check_kernel_bits, next_pow2, param_kind, require_triton
 
 _LOG2E = 1.4426950408889634
@@ -39,7 +39,7 @@ def _infer_side(name: str, packed, scale, offset, fp, bits, group_size, axis, D)
     Tq = packed.shape[-2]
     nb = packed.shape[-1]
     if bits is None:
-        cand = [b for b in (1, 2, 4, 8) if packed_size(D, b) == nb]
+        cand = [b for b in WORD_BITS if packed_size(D, b) == nb]
         if len(cand) != 1:
             raise ValueError(f"{name}: cannot infer bits from {nb} bytes for head_dim {D}; pass {name}_bits")
         bits = cand[0]

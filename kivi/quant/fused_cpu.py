@@ -25,9 +25,7 @@ import numpy as np
 import torch
 
 from ..optional import numba_available
-from .packing import packed_size
-
-SUPPORTED_BITS = (1, 2, 4, 8)
+from .packing import WORD_BITS, packed_size
 
 
 def token_quantizer_supported(
@@ -39,7 +37,7 @@ def token_quantizer_supported(
         numba_available()
         and dtype == torch.float32
         and param_dtype == torch.float32
-        and bits in SUPPORTED_BITS
+        and bits in WORD_BITS
         and not symmetric
         and residual_bits == 0
         and check_finite
@@ -106,8 +104,8 @@ def quantize_tokens_into(
     """
     if x.dtype != torch.float32 or scale.dtype != torch.float32 or offset.dtype != torch.float32:
         raise ValueError(f"quantize_tokens_into needs float32 input and parameters, got {x.dtype} / {scale.dtype}")
-    if bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits={bits} is not supported here; allowed values are {list(SUPPORTED_BITS)}")
+    if bits not in WORD_BITS:
+        raise ValueError(f"bits={bits} is not supported here; allowed values are {list(WORD_BITS)}")
     B, H, n, D = x.shape
     if D % group_size or group_size <= 0:
         raise ValueError(f"group_size={group_size} must divide head_dim={D}")

@@ -15,7 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from .primitives import check_bits
+from .primitives import SUPPORTED_BITS, check_bits
+
+#: Widths whose codes fill a byte evenly (``8 // bits`` per byte, none spanning two bytes): every
+#: supported width but 3. The compiled paths (numba, Triton) handle only these.
+WORD_BITS = tuple(b for b in SUPPORTED_BITS if 8 % b == 0)  # (1, 2, 4, 8)
 
 
 def packed_size(n: int, bits: int) -> int:
@@ -37,7 +41,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     pad = (-n) % run
     if pad:
         codes = torch.nn.functional.pad(codes, (0, pad))
-    if bits in (1, 2, 4):
+    if bits in WORD_BITS:
         per_byte = 8 // bits
         c = codes.reshape(*codes.shape[:-1], -1, per_byte)  # [..., bytes, codes_per_byte]
         shifts = torch.arange(per_byte, device=codes.device, dtype=torch.uint8) * bits
@@ -64,7 +68,7 @@ def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     if bits == 8:
         return packed[..., :n]
     mask = (1 << bits) - 1
-    if bits in (1, 2, 4):
+    if bits in WORD_BITS:
         per_byte = 8 // bits
         shifts = torch.arange(per_byte, device=packed.device, dtype=torch.uint8) * bits
         codes = (packed.unsqueeze(-1) >> shifts) & mask

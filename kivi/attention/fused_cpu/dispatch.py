@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ...optional import numba_available
+from ...quant.packing import WORD_BITS
 from ...quant.fused_cpu import warmup as _warmup_quantizer
 from ..reference import view_geometry
 from .tables import _side_table, _valid_row
@@ -30,7 +31,6 @@ from .tables import _side_table, _valid_row
 if TYPE_CHECKING:
     from ...cache.view import AttentionView
 
-SUPPORTED_BITS = (1, 2, 4, 8)
 _ALL_VALID = np.ones((1, 1), dtype=np.bool_)  # the kernel's mask argument when there is no mask
 
 
@@ -63,7 +63,7 @@ def fused_decode_supported(q: torch.Tensor, k_view: AttentionView, v_view: Atten
     for view in (k_view, v_view):
         if view.quantized and view.store.template is not None:
             t = view.store.template
-            if t.bits not in SUPPORTED_BITS:
+            if t.bits not in WORD_BITS:
                 return False
             if t.axis == "token" and t.group_size % 4:
                 return False  # the kernel reads value channels 4 at a time, within one group
@@ -160,4 +160,4 @@ def fused_decode_attention(
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-__all__ = ["fused_decode_supported", "fused_decode_attention", "warmup", "SUPPORTED_BITS", "SERIAL_BELOW"]
+__all__ = ["fused_decode_supported", "fused_decode_attention", "warmup", "SERIAL_BELOW"]

@@ -1,0 +1,80 @@
+"""Bytes of one layer's KIVI cache after a prefill of ``P`` tokens and decode steps up to ``T``.
+
+Where the tokens are (sink, store, window), which blocks are allocated and which a sliding layer has
+freed all come from :mod:`kivi.cache.schedule`, the functions :class:`~kivi.cache.KiviLayer` runs;
+the bytes per stored token from :func:`kivi.quant.kv.kv_bytes_breakdown`, the format's own accounting.
+"""
+
+from __future__ import annotations
+
+from ..cache.schedule import (
+    KEY_AXIS,
+    VALUE_AXIS,
+    allocated_tokens,
+    freed_tokens,
+    layer_sink_tokens,
+    side_tokens,
+    sliding_cut,
+)
+from ..config import KiviConfig
+from ..quant.kv import kv_bytes_breakdown
+
+#: Fields of a KIVI estimate's breakdown (bytes).
+FIELDS = ("codes", "scales_zero_points", "compensation", "fp_window", "fp_sink", "fp_unquantized", "block_reserve")
+
+
+def side_token_bytes(head_dim: int, bits: int, group_size: int, axis: str, param_bytes: int, symmetric: bool,
+                     residual_bits: int) -> dict[str, float]:
+    """Bytes per stored token per head, by field (keys' per-group fields amortised over G tokens)."""
+    return kv_bytes_breakdown(head_dim, bits, group_size, axis, param_bytes=param_bytes, symmetric=symmetric,
+                              residual_bits=residual_bits)
+
+
+def held_tokens(cfg: KiviConfig, axis: str, quantized: bool, T: int, P: int, window: int | None,
+                sink: int) -> tuple[int, int]:
+    """(allocated tokens still held, written tokens in them) of one side's block store.
+
+    One prefill of ``P`` tokens (one append: its own block), then one-token decode steps up to ``T``.
+    A sliding layer (``window``) evicts at the start of every decode step; the last one ran with
+    ``T - 1`` tokens cached. After a single prefill nothing is evicted yet.
+    """
+    R, G, bs = cfg.residual_length, cfg.group_size, cfg.block_size
+    stored = side_tokens(axis, T, R, G, sink, quantized)[1]
+    if stored == 0:
+        return 0, 0
+    first = side_tokens(axis, P, R, G, sink, quantized)[1]
+    allocated = allocated_tokens(stored, first, bs)
+    freed = 0
+    if window is not None and T > P:
+        seen_before = T - 1
+        stored_before = side_tokens(axis, seen_before, R, G, sink, quantized)[1]
+        # BlockStore.evict(cut) exposes from min(cut, length); sliding layers keep no sink, so store
+        # positions are absolute positions.
+        start = min(sliding_cut(seen_before, window, R, G, bs), stored_before)
+        freed = freed_tokens(start, first, bs)
+    return allocated - freed, stored - freed
+
+
+def layer_bytes(cfg: KiviConfig, head_dim: int, heads: int, dtype_bytes: int, T: int, P: int,
+                window: int | None, param_bytes: int) -> dict[str, float]:
+    """Bytes of one layer (config ``cfg``, ``heads`` = KV heads x batch), by field of :data:`FIELDS`."""
+    D = head_dim
+    sink = layer_sink_tokens(cfg.sink_tokens, window)
+    out = dict.fromkeys(FIELDS, 0.0)
+    for axis, quant, bits in ((KEY_AXIS, cfg.quantize_key, cfg.k_bits), (VALUE_AXIS, cfg.quantize_value, cfg.v_bits)):
+        held, used = held_tokens(cfg, axis, quant, T, P, window, sink)
+        if quant:
+            per = side_token_bytes(D, bits, cfg.group_size, axis, param_bytes, cfg.symmetric, cfg.residual_bits)
+            for k, v in per.items():
+                out[k] += heads * used * v
+            out["block_reserve"] += heads * (held - used) * sum(per.values())
+            s, _, in_window = side_tokens(axis, T, cfg.residual_length, cfg.group_size, sink)
+            out["fp_sink"] += heads * s * D * dtype_bytes
+            out["fp_window"] += heads * in_window * D * dtype_bytes
+        else:
+            out["fp_unquantized"] += heads * used * D * dtype_bytes
+            out["block_reserve"] += heads * (held - used) * D * dtype_bytes
+    return out
+
+
+__all__ = ["FIELDS", "side_token_bytes", "held_tokens", "layer_bytes"]
