@@ -81,7 +81,8 @@ class BlockStore:
         if seg.num_tokens == 0:
             return
         if self.template is None:
-            self.template = seg.with_tensors(**{k: v[:, :, :0] for k, v in seg.tensors().items()})
+            # Zero-token tensors of their own: a slice (v[:, :, :0]) would keep the whole first segment alive.
+            self.template = seg.with_tensors(**{k: _no_tokens(v) for k, v in seg.tensors().items()})
         tensors = seg.tensors()
 
         def copy(lo: int, hi: int, views: dict[str, torch.Tensor]) -> None:
@@ -183,7 +184,9 @@ class BlockStore:
             if blk is not None:
                 self.blocks[i] = {k: fn(v) for k, v in blk.items()}
         if self.template is not None:
-            self.template = self.template.with_tensors(**{k: fn(v) for k, v in self.template.tensors().items()})
+            self.template = self.template.with_tensors(
+                **{k: _no_tokens(fn(v)) for k, v in self.template.tensors().items()}
+            )
 
     # ------------------------------------------------------------------ accounting
     def nbytes_by_field(self) -> dict[str, int]:
@@ -198,3 +201,8 @@ class BlockStore:
     @property
     def nbytes(self) -> int:
         return sum(self.nbytes_by_field().values())
+
+
+def _no_tokens(t: torch.Tensor) -> torch.Tensor:
+    """A new ``[B, H, 0, ...]`` tensor with ``t``'s batch/head/trailing shape, dtype and device (no storage)."""
+    return torch.empty((*t.shape[:2], 0, *t.shape[3:]), dtype=t.dtype, device=t.device)
