@@ -6,7 +6,7 @@ from transformers import DynamicCache
 
 from kivi import KiviCache, KiviConfig, dequantize_model, quantize_model
 
-from .conftest import tiny_model
+from tests.helpers import tiny_model
 
 FAMILIES = {
     "llama": {},
