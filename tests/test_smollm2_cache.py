@@ -1,4 +1,4 @@
-"""The embedded default model (SmolLM2-135M, Llama architecture with GQA: 9 query / 3 kv heads)."""
+"""KiviCache and quantize_model on the embedded default model (SmolLM2-135M, GQA: 9 query / 3 kv heads)."""
 
 import pytest
 import torch
