@@ -1,5 +1,6 @@
+import re
+
 import pytest
-import torch
 
 from kivi import KiviConfig
 from tests.helpers import tiny_model
@@ -32,5 +33,12 @@ def test_passkey_runs_with_tiny_model(tokenizer):
     r = passkey(model, tokenizer, [None, KiviConfig(residual_length=32)], lengths=(256,), depths=(0.5,), seeds=2,
                 max_new_tokens=3, progress=False)
     assert [x["name"] for x in r["results"]] == ["fp", "K2 V2 G32 R32"]
+    fp, kivi = r["results"]
+    prompts = [(t["key"], t["prompt_tokens"]) for t in fp["trials"]]
+    assert prompts == [(t["key"], t["prompt_tokens"]) for t in kivi["trials"]]  # every spec sees the same prompts
+    assert len({key for key, _ in prompts}) == 2  # one random key per seed
     for x in r["results"]:
-        assert 0.0 <= x["accuracy"] <= 1.0 and len(x["trials"]) == 2 and set(x["by_length"]) == {"256"}
+        assert len(x["trials"]) == 2 and set(x["by_length"]) == {"256"}
+        for t in x["trials"]:  # correct: the key's digits appear in the answer
+            assert t["correct"] == (t["key"] in re.sub(r"\D", "", t["answer"]))
+        assert x["accuracy"] == x["by_length"]["256"] == sum(t["correct"] for t in x["trials"]) / 2
