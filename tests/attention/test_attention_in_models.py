@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import transformers
 
-from kivi.cache.layer import KiviLayer
-
-import kivi
 from kivi import KiviCache, KiviConfig, dequantize_model, quantize_model
 from kivi.attention import chunked_prefill, resolve_attention_backend
+from kivi.cache.layer import KiviLayer
 from tests.helpers import tiny_model
 
 # Tiny models here have 6 query heads over 2 KV heads (GQA ratio 3, not a power of two), head_dim 32.
