@@ -27,7 +27,7 @@ from .cache.padding import install_padding_hook
 from .cache.support import check_head_dim, model_head_dim, model_layer_types, plan_layers
 from .config import KiviConfig
 
-# Families tested with tiny random models (tests/test_integration.py) and SmolLM2 (Llama).
+# Families tested with tiny random models (tests/test_quantize_model.py) and SmolLM2 (Llama).
 TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
 
 

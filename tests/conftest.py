@@ -1,4 +1,7 @@
-"""Shared fixtures: tiny random models (no download) and the embedded SmolLM2 (session-scoped)."""
+"""Shared fixtures: the embedded SmolLM2 (session-scoped) and the `slow` marker rule.
+
+Tiny random models come from :func:`tests.helpers.tiny_model` (the suite's one model factory).
+"""
 
 from __future__ import annotations
 
@@ -9,39 +12,22 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
-
-TINY = dict(
-    vocab_size=128,
-    hidden_size=128,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    pad_token_id=0,
-)
-
-
-def tiny_model(model_type: str = "llama", seed: int = 0, **overrides):
-    """A randomly initialised decoder-only model of ``model_type`` (fp32, eval mode)."""
-    torch.manual_seed(seed)
-    cfg = transformers.AutoConfig.for_model(model_type, **{**TINY, **overrides})
-    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
-
-
-@pytest.fixture
-def tiny_llama():
-    return tiny_model("llama")
 
 
 @pytest.fixture(scope="session")
-def smollm2():
-    """(model, tokenizer) of the embedded default model; converted once per machine."""
+def smollm2_cache_root():
+    """The cache root the session's SmolLM2 loads share (fixed once, so env patches can't move it)."""
+    from kivi.models import kivi_cache_dir
+
+    return kivi_cache_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_cache_root):
+    """(model, tokenizer) of the embedded default model; converted once per machine, loaded once per session."""
     from kivi.models import load_model
 
-    return load_model("smollm2")
+    return load_model("smollm2", cache_dir=smollm2_cache_root)
 
 
 @pytest.fixture(scope="session")
@@ -55,8 +41,6 @@ def wikitext_ids(smollm2):
 
 def pytest_collection_modifyitems(config, items):
     """`slow` tests run only with KIVI_SLOW=1 or an explicit `-m` expression."""
-    import os
-
     if os.environ.get("KIVI_SLOW") == "1" or config.getoption("-m"):
         return
     skip = pytest.mark.skip(reason="slow: set KIVI_SLOW=1 or pass -m slow")

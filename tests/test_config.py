@@ -5,7 +5,7 @@ import pytest
 from kivi import KiviConfig, quantize_model
 from kivi.config import PRESETS
 
-from .conftest import tiny_model
+from tests.helpers import tiny_model
 
 
 def test_defaults_and_presets():

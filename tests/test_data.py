@@ -121,10 +121,9 @@ def test_tokenization_cache_is_bounded():
 
 
 @pytest.fixture(scope="module")
-def smollm2_tokenizer():
-    from kivi.models import load_model
-
-    return load_model("smollm2")[1]
+def smollm2_tokenizer(smollm2):
+    """The tokenizer of the session's SmolLM2 (tests/conftest.py), so the model is loaded once."""
+    return smollm2[1]
 
 
 def test_wikitext_windows_with_smollm2(smollm2_tokenizer):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from kivi import KiviCache, KiviConfig
 from kivi.memory import (
@@ -16,16 +15,9 @@ from kivi.memory import (
     parse_context,
     read_gguf_metadata,
 )
+from tests.helpers import tiny_model
 
 LLAMA2_13B = dict(num_layers=40, num_kv_heads=40, head_dim=128, dtype="float16", num_heads=40)
-
-
-def _tiny(model_type="llama", **over):
-    torch.manual_seed(0)
-    base = dict(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0)
-    cfg = transformers.AutoConfig.for_model(model_type, **{**base, **over})
-    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
 
 def _run(model, cfg, prefill, total, batch=1, dtype=torch.float32):
@@ -219,7 +211,7 @@ def test_unknown_hub_model_offline(monkeypatch):
     (KiviConfig(sink_tokens=40, residual_length=32), 20, 90, 1),
 ])
 def test_agrees_with_kivicache_tiny_llama(cfg, prefill, total, batch):
-    model = _tiny()
+    model = tiny_model(num_hidden_layers=3)
     cache = _run(model, cfg, prefill, total, batch)
     e = estimate_kv_memory(model, total, batch=batch, config=cfg, prefill=prefill)
     assert e.kivi_total_bytes == pytest.approx(cache.nbytes, rel=0.03)
@@ -229,7 +221,7 @@ def test_agrees_with_kivicache_tiny_llama(cfg, prefill, total, batch):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_agrees_with_kivicache_half_precision(dtype):
-    model = _tiny()
+    model = tiny_model(num_hidden_layers=3)
     cache = _run(model, KiviConfig(), 1000, 1003, dtype=dtype)
     e = estimate_kv_memory(model, 1003, prefill=1000)  # dtype read from the model
     assert e.dtype == str(dtype).replace("torch.", "")
@@ -238,7 +230,7 @@ def test_agrees_with_kivicache_half_precision(dtype):
 
 @pytest.mark.parametrize("sink", [0, 2])  # sliding layers keep no sink tokens
 def test_agrees_with_kivicache_sliding_window(sink):
-    model = _tiny("mistral", num_hidden_layers=2, num_key_value_heads=1, sliding_window=64)
+    model = tiny_model("mistral", num_key_value_heads=1, sliding_window=64)
     cfg = KiviConfig(group_size=16, residual_length=32, block_size=64, sink_tokens=sink)
     cache = _run(model, cfg, 100, 450)
     e = estimate_kv_memory(model, 450, config=cfg, prefill=100)
@@ -248,7 +240,7 @@ def test_agrees_with_kivicache_sliding_window(sink):
 
 
 def test_model_folder_and_param_count(tmp_path):
-    model = _tiny()
+    model = tiny_model(num_hidden_layers=3)
     model.save_pretrained(tmp_path)
     spec = model_spec(str(tmp_path))
     assert (spec.num_layers, spec.num_kv_heads, spec.num_heads, spec.head_dim) == (3, 2, 4, 32)

@@ -1,8 +1,9 @@
 """Tests of kivi.models: aliases, the GGUF converted-copy cache, local folders and error messages.
 
-The session fixture ``smollm2`` loads the real SmolLM2 through the normal cache
-(``$KIVI_CACHE_DIR`` or the user cache): the first run on a clean machine converts the GGUF once
-(~16-30 s); later runs read the converted copy in well under a second. Every other test that could
+The session fixture ``smollm2`` (tests/conftest.py) loads the real SmolLM2 through the normal cache
+(``$KIVI_CACHE_DIR`` or the user cache, fixed for the session by ``smollm2_cache_root``): the first
+run on a clean machine converts the GGUF once (~16-30 s); later runs read the converted copy in well
+under a second. Every other test that could
 write a cache uses ``tmp_path``.
 """
 
@@ -25,23 +26,12 @@ from kivi.models import (
     load_model,
     model_max_context,
 )
+from tests.helpers import tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog. KIVI quantizes the KV cache to 2 bits!"
 
 
 # --------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="session")
-def smollm2_cache_root() -> Path:
-    """The cache root the session's SmolLM2 loads share (fixed once, so env patches can't move it)."""
-    return kivi_cache_dir()
-
-
-@pytest.fixture(scope="session")
-def smollm2(smollm2_cache_root):
-    """(model, tokenizer) for the embedded SmolLM2, via the converted-copy cache."""
-    return load_model("smollm2", cache_dir=smollm2_cache_root)
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
@@ -56,20 +46,10 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 @pytest.fixture
 def tiny_checkpoint(tmp_path) -> Path:
-    """A random 2-layer GQA Llama and its tokenizer saved to a folder."""
-    config = LlamaConfig(
-        vocab_size=12,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        eos_token_id=1,
-    )
-    torch.manual_seed(0)
+    """The default tiny random GQA Llama (12-token vocabulary, 128 positions) and its tokenizer in a folder."""
     folder = tmp_path / "tiny-llama"
-    LlamaForCausalLM(config).save_pretrained(folder)
+    model = tiny_model("llama", vocab_size=12, max_position_embeddings=128, eos_token_id=1, pad_token_id=None)
+    model.save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     return folder
 

@@ -177,7 +177,7 @@ def test_unsupported_goes_to_blocked():
 def test_generation_matches_reference_backend():
     from kivi import quantize_model
 
-    from ..conftest import tiny_model
+    from tests.helpers import tiny_model
 
     cfg = dict(group_size=8, residual_length=16, block_size=32)
     ids = torch.randint(1, 128, (1, 45), generator=torch.Generator().manual_seed(0))

@@ -12,21 +12,18 @@ import torch
 
 from kivi import KiviConfig
 from kivi.cli import main
+from tests.helpers import tiny_model
 
 PROTO = ["--context", "160", "--prefix", "64", "--chunk", "16", "--windows", "2", "--no-progress"]
 
 
 @pytest.fixture()
-def tiny(monkeypatch):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+def cli_on_tiny_model(monkeypatch):
+    """The CLI loads the default tiny Llama (256-token vocabulary) and scores random token windows."""
     import kivi.data
     import kivi.models
 
-    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_model("llama", vocab_size=256)
     monkeypatch.setattr(kivi.models, "load_model", lambda name="smollm2", dtype=None, **kw: (model, None))
 
     def windows(tok, text, context, num_windows, **kw):
@@ -43,14 +40,14 @@ def run_json(capsys, argv):
     return json.loads(out)
 
 
-def test_eval_ppl_json(tiny, capsys):
+def test_eval_ppl_json(cli_on_tiny_model, capsys):
     r = run_json(capsys, ["eval", "ppl", "--json", *PROTO])
     assert r["name"] == "fp" and r["tokens_scored"] == 2 * 96 and r["bits_per_element"] == 32.0
     q = run_json(capsys, ["eval", "ppl", "--json", "--k-bits", "2", "--v-bits", "2", "--residual-length", "32", *PROTO])
     assert q["bits_per_element"] < 16 and q["ppl"] > 0
 
 
-def test_eval_ppl_with_config_file_and_baseline(tiny, capsys, tmp_path):
+def test_eval_ppl_with_config_file_and_baseline(cli_on_tiny_model, capsys, tmp_path):
     path = tmp_path / "cfg.json"
     KiviConfig(k_bits=4, v_bits=4, residual_length=32).to_json(path)
     r = run_json(capsys, ["eval", "ppl", "--json", "--config", str(path), *PROTO])
@@ -63,14 +60,14 @@ def test_eval_ppl_with_config_file_and_baseline(tiny, capsys, tmp_path):
         assert rc == 2 and "unavailable" in err
 
 
-def test_eval_kld_json(tiny, capsys):
+def test_eval_kld_json(cli_on_tiny_model, capsys):
     r = run_json(capsys, ["eval", "kld", "--json", "--no-quantize-key", "--no-quantize-value", *PROTO])
     assert r["kl"] <= 1e-6 and r["top1_agreement"] == 1.0
     r = run_json(capsys, ["eval", "kld", "--json", "--preset", "extreme", "--residual-length", "32", *PROTO])
     assert r["kl"] > 0 and "delta_ppl_pct" in r
 
 
-def test_sweep_csv_and_plot(tiny, capsys, tmp_path):
+def test_sweep_csv_and_plot(cli_on_tiny_model, capsys, tmp_path):
     pytest.importorskip("matplotlib")
     csv_path, png = tmp_path / "rows.csv", tmp_path / "pareto.png"
     r = run_json(capsys, ["sweep", "--json", "--grid", "none", "--presets", "high,extreme", "--no-baselines",
@@ -81,7 +78,7 @@ def test_sweep_csv_and_plot(tiny, capsys, tmp_path):
     assert png.stat().st_size > 1000
 
 
-def test_profile_and_tune(tiny, capsys, tmp_path):
+def test_profile_and_tune(cli_on_tiny_model, capsys, tmp_path):
     prof_path, rec_path, tuned = tmp_path / "profile.json", tmp_path / "rec.json", tmp_path / "tuned.json"
     prof = run_json(capsys, ["profile", "--json", "-o", str(prof_path), "--upgrade-layers", "1",
                              "--write-config", str(rec_path), *PROTO])
@@ -104,7 +101,7 @@ def test_profile_and_tune(tiny, capsys, tmp_path):
     (["tune"], "budget"),
     (["tune", "--max-ppl-increase", "lots"], "percentage"),
 ])
-def test_bad_input_is_one_line_exit_2(tiny, capsys, argv, msg):
+def test_bad_input_is_one_line_exit_2(cli_on_tiny_model, capsys, argv, msg):
     rc = main(argv + ["--windows", "1", "--no-progress"])
     _, err = capsys.readouterr()
     assert rc == 2

@@ -1,7 +1,9 @@
+import re
+
 import pytest
-import torch
 
 from kivi import KiviConfig
+from tests.helpers import tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -25,16 +27,18 @@ def test_prompt_length_and_needle(tokenizer):
 
 
 def test_passkey_runs_with_tiny_model(tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from kivi.eval.passkey import passkey
 
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_model("llama", vocab_size=len(tokenizer))
     r = passkey(model, tokenizer, [None, KiviConfig(residual_length=32)], lengths=(256,), depths=(0.5,), seeds=2,
                 max_new_tokens=3, progress=False)
     assert [x["name"] for x in r["results"]] == ["fp", "K2 V2 G32 R32"]
+    fp, kivi = r["results"]
+    prompts = [(t["key"], t["prompt_tokens"]) for t in fp["trials"]]
+    assert prompts == [(t["key"], t["prompt_tokens"]) for t in kivi["trials"]]  # every spec sees the same prompts
+    assert len({key for key, _ in prompts}) == 2  # one random key per seed
     for x in r["results"]:
-        assert 0.0 <= x["accuracy"] <= 1.0 and len(x["trials"]) == 2 and set(x["by_length"]) == {"256"}
+        assert len(x["trials"]) == 2 and set(x["by_length"]) == {"256"}
+        for t in x["trials"]:  # correct: the key's digits appear in the answer
+            assert t["correct"] == (t["key"] in re.sub(r"\D", "", t["answer"]))
+        assert x["accuracy"] == x["by_length"]["256"] == sum(t["correct"] for t in x["trials"]) / 2

@@ -50,8 +50,8 @@ def test_only_layer_config():
     assert l1.quantize_key and l1.quantize_value and l1.k_bits == 2
 
 
-def test_profile_and_recommendation(tiny_model, windows, tmp_path):
-    prof = layer_profile(tiny_model, windows, prefix=64, chunk=16, progress=False)
+def test_profile_and_recommendation(peaked_model, windows, tmp_path):
+    prof = layer_profile(peaked_model, windows, prefix=64, chunk=16, progress=False)
     assert [r["layer"] for r in prof["layers"]] == [0, 1]
     assert sorted(prof["ranking"]) == [0, 1] and all(r["kl"] >= 0 for r in prof["layers"])
     rec = recommend_layer_config(prof, num_layers=1)
@@ -59,20 +59,20 @@ def test_profile_and_recommendation(tiny_model, windows, tmp_path):
     path = tmp_path / "rec.json"
     rec.to_json(path)
     assert KiviConfig.from_json(path) == rec
-    big = recommend_layer_config(prof, max_bits=100.0, model=tiny_model, tokens=192, prefix=64)
+    big = recommend_layer_config(prof, max_bits=100.0, model=peaked_model, tokens=192, prefix=64)
     assert len(big.layer_specific_config) == 2
     with pytest.raises(ValueError):
-        recommend_layer_config(prof, max_bits=0.1, model=tiny_model, tokens=192, prefix=64)
+        recommend_layer_config(prof, max_bits=0.1, model=peaked_model, tokens=192, prefix=64)
     assert len(candidate_grid(prof)) > len(candidate_grid())
 
 
-def test_tune_end_to_end(tiny_model, windows):
+def test_tune_end_to_end(peaked_model, windows):
     cands = [KiviConfig.preset("high", residual_length=32), KiviConfig(residual_length=32),
              KiviConfig(k_bits=1, v_bits=1, residual_length=0)]
-    r = tune(tiny_model, windows, cands, max_ppl_increase=1000.0, prefix=64, chunk=16, progress=False)
+    r = tune(peaked_model, windows, cands, max_ppl_increase=1000.0, prefix=64, chunk=16, progress=False)
     # the cheapest candidate fits a huge budget, and it is the only one measured
     assert r["config"]["k_bits"] == 1 and len(r["evaluated"]) == 1
-    r = tune(tiny_model, windows, cands, max_bits=64, prefix=64, chunk=16, progress=False)
+    r = tune(peaked_model, windows, cands, max_bits=64, prefix=64, chunk=16, progress=False)
     assert len(r["evaluated"]) == 3  # a bits budget measures every candidate under it
     best = min(r["evaluated"], key=lambda x: x["delta_ppl_pct"])
     assert r["ppl"] == best["ppl"]

@@ -9,19 +9,19 @@ from kivi.eval import bits_per_element, compare, kl_divergence, make_cache, perp
 EXACT = KiviConfig(quantize_key=False, quantize_value=False)
 
 
-def test_fp_kivi_cache_matches_dynamic_cache(tiny_model, windows):
-    fp = perplexity(tiny_model, None, windows, None, prefix=64, chunk=16, progress=False)
-    ex = perplexity(tiny_model, None, windows, EXACT, prefix=64, chunk=16, progress=False)
+def test_fp_kivi_cache_matches_dynamic_cache(peaked_model, windows):
+    fp = perplexity(peaked_model, None, windows, None, prefix=64, chunk=16, progress=False)
+    ex = perplexity(peaked_model, None, windows, EXACT, prefix=64, chunk=16, progress=False)
     assert fp["tokens_scored"] == ex["tokens_scored"] == 2 * (192 - 64)
     assert ex["ppl"] == pytest.approx(fp["ppl"], rel=1e-6)
-    kl = kl_divergence(tiny_model, None, windows, EXACT, prefix=64, chunk=16, progress=False)
+    kl = kl_divergence(peaked_model, None, windows, EXACT, prefix=64, chunk=16, progress=False)
     assert kl["kl"] <= 1e-6
     assert kl["top1_agreement"] == 1.0
     assert fp["bits_per_element"] == 32.0  # float32 model, DynamicCache
 
 
-def test_broken_cache_is_detected(tiny_model, model_text):
-    out = compare(tiny_model, model_text, [KiviConfig(k_bits=1, v_bits=1, residual_length=0), KiviConfig.preset("high")],
+def test_broken_cache_is_detected(peaked_model, model_text):
+    out = compare(peaked_model, model_text, [KiviConfig(k_bits=1, v_bits=1, residual_length=0), KiviConfig.preset("high")],
                   prefix=64, chunk=16, progress=False)
     broken, good = out["results"]
     assert broken["kl"] > 1e-2
@@ -30,7 +30,7 @@ def test_broken_cache_is_detected(tiny_model, model_text):
     assert broken["top1_agreement"] < good["top1_agreement"]
 
 
-def test_noise_injected_cache_is_detected(tiny_model, windows, monkeypatch):
+def test_noise_injected_cache_is_detected(peaked_model, windows, monkeypatch):
     import kivi.cache.layer as layer_mod
 
     orig = layer_mod.materialize
@@ -40,58 +40,58 @@ def test_noise_injected_cache_is_detected(tiny_model, windows, monkeypatch):
         return t + 2.0 * torch.randn_like(t)
 
     monkeypatch.setattr(layer_mod, "materialize", noisy)
-    r = kl_divergence(tiny_model, None, windows, EXACT, prefix=64, chunk=16, progress=False)
+    r = kl_divergence(peaked_model, None, windows, EXACT, prefix=64, chunk=16, progress=False)
     assert r["kl"] > 1e-2 and r["top1_agreement"] < 0.99
 
 
 @pytest.mark.parametrize("cfg, rel", [(None, 1e-5), (EXACT, 1e-5), (KiviConfig(residual_length=32), 2e-3),
                                       (KiviConfig(k_bits=4, v_bits=2, residual_length=0), 2e-3)])
-def test_chunk_1_and_16_agree(tiny_model, windows, cfg, rel):
+def test_chunk_1_and_16_agree(peaked_model, windows, cfg, rel):
     # History before a chunk is seen exactly as in token-by-token decoding. Inside a chunk, tokens
     # that token-by-token decoding would already have moved into quantized storage (up to chunk-1
     # tokens past the residual window) are still seen at full precision, so quantized configs agree
     # closely but not bit-for-bit; FP caches agree to float noise.
-    a = perplexity(tiny_model, None, windows, cfg, prefix=64, chunk=1, progress=False)
-    b = perplexity(tiny_model, None, windows, cfg, prefix=64, chunk=16, progress=False)
+    a = perplexity(peaked_model, None, windows, cfg, prefix=64, chunk=1, progress=False)
+    b = perplexity(peaked_model, None, windows, cfg, prefix=64, chunk=16, progress=False)
     assert a["tokens_scored"] == b["tokens_scored"]
     assert a["nll"] == pytest.approx(b["nll"], rel=rel, abs=1e-6)
     assert a["bits_per_element"] == pytest.approx(b["bits_per_element"], rel=0.1)
 
 
-def test_batching_does_not_change_results(tiny_model, windows):
+def test_batching_does_not_change_results(peaked_model, windows):
     cfg = KiviConfig(residual_length=32)
-    a = kl_divergence(tiny_model, None, windows, cfg, prefix=64, chunk=16, progress=False, batch_size=1)
-    b = kl_divergence(tiny_model, None, windows, cfg, prefix=64, chunk=16, progress=False, batch_size=2)
+    a = kl_divergence(peaked_model, None, windows, cfg, prefix=64, chunk=16, progress=False, batch_size=1)
+    b = kl_divergence(peaked_model, None, windows, cfg, prefix=64, chunk=16, progress=False, batch_size=2)
     assert a["nll"] == pytest.approx(b["nll"], rel=1e-4)
     assert a["kl"] == pytest.approx(b["kl"], rel=1e-2, abs=1e-6)
     assert a["bits_per_element"] == pytest.approx(b["bits_per_element"])
 
 
-def test_bits_per_element_from_real_cache(tiny_model, windows):
-    r = perplexity(tiny_model, None, windows, KiviConfig(residual_length=32), prefix=64, chunk=16, progress=False)
+def test_bits_per_element_from_real_cache(peaked_model, windows):
+    r = perplexity(peaked_model, None, windows, KiviConfig(residual_length=32), prefix=64, chunk=16, progress=False)
     assert 2 < r["bits_per_element"] < 16
     # the synthetic fill reproduces the storage layout of the real run
-    assert synthetic_bits(tiny_model, KiviConfig(residual_length=32), 192, prefix=64) == pytest.approx(r["bits_per_element"])
-    cache = make_cache(tiny_model, None)
+    assert synthetic_bits(peaked_model, KiviConfig(residual_length=32), 192, prefix=64) == pytest.approx(r["bits_per_element"])
+    cache = make_cache(peaked_model, None)
     with pytest.raises(ValueError):
-        bits_per_element(tiny_model, cache, 0)
+        bits_per_element(peaked_model, cache, 0)
 
 
-def test_bad_input_raises_value_error(tiny_model, windows):
+def test_bad_input_raises_value_error(peaked_model, windows):
     with pytest.raises(ValueError, match="prefix"):
-        perplexity(tiny_model, None, windows, None, prefix=192, progress=False)
+        perplexity(peaked_model, None, windows, None, prefix=192, progress=False)
     with pytest.raises(ValueError, match="chunk"):
-        perplexity(tiny_model, None, windows, None, prefix=64, chunk=0, progress=False)
+        perplexity(peaked_model, None, windows, None, prefix=64, chunk=0, progress=False)
     with pytest.raises(ValueError, match="baseline"):
-        perplexity(tiny_model, None, windows, "no-such-baseline", prefix=64, progress=False)
+        perplexity(peaked_model, None, windows, "no-such-baseline", prefix=64, progress=False)
     with pytest.raises(ValueError, match="windows"):
-        perplexity(tiny_model, None, windows.float(), None, prefix=64, progress=False)
+        perplexity(peaked_model, None, windows.float(), None, prefix=64, progress=False)
 
 
-def test_quanto_baseline_or_unavailable(tiny_model, windows):
+def test_quanto_baseline_or_unavailable(peaked_model, windows):
     from kivi.eval import baseline_unavailable_reason
 
-    out = compare(tiny_model, windows, ["quanto-int4", "quanto-int2"], prefix=64, chunk=16, progress=False)
+    out = compare(peaked_model, windows, ["quanto-int4", "quanto-int2"], prefix=64, chunk=16, progress=False)
     for r in out["results"]:
         if baseline_unavailable_reason(r["name"]):
             assert "unavailable" in r
@@ -99,10 +99,10 @@ def test_quanto_baseline_or_unavailable(tiny_model, windows):
             assert math.isfinite(r["ppl"]) and r["bits_per_element"] < 32
 
 
-def test_invalid_config_is_reported_not_fatal_in_a_sweep(tiny_model, windows):
+def test_invalid_config_is_reported_not_fatal_in_a_sweep(peaked_model, windows):
     bad = KiviConfig(group_size=64, residual_length=64)  # 64 does not divide head_dim=32
-    out = compare(tiny_model, windows[:1], [bad, EXACT], prefix=64, chunk=16, progress=False)
+    out = compare(peaked_model, windows[:1], [bad, EXACT], prefix=64, chunk=16, progress=False)
     assert "group_size" in out["results"][0]["unavailable"]
     assert out["results"][1]["kl"] <= 1e-6
     with pytest.raises(ValueError, match="group_size"):
-        perplexity(tiny_model, None, windows[:1], bad, prefix=64, progress=False)
+        perplexity(peaked_model, None, windows[:1], bad, prefix=64, progress=False)

@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.triton
+from tests.helpers import triton_skip_reason
+
+_SKIP = triton_skip_reason()
+pytestmark = [pytest.mark.triton, pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_triton_gpu.py"
 

@@ -6,7 +6,7 @@ from transformers import DynamicCache
 
 from kivi import KiviCache, KiviConfig, dequantize_model, quantize_model
 
-from .conftest import tiny_model
+from tests.helpers import tiny_model
 
 FAMILIES = {
     "llama": {},
@@ -19,6 +19,7 @@ FAMILIES = {
 }
 OFF = KiviConfig(quantize_key=False, quantize_value=False, residual_length=32, block_size=64)
 SMALL = KiviConfig(residual_length=32, block_size=64)
+Q8 = KiviConfig(k_bits=8, v_bits=8, residual_length=32, block_size=64)  # close enough to FP for equal greedy tokens
 
 
 def _chunked_logits(model, ids, cache, step):
@@ -27,6 +28,17 @@ def _chunked_logits(model, ids, cache, step):
         for s in range(0, ids.shape[1], step):
             outs.append(model(ids[:, s : s + step], cache=cache).logits)
     return torch.cat(outs, 1)
+
+
+def _greedy(model, prompt, cache, new_tokens):
+    """Greedy decoding by hand through ``cache``: the prompt in one forward, then one token per forward."""
+    out = prompt
+    with torch.no_grad():
+        logits = model(prompt, cache=cache).logits[:, -1]
+        for _ in range(new_tokens):
+            out = torch.cat([out, logits.argmax(-1, keepdim=True)], 1)
+            logits = model(out[:, -1:], cache=cache).logits[:, -1]
+    return out
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -53,9 +65,16 @@ def test_family_quantized_generate_runs_and_stays_close(family):
     assert torch.isfinite(got).all()
     assert (got - ref).abs().max() < 0.1 * ref.abs().max()
     assert cache.memory_breakdown()["codes"] > 0
+    prompt = ids[:, :80]
+    kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False)
+    fp = model.generate(prompt, **kw)
+    quantize_model(model, Q8)
+    assert torch.equal(model.generate(prompt, **kw), fp)  # 8-bit KV: the full-precision greedy tokens
     quantize_model(model, SMALL)
-    out = model.generate(ids[:, :80], attention_mask=torch.ones_like(ids[:, :80]), max_new_tokens=8, do_sample=False)
-    assert out.shape == (1, 88)
+    out = model.generate(prompt, **kw, return_dict_in_generate=True)
+    # generate builds a KiviCache of the model's config and decodes through it exactly as by hand
+    assert isinstance(out.cache, KiviCache) and out.cache.get_seq_length() == 87
+    assert torch.equal(out.sequences, _greedy(model, prompt, KiviCache.from_model(model, SMALL), 8))
 
 
 def test_generate_uses_kivi_cache_by_default_and_dequantize_model_restores():
@@ -85,8 +104,26 @@ def test_beam_search_matches_dynamic_cache_when_quantization_is_off():
     ref = model.generate(**kw, input_ids=ids)
     quantize_model(model, OFF)
     assert torch.equal(model.generate(**kw, input_ids=ids), ref)
-    quantize_model(model, SMALL)
-    assert model.generate(**kw, input_ids=ids, num_return_sequences=2).shape == (4, 62)
+
+
+def test_quantized_beam_search_scores_each_beam_with_its_own_history():
+    """Beam search reorders the cache at every step. Each returned beam's score must equal the score of
+    its tokens decoded on their own through a fresh cache: a wrong reorder of the quantized store
+    would score a beam against another beam's history (seen as errors of ~1e-4 here)."""
+    cfg = KiviConfig(group_size=8, residual_length=8, block_size=16)  # generated tokens reach the store
+    model = quantize_model(tiny_model("llama", eos_token_id=None), cfg)  # no EOS: every beam is 20 tokens
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, num_beams=3,
+                         num_return_sequences=3, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    beams = out.sequences
+    assert beams.shape == (3, 60) and len({tuple(b.tolist()) for b in beams}) == 3
+    cache = KiviCache.from_model(model, cfg)
+    with torch.no_grad():
+        logits = [model(beams[:, :40], cache=cache).logits[:, -1]]
+        logits += [model(beams[:, t : t + 1], cache=cache).logits[:, -1] for t in range(40, 59)]
+    logp = torch.log_softmax(torch.stack(logits, 1).float(), -1)
+    scores = logp.gather(-1, beams[:, 40:, None]).squeeze(-1).sum(-1) / 20  # length_penalty 1: mean log-prob
+    torch.testing.assert_close(scores, out.sequences_scores, atol=2e-5, rtol=0)
 
 
 def test_assisted_generation_crops_the_cache():
@@ -98,8 +135,8 @@ def test_assisted_generation_crops_the_cache():
     quantize_model(model, OFF)
     got = model.generate(ids, assistant_model=assistant, **kw)
     assert torch.equal(got, ref)  # exact when nothing is quantized: crop restores the cache
-    quantize_model(model, SMALL)
-    assert model.generate(ids, assistant_model=assistant, **kw).shape == ref.shape
+    quantize_model(model, Q8)  # rejected candidates are cropped off a cache with a quantized history
+    assert torch.equal(model.generate(ids, assistant_model=assistant, **kw), ref)
 
 
 def test_pad_token_of_left_padded_batch_changes_no_logit():

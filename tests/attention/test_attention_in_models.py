@@ -2,37 +2,25 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import transformers
 
-from kivi.cache.layer import KiviLayer
-
-import kivi
 from kivi import KiviCache, KiviConfig, dequantize_model, quantize_model
 from kivi.attention import chunked_prefill, resolve_attention_backend
+from kivi.cache.layer import KiviLayer
+from tests.helpers import tiny_model
 
-TINY = dict(
-    vocab_size=128, hidden_size=192, intermediate_size=128, head_dim=32, num_hidden_layers=2, num_attention_heads=6,
-    num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0,
-)
+# Tiny models here have 6 query heads over 2 KV heads (GQA ratio 3, not a power of two), head_dim 32.
+GQA3 = dict(hidden_size=192, head_dim=32, num_attention_heads=6)
 CFG = dict(group_size=8, residual_length=16, block_size=32, residual_bits=2)
-
-
-def tiny(model_type="llama", seed=0, **kw):
-    torch.manual_seed(seed)
-    cfg = transformers.AutoConfig.for_model(model_type, **{**TINY, **kw})
-    cfg._attn_implementation = "eager" if model_type == "gemma2" else "sdpa"
-    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
 
 def pair(model_type="llama", cfg=None, **kw):
     """The same model quantized with the reference backend and with the cpu backend."""
     c = {**CFG, **(cfg or {})}
-    ref = quantize_model(tiny(model_type, **kw), KiviConfig(**c, attention_backend="reference"))
-    fast = quantize_model(tiny(model_type, **kw), KiviConfig(**c, attention_backend="cpu"))
+    ref = quantize_model(tiny_model(model_type, **GQA3, **kw), KiviConfig(**c, attention_backend="reference"))
+    fast = quantize_model(tiny_model(model_type, **GQA3, **kw), KiviConfig(**c, attention_backend="cpu"))
     return ref, fast
 
 
@@ -50,7 +38,7 @@ def _forward_steps(model, ids, chunks, mask=None):
 
 
 def test_quantize_model_switches_and_restores_attention():
-    model = tiny()
+    model = tiny_model(**GQA3, attn_implementation="sdpa")
     quantize_model(model, KiviConfig(**CFG))  # auto -> cpu on CPU
     assert model.kivi_attention_backend == "cpu"
     assert model.config._attn_implementation == "kivi"
@@ -58,7 +46,7 @@ def test_quantize_model_switches_and_restores_attention():
     assert cache.attention_backend == "cpu" and "attention_backend='cpu'" in repr(cache)
     dequantize_model(model)
     assert model.config._attn_implementation == "sdpa"
-    ref = quantize_model(tiny(), KiviConfig(**CFG, attention_backend="reference"))
+    ref = quantize_model(tiny_model(**GQA3), KiviConfig(**CFG, attention_backend="reference"))
     assert ref.config._attn_implementation == "sdpa"
 
 
@@ -70,7 +58,7 @@ def test_backend_resolution_is_explicit():
     with pytest.raises(ValueError, match="attention_backend"):
         resolve_attention_backend("fast")
     with pytest.raises((RuntimeError, ValueError)):
-        quantize_model(tiny(), KiviConfig(**CFG, attention_backend="triton"))
+        quantize_model(tiny_model(**GQA3), KiviConfig(**CFG, attention_backend="triton"))
 
 
 @pytest.mark.parametrize("sink", [0, 3])
@@ -137,8 +125,8 @@ def test_unquantized_sliding_layer_beside_quantized_layers():
         model_type="qwen2", sliding_window=24, use_sliding_window=True,
         layer_types=["sliding_attention", "full_attention"],
     )
-    ref = quantize_model(tiny(**kw), KiviConfig(**CFG, attention_backend="reference", layer_specific_config=lsc))
-    fast = quantize_model(tiny(**kw), KiviConfig(**CFG, attention_backend="cpu", layer_specific_config=lsc))
+    ref = quantize_model(tiny_model(**GQA3, **kw), KiviConfig(**CFG, attention_backend="reference", layer_specific_config=lsc))
+    fast = quantize_model(tiny_model(**GQA3, **kw), KiviConfig(**CFG, attention_backend="cpu", layer_specific_config=lsc))
     ids = torch.randint(1, 128, (1, 90))
     lr, _ = _forward_steps(ref, ids, [60, 1, 29])
     lf, cf = _forward_steps(fast, ids, [60, 1, 29])
@@ -147,8 +135,8 @@ def test_unquantized_sliding_layer_beside_quantized_layers():
 
 
 def test_forward_without_cache_and_with_dynamic_cache():
-    model = quantize_model(tiny(), KiviConfig(**CFG))
-    plain = tiny()
+    model = quantize_model(tiny_model(**GQA3), KiviConfig(**CFG))
+    plain = tiny_model(**GQA3)
     ids = torch.randint(1, 128, (1, 20))
     with torch.no_grad():
         want = plain(ids, use_cache=False).logits
@@ -172,13 +160,13 @@ def test_chunked_prefill_matches_reference_and_plain_forward():
 
 
 def test_softcapping_resolves_auto_to_reference_and_rejects_explicit_cpu():
-    model = quantize_model(tiny("gemma2", sliding_window=32), KiviConfig(**CFG))
+    model = quantize_model(tiny_model("gemma2", **GQA3, sliding_window=32), KiviConfig(**CFG))
     assert model.kivi_attention_backend == "reference"
     with torch.no_grad():
         out = model(torch.randint(1, 128, (1, 10)), cache=KiviCache.from_model(model)).logits
     assert torch.isfinite(out).all()
     with pytest.raises(ValueError, match="softcapping"):
-        quantize_model(tiny("gemma2", sliding_window=32), KiviConfig(**{**CFG, "attention_backend": "cpu"}))
+        quantize_model(tiny_model("gemma2", **GQA3, sliding_window=32), KiviConfig(**{**CFG, "attention_backend": "cpu"}))
 
 
 def test_forward_with_nothing_stored_uses_plain_sdpa(monkeypatch):
