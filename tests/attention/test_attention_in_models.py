@@ -192,7 +192,7 @@ def test_packed_states_reach_the_backend_through_the_call(monkeypatch):
     import kivi.attention.interface as interface
     from kivi.cache.view import PackedStates
 
-    model = quantize_model(tiny(), KiviConfig(**CFG, attention_backend="cpu"))
+    model = quantize_model(tiny_model(**GQA3), KiviConfig(**CFG, attention_backend="cpu"))
     cache = KiviCache.from_model(model)
     seen_updates, seen_backend = [], []
     update = cache.update
@@ -238,7 +238,7 @@ def test_packed_states_refuse_other_attention():
 
 
 def test_explicit_packed_backend_needs_kivi_attention():
-    model = tiny()  # not quantized: its attention is SDPA
+    model = tiny_model(**GQA3)  # not quantized: its attention is SDPA
     with pytest.raises(ValueError, match="quantize_model"):
         KiviCache.from_model(model, KiviConfig(**CFG, attention_backend="cpu"))
     assert KiviCache.from_model(model, KiviConfig(**CFG)).attention_backend == "reference"
