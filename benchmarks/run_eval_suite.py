@@ -48,7 +48,8 @@ def suites() -> dict[str, list]:
 
 def summarize(paths: list[str], csv_path: str | None, plot: str | None) -> int:
     """Table (+ CSV / Pareto plot) of one or more suite JSONs measured with the same protocol and windows."""
-    from kivi.eval.sweep import _kind, pareto_plot, write_rows
+    from kivi.eval import spec_kind
+    from kivi.eval.sweep import pareto_plot, write_rows
 
     runs = [json.loads(Path(p).read_text()) for p in paths]
     d = runs[0]
@@ -63,7 +64,7 @@ def summarize(paths: list[str], csv_path: str | None, plot: str | None) -> int:
             continue
         seen.add(r["name"])
         spec = r["config"] if isinstance(r["config"], str) else KiviConfig.from_dict(r["config"])
-        rows.append(dict(r, kind=_kind(spec)))
+        rows.append(dict(r, kind=spec_kind(spec)))
     if csv_path:
         write_rows(rows, csv_path)
     if plot:

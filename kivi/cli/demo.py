@@ -260,10 +260,10 @@ def run(args: argparse.Namespace) -> int:
             f"--context {args.context} + {max(args.max_new_tokens, args.eval_tokens)} generated/scored tokens = {need} "
             f"is longer than the model supports ({max_ctx} tokens, max_position_embeddings)"
         )
-    from ..data import _tokenize  # cached tokenization of the whole text
+    from ..data import token_ids  # cached tokenization of the whole text
     from ..integration import dequantize_model, quantize_model
 
-    ids = _tokenize(tokenizer, text)
+    ids = token_ids(tokenizer, text)
     if ids.numel() < args.context + args.eval_tokens:
         raise CliError(
             f"the text has {ids.numel()} tokens; --context {args.context} + --eval-tokens {args.eval_tokens} need "

@@ -12,6 +12,7 @@ from .caches import (
     bits_per_element,
     cache_nbytes,
     make_cache,
+    spec_kind,
     spec_name,
     synthetic_bits,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "kl_divergence",
     "make_cache",
     "perplexity",
+    "spec_kind",
     "spec_name",
     "synthetic_bits",
 ]

@@ -121,6 +121,21 @@ def cache_nbytes(cache: Any) -> int:
     return total
 
 
+def spec_kind(spec: CacheSpec) -> str:
+    """``"fp"``, ``"baseline"``, ``"preset:<name>"`` (a config equal to a preset) or ``"kivi"``."""
+    from ..config import PRESETS  # noqa: PLC0415
+
+    spec = check_spec(spec)
+    if spec is None:
+        return "fp"
+    if isinstance(spec, str):
+        return "baseline"
+    for name in PRESETS:
+        if KiviConfig.preset(name).to_dict() == spec.to_dict():
+            return f"preset:{name}"
+    return "kivi"
+
+
 def kv_geometry(model: Any) -> tuple[int, int, int]:
     """``(layers, kv_heads, head_dim)`` of a decoder model."""
     cfg = model.config.get_text_config(decoder=True)

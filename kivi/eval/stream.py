@@ -14,36 +14,13 @@ to float noise). ``chunk=1`` is the exact generation semantics; it is ~10x slowe
 from __future__ import annotations
 
 import math
-import sys
 import time
 from typing import Any, Iterator, Sequence
 
 import torch
 
 from .caches import CacheSpec, bits_per_element, cache_nbytes, check_spec, make_cache, spec_name, spec_to_json
-
-
-def _progress(total: int, desc: str, enabled: bool):
-    """A tqdm bar on stderr (or a no-op object when disabled / tqdm missing)."""
-    if enabled:
-        try:
-            from tqdm.auto import tqdm  # noqa: PLC0415
-
-            return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
-        except ImportError:
-            pass
-
-    class _Null:
-        def update(self, n=1):
-            pass
-
-        def set_postfix_str(self, s):
-            pass
-
-        def close(self):
-            pass
-
-    return _Null()
+from .progress import progress_bar
 
 
 def check_windows(windows: torch.Tensor, prefix: int, chunk: int) -> torch.Tensor:
@@ -174,7 +151,7 @@ def compare(
     n_tok = windows.shape[1]
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    bar = _progress(windows.shape[0] * (len(specs) + (1 if reference else 0)), "eval (windows x caches)", progress)
+    bar = progress_bar(windows.shape[0] * (len(specs) + (1 if reference else 0)), "eval (windows x caches)", progress)
     t_start = time.time()
 
     def snapshot() -> dict[str, Any]:

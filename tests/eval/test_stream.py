@@ -106,3 +106,12 @@ def test_invalid_config_is_reported_not_fatal_in_a_sweep(tiny_model, windows):
     assert out["results"][1]["kl"] <= 1e-6
     with pytest.raises(ValueError, match="group_size"):
         perplexity(tiny_model, None, windows[:1], bad, prefix=64, progress=False)
+
+
+def test_spec_kind():
+    from kivi.eval import spec_kind
+
+    assert spec_kind(None) == spec_kind("fp") == "fp"
+    assert spec_kind("quanto-int2") == "baseline"
+    assert spec_kind(KiviConfig.preset("high")) == "preset:high"
+    assert spec_kind(KiviConfig(group_size=64)) == "kivi"
