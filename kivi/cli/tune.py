@@ -7,8 +7,16 @@ import argparse
 import json
 from pathlib import Path
 
-from .common import add_config_args, add_model_args, add_text_args, config_from_args
-from .evaluate import add_output_args, add_window_args, emit, load
+from .common import (
+    add_config_args,
+    add_model_args,
+    add_output_args,
+    add_text_args,
+    add_window_args,
+    config_from_args,
+    emit,
+    load_model_and_windows,
+)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -21,7 +29,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise ValueError('--upgrade must be a JSON object, e.g. \'{"k_bits": 4}\'')
     if args.max_bits is not None and args.upgrade_layers is not None:
         raise ValueError("give either --upgrade-layers or --max-bits, not both")
-    model, tok, windows = load(args)
+    model, tok, windows = load_model_and_windows(args)
     prof = layer_profile(model, windows, base, prefix=args.prefix, chunk=args.chunk, batch_size=args.batch_size,
                          progress=not args.no_progress)
     n = args.upgrade_layers if args.max_bits is None else None
@@ -70,7 +78,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         cands.append(extra)
     for f in args.candidates or []:
         cands.append(KiviConfig.from_json(f))
-    model, tok, windows = load(args)
+    model, tok, windows = load_model_and_windows(args)
     r = tune(model, windows, cands, max_ppl_increase=mpi, max_bits=args.max_bits, profile=profile,
              prefix=args.prefix, chunk=args.chunk, batch_size=args.batch_size, progress=not args.no_progress)
     out = args.write_config or args.output_config
