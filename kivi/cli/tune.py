@@ -81,7 +81,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     model, tok, windows = load_model_and_windows(args)
     r = tune(model, windows, cands, max_ppl_increase=mpi, max_bits=args.max_bits, profile=profile,
              prefix=args.prefix, chunk=args.chunk, batch_size=args.batch_size, progress=not args.no_progress)
-    out = args.write_config or args.output_config
+    out = args.write_config
     if out:
         KiviConfig.from_dict(r["config"]).to_json(out)
     human = (f"chose {r['name']}: {r['bits_per_element']:.3f} bits/element, ppl {r['ppl']:.4f} vs FP {r['ppl_fp']:.4f} "
@@ -121,6 +121,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--candidates", nargs="*", default=None, help="extra KiviConfig JSON files to consider")
     p.add_argument("--write-config", "--out", dest="write_config", default=None,
                    help="write the chosen KiviConfig JSON here (loadable by KiviConfig.from_json)")
-    p.set_defaults(output_config=None)
     add_output_args(p)
     p.set_defaults(func=cmd_tune)
