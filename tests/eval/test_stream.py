@@ -108,6 +108,46 @@ def test_invalid_config_is_reported_not_fatal_in_a_sweep(tiny_model, windows):
         perplexity(tiny_model, None, windows[:1], bad, prefix=64, progress=False)
 
 
+def test_score_continuation_is_the_streaming_protocol_after_the_prefix(tiny_model, windows):
+    """A caller that runs the prefill itself (kivi demo) gets compare()'s numbers from score_continuation."""
+    from kivi.eval import score_continuation
+
+    cfg = KiviConfig(residual_length=32)
+    ref = kl_divergence(tiny_model, None, windows[:1], cfg, prefix=64, chunk=16, progress=False)
+    ids = windows[:1]
+
+    def prefill(spec):
+        cache = make_cache(tiny_model, spec)
+        with torch.inference_mode():
+            out = tiny_model(ids[:, :64], cache=cache, use_cache=True, logits_to_keep=1)
+        return cache, out.logits[:, -1]
+
+    cache, last = prefill(None)
+    steps = []
+    fp = score_continuation(tiny_model, cache, last, ids[0, 64:], chunk=16, keep_logprobs=True,
+                            on_chunk=lambda: steps.append(1))
+    assert fp["tokens_scored"] == 192 - 64 and fp["logprobs"].shape == (1, 128, 256)
+    assert fp["ppl"] == pytest.approx(ref["ppl_fp"], rel=1e-5)
+    assert len(steps) == len(range(0, 127, 16))  # one call per forward that scores tokens
+    assert cache.get_seq_length() == 192  # every token went through the cache
+    cache, last = prefill(cfg)
+    q = score_continuation(tiny_model, cache, last, ids[:, 64:], chunk=16, reference=fp["logprobs"])
+    assert q["ppl"] == pytest.approx(ref["ppl"], rel=1e-5)
+    assert q["kl"] == pytest.approx(ref["kl"], rel=1e-4, abs=1e-7)
+    assert q["top1_agreement"] == ref["top1_agreement"]
+    assert "logprobs" not in q
+    with pytest.raises(ValueError, match="reference"):
+        score_continuation(tiny_model, cache, last, ids[:, 64:100], reference=fp["logprobs"])
+
+
+def test_token_agreement():
+    from kivi.eval import token_agreement
+
+    assert token_agreement([1, 2, 3, 4], [1, 2, 3, 4]) == {"same_tokens": 1.0, "common_prefix": 4}
+    assert token_agreement([1, 9, 3, 4], [1, 2, 3, 4]) == {"same_tokens": 0.75, "common_prefix": 1}
+    assert token_agreement([], []) == {"same_tokens": 0.0, "common_prefix": 0}
+
+
 def test_spec_kind():
     from kivi.eval import spec_kind
 
