@@ -155,3 +155,24 @@ def test_spec_kind():
     assert spec_kind("quanto-int2") == "baseline"
     assert spec_kind(KiviConfig.preset("high")) == "preset:high"
     assert spec_kind(KiviConfig(group_size=64)) == "kivi"
+
+
+def test_cache_nbytes_counts_every_kind_of_cache(tiny_model, windows):
+    """One count for all caches: KiviCache's own accounting, DynamicCache and quanto tensors."""
+    from kivi.eval import baseline_unavailable_reason, cache_nbytes
+
+    ids = windows[:1]
+    sizes = {}
+    for spec in (None, KiviConfig(residual_length=32), "quanto-int2"):
+        if isinstance(spec, str) and baseline_unavailable_reason(spec):
+            continue
+        cache = make_cache(tiny_model, spec)
+        assert cache_nbytes(cache) == 0
+        with torch.inference_mode():
+            tiny_model(ids, cache=cache, use_cache=True)
+        sizes[str(spec)] = cache_nbytes(cache)
+        if not isinstance(spec, (str, type(None))):
+            assert sizes[str(spec)] == cache.nbytes == sum(cache.memory_breakdown().values())
+    # float32 DynamicCache: 2 layers x 2 sides x 2 kv heads x 32 channels x 192 tokens x 4 bytes
+    assert sizes["None"] == 2 * 2 * 2 * 32 * 192 * 4
+    assert all(0 < v < sizes["None"] for k, v in sizes.items() if k != "None")
