@@ -9,6 +9,9 @@ Inside a chunk, the tokens that token-by-token decoding would already have moved
 storage (at most ``chunk - 1`` tokens past the residual window) are still seen at full precision, so
 for quantized caches ``chunk=16`` is very slightly optimistic vs ``chunk=1`` (FP caches: identical up
 to float noise). ``chunk=1`` is the exact generation semantics; it is ~10x slower on CPU.
+
+:func:`score_continuation` applies the same protocol after a prefill the caller ran itself (``kivi
+demo`` times its prefill and decodes from the same cache).
 """
 
 from __future__ import annotations
@@ -245,7 +248,7 @@ def score_continuation(
         continuation: ``LongTensor [B, n]`` (or ``[n]``) of the tokens that follow the prompt.
         reference: ``[B, n, V]`` log-probabilities of the reference run.
         keep_logprobs: also return this run's ``[B, n, V]`` float32 log-probabilities.
-        on_chunk: called after every forward (progress).
+        on_chunk: called after every forward that scores tokens (for a progress bar).
 
     Returns:
         ``{"ppl", "nll" (mean per token), "tokens_scored"}``; with ``reference`` also ``"kl"`` (nats per
@@ -255,6 +258,8 @@ def score_continuation(
         continuation = continuation.unsqueeze(0)
     if continuation.dim() != 2 or continuation.shape[1] == 0:
         raise ValueError(f"continuation must have shape [batch, n] with n >= 1, got {tuple(continuation.shape)}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
     continuation = continuation.to(last_logits.device)
     if reference is not None and reference.shape[:2] != continuation.shape:
         raise ValueError(f"reference log-probabilities {tuple(reference.shape)} do not match the continuation "
