@@ -37,6 +37,7 @@ import psutil
 import torch
 
 from kivi import KiviConfig, dequantize_model, quantize_model
+from kivi.cli.common import set_cpu_threads
 from kivi.eval import cache_nbytes, make_cache
 from kivi.models import load_model
 
@@ -164,7 +165,7 @@ def main():
     ap.add_argument("--configs", nargs="+",
                     default=["dynamic", "quanto2", "quanto4", "kivi2-reference", "kivi2-cpu", "kivi4-reference", "kivi4-cpu"],
                     help="dynamic, floor, quanto2, quanto4, kivi{2,4}-{reference,cpu,triton}")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--threads", type=int, default=0, help="torch and numba threads (0 = their defaults)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every row, interleaved; the table shows medians")
     ap.add_argument("--isolate", action="store_true", help="run every row in a fresh process")
     ap.add_argument("--pin-allocator", action="store_true",
@@ -178,8 +179,6 @@ def main():
         from kivi.allocator import reduce_fragmentation
 
         reduce_fragmentation()
-    if a.threads:
-        torch.set_num_threads(a.threads)
     if a.repeat < 1:
         ap.error(f"--repeat={a.repeat} must be at least 1")
     import re
@@ -196,6 +195,8 @@ def main():
 
         if fused_decode_available():  # compile / load the numba kernel now, not inside the first timed decode
             warmup()
+    if a.threads:  # after the kernel load, which can reset torch's thread count to numba's
+        set_cpu_threads(a.threads)
     if a.one_row:
         name, ctx, bs = a.one_row[0], int(a.one_row[1]), int(a.one_row[2])
         r = _row(model, name, ctx, bs, a.steps, a.warmup_steps)

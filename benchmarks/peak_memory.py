@@ -54,6 +54,7 @@ def child(args: argparse.Namespace) -> dict:
     from kivi import KiviConfig, quantize_model
     from kivi.allocator import reduce_fragmentation
     from kivi.attention import chunked_prefill
+    from kivi.cli.common import set_cpu_threads
     from kivi.eval import cache_nbytes, make_cache
     from kivi.models import load_model
 
@@ -80,6 +81,7 @@ def child(args: argparse.Namespace) -> dict:
     c = run(min(args.context, 2 * args.chunk), 4)
     del c
     gc.collect()
+    set_cpu_threads(args.threads)  # loading the numba kernels can reset torch's thread count to numba's
     # activations of one chunk forward without any cache (what a prefill chunk costs beyond the cache)
     _reset_peak()
     base0 = _status("VmRSS")

@@ -90,7 +90,7 @@ def main() -> int:
     ap.add_argument("--prefix", type=int, default=512)
     ap.add_argument("--chunk", type=int, default=16)
     ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (1 is faster on a busy machine)")
+    ap.add_argument("--threads", type=int, default=None, help="torch and numba threads (1 is faster on a busy machine)")
     ap.add_argument("--out", default=None, help="JSON written after every batch of windows")
     ap.add_argument("--summarize", nargs="+", default=None,
                     help="instead of measuring: turn these JSON files (same protocol) into a table, --csv, --plot")
@@ -101,9 +101,14 @@ def main() -> int:
         return summarize(a.summarize, a.csv, a.plot)
     if not a.out:
         ap.error("--out is required")
-    if a.threads:
-        torch.set_num_threads(a.threads)
     model, tok = load_model(a.model)
+    if a.threads:
+        from kivi.attention.fused_cpu import fused_decode_available, warmup
+        from kivi.cli.common import set_cpu_threads
+
+        if fused_decode_available():
+            warmup()  # loading the numba kernels later could reset torch's thread count to numba's
+        set_cpu_threads(a.threads)
     windows = token_windows(tok, load_text(), a.context, a.windows)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

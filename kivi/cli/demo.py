@@ -28,7 +28,7 @@ from . import CliError
 from ..eval.caches import cache_nbytes, make_cache
 from ..eval.progress import progress_bar
 from ..eval.stream import score_continuation, token_agreement
-from .common import add_model_args, add_text_args, print_json
+from .common import add_model_args, add_text_args, print_json, set_cpu_threads
 
 DEFAULT_PRESETS = "high,balanced,extreme"
 
@@ -54,8 +54,8 @@ def register(sub: Any) -> None:
                    help=f"comma-separated KIVI presets, or KiviConfig JSON files (default {DEFAULT_PRESETS})")
     p.add_argument("--no-fp", action="store_true", help="skip the FP reference (no agreement / KL columns)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice, lowered to the idle cores when the machine is "
-                   "busy: oversubscribed threads make CPU decoding several times slower)")
+                   help="CPU threads of torch and of the numba kernels (default: torch's choice, lowered to the idle "
+                   "cores when the machine is busy: oversubscribed threads make CPU decoding several times slower)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object on stdout")
     p.add_argument("--json-out", default=None, help="also write the JSON results to this file")
     p.set_defaults(func=run)
@@ -145,20 +145,24 @@ def run_one(model: Any, cfg: Any, prompt: Any, cont: Any, max_new: int, chunk: i
     return res
 
 
-def warm_up(model: Any, kivi_rows: bool) -> float | None:
+def warm_up(model: Any, kivi_rows: bool, threads: int) -> float | None:
     """Untimed first-call work before any row is timed: one short forward (the first forward of a
     process allocates lasting buffers) and, for KIVI rows on CPU, compiling / loading the numba
-    kernels of the fused decode attention and the value quantizer. Returns the kernels' seconds
-    (``None`` when they are not used)."""
+    kernels of the fused decode attention and the value quantizer; then ``threads`` CPU threads
+    for torch and numba (loading the kernels can change torch's count). Returns the kernels'
+    seconds (``None`` when they are not used)."""
     import torch
 
     with torch.inference_mode():
         model(torch.ones(1, 8, dtype=torch.long, device=model.device), use_cache=False, logits_to_keep=1)
-    if not kivi_rows or model.device.type != "cpu":
-        return None
-    from ..attention.fused_cpu import fused_decode_available, warmup
+    seconds = None
+    if kivi_rows and model.device.type == "cpu":
+        from ..attention.fused_cpu import fused_decode_available, warmup
 
-    return warmup() if fused_decode_available() else None
+        if fused_decode_available():
+            seconds = warmup()
+    set_cpu_threads(threads)
+    return seconds
 
 
 # --------------------------------------------------------------------------- main
@@ -179,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
     from ..data import load_text
     from ..models import load_model, model_max_context
 
-    torch.set_num_threads(args.threads or auto_threads(torch.get_num_threads()))
+    threads = args.threads or auto_threads(torch.get_num_threads())
+    torch.set_num_threads(threads)
     text = load_text(args.text)  # raises a one-line error for a missing/unreadable file
 
     _status(f"loading model {args.model!r} (the first run converts the GGUF once, ~30 s) ...")
@@ -214,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     # before any timing: timed inside the first KIVI row, compiling the numba kernels made its decode
     # column several times slower than the others
     _status("warming up (first forward; numba kernels of the CPU attention: compiled once, then loaded) ...")
-    compile_s = warm_up(model, kivi_rows=bool(presets))
+    compile_s = warm_up(model, kivi_rows=bool(presets), threads=threads)
     n_chunks = 0 if cont is None else len(range(0, args.eval_tokens - 1, args.chunk))
     bar = progress_bar(len(runs) * (1 + args.max_new_tokens + n_chunks), "demo")
     results: list[dict[str, Any]] = []

@@ -134,8 +134,20 @@ def test_demo_warm_up_compiles_the_kernels_before_timing(tiny_llama, monkeypatch
     calls = []
     monkeypatch.setattr(fused, "fused_decode_available", lambda: True)
     monkeypatch.setattr(fused, "warmup", lambda: calls.append(1) or 1.5)
-    assert warm_up(tiny_llama, kivi_rows=True) == 1.5 and calls == [1]
-    assert warm_up(tiny_llama, kivi_rows=False) is None and calls == [1]  # FP only: nothing to compile
+    assert warm_up(tiny_llama, kivi_rows=True, threads=1) == 1.5 and calls == [1]
+    assert warm_up(tiny_llama, kivi_rows=False, threads=1) is None and calls == [1]  # FP only: nothing to compile
+
+
+def test_cpu_threads_survive_loading_the_numba_kernels():
+    """Loading numba's OpenMP layer can reset torch's thread count; the demo sets its threads after it."""
+    code = ("import torch; torch.set_num_threads(1); torch.get_num_threads()\n"
+            "from kivi.attention.fused_cpu import fused_decode_available, warmup\n"
+            "fused_decode_available() and warmup()\n"
+            "from kivi.cli.common import set_cpu_threads; set_cpu_threads(1)\n"
+            "import sys; print(torch.get_num_threads(), sys.modules['numba'].get_num_threads() if 'numba' in sys.modules else 1)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["1", "1"]
 
 
 @pytest.mark.slow
