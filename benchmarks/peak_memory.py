@@ -51,11 +51,11 @@ def _reset_peak() -> None:
 
 
 def child(args: argparse.Namespace) -> dict:
-    from transformers import DynamicCache
-
-    from kivi import KiviCache, KiviConfig, quantize_model
+    from kivi import KiviConfig, quantize_model
     from kivi.allocator import reduce_fragmentation
     from kivi.attention import chunked_prefill
+    from kivi.cli.common import set_cpu_threads
+    from kivi.eval import cache_nbytes, make_cache
     from kivi.models import load_model
 
     reduce_fragmentation()
@@ -68,11 +68,8 @@ def child(args: argparse.Namespace) -> dict:
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (args.batch, args.context), generator=g)
 
-    def new_cache():
-        return DynamicCache(config=model.config) if cfg is None else KiviCache.from_model(model, cfg)
-
     def run(n_ctx: int, n_new: int):
-        cache = new_cache()
+        cache = make_cache(model, cfg)
         with torch.no_grad():
             logits = chunked_prefill(model, ids[:, :n_ctx], cache, chunk_size=args.chunk)
             for _ in range(n_new):
@@ -84,6 +81,7 @@ def child(args: argparse.Namespace) -> dict:
     c = run(min(args.context, 2 * args.chunk), 4)
     del c
     gc.collect()
+    set_cpu_threads(args.threads)  # loading the numba kernels can reset torch's thread count to numba's
     # activations of one chunk forward without any cache (what a prefill chunk costs beyond the cache)
     _reset_peak()
     base0 = _status("VmRSS")
@@ -98,11 +96,10 @@ def child(args: argparse.Namespace) -> dict:
     cache = run(args.context, args.new_tokens)
     seconds = time.perf_counter() - t0
     peak = _status("VmHWM")
+    cache_bytes = cache_nbytes(cache)
     if cfg is None:
-        cache_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
         block = 0
     else:
-        cache_bytes = cache.nbytes
         cfg_layers = model.config.num_hidden_layers
         heads = model.config.num_key_value_heads
         head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads

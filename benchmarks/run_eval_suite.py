@@ -48,7 +48,8 @@ def suites() -> dict[str, list]:
 
 def summarize(paths: list[str], csv_path: str | None, plot: str | None) -> int:
     """Table (+ CSV / Pareto plot) of one or more suite JSONs measured with the same protocol and windows."""
-    from kivi.eval.sweep import _kind, pareto_plot, write_rows
+    from kivi.eval import spec_kind
+    from kivi.eval.sweep import pareto_plot, write_rows
 
     runs = [json.loads(Path(p).read_text()) for p in paths]
     d = runs[0]
@@ -63,7 +64,7 @@ def summarize(paths: list[str], csv_path: str | None, plot: str | None) -> int:
             continue
         seen.add(r["name"])
         spec = r["config"] if isinstance(r["config"], str) else KiviConfig.from_dict(r["config"])
-        rows.append(dict(r, kind=_kind(spec)))
+        rows.append(dict(r, kind=spec_kind(spec)))
     if csv_path:
         write_rows(rows, csv_path)
     if plot:
@@ -89,7 +90,7 @@ def main() -> int:
     ap.add_argument("--prefix", type=int, default=512)
     ap.add_argument("--chunk", type=int, default=16)
     ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (1 is faster on a busy machine)")
+    ap.add_argument("--threads", type=int, default=None, help="torch and numba threads (1 is faster on a busy machine)")
     ap.add_argument("--out", default=None, help="JSON written after every batch of windows")
     ap.add_argument("--summarize", nargs="+", default=None,
                     help="instead of measuring: turn these JSON files (same protocol) into a table, --csv, --plot")
@@ -100,9 +101,14 @@ def main() -> int:
         return summarize(a.summarize, a.csv, a.plot)
     if not a.out:
         ap.error("--out is required")
-    if a.threads:
-        torch.set_num_threads(a.threads)
     model, tok = load_model(a.model)
+    if a.threads:
+        from kivi.attention.fused_cpu import fused_decode_available, warmup
+        from kivi.cli.common import set_cpu_threads
+
+        if fused_decode_available():
+            warmup()  # loading the numba kernels later could reset torch's thread count to numba's
+        set_cpu_threads(a.threads)
     windows = token_windows(tok, load_text(), a.context, a.windows)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DATA_DIR", "DEFAULT_TEXT_FILE", "default_text_path", "load_text", "token_windows"]
+__all__ = ["DATA_DIR", "DEFAULT_TEXT_FILE", "default_text_path", "load_text", "token_ids", "token_windows"]
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_TEXT_FILE = "wikitext-2-raw-test.txt"
@@ -50,8 +50,13 @@ def load_text(path: str | os.PathLike | None = None) -> str:
     return text
 
 
-def _tokenize(tokenizer: Any, text: str) -> torch.Tensor:
-    """All token ids of ``text`` (no special tokens), shape ``[n_tokens]``, cached per (tokenizer, text)."""
+def token_ids(tokenizer: Any, text: str) -> torch.Tensor:
+    """All token ids of ``text`` (no special tokens), shape ``[n_tokens]``.
+
+    Tokenizing the whole WikiText-2 split takes seconds, so the result is cached in-process per
+    (tokenizer name, vocabulary size, text); the returned tensor is shared with that cache: do not
+    modify it in place (:func:`token_windows` returns a copy).
+    """
     name = getattr(tokenizer, "name_or_path", "") or f"<unnamed {type(tokenizer).__name__} at {id(tokenizer):#x}>"
     key = (name, len(tokenizer), hashlib.sha1(text.encode("utf-8")).hexdigest())
     ids = _TOKEN_CACHE.get(key)
@@ -93,7 +98,7 @@ def token_windows(
             raise ValueError(f"{arg} must be a positive integer, got {value!r}")
     stride = context if stride is None else stride
 
-    ids = _tokenize(tokenizer, text)
+    ids = token_ids(tokenizer, text)
     needed = (num_windows - 1) * stride + context
     if ids.numel() < needed:
         raise ValueError(

@@ -14,7 +14,7 @@ import os
 import sys
 
 # module name -> registers one or more subcommands via `register(subparsers)`
-SUBCOMMAND_MODULES = ("estimate", "generate", "demo", "evaluate", "tune", "bench")
+SUBCOMMAND_MODULES = ("estimate", "generate", "demo", "evaluate", "tune")
 
 
 class CliError(Exception):
@@ -32,13 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kivi {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMAND_MODULES:
-        try:
-            mod = importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"{__name__}.{name}":
-                continue  # subcommand not present in this build
-            raise
-        mod.register(sub)
+        importlib.import_module(f"{__name__}.{name}").register(sub)
     return parser
 
 

@@ -1,10 +1,11 @@
-"""Options shared by subcommands: model, text, KiviConfig, output."""
+"""Options and helpers shared by subcommands: model, text, evaluation protocol, KiviConfig, output."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from ..config import PRESETS, KiviConfig
@@ -13,11 +14,26 @@ from ..config import PRESETS, KiviConfig
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="model alias (smollm2), local checkpoint folder, .gguf file or hub id (default: smollm2)")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: as loaded)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: as loaded; float32 for GGUF)")
 
 
 def add_text_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", default=None, help="text file to evaluate on (default: the shipped WikiText-2 test split)")
+
+
+def add_window_args(p: argparse.ArgumentParser, *, windows: int = 20) -> None:
+    g = p.add_argument_group("evaluation protocol")
+    g.add_argument("--context", type=int, default=1024, help="tokens per window (default: 1024)")
+    g.add_argument("--prefix", type=int, default=512, help="tokens prefilled per window, not scored (default: 512)")
+    g.add_argument("--chunk", type=int, default=16, help="tokens per forward after the prefix (default: 16)")
+    g.add_argument("--windows", type=int, default=windows, help=f"number of windows (default: {windows})")
+    g.add_argument("--batch-size", type=int, default=1, help="windows per forward (same numbers; default: 1)")
+
+
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("-o", "--output", default=None, help="also write the JSON result to this file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
 
 def add_config_args(p: argparse.ArgumentParser, *, default_preset: str | None = None) -> None:
@@ -64,6 +80,50 @@ def config_from_args(args: argparse.Namespace) -> KiviConfig | None:
     return None
 
 
+def set_cpu_threads(n: int) -> None:
+    """``n`` CPU threads for torch and, when numba is loaded, for kivi's numba kernels.
+
+    Call it after the kernels are compiled / loaded (``kivi.attention.fused_cpu.warmup()``): loading
+    numba's OpenMP threading layer can reset torch's thread count to numba's (measured: after
+    ``torch.set_num_threads(1)`` and the kernel load, ``torch.get_num_threads()`` was 2), and
+    oversubscribed CPU threads make decoding several times slower.
+    """
+    import torch
+
+    if "numba" in sys.modules:
+        import numba
+
+        numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+    torch.set_num_threads(n)
+
+
 def print_json(obj: Any) -> None:
     json.dump(obj, sys.stdout, indent=2, default=str)
     sys.stdout.write("\n")
+
+
+def emit(args: argparse.Namespace, result: Any, human: str) -> None:
+    """Write ``result`` to ``--output`` (when given), then print it as JSON (``--json``) or ``human``."""
+    if getattr(args, "output", None):
+        Path(args.output).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    if getattr(args, "json", False):
+        print_json(result)
+    else:
+        print(human)
+
+
+def load_model_and_windows(args: argparse.Namespace):
+    """``(model, tokenizer, windows)`` from the model, text and protocol options (``add_model_args``,
+    ``add_text_args``, ``add_window_args``); bad option values fail before anything is loaded."""
+    from ..data import load_text, token_windows
+    from ..models import load_model
+
+    for name in ("context", "prefix", "chunk", "windows", "batch_size"):
+        v = getattr(args, name)
+        if v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v}")
+    if args.prefix >= args.context:
+        raise ValueError(f"--prefix {args.prefix} must be smaller than --context {args.context} (nothing left to score)")
+    text = load_text(args.text)  # fail on a bad path before loading the model
+    model, tok = load_model(args.model, dtype=args.dtype)
+    return model, tok, token_windows(tok, text, args.context, args.windows)

@@ -4,11 +4,15 @@ For each cache (FP ``DynamicCache`` first, then every preset) on the same prompt
 
 * prefill the prompt (tokens/s);
 * greedy-decode ``--max-new-tokens`` tokens one forward at a time (tokens/s), then measure the bytes
-  the cache really holds (``KiviCache.nbytes``; FP: the sum of the ``DynamicCache`` tensors) and
-  compare the continuation with the FP one (identical tokens, longest common prefix);
+  the cache really holds (:func:`kivi.eval.cache_nbytes`) and compare the continuation with the FP
+  one (:func:`kivi.eval.token_agreement`: identical tokens, longest common prefix);
 * from a copy of the post-prompt cache, feed the next ``--eval-tokens`` tokens of the text in chunks
-  of ``--chunk`` (teacher forcing) and compute the perplexity and the mean KL divergence
-  ``KL(FP || cache)`` of the next-token distributions.
+  of ``--chunk`` (teacher forcing) and score them (:func:`kivi.eval.score_continuation`: perplexity,
+  mean KL divergence ``KL(FP || cache)`` of the next-token distributions, top-1 agreement).
+
+Caches come from :func:`kivi.eval.make_cache`. The numba kernels of KIVI's CPU attention are
+compiled (or loaded from numba's on-disk cache) before anything is timed; that time is reported on
+its own (``fused_compile_or_load_s``).
 """
 
 from __future__ import annotations
@@ -16,14 +20,15 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import sys
 import time
 from typing import Any
 
 from . import CliError
-from ..eval.caches import cache_nbytes
-from .common import print_json
+from ..eval.caches import cache_nbytes, make_cache
+from ..eval.progress import progress_bar
+from ..eval.stream import score_continuation, token_agreement
+from .common import add_model_args, add_text_args, print_json, set_cpu_threads
 
 DEFAULT_PRESETS = "high,balanced,extreme"
 
@@ -38,10 +43,8 @@ def register(sub: Any) -> None:
         "teacher-forced perplexity / KL vs FP on the text that follows the prompt.",
         epilog="example: kivi demo --context 4000 --presets balanced,extreme --max-new-tokens 64 --json-out demo.json",
     )
-    p.add_argument("--model", default="smollm2",
-                   help="model alias (smollm2), checkpoint folder, .gguf file or hub id (default: smollm2)")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: as loaded; float32 for GGUF)")
-    p.add_argument("--text", default=None, help="text file (default: the shipped WikiText-2 test split)")
+    add_model_args(p)
+    add_text_args(p)
     p.add_argument("--context", type=int, default=2000, help="prompt tokens (default 2000)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="greedy continuation tokens (default 32)")
     p.add_argument("--eval-tokens", type=int, default=256,
@@ -51,8 +54,8 @@ def register(sub: Any) -> None:
                    help=f"comma-separated KIVI presets, or KiviConfig JSON files (default {DEFAULT_PRESETS})")
     p.add_argument("--no-fp", action="store_true", help="skip the FP reference (no agreement / KL columns)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice, lowered to the idle cores when the machine is "
-                   "busy: oversubscribed threads make CPU decoding several times slower)")
+                   help="CPU threads of torch and of the numba kernels (default: torch's choice, lowered to the idle "
+                   "cores when the machine is busy: oversubscribed threads make CPU decoding several times slower)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object on stdout")
     p.add_argument("--json-out", default=None, help="also write the JSON results to this file")
     p.set_defaults(func=run)
@@ -80,49 +83,6 @@ def parse_presets(text: str) -> list[tuple[str, Any]]:
 
 
 
-class _Progress:
-    """A rich progress bar on stderr (tqdm or nothing as fallbacks)."""
-
-    def __init__(self, total: int, enabled: bool = True):
-        self.total = total
-        self._rich = self._tqdm = None
-        if not enabled:
-            return
-        try:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self._rich = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                  TimeElapsedColumn(), console=Console(stderr=True), transient=False)
-            self._rich.start()
-            self._task = self._rich.add_task("starting", total=total)
-        except ImportError:
-            try:
-                from tqdm import tqdm
-
-                self._tqdm = tqdm(total=total, file=sys.stderr)
-            except ImportError:
-                pass
-
-    def describe(self, text: str) -> None:
-        if self._rich is not None:
-            self._rich.update(self._task, description=text)
-        elif self._tqdm is not None:
-            self._tqdm.set_description(text)
-
-    def advance(self, n: int = 1) -> None:
-        if self._rich is not None:
-            self._rich.advance(self._task, n)
-        elif self._tqdm is not None:
-            self._tqdm.update(n)
-
-    def close(self) -> None:
-        if self._rich is not None:
-            self._rich.stop()
-        elif self._tqdm is not None:
-            self._tqdm.close()
-
-
 def auto_threads(default: int) -> int:
     """``default``, or fewer when other processes keep the cores busy (1-minute load average)."""
     import os
@@ -139,47 +99,36 @@ def _status(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def make_cache(model: Any, cfg: Any) -> Any:
-    from transformers import DynamicCache
-
-    from ..cache import KiviCache
-
-    if cfg is None:
-        return DynamicCache(config=model.config)
-    return KiviCache.from_model(model, cfg)
-
-
-def run_one(model: Any, cfg: Any, prompt: Any, cont: Any, max_new: int, chunk: int, progress: _Progress,
-            label: str) -> dict[str, Any]:
-    """Prefill, greedy decode and teacher-forced scoring with one cache. Returns numbers + tensors."""
+def run_one(model: Any, cfg: Any, prompt: Any, cont: Any, max_new: int, chunk: int, bar: Any, label: str,
+            reference: Any = None) -> dict[str, Any]:
+    """Prefill, greedy decode and teacher-forced scoring with one cache. Returns numbers + tokens
+    (+ the scored log-probabilities for the FP row, the reference of the others)."""
     import torch
 
     res: dict[str, Any] = {}
     cache = make_cache(model, cfg)
-    progress.describe(f"{label}: prefill {prompt.shape[-1]} tokens")
+    bar.set_description(f"{label}: prefill {prompt.shape[-1]} tokens")
     t0 = time.perf_counter()
-    try:  # only the last position's logits: the LM head over 2000 positions would cost a third of the prefill
-        out = model(prompt, cache=cache, use_cache=True, logits_to_keep=1)
-    except TypeError:  # a model without logits_to_keep
-        out = model(prompt, cache=cache, use_cache=True)
+    # only the last position's logits: the LM head over 2000 positions would cost a third of the prefill
+    out = model(prompt, cache=cache, use_cache=True, logits_to_keep=1)
     res["prefill_s"] = time.perf_counter() - t0
-    progress.advance()
+    bar.update()
     last_logits = out.logits[:, -1, :].float()
     del out
     # the post-prompt state, for teacher forcing after the greedy decode
     scoring_cache = copy.deepcopy(cache) if cont is not None else None
 
     # ---- greedy decode
-    progress.describe(f"{label}: decode {max_new} tokens")
+    bar.set_description(f"{label}: decode {max_new} tokens")
     tokens = [int(last_logits.argmax(-1))]
     t0 = time.perf_counter()
     for _ in range(max_new - 1):
         nxt = torch.tensor([[tokens[-1]]], device=prompt.device)
         logits = model(nxt, cache=cache, use_cache=True).logits[:, -1, :]
         tokens.append(int(logits.argmax(-1)))
-        progress.advance()
+        bar.update()
     res["decode_s"] = time.perf_counter() - t0
-    progress.advance()
+    bar.update()
     res["tokens"] = tokens
     res["cache_tokens"] = cache.get_seq_length()
     res["cache_bytes"] = cache_nbytes(cache)
@@ -189,37 +138,31 @@ def run_one(model: Any, cfg: Any, prompt: Any, cont: Any, max_new: int, chunk: i
 
     # ---- teacher-forced scoring of the held-back continuation
     if cont is not None:
-        n = cont.shape[-1]
-        logps = [torch.log_softmax(last_logits, dim=-1)]  # predicts cont[0]
-        progress.describe(f"{label}: score {n} held-back tokens")
-        for s in range(0, n - 1, chunk):
-            piece = cont[:, s : min(s + chunk, n - 1)]
-            logits = model(piece, cache=scoring_cache, use_cache=True).logits[0].float()
-            logps.extend(torch.log_softmax(logits, dim=-1).unbind(0))
-            progress.advance()
-        lp = torch.stack([x.reshape(-1) for x in logps])  # [n, vocab]
-        res["logprobs"] = lp
-        nll = -lp.gather(1, cont[0, :, None]).squeeze(1)
-        res["nll"] = float(nll.mean())
-        res["ppl"] = math.exp(res["nll"])
+        bar.set_description(f"{label}: score {cont.shape[-1]} held-back tokens")
+        res["score"] = score_continuation(model, scoring_cache, last_logits, cont, chunk=chunk, reference=reference,
+                                          keep_logprobs=cfg is None, on_chunk=bar.update)
         del scoring_cache
     return res
 
 
-def _agreement(a: list[int], ref: list[int]) -> tuple[float, int]:
-    same = sum(1 for x, y in zip(a, ref) if x == y) / max(1, len(ref))
-    prefix = 0
-    for x, y in zip(a, ref):
-        if x != y:
-            break
-        prefix += 1
-    return same, prefix
+def warm_up(model: Any, kivi_rows: bool, threads: int) -> float | None:
+    """Untimed first-call work before any row is timed: one short forward (the first forward of a
+    process allocates lasting buffers) and, for KIVI rows on CPU, compiling / loading the numba
+    kernels of the fused decode attention and the value quantizer; then ``threads`` CPU threads
+    for torch and numba (loading the kernels can change torch's count). Returns the kernels'
+    seconds (``None`` when they are not used)."""
+    import torch
 
+    with torch.inference_mode():
+        model(torch.ones(1, 8, dtype=torch.long, device=model.device), use_cache=False, logits_to_keep=1)
+    seconds = None
+    if kivi_rows and model.device.type == "cpu":
+        from ..attention.fused_cpu import fused_decode_available, warmup
 
-def _fmt_bytes(n: int) -> str:
-    from ..memory import format_bytes
-
-    return format_bytes(n)
+        if fused_decode_available():
+            seconds = warmup()
+    set_cpu_threads(threads)
+    return seconds
 
 
 # --------------------------------------------------------------------------- main
@@ -240,16 +183,17 @@ def run(args: argparse.Namespace) -> int:
     from ..data import load_text
     from ..models import load_model, model_max_context
 
-    torch.set_num_threads(args.threads or auto_threads(torch.get_num_threads()))
+    threads = args.threads or auto_threads(torch.get_num_threads())
+    torch.set_num_threads(threads)
     text = load_text(args.text)  # raises a one-line error for a missing/unreadable file
 
     _status(f"loading model {args.model!r} (the first run converts the GGUF once, ~30 s) ...")
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, dtype=args.dtype)
     load_s = time.perf_counter() - t0
-    for _, cfg in presets:
-        from ..integration import check_model_supported
+    from ..integration import check_model_supported, dequantize_model, quantize_model
 
+    for _, cfg in presets:
         check_model_supported(model)
         cfg.validate(num_layers=model.config.get_text_config(decoder=True).num_hidden_layers)
 
@@ -260,10 +204,9 @@ def run(args: argparse.Namespace) -> int:
             f"--context {args.context} + {max(args.max_new_tokens, args.eval_tokens)} generated/scored tokens = {need} "
             f"is longer than the model supports ({max_ctx} tokens, max_position_embeddings)"
         )
-    from ..data import _tokenize  # cached tokenization of the whole text
-    from ..integration import dequantize_model, quantize_model
+    from ..data import token_ids
 
-    ids = _tokenize(tokenizer, text)
+    ids = token_ids(tokenizer, text)
     if ids.numel() < args.context + args.eval_tokens:
         raise CliError(
             f"the text has {ids.numel()} tokens; --context {args.context} + --eval-tokens {args.eval_tokens} need "
@@ -273,8 +216,12 @@ def run(args: argparse.Namespace) -> int:
     cont = ids[None, args.context : args.context + args.eval_tokens].to(model.device) if args.eval_tokens else None
 
     runs: list[tuple[str, Any]] = ([] if args.no_fp else [("fp", None)]) + presets
+    # before any timing: timed inside the first KIVI row, compiling the numba kernels made its decode
+    # column several times slower than the others
+    _status("warming up (first forward; numba kernels of the CPU attention: compiled once, then loaded) ...")
+    compile_s = warm_up(model, kivi_rows=bool(presets), threads=threads)
     n_chunks = 0 if cont is None else len(range(0, args.eval_tokens - 1, args.chunk))
-    progress = _Progress(total=len(runs) * (1 + args.max_new_tokens + n_chunks))
+    bar = progress_bar(len(runs) * (1 + args.max_new_tokens + n_chunks), "demo")
     results: list[dict[str, Any]] = []
     fp = None
     try:
@@ -286,19 +233,21 @@ def run(args: argparse.Namespace) -> int:
                 if cfg is not None:
                     quantize_model(model, cfg)
                 try:
-                    r = run_one(model, cfg, prompt, cont, args.max_new_tokens, args.chunk, progress, label)
+                    reference = fp["score"]["logprobs"] if fp is not None and cont is not None else None
+                    r = run_one(model, cfg, prompt, cont, args.max_new_tokens, args.chunk, bar, label, reference)
                     r["attention_backend"] = getattr(model, "kivi_attention_backend", None)
                 finally:
                     if cfg is not None:
                         dequantize_model(model)
                 r["name"] = label
+                r["cfg"] = cfg
                 r["config"] = None if cfg is None else cfg.to_dict()
                 r["config_description"] = "DynamicCache (full precision)" if cfg is None else cfg.describe()
                 if cfg is None:
                     fp = r
                 results.append(r)
     finally:
-        progress.close()
+        bar.close()
 
     from ..memory import estimate_kv_memory
 
@@ -319,26 +268,26 @@ def run(args: argparse.Namespace) -> int:
             "continuation": tokenizer.decode(r["tokens"]),
             "continuation_ids": r["tokens"],
         }
-        if r["config"] is not None:
-            est = estimate_kv_memory(model, r["cache_tokens"], config=r["config"] and _cfg(r["config"]),
-                                     prefill=args.context, dtype=dtype)
+        if r["cfg"] is not None:
+            est = estimate_kv_memory(model, r["cache_tokens"], config=r["cfg"], prefill=args.context, dtype=dtype)
             row["predicted_cache_bytes"] = est.kivi_total_bytes
             row["cache_breakdown"] = r.get("cache_breakdown")
         fp_bytes = fp["cache_bytes"] if fp else estimate_kv_memory(model, r["cache_tokens"], dtype=dtype).fp_total_bytes
         row["fp_cache_bytes"] = fp_bytes
         row["compression_ratio"] = fp_bytes / r["cache_bytes"] if r["cache_bytes"] else None
         if fp is not None:
-            same, prefix = _agreement(r["tokens"], fp["tokens"])
-            row["same_tokens_vs_fp"] = same
-            row["common_prefix_vs_fp"] = prefix
+            agree = token_agreement(r["tokens"], fp["tokens"])
+            row["same_tokens_vs_fp"] = agree["same_tokens"]
+            row["common_prefix_vs_fp"] = agree["common_prefix"]
         if cont is not None:
-            row["ppl"] = r["ppl"]
-            row["nll"] = r["nll"]
+            score = r["score"]
+            row["ppl"] = score["ppl"]
+            row["nll"] = score["nll"]
             if fp is not None:
-                p_fp = fp["logprobs"]
-                kl = (p_fp.exp() * (p_fp - r["logprobs"])).sum(-1)
-                row["kl_vs_fp"] = float(kl.mean())
-                row["ppl_delta_vs_fp"] = r["ppl"] - fp["ppl"]
+                # the FP row is the reference: KL 0 and full agreement by definition
+                row["kl_vs_fp"] = score.get("kl", 0.0)
+                row["top1_agreement_vs_fp"] = score.get("top1_agreement", 1.0)
+                row["ppl_delta_vs_fp"] = score["ppl"] - fp["score"]["ppl"]
         rows.append(row)
 
     result = {
@@ -351,6 +300,7 @@ def run(args: argparse.Namespace) -> int:
         "chunk": args.chunk,
         "torch_threads": torch.get_num_threads(),
         "model_load_s": load_s,
+        "fused_compile_or_load_s": compile_s,
         "wall_s": time.perf_counter() - wall0,
         "rows": rows,
     }
@@ -368,13 +318,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cfg(d: dict) -> Any:
-    from ..config import KiviConfig
-
-    return KiviConfig.from_dict(d)
-
-
 def render(result: dict[str, Any]) -> None:
+    from ..memory import format_bytes
+
     rows = result["rows"]
     header = ["cache", "config", "prefill tok/s", "decode tok/s", "cache bytes", "vs FP", "same tokens",
               "common prefix", "PPL", "KL vs FP"]
@@ -385,7 +331,7 @@ def render(result: dict[str, Any]) -> None:
             r["config_description"].replace("DynamicCache (full precision)", "full precision"),
             f"{r['prefill_tokens_per_s']:,.0f}",
             "-" if r["decode_tokens_per_s"] is None else f"{r['decode_tokens_per_s']:.1f}",
-            _fmt_bytes(r["cache_bytes"]),
+            format_bytes(r["cache_bytes"]),
             f"{r['compression_ratio']:.2f}x" if r.get("compression_ratio") else "-",
             f"{r['same_tokens_vs_fp']:.0%}" if "same_tokens_vs_fp" in r else "-",
             f"{r['common_prefix_vs_fp']}/{result['max_new_tokens']}" if "common_prefix_vs_fp" in r else "-",
@@ -418,3 +364,6 @@ def render(result: dict[str, Any]) -> None:
             print(f"{r['name']} continuation: {r['continuation']!r}")
     print(f"cache bytes measured after {rows[0]['cache_tokens']} tokens (prompt + continuation); model load "
           f"{result['model_load_s']:.1f} s, total {result['wall_s']:.1f} s, {result['torch_threads']} threads")
+    if result.get("fused_compile_or_load_s") is not None:
+        print(f"numba kernels of the CPU attention compiled/loaded in {result['fused_compile_or_load_s']:.1f} s "
+              "before timing (not in the speed columns)")

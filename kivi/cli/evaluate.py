@@ -3,51 +3,24 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
-from typing import Any
 
-from .common import add_config_args, add_model_args, add_text_args, config_from_args, print_json
-
-
-# ---------------------------------------------------------------------------- shared options
-def add_window_args(p: argparse.ArgumentParser, *, windows: int = 20) -> None:
-    g = p.add_argument_group("evaluation protocol")
-    g.add_argument("--context", type=int, default=1024, help="tokens per window (default: 1024)")
-    g.add_argument("--prefix", type=int, default=512, help="tokens prefilled per window, not scored (default: 512)")
-    g.add_argument("--chunk", type=int, default=16, help="tokens per forward after the prefix (default: 16)")
-    g.add_argument("--windows", type=int, default=windows, help=f"number of windows (default: {windows})")
-    g.add_argument("--batch-size", type=int, default=1, help="windows per forward (same numbers; default: 1)")
+from .common import (
+    add_config_args,
+    add_model_args,
+    add_output_args,
+    add_text_args,
+    add_window_args,
+    config_from_args,
+    emit,
+    load_model_and_windows,
+)
 
 
-def add_output_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.add_argument("-o", "--output", default=None, help="also write the JSON result to this file")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
-
-
+# ---------------------------------------------------------------------------- options of eval / sweep only
 def add_baseline_arg(p: argparse.ArgumentParser) -> None:
     from ..eval.caches import BASELINES
 
     p.add_argument("--baseline", default=None, help=f"evaluate a baseline cache instead of KIVI: one of {list(BASELINES)}")
-
-
-def load(args: argparse.Namespace):
-    """(model, tokenizer, windows) from the model / text / protocol options."""
-    from ..data import load_text, token_windows
-    from ..models import load_model
-
-    for name in ("context", "prefix", "chunk", "windows", "batch_size"):
-        v = getattr(args, name, None)
-        if v is not None and v < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v}")
-    if getattr(args, "prefix", None) is not None and args.prefix >= args.context:
-        raise ValueError(f"--prefix {args.prefix} must be smaller than --context {args.context} (nothing left to score)")
-    text = load_text(getattr(args, "text", None))  # fail on a bad path before loading the model
-    model, tok = load_model(args.model, dtype=args.dtype)
-    windows = token_windows(tok, text, args.context, args.windows) if hasattr(args, "windows") else None
-    return model, tok, windows
 
 
 def spec_from_args(args: argparse.Namespace, *, default_fp: bool = False):
@@ -66,21 +39,12 @@ def spec_from_args(args: argparse.Namespace, *, default_fp: bool = False):
     return cfg
 
 
-def emit(args: argparse.Namespace, result: Any, human: str) -> None:
-    if getattr(args, "output", None):
-        Path(args.output).write_text(json.dumps(result, indent=2, default=str) + "\n")
-    if getattr(args, "json", False):
-        print_json(result)
-    else:
-        print(human)
-
-
 # ---------------------------------------------------------------------------- eval ppl / kld
 def cmd_ppl(args: argparse.Namespace) -> int:
     from ..eval import perplexity
 
     spec = spec_from_args(args, default_fp=True)
-    model, tok, windows = load(args)
+    model, tok, windows = load_model_and_windows(args)
     r = perplexity(model, tok, windows, spec, prefix=args.prefix, chunk=args.chunk, progress=not args.no_progress,
                    batch_size=args.batch_size)
     emit(args, r, f"{r['name']}: ppl {r['ppl']:.4f} over {r['tokens_scored']} tokens ({r['windows']} windows); "
@@ -92,7 +56,7 @@ def cmd_kld(args: argparse.Namespace) -> int:
     from ..eval import kl_divergence
 
     spec = spec_from_args(args)
-    model, tok, windows = load(args)
+    model, tok, windows = load_model_and_windows(args)
     r = kl_divergence(model, tok, windows, spec, prefix=args.prefix, chunk=args.chunk, progress=not args.no_progress,
                       batch_size=args.batch_size)
     emit(args, r, f"{r['name']}: KL {r['kl']:.5f} nats/token, top-1 agreement {100 * r['top1_agreement']:.2f}%, "
@@ -177,7 +141,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
-    model, tok, windows = load(args)
+    model, tok, windows = load_model_and_windows(args)
     rows = sweep(model, tok, windows, specs, prefix=args.prefix, chunk=args.chunk, batch_size=args.batch_size,
                  passkey_lengths=_int_list(args.passkey) if args.passkey else (), progress=not args.no_progress)
     if args.csv:

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from . import CliError
-from .common import add_config_args, config_from_args, print_json
+from .common import add_config_args, add_model_args, config_from_args, print_json
 
 
 def register(sub: Any) -> None:
@@ -24,9 +24,7 @@ def register(sub: Any) -> None:
         "  kivi generate --prompt 'Hi' --k-bits 4 --v-bits 2 --residual-length 64 --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="smollm2",
-                   help="model alias (smollm2), checkpoint folder, .gguf file or hub id (default: smollm2)")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: as loaded)")
+    add_model_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", default=None, help="the prompt text")
     src.add_argument("--prompt-file", default=None, help="read the prompt from this UTF-8 file ('-' = stdin)")

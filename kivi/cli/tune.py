@@ -7,8 +7,16 @@ import argparse
 import json
 from pathlib import Path
 
-from .common import add_config_args, add_model_args, add_text_args, config_from_args
-from .evaluate import add_output_args, add_window_args, emit, load
+from .common import (
+    add_config_args,
+    add_model_args,
+    add_output_args,
+    add_text_args,
+    add_window_args,
+    config_from_args,
+    emit,
+    load_model_and_windows,
+)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -21,7 +29,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise ValueError('--upgrade must be a JSON object, e.g. \'{"k_bits": 4}\'')
     if args.max_bits is not None and args.upgrade_layers is not None:
         raise ValueError("give either --upgrade-layers or --max-bits, not both")
-    model, tok, windows = load(args)
+    model, tok, windows = load_model_and_windows(args)
     prof = layer_profile(model, windows, base, prefix=args.prefix, chunk=args.chunk, batch_size=args.batch_size,
                          progress=not args.no_progress)
     n = args.upgrade_layers if args.max_bits is None else None
@@ -70,10 +78,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
         cands.append(extra)
     for f in args.candidates or []:
         cands.append(KiviConfig.from_json(f))
-    model, tok, windows = load(args)
+    model, tok, windows = load_model_and_windows(args)
     r = tune(model, windows, cands, max_ppl_increase=mpi, max_bits=args.max_bits, profile=profile,
              prefix=args.prefix, chunk=args.chunk, batch_size=args.batch_size, progress=not args.no_progress)
-    out = args.write_config or args.output_config
+    out = args.write_config
     if out:
         KiviConfig.from_dict(r["config"]).to_json(out)
     human = (f"chose {r['name']}: {r['bits_per_element']:.3f} bits/element, ppl {r['ppl']:.4f} vs FP {r['ppl_fp']:.4f} "
@@ -113,6 +121,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--candidates", nargs="*", default=None, help="extra KiviConfig JSON files to consider")
     p.add_argument("--write-config", "--out", dest="write_config", default=None,
                    help="write the chosen KiviConfig JSON here (loadable by KiviConfig.from_json)")
-    p.set_defaults(output_config=None)
     add_output_args(p)
     p.set_defaults(func=cmd_tune)

@@ -2,7 +2,9 @@
 per-layer sensitivity, sweeps and budgeted config selection.
 
 Everything here measures a *real* cache (``KiviCache``, transformers' ``DynamicCache`` or a
-``QuantizedCache`` baseline) the way generation uses it; see :mod:`kivi.eval.stream`.
+``QuantizedCache`` baseline) the way generation uses it; see :mod:`kivi.eval.stream`. The caches
+themselves are built by :func:`make_cache` and measured by :func:`cache_nbytes`, the ones ``kivi
+demo`` and the benchmarks use too.
 """
 
 from .caches import (
@@ -12,10 +14,11 @@ from .caches import (
     bits_per_element,
     cache_nbytes,
     make_cache,
+    spec_kind,
     spec_name,
     synthetic_bits,
 )
-from .stream import compare, kl_divergence, perplexity
+from .stream import compare, kl_divergence, perplexity, score_continuation, token_agreement
 
 __all__ = [
     "BASELINES",
@@ -27,8 +30,11 @@ __all__ = [
     "kl_divergence",
     "make_cache",
     "perplexity",
+    "score_continuation",
+    "spec_kind",
     "spec_name",
     "synthetic_bits",
+    "token_agreement",
 ]
 
 

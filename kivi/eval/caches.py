@@ -1,8 +1,11 @@
-"""Cache specs for the evaluation harness: a :class:`KiviConfig`, ``None`` / ``"fp"`` (transformers'
-``DynamicCache``) or a named baseline (transformers' ``QuantizedCache`` with the quanto backend).
+"""Cache specs: a :class:`KiviConfig`, ``None`` / ``"fp"`` (transformers' ``DynamicCache``) or a named
+baseline (transformers' ``QuantizedCache`` with the quanto backend).
 
-Every cache is measured the same way: :func:`cache_nbytes` sums the bytes of the tensors it really
-holds, and :func:`bits_per_element` divides by the number of cached key/value elements.
+This is the one place the tools build and measure caches: :func:`make_cache` builds every cache the
+evaluation functions, ``kivi demo`` and the benchmarks use, and :func:`cache_nbytes` counts the bytes
+of any of them (a ``KiviCache`` by its own ``nbytes`` / ``memory_breakdown()``, a baseline by the
+tensors it really holds); :func:`bits_per_element` divides those bytes by the cached key/value
+elements.
 """
 
 from __future__ import annotations
@@ -76,7 +79,15 @@ def baseline_unavailable_reason(name: str) -> str | None:
 
 
 def make_cache(model: Any, spec: CacheSpec):
-    """A fresh, empty cache for ``model`` as described by ``spec``."""
+    """A fresh, empty cache for ``model`` as described by ``spec``.
+
+    * ``None`` / ``"fp"``: transformers' ``DynamicCache`` (full precision);
+    * a :class:`KiviConfig`: ``KiviCache.from_model(model, spec)``. Its attention runs through kivi's
+      kernels only on a model prepared with ``quantize_model(model, spec)``; on an unprepared model
+      the model's own attention reads the dequantized cache (same numbers, slower);
+    * a name from :data:`BASELINES`: transformers' ``QuantizedCache(backend="quanto", ...)``; raises
+      :class:`BaselineUnavailable` when it cannot be built here (optimum-quanto missing).
+    """
     spec = check_spec(spec)
     if spec is None:
         from transformers import DynamicCache  # noqa: PLC0415
@@ -111,7 +122,12 @@ def _tensor_bytes(t: Any) -> int:
 
 
 def cache_nbytes(cache: Any) -> int:
-    """Bytes of every tensor ``cache`` holds (KiviCache: its own accounting)."""
+    """Bytes of every tensor ``cache`` holds, for any cache :func:`make_cache` builds.
+
+    A ``KiviCache`` reports its own (``cache.nbytes``, the sum of ``cache.memory_breakdown()``); for
+    a ``DynamicCache`` or a quanto ``QuantizedCache`` this sums the full-precision key/value tensors
+    and the packed quantized ones (their data, scales and zero-points). Uninitialised layers count 0.
+    """
     nb = getattr(cache, "nbytes", None)
     if isinstance(nb, int):
         return nb
@@ -120,6 +136,21 @@ def cache_nbytes(cache: Any) -> int:
         for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
             total += _tensor_bytes(getattr(layer, name, None))
     return total
+
+
+def spec_kind(spec: CacheSpec) -> str:
+    """``"fp"``, ``"baseline"``, ``"preset:<name>"`` (a config equal to a preset) or ``"kivi"``."""
+    from ..config import PRESETS  # noqa: PLC0415
+
+    spec = check_spec(spec)
+    if spec is None:
+        return "fp"
+    if isinstance(spec, str):
+        return "baseline"
+    for name in PRESETS:
+        if KiviConfig.preset(name).to_dict() == spec.to_dict():
+            return f"preset:{name}"
+    return "kivi"
 
 
 def kv_geometry(model: Any) -> tuple[int, int, int]:

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import random
 import re
-import sys
 import time
 from typing import Any, Sequence
 
 import torch
 
 from .caches import CacheSpec, check_spec, make_cache, spec_name, spec_to_json
-from .stream import _progress
+from .progress import progress_bar
 
 INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
          "Find it and memorize it. I will quiz you about it.\n")
@@ -95,7 +94,7 @@ def passkey(
                 key = str(random.Random(f"{seed}-{length}-{depth}").randint(10000, 99999))
                 _, ids = passkey_prompt(tokenizer, int(length), float(depth), key)
                 prompts.append((int(length), float(depth), seed, key, ids))
-    bar = _progress(len(prompts) * len(specs), "passkey", progress)
+    bar = progress_bar(len(prompts) * len(specs), "passkey", progress)
     results = []
     try:
         for spec in specs:

@@ -9,41 +9,22 @@ Inside a chunk, the tokens that token-by-token decoding would already have moved
 storage (at most ``chunk - 1`` tokens past the residual window) are still seen at full precision, so
 for quantized caches ``chunk=16`` is very slightly optimistic vs ``chunk=1`` (FP caches: identical up
 to float noise). ``chunk=1`` is the exact generation semantics; it is ~10x slower on CPU.
+
+:func:`score_continuation` applies the same protocol after a prefill the caller ran itself (``kivi
+demo`` times its prefill and decodes from the same cache).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-import sys
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from .caches import CacheSpec, bits_per_element, cache_nbytes, check_spec, make_cache, spec_name, spec_to_json
-
-
-def _progress(total: int, desc: str, enabled: bool):
-    """A tqdm bar on stderr (or a no-op object when disabled / tqdm missing)."""
-    if enabled:
-        try:
-            from tqdm.auto import tqdm  # noqa: PLC0415
-
-            return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
-        except ImportError:
-            pass
-
-    class _Null:
-        def update(self, n=1):
-            pass
-
-        def set_postfix_str(self, s):
-            pass
-
-        def close(self):
-            pass
-
-    return _Null()
+from .progress import progress_bar
 
 
 def check_windows(windows: torch.Tensor, prefix: int, chunk: int) -> torch.Tensor:
@@ -66,16 +47,25 @@ def check_windows(windows: torch.Tensor, prefix: int, chunk: int) -> torch.Tenso
 
 def stream_window(model: Any, ids: torch.Tensor, cache: Any, prefix: int, chunk: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield ``(logits [B, n, V] float32, targets [B, n])`` for every scored token of ``ids [B, L]``."""
-    L = ids.shape[1]
     dev = next(model.parameters()).device
     ids = ids.to(dev)
     with torch.inference_mode():
         out = model(input_ids=ids[:, :prefix], cache=cache, use_cache=True, logits_to_keep=1)
         yield out.logits[:, -1:].float(), ids[:, prefix : prefix + 1]
-        for s in range(prefix, L, chunk):
+        yield from stream_continuation(model, ids[:, prefix:], cache, chunk)
+
+
+def stream_continuation(model: Any, ids: torch.Tensor, cache: Any, chunk: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Feed ``ids [B, n]`` through ``cache`` (which already holds what precedes them), ``chunk`` tokens
+    per forward, and yield ``(logits [B, m, V] float32, targets [B, m])`` per forward: the logit at
+    position ``i`` predicts ``ids[:, i + 1]``. The last token predicts nothing here but is fed all the
+    same (the cache ends up holding every token, as after generation)."""
+    L = ids.shape[1]
+    with torch.inference_mode():
+        for s in range(0, L, chunk):
             e = min(s + chunk, L)
             out = model(input_ids=ids[:, s:e], cache=cache, use_cache=True)
-            n = min(e, L - 1) - s  # the last token of the window predicts nothing
+            n = min(e, L - 1) - s  # the last token predicts nothing
             if n > 0:
                 yield out.logits[:, :n].float(), ids[:, s + 1 : s + 1 + n]
 
@@ -174,7 +164,7 @@ def compare(
     n_tok = windows.shape[1]
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    bar = _progress(windows.shape[0] * (len(specs) + (1 if reference else 0)), "eval (windows x caches)", progress)
+    bar = progress_bar(windows.shape[0] * (len(specs) + (1 if reference else 0)), "eval (windows x caches)", progress)
     t_start = time.time()
 
     def snapshot() -> dict[str, Any]:
@@ -231,6 +221,82 @@ def compare(
     finally:
         bar.close()
     return snapshot()
+
+
+def score_continuation(
+    model: Any,
+    cache: Any,
+    last_logits: torch.Tensor,
+    continuation: torch.Tensor,
+    *,
+    chunk: int = 16,
+    reference: torch.Tensor | None = None,
+    keep_logprobs: bool = False,
+    on_chunk: Callable[[], Any] | None = None,
+) -> dict[str, Any]:
+    """Teacher-forced scoring of ``continuation`` after the prompt ``cache`` already holds.
+
+    The protocol of :func:`compare` after its prefix, for a caller that ran the prefill itself (``kivi
+    demo`` times it): the prompt's last logits predict ``continuation[:, 0]``, then the continuation
+    goes through ``cache`` ``chunk`` tokens per forward (:func:`stream_continuation`) and every token
+    of it is scored. With the log-probabilities of a reference run on the same tokens (``keep_logprobs``
+    of an earlier call, e.g. with the FP ``DynamicCache``), also KL(P_ref || P) and top-1 agreement.
+
+    Args:
+        cache: any cache holding the prompt (e.g. from :func:`make_cache`); it is extended in place.
+        last_logits: ``[B, V]`` logits of the prompt's last position.
+        continuation: ``LongTensor [B, n]`` (or ``[n]``) of the tokens that follow the prompt.
+        reference: ``[B, n, V]`` log-probabilities of the reference run.
+        keep_logprobs: also return this run's ``[B, n, V]`` float32 log-probabilities.
+        on_chunk: called after every forward that scores tokens (for a progress bar).
+
+    Returns:
+        ``{"ppl", "nll" (mean per token), "tokens_scored"}``; with ``reference`` also ``"kl"`` (nats per
+        token) and ``"top1_agreement"``; with ``keep_logprobs`` also ``"logprobs"``.
+    """
+    if continuation.dim() == 1:
+        continuation = continuation.unsqueeze(0)
+    if continuation.dim() != 2 or continuation.shape[1] == 0:
+        raise ValueError(f"continuation must have shape [batch, n] with n >= 1, got {tuple(continuation.shape)}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+    continuation = continuation.to(last_logits.device)
+    if reference is not None and reference.shape[:2] != continuation.shape:
+        raise ValueError(f"reference log-probabilities {tuple(reference.shape)} do not match the continuation "
+                         f"{tuple(continuation.shape)}")
+    acc = _Acc(None)
+    kept: list[torch.Tensor] = []
+    first = (last_logits.reshape(continuation.shape[0], 1, -1).float(), continuation[:, :1])
+    pos = 0
+    for i, (logits, targets) in enumerate(itertools.chain([first], stream_continuation(model, continuation, cache, chunk))):
+        m = targets.shape[1]
+        logp = _score(acc, logits, targets, None if reference is None else reference[:, pos : pos + m])
+        if keep_logprobs:
+            kept.append(logp)
+        pos += m
+        if on_chunk is not None and i > 0:  # i = 0: the prompt's logits, no forward here
+            on_chunk()
+    nll = acc.nll / max(acc.tokens, 1)
+    r: dict[str, Any] = {"ppl": math.exp(nll), "nll": nll, "tokens_scored": acc.tokens}
+    if reference is not None:
+        r["kl"] = acc.kl / max(acc.tokens, 1)
+        r["top1_agreement"] = acc.top1 / max(acc.tokens, 1)
+    if keep_logprobs:
+        r["logprobs"] = torch.cat(kept, dim=1)
+    return r
+
+
+def token_agreement(tokens: Sequence[int], reference: Sequence[int]) -> dict[str, Any]:
+    """How far a generated sequence follows a reference one (e.g. greedy decoding with FP):
+    ``{"same_tokens": fraction of positions with the same token, "common_prefix": tokens equal
+    before the first difference}``."""
+    same = sum(1 for x, y in zip(tokens, reference) if x == y) / max(1, len(reference))
+    prefix = 0
+    for x, y in zip(tokens, reference):
+        if x != y:
+            break
+        prefix += 1
+    return {"same_tokens": same, "common_prefix": prefix}
 
 
 def perplexity(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import dataclasses
 import json
 import math
 from pathlib import Path
@@ -11,9 +10,10 @@ from typing import Any, Sequence
 
 import torch
 
-from ..config import PRESETS, KiviConfig
-from .caches import CacheSpec, check_spec, spec_name, synthetic_bits
-from .stream import _progress, compare, perplexity
+from ..config import KiviConfig
+from .caches import CacheSpec, check_spec, spec_kind, synthetic_bits
+from .progress import progress_bar
+from .stream import compare, perplexity
 
 ROW_FIELDS = ("name", "kind", "bits_per_element", "cache_bytes", "ppl", "delta_ppl_pct", "kl", "top1_agreement",
               "tokens_scored", "windows", "passkey_accuracy", "unavailable", "config")
@@ -30,17 +30,6 @@ def default_grid(include_baselines: bool = True) -> list[CacheSpec]:
     if include_baselines:
         grid += ["quanto-int4", "quanto-int2", "quanto-int2-perchannel"]
     return grid
-
-
-def _kind(spec: CacheSpec) -> str:
-    if spec is None:
-        return "fp"
-    if isinstance(spec, str):
-        return "baseline"
-    for name, fields in PRESETS.items():
-        if KiviConfig.preset(name).to_dict() == spec.to_dict():
-            return f"preset:{name}"
-    return "kivi"
 
 
 def sweep(
@@ -66,7 +55,7 @@ def sweep(
                   on_window=on_window)
     fp = dict(out["fp"])
     fp.update(kind="fp", delta_ppl_pct=0.0, kl=0.0, top1_agreement=1.0)
-    rows = [fp] + [{**r, "kind": _kind(s)} for s, r in zip(specs, out["results"])]
+    rows = [fp] + [{**r, "kind": spec_kind(s)} for s, r in zip(specs, out["results"])]
     if passkey_lengths:
         from .passkey import passkey  # noqa: PLC0415
 
@@ -213,7 +202,7 @@ def tune(
             raise ValueError(f"no candidate fits max_bits={max_bits} bits/element")
     fp = perplexity(model, None, windows, None, prefix=prefix, chunk=chunk, batch_size=batch_size, progress=progress)
     rows = []
-    bar = _progress(len(est), "tune candidates", progress)
+    bar = progress_bar(len(est), "tune candidates", progress)
     try:
         for bits_est, _, c in est:
             r = perplexity(model, None, windows, c, prefix=prefix, chunk=chunk, batch_size=batch_size, progress=False)

@@ -122,6 +122,32 @@ def test_demo_json_small():
     assert ex["cache_bytes"] == ex["predicted_cache_bytes"]
     assert ex["compression_ratio"] > 1 and fp["same_tokens_vs_fp"] == 1.0
     assert ex["ppl"] > 1 and ex["kl_vs_fp"] >= 0
+    assert fp["kl_vs_fp"] == 0.0 and fp["top1_agreement_vs_fp"] == 1.0 and 0 <= ex["top1_agreement_vs_fp"] <= 1
+    # the numba kernels were compiled / loaded before timing, and that time is reported on its own
+    assert d["fused_compile_or_load_s"] >= 0
+
+
+def test_demo_warm_up_compiles_the_kernels_before_timing(tiny_llama, monkeypatch):
+    import kivi.attention.fused_cpu as fused
+    from kivi.cli.demo import warm_up
+
+    calls = []
+    monkeypatch.setattr(fused, "fused_decode_available", lambda: True)
+    monkeypatch.setattr(fused, "warmup", lambda: calls.append(1) or 1.5)
+    assert warm_up(tiny_llama, kivi_rows=True, threads=1) == 1.5 and calls == [1]
+    assert warm_up(tiny_llama, kivi_rows=False, threads=1) is None and calls == [1]  # FP only: nothing to compile
+
+
+def test_cpu_threads_survive_loading_the_numba_kernels():
+    """Loading numba's OpenMP layer can reset torch's thread count; the demo sets its threads after it."""
+    code = ("import torch; torch.set_num_threads(1); torch.get_num_threads()\n"
+            "from kivi.attention.fused_cpu import fused_decode_available, warmup\n"
+            "fused_decode_available() and warmup()\n"
+            "from kivi.cli.common import set_cpu_threads; set_cpu_threads(1)\n"
+            "import sys; print(torch.get_num_threads(), sys.modules['numba'].get_num_threads() if 'numba' in sys.modules else 1)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["1", "1"]
 
 
 @pytest.mark.slow

@@ -106,3 +106,73 @@ def test_invalid_config_is_reported_not_fatal_in_a_sweep(peaked_model, windows):
     assert out["results"][1]["kl"] <= 1e-6
     with pytest.raises(ValueError, match="group_size"):
         perplexity(peaked_model, None, windows[:1], bad, prefix=64, progress=False)
+
+
+def test_score_continuation_is_the_streaming_protocol_after_the_prefix(peaked_model, windows):
+    """A caller that runs the prefill itself (kivi demo) gets compare()'s numbers from score_continuation."""
+    from kivi.eval import score_continuation
+
+    cfg = KiviConfig(residual_length=32)
+    ref = kl_divergence(peaked_model, None, windows[:1], cfg, prefix=64, chunk=16, progress=False)
+    ids = windows[:1]
+
+    def prefill(spec):
+        cache = make_cache(peaked_model, spec)
+        with torch.inference_mode():
+            out = peaked_model(ids[:, :64], cache=cache, use_cache=True, logits_to_keep=1)
+        return cache, out.logits[:, -1]
+
+    cache, last = prefill(None)
+    steps = []
+    fp = score_continuation(peaked_model, cache, last, ids[0, 64:], chunk=16, keep_logprobs=True,
+                            on_chunk=lambda: steps.append(1))
+    assert fp["tokens_scored"] == 192 - 64 and fp["logprobs"].shape == (1, 128, 256)
+    assert fp["ppl"] == pytest.approx(ref["ppl_fp"], rel=1e-5)
+    assert len(steps) == len(range(0, 127, 16))  # one call per forward that scores tokens
+    assert cache.get_seq_length() == 192  # every token went through the cache
+    cache, last = prefill(cfg)
+    q = score_continuation(peaked_model, cache, last, ids[:, 64:], chunk=16, reference=fp["logprobs"])
+    assert q["ppl"] == pytest.approx(ref["ppl"], rel=1e-5)
+    assert q["kl"] == pytest.approx(ref["kl"], rel=1e-4, abs=1e-7)
+    assert q["top1_agreement"] == ref["top1_agreement"]
+    assert "logprobs" not in q
+    with pytest.raises(ValueError, match="reference"):
+        score_continuation(peaked_model, cache, last, ids[:, 64:100], reference=fp["logprobs"])
+
+
+def test_token_agreement():
+    from kivi.eval import token_agreement
+
+    assert token_agreement([1, 2, 3, 4], [1, 2, 3, 4]) == {"same_tokens": 1.0, "common_prefix": 4}
+    assert token_agreement([1, 9, 3, 4], [1, 2, 3, 4]) == {"same_tokens": 0.75, "common_prefix": 1}
+    assert token_agreement([], []) == {"same_tokens": 0.0, "common_prefix": 0}
+
+
+def test_spec_kind():
+    from kivi.eval import spec_kind
+
+    assert spec_kind(None) == spec_kind("fp") == "fp"
+    assert spec_kind("quanto-int2") == "baseline"
+    assert spec_kind(KiviConfig.preset("high")) == "preset:high"
+    assert spec_kind(KiviConfig(group_size=64)) == "kivi"
+
+
+def test_cache_nbytes_counts_every_kind_of_cache(peaked_model, windows):
+    """One count for all caches: KiviCache's own accounting, DynamicCache and quanto tensors."""
+    from kivi.eval import baseline_unavailable_reason, cache_nbytes
+
+    ids = windows[:1]
+    sizes = {}
+    for spec in (None, KiviConfig(residual_length=32), "quanto-int2"):
+        if isinstance(spec, str) and baseline_unavailable_reason(spec):
+            continue
+        cache = make_cache(peaked_model, spec)
+        assert cache_nbytes(cache) == 0
+        with torch.inference_mode():
+            peaked_model(ids, cache=cache, use_cache=True)
+        sizes[str(spec)] = cache_nbytes(cache)
+        if not isinstance(spec, (str, type(None))):
+            assert sizes[str(spec)] == cache.nbytes == sum(cache.memory_breakdown().values())
+    # float32 DynamicCache: 2 layers x 2 sides x 2 kv heads x 32 channels x 192 tokens x 4 bytes
+    assert sizes["None"] == 2 * 2 * 2 * 32 * 192 * 4
+    assert all(0 < v < sizes["None"] for k, v in sizes.items() if k != "None")
