@@ -127,7 +127,10 @@ def test_demo_json_small():
     assert d["fused_compile_or_load_s"] >= 0
 
 
-def test_demo_warm_up_compiles_the_kernels_before_timing(tiny_llama, monkeypatch):
+def test_demo_warm_up_compiles_the_kernels_before_timing(monkeypatch):
+    from tests.helpers import tiny_model
+
+    tiny_llama = tiny_model("llama")
     import kivi.attention.fused_cpu as fused
     from kivi.cli.demo import warm_up
 
