@@ -17,6 +17,7 @@ cores, ``omp``'s spinning threads can lose; set the variable then.
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,9 +36,19 @@ _ALL_VALID = np.ones((1, 1), dtype=np.bool_)  # the kernel's mask argument when 
 
 
 def _kernel():
-    """The :mod:`.kernel` module: imports numba and compiles (or loads) the entry points on first use."""
-    from . import kernel
+    """The :mod:`.kernel` module: imports numba and compiles (or loads) the entry points on first use.
 
+    Loading the threaded entry starts numba's OpenMP layer, which resets the shared OpenMP thread
+    count, so torch's thread count (``torch.set_num_threads``) is put back as it was (measured: 1
+    became 2, and oversubscribed threads made decoding several times slower).
+    """
+    kernel = sys.modules.get(f"{__package__}.kernel")
+    if kernel is None:
+        threads = torch.get_num_threads()
+        from . import kernel
+
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
     return kernel
 
 
