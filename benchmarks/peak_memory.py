@@ -21,6 +21,12 @@ tokens without any cache, measured in the same child. Check:
 prefill activations; with chunked prefill they are those of one chunk, so they are counted).
 
     python benchmarks/peak_memory.py --context 8192 --new-tokens 16 --configs fp,extreme,high --out results/peak_memory_8k.json
+
+``--path generate`` measures ``model.generate()`` as a user calls it instead (a 2-D attention mask of
+ones, greedy, ``--new-tokens`` tokens, the cache generate builds: DynamicCache for ``fp``, the
+KiviCache of ``quantize_model`` otherwise), with generate's prefill in chunks of ``--chunk`` tokens
+(``generation_config.prefill_chunk_size``; ``--chunk 0``: one shot, transformers' default).
+``prefill_seconds`` is the time to the first new token (generate) or of ``chunked_prefill``.
 """
 
 from __future__ import annotations
@@ -68,25 +74,56 @@ def child(args: argparse.Namespace) -> dict:
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (args.batch, args.context), generator=g)
 
+    if args.path == "generate":
+        # generate()'s own prefill: one shot (prefill_chunk_size None, transformers' default) or in
+        # chunks of --chunk tokens (what quantize_model sets by default for KIVI models).
+        model.generation_config.prefill_chunk_size = args.chunk if args.chunk else None
+    prefill_seconds = []
+
+    class _FirstToken:
+        """generate() streamer: the time at which the first new token arrives (the prefill's end)."""
+
+        def __init__(self):
+            self.calls, self.t0 = 0, time.perf_counter()
+
+        def put(self, value):
+            self.calls += 1
+            if self.calls == 2:
+                prefill_seconds.append(time.perf_counter() - self.t0)
+
+        def end(self):
+            pass
+
     def run(n_ctx: int, n_new: int):
+        if args.path == "generate":
+            x = ids[:, :n_ctx]
+            with torch.no_grad():
+                out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n_new, min_new_tokens=n_new,
+                                     do_sample=False, return_dict_in_generate=True, streamer=_FirstToken(),
+                                     pad_token_id=0)
+            return out.cache
         cache = make_cache(model, cfg)
         with torch.no_grad():
+            t0 = time.perf_counter()
             logits = chunked_prefill(model, ids[:, :n_ctx], cache, chunk_size=args.chunk)
+            prefill_seconds.append(time.perf_counter() - t0)
             for _ in range(n_new):
                 nxt = logits.argmax(-1, keepdim=True)
                 logits = model(input_ids=nxt, cache=cache, use_cache=True).logits[:, -1]
         return cache
 
     # warm-up: first-call allocations (numba compilation, thread pools) do not count
-    c = run(min(args.context, 2 * args.chunk), 4)
+    c = run(min(args.context, 2 * (args.chunk or 512)), 4)
     del c
     gc.collect()
     set_cpu_threads(args.threads)  # loading the numba kernels can reset torch's thread count to numba's
     # activations of one chunk forward without any cache (what a prefill chunk costs beyond the cache)
     _reset_peak()
     base0 = _status("VmRSS")
+    n_chunk = args.chunk or args.context  # one-shot prefill: the chunk is the whole prompt
     with torch.no_grad():
-        model(input_ids=ids[:, : args.chunk], use_cache=False, logits_to_keep=1)
+        model(input_ids=ids[:, :n_chunk], attention_mask=torch.ones_like(ids[:, :n_chunk]), use_cache=False,
+              logits_to_keep=1)
     chunk_act = _status("VmHWM") - base0
     gc.collect()
 
@@ -111,7 +148,9 @@ def child(args: argparse.Namespace) -> dict:
         "context": args.context,
         "new_tokens": args.new_tokens,
         "batch": args.batch,
+        "path": args.path,
         "chunk": args.chunk,
+        "prefill_seconds": round(prefill_seconds[-1], 2),
         "baseline_rss": base,
         "peak_rss": peak,
         "peak_delta": peak - base,
@@ -131,7 +170,10 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--chunk", type=int, default=512, help="prefill chunk (0 with --path generate: one-shot prefill)")
+    ap.add_argument("--path", choices=["chunked", "generate"], default="chunked",
+                    help="chunked: kivi.attention.chunked_prefill + decode loop; generate: model.generate() as a "
+                         "user calls it (its prefill_chunk_size set from --chunk)")
     ap.add_argument("--configs", default="fp,extreme,high", help="fp and/or KIVI preset names, comma-separated")
     ap.add_argument("--backend", default="auto", help="KIVI attention backend")
     ap.add_argument("--threads", type=int, default=2)
@@ -148,7 +190,7 @@ def main() -> int:
     for name in [c.strip() for c in a.configs.split(",") if c.strip()]:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--config", name, "--model", a.model,
                "--context", str(a.context), "--new-tokens", str(a.new_tokens), "--batch", str(a.batch),
-               "--chunk", str(a.chunk), "--backend", a.backend, "--threads", str(a.threads)]
+               "--chunk", str(a.chunk), "--backend", a.backend, "--threads", str(a.threads), "--path", a.path]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode:
             print(res.stderr[-3000:], file=sys.stderr)
@@ -157,7 +199,8 @@ def main() -> int:
         rows.append(row)
         mib = lambda b: b / 2**20  # noqa: E731
         print(f"{row['description']:28s} peak +{mib(row['peak_delta']):8.1f} MiB  cache {mib(row['cache_bytes']):8.1f} MiB  "
-              f"budget {mib(row['budget_bytes']):8.1f} MiB  within: {row['within_budget']}  ({row['seconds']} s)",
+              f"budget {mib(row['budget_bytes']):8.1f} MiB  within: {row['within_budget']}  prefill {row['prefill_seconds']} s "
+              f"({row['seconds']} s)",
               file=sys.stderr, flush=True)
     out = {"command": " ".join(sys.argv), "torch": torch.__version__, "rows": rows}
     if a.out:

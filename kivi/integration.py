@@ -52,15 +52,30 @@ def check_model_supported(model: Any) -> None:
     model_layer_types(cfg)
 
 
-def quantize_model(model: Any, config: KiviConfig | None = None) -> Any:
+#: Prompt tokens per forward when ``generate()`` prefills a quantized model (transformers'
+#: ``generation_config.prefill_chunk_size``): bounds the prefill's activations and attention masks
+#: to those of one chunk, so the peak stays near the quantized cache (measured in the README).
+DEFAULT_PREFILL_CHUNK = 512
+
+
+def quantize_model(model: Any, config: KiviConfig | None = None, *,
+                   prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK) -> Any:
     """Make ``model`` use a KIVI cache; returns the same model object.
 
     Validates ``config`` against the model (e.g. a ``layer_specific_config`` index beyond the
     model's layers, a ``group_size`` that does not divide ``head_dim``).
+
+    ``prefill_chunk_size``: ``generate()`` feeds a long prompt in chunks of this many tokens
+    (transformers' ``generation_config.prefill_chunk_size``, set only when the model's generation
+    config has none; ``None`` leaves the one-shot prefill). Each chunk attends to the history as
+    decoding will see it (quantized beyond the window), as :func:`kivi.attention.chunked_prefill` does.
     """
     config = config if config is not None else KiviConfig()
     if not isinstance(config, KiviConfig):
         raise TypeError(f"config must be a KiviConfig, got {type(config).__name__}")
+    if prefill_chunk_size is not None and (isinstance(prefill_chunk_size, bool) or not isinstance(prefill_chunk_size, int)
+                                           or prefill_chunk_size < 1):
+        raise ValueError(f"prefill_chunk_size={prefill_chunk_size!r} must be a positive int or None")
     check_model_supported(model)
     plan_layers(model.config, config)  # validates the config against the model's layers
     text_cfg = model.config.get_text_config(decoder=True)
@@ -79,6 +94,12 @@ def quantize_model(model: Any, config: KiviConfig | None = None) -> Any:
     elif backend == "reference" and current == ATTN_IMPLEMENTATION:
         model.set_attn_implementation(getattr(model, "_kivi_previous_attn_implementation", None) or "sdpa")
     install_padding_hook(model)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        if not hasattr(model, "_kivi_previous_prefill_chunk_size"):
+            model._kivi_previous_prefill_chunk_size = gen.prefill_chunk_size  # the user's own setting
+        if model._kivi_previous_prefill_chunk_size is None:  # never override a chunk size the user chose
+            gen.prefill_chunk_size = prefill_chunk_size
 
     if not getattr(model, "_kivi_patched_generate", False):
         original = model._prepare_cache_for_generation
@@ -107,6 +128,9 @@ def dequantize_model(model: Any) -> Any:
         model._kivi_patched_generate = False
     model.kivi_config = None
     model.kivi_attention_backend = None
+    if hasattr(model, "_kivi_previous_prefill_chunk_size"):
+        model.generation_config.prefill_chunk_size = model._kivi_previous_prefill_chunk_size
+        del model._kivi_previous_prefill_chunk_size
     if model.config._attn_implementation == ATTN_IMPLEMENTATION:
         model.set_attn_implementation(getattr(model, "_kivi_previous_attn_implementation", None) or "sdpa")
     return model

@@ -181,3 +181,44 @@ def test_nbytes_is_real_storage():
                 tensors += sum(t.numel() * t.element_size() for t in blk.values())
             tensors += side.window.numel() * side.window.element_size()
     assert cache.nbytes == tensors == sum(cache.memory_breakdown().values())
+
+
+def test_generate_prefills_in_chunks_by_default_and_dequantize_restores():
+    from kivi.integration import DEFAULT_PREFILL_CHUNK
+
+    model = tiny_model("llama")
+    assert model.generation_config.prefill_chunk_size is None
+    quantize_model(model, KiviConfig())
+    assert model.generation_config.prefill_chunk_size == DEFAULT_PREFILL_CHUNK
+    quantize_model(model, KiviConfig(), prefill_chunk_size=64)  # re-quantizing updates kivi's own setting
+    assert model.generation_config.prefill_chunk_size == 64
+    dequantize_model(model)
+    assert model.generation_config.prefill_chunk_size is None
+    model.generation_config.prefill_chunk_size = 100  # the user's choice is never overridden
+    quantize_model(model, KiviConfig())
+    assert model.generation_config.prefill_chunk_size == 100
+    dequantize_model(model)
+    assert model.generation_config.prefill_chunk_size == 100
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="prefill_chunk_size"):
+            quantize_model(tiny_model("llama"), KiviConfig(), prefill_chunk_size=bad)
+
+
+def test_generate_chunked_prefill_equals_explicit_chunked_prefill():
+    """generate()'s default chunked prefill is kivi's chunked_prefill followed by greedy decoding."""
+    from kivi.attention import chunked_prefill
+
+    cfg = KiviConfig(group_size=8, residual_length=16, block_size=32)
+    model = quantize_model(tiny_model("llama"), cfg, prefill_chunk_size=24)
+    ids = torch.randint(1, 128, (1, 100))
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                         pad_token_id=0)
+    cache = KiviCache.from_model(model)
+    with torch.no_grad():
+        logits = chunked_prefill(model, ids, cache, chunk_size=24)
+        tokens = []
+        for _ in range(12):
+            nxt = logits.argmax(-1, keepdim=True)
+            tokens.append(nxt)
+            logits = model(input_ids=nxt, cache=cache, use_cache=True).logits[:, -1]
+    assert torch.equal(out[:, 100:], torch.cat(tokens, dim=1))

@@ -3,41 +3,12 @@ object (attributes, lists, dicts; each storage counted once) adds up to ``cache.
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
 from kivi import KiviCache, KiviConfig
 from kivi.cache.layer import KiviLayer
-
-
-def reachable_storage_bytes(root) -> int:
-    """Bytes of the distinct tensor storages reachable from ``root`` through attributes and containers."""
-    seen_obj: set[int] = set()
-    storages: dict[int, int] = {}
-    stack = [root]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen_obj or isinstance(obj, (str, bytes, int, float, bool, type(None), torch.dtype,
-                                                    torch.device, type, types.ModuleType, types.FunctionType)):
-            continue
-        seen_obj.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            st = obj.untyped_storage()
-            storages[st.data_ptr() if st.nbytes() else id(st)] = st.nbytes()
-            continue
-        if isinstance(obj, dict):
-            stack.extend(obj.keys())
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            stack.extend(obj)
-        elif hasattr(obj, "__dict__"):
-            stack.extend(vars(obj).values())
-        for slot in getattr(type(obj), "__slots__", ()):
-            if hasattr(obj, slot):
-                stack.append(getattr(obj, slot))
-    return sum(storages.values())
+from kivi.eval.reachable import reachable_tensor_bytes as reachable_storage_bytes
 
 
 def test_walker_sees_a_slice_pinning_its_base():
