@@ -183,19 +183,19 @@ def test_nbytes_is_real_storage():
     assert cache.nbytes == tensors == sum(cache.memory_breakdown().values())
 
 
-def test_generate_prefills_in_chunks_by_default_and_dequantize_restores():
-    from kivi.integration import DEFAULT_PREFILL_CHUNK
-
+def test_prefill_chunk_size_is_set_on_request_and_dequantize_restores():
     model = tiny_model("llama")
     assert model.generation_config.prefill_chunk_size is None
-    quantize_model(model, KiviConfig())
-    assert model.generation_config.prefill_chunk_size == DEFAULT_PREFILL_CHUNK
+    quantize_model(model, KiviConfig())  # default: transformers' one-shot prefill
+    assert model.generation_config.prefill_chunk_size is None
+    quantize_model(model, KiviConfig(), prefill_chunk_size=512)
+    assert model.generation_config.prefill_chunk_size == 512
     quantize_model(model, KiviConfig(), prefill_chunk_size=64)  # re-quantizing updates kivi's own setting
     assert model.generation_config.prefill_chunk_size == 64
     dequantize_model(model)
     assert model.generation_config.prefill_chunk_size is None
     model.generation_config.prefill_chunk_size = 100  # the user's choice is never overridden
-    quantize_model(model, KiviConfig())
+    quantize_model(model, KiviConfig(), prefill_chunk_size=512)
     assert model.generation_config.prefill_chunk_size == 100
     dequantize_model(model)
     assert model.generation_config.prefill_chunk_size == 100

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .packing import pack_codes, packed_size, unpack_codes
-from .primitives import _group_view, dequantize_groups, quantize_groups
+from .primitives import group_view, dequantize_groups, quantize_groups
 
 
 @dataclass
@@ -100,10 +100,10 @@ def quantize_kv(
     comp = None
     if residual_bits:
         x_hat = dequantize_groups(codes, scale, offset, bits, group_size, dim)
-        err = _group_view(x.float() - x_hat, dim % 4, group_size)
+        err = group_view(x.float() - x_hat, dim % 4, group_size)
         red = (dim % 4) + 1
         if vmask is not None:
-            vg = _group_view(torch.broadcast_to(vmask, x.shape), dim % 4, group_size)
+            vg = group_view(torch.broadcast_to(vmask, x.shape), dim % 4, group_size)
             cnt = vg.sum(dim=red).clamp_min(1)
             mean = (err * vg).sum(dim=red) / cnt
         else:
@@ -144,7 +144,7 @@ def dequantize_kv(p: PackedKV, dtype: torch.dtype = torch.float32) -> torch.Tens
     out = dequantize_groups(codes, p.scale, p.offset, p.bits, p.group_size, dim, dtype=torch.float32)
     comp = compensation_values(p)
     if comp is not None:
-        g = _group_view(out, dim % 4, p.group_size)
+        g = group_view(out, dim % 4, p.group_size)
         g = g + comp.unsqueeze((dim % 4) + 1)
         out = g.reshape(out.shape)
     return out.to(dtype)

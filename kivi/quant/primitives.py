@@ -48,7 +48,7 @@ def check_bits(bits: int, *, name: str = "bits", symmetric: bool = False) -> Non
         raise ValueError(f"{name}={bits} with symmetric quantization leaves no level besides 0; use bits >= 2")
 
 
-def _group_view(x: torch.Tensor, axis: int, group_size: int) -> torch.Tensor:
+def group_view(x: torch.Tensor, axis: int, group_size: int) -> torch.Tensor:
     """View ``x`` as ``[..., n_groups, group_size, ...]`` (grouped axis split in two)."""
     axis = axis % x.dim()
     n = x.shape[axis]
@@ -99,11 +99,11 @@ def quantize_groups(
         )
     param_dtype = param_dtype or x.dtype
     axis = axis % x.dim()
-    xg = _group_view(x.float(), axis, group_size)  # [..., n_groups, G, ...]
+    xg = group_view(x.float(), axis, group_size)  # [..., n_groups, G, ...]
     red = axis + 1  # the within-group dimension
     vg = None
     if valid is not None:
-        vg = _group_view(torch.broadcast_to(valid, x.shape), axis, group_size)
+        vg = group_view(torch.broadcast_to(valid, x.shape), axis, group_size)
 
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
@@ -150,7 +150,7 @@ def dequantize_groups(
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_groups`: ``codes * scale + offset`` (or the symmetric form)."""
     axis = axis % codes.dim()
-    cg = _group_view(codes, axis, group_size).float()
+    cg = group_view(codes, axis, group_size).float()
     red = axis + 1
     s = scale.float().unsqueeze(red)
     if offset is None:

@@ -27,7 +27,7 @@ from ...optional import numba_available
 from ...quant.packing import WORD_BITS
 from ...quant.fused_cpu import warmup as _warmup_quantizer
 from ..reference import view_geometry
-from .tables import _side_table, _valid_row
+from .tables import side_table, valid_row
 
 if TYPE_CHECKING:
     from ...cache.view import AttentionView
@@ -150,13 +150,13 @@ def fused_decode_attention(
         threaded = _use_threads(B, hkv, kv_len)
     kernel = _kernel()
     entry = kernel.decode_threaded if threaded else kernel.decode_serial
-    valid = _valid_row(attention_mask, B, kv_len)
+    valid = valid_row(attention_mask, B, kv_len)
     has_mask = valid is not None
     valid_np = _np(valid) if has_mask else _ALL_VALID
 
     keep: list = []
-    kd, kbits, kG = _side_table(k_view, start, keep)
-    vd, vbits, vG = _side_table(v_view, start, keep)
+    kd, kbits, kG = side_table(k_view, start, keep)
+    vd, vbits, vG = side_table(v_view, start, keep)
     prm = np.array([kbits, kG, vbits, vG], dtype=np.int64)
     q32 = _np(q.reshape(B, hq, d).float().contiguous())  # a view when q is contiguous float32
     out = torch.empty(B, hq, 1, dv)

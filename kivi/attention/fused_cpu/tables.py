@@ -1,7 +1,7 @@
 """The kernel's inputs built on the host: piece descriptor tables of a layer's views, and the mask row.
 
 A side (keys or values) of an :class:`~kivi.cache.view.AttentionView` is a table of *pieces*
-(:func:`_side_table`): the sink tokens, the store blocks (quantized or not) and the fp tail, one
+(:func:`side_table`): the sink tokens, the store blocks (quantized or not) and the fp tail, one
 int64 row each with the piece's kv positions and the addresses and strides of its tensors — no
 copies when the store holds float32 parameters — so one kernel call covers the whole view whatever
 the number of blocks. A block's row is memoised in its store (``BlockStore.derived["fused_cpu"]``,
@@ -21,7 +21,7 @@ from ...quant.kv import PackedKV, compensation_values
 if TYPE_CHECKING:
     from ...cache.view import AttentionView
 
-# Columns of a piece descriptor (one int64 row per piece of a side, see :func:`_side_table`).
+# Columns of a piece descriptor (one int64 row per piece of a side, see :func:`side_table`).
 # Strides are in elements of the array they describe; addresses are ``data_ptr()`` values.
 # The kernel reads these columns by name (kernel.py checks that they did not change).
 _LO, _HI, _QUANT = 0, 1, 2  # kv positions [lo, hi) (relative to the view start); quantized?
@@ -105,7 +105,7 @@ def _store_rows(view: AttentionView, start: int, keep: list) -> list[tuple]:
     return rows
 
 
-def _side_table(view: AttentionView, start: int, keep: list) -> tuple[np.ndarray, int, int]:
+def side_table(view: AttentionView, start: int, keep: list) -> tuple[np.ndarray, int, int]:
     """``(descriptors [P, NCOL] int64, bits, group_size)`` of one side's pieces, in token order.
 
     Pieces are the sink (if any), the store blocks (quantized or full precision) and the fp tail. Each descriptor
@@ -132,7 +132,7 @@ def _side_table(view: AttentionView, start: int, keep: list) -> tuple[np.ndarray
     return table, bits, group
 
 
-def _valid_row(attention_mask: torch.Tensor | None, batch: int, kv_len: int) -> torch.Tensor | None:
+def valid_row(attention_mask: torch.Tensor | None, batch: int, kv_len: int) -> torch.Tensor | None:
     """``[B, kv_len]`` bool from the last query row of a 4-D mask, ``None`` if all valid.
 
     Raises ``ValueError`` for a mask the kernel cannot express (callers check first).
