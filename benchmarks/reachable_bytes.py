@@ -44,7 +44,7 @@ def measure(model, cfg, context: int, batch: int) -> list[dict]:
         for _ in range(64):
             logits = model(logits.argmax(-1, keepdim=True), cache=cache, use_cache=True).logits[:, -1]
         row("after 64 decode steps")
-        cache.crop(cache.get_seq_length() - 100)
+        cache.crop(-100)  # transformers 5: a negative count of tokens to remove
         row("after crop(-100)")
         cache.reorder_cache(torch.arange(batch - 1, -1, -1))
         row("after reorder")

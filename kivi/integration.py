@@ -52,11 +52,6 @@ def check_model_supported(model: Any) -> None:
     model_layer_types(cfg)
 
 
-#: A prefill chunk that measured well when a caller wants the lowest prefill peak (README: at 8K
-#: tokens on SmolLM2 KIVI 2/2 peaked at +160 MiB instead of +264 MiB, with a 52-73% longer prefill).
-SUGGESTED_PREFILL_CHUNK = 512
-
-
 def quantize_model(model: Any, config: KiviConfig | None = None, *,
                    prefill_chunk_size: int | None = None) -> Any:
     """Make ``model`` use a KIVI cache; returns the same model object.

@@ -8,11 +8,6 @@ mask, ...)``. :func:`kivi_attention_forward` is that attention function for mode
   packed attention returned them): the views inside say what to read, the backend inside how
   (resolved once when the cache was built). A forward whose views hold nothing stored yet (a
   prefill) is exact attention and goes to transformers' SDPA over the full-precision tokens.
-  A prefill chunk (more than one query token) over a quantized history, on the ``"cpu"`` backend,
-  also goes to SDPA, over the layer's history dequantized (:func:`kivi.cache.view.materialize`)
-  when that copy is at most :data:`MATERIALIZE_PREFILL_BELOW` bytes — one layer's copy at a time,
-  freed when the layer's attention returns; above it, the blocked path
-  (:func:`kivi.attention.blocked.blocked_attention`, O(chunk x block) transient memory).
 * anything else — plain tensors from a cache built with ``attention_backend="reference"``, a
   non-KIVI cache, no cache — is full precision: transformers' SDPA is the right path for it.
 
@@ -30,13 +25,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..backends import ATTN_IMPLEMENTATION
-from ..cache.view import AttentionView, PackedStates, materialize
-from .reference import view_geometry
-
-#: Largest dequantized history (keys + values of one layer, repeated to the query heads, at the
-#: query's dtype) for which a prefill chunk runs SDPA over a dequantized copy instead of the
-#: blocked path. At 8K tokens SmolLM2 needs 38 MiB; a 13B model at 128K would need 5 GiB (blocked).
-MATERIALIZE_PREFILL_BELOW = 256 * 2**20
+from ..cache.view import AttentionView, PackedStates
 
 
 def run_backend(
@@ -111,18 +100,8 @@ def kivi_attention_forward(
         return sdpa_attention_forward(
             module, query, k_view.fp, v_view.fp, attention_mask, scaling=scaling, is_causal=is_causal, **kwargs
         )
-    if key.backend == "cpu" and query.shape[2] > 1 and _history_bytes(query, k_view, v_view) <= MATERIALIZE_PREFILL_BELOW:
-        # A prefill chunk over a quantized history: SDPA over this layer's history, dequantized once.
-        k, v = materialize(k_view, query.dtype), materialize(v_view, query.dtype)
-        return sdpa_attention_forward(module, query, k, v, attention_mask, scaling=scaling, is_causal=is_causal, **kwargs)
     out = run_backend(key.backend, query, k_view, v_view, scaling=scaling, attention_mask=attention_mask)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _history_bytes(query: torch.Tensor, k_view: AttentionView, v_view: AttentionView) -> int:
-    """Bytes of the views' history dequantized and repeated to the query heads, at the query's dtype."""
-    _, kv_len, _, dv = view_geometry(query, k_view, v_view)
-    return query.shape[0] * query.shape[1] * kv_len * (query.shape[-1] + dv) * query.element_size()
 
 
 def register() -> None:

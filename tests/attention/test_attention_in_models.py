@@ -61,14 +61,9 @@ def test_backend_resolution_is_explicit():
         quantize_model(tiny_model(**GQA3), KiviConfig(**CFG, attention_backend="triton"))
 
 
-@pytest.mark.parametrize("prefill", ["sdpa-over-dequantized", "blocked"])
 @pytest.mark.parametrize("sink", [0, 3])
 @pytest.mark.parametrize("chunks", [[40, 1, 1, 1, 1], [23, 17, 9, 1, 30, 1], [5, 3, 1, 6, 1]])
-def test_logits_cpu_match_reference(chunks, sink, prefill, monkeypatch):
-    import kivi.attention.interface as interface
-
-    if prefill == "blocked":  # no dequantized copy allowed: chunks over a quantized history go blocked
-        monkeypatch.setattr(interface, "MATERIALIZE_PREFILL_BELOW", 0)
+def test_logits_cpu_match_reference(chunks, sink):
     ref, fast = pair(cfg={"sink_tokens": sink})
     ids = torch.randint(1, 128, (2, sum(chunks)))
     lr, _ = _forward_steps(ref, ids, chunks)
