@@ -63,8 +63,8 @@ def quantize_model(model: Any, config: KiviConfig | None = None, *,
     tokens (transformers' ``generation_config.prefill_chunk_size``; never overrides a value the
     user set there). Each chunk attends to the history as decoding will see it (quantized beyond
     the window), as :func:`kivi.attention.chunked_prefill` does. Default ``None``: transformers'
-    one-shot prefill, which is the faster one on CPU (measured at 8K tokens: chunks of 512 lowered
-    KIVI 2/2's prefill peak from +264 to +160 MiB but made the prefill 52-73% slower); each layer's
+    one-shot prefill, the faster one on CPU (measured at 8K tokens on SmolLM2: chunks of 512 lowered
+    KIVI 2/2's prefill peak from +264 to +76 MiB but made the prefill 3.7x as long); each layer's
     full-precision keys/values are freed after that layer's attention either way.
     """
     config = config if config is not None else KiviConfig()
