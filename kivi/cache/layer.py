@@ -60,6 +60,14 @@ class _Side:
     def sink_len(self) -> int:
         return 0 if self.sink is None else self.sink.shape[-2]
 
+    def checkpoint(self) -> tuple:
+        """The side's state (tensors are replaced, never written in place, so references suffice)."""
+        return self.store.checkpoint(), self.window, self.window_valid, self.sink
+
+    def rollback(self, checkpoint: tuple) -> None:
+        store, self.window, self.window_valid, self.sink = checkpoint
+        self.store.rollback(store)
+
     def map_tensors(self, fn) -> None:
         self.store.map_tensors(fn)
         if self.sink is not None:
@@ -117,6 +125,20 @@ class KiviLayer(CacheLayerMixin):
         if self.sliding_window is not None:
             self._evict()  # before building the views: the mask of this forward already excludes them
         n = key_states.shape[-2]
+        # All or nothing: an error on either side (e.g. a non-finite value refused by the quantizer)
+        # leaves both sides exactly as they were before this call.
+        checkpoints = [(side, side.checkpoint()) for side in (self.k, self.v)]
+        try:
+            views = self._append_sides(key_states, value_states, valid, n)
+        except BaseException:
+            for side, cp in checkpoints:
+                side.rollback(cp)
+            raise
+        self.seen += n
+        return views[0], views[1]
+
+    def _append_sides(self, key_states: torch.Tensor, value_states: torch.Tensor, valid: torch.Tensor | None,
+                      n: int) -> list[AttentionView]:
         views = []
         for side, x in ((self.k, key_states), (self.v, value_states)):
             if not side.quantize:
@@ -131,8 +153,7 @@ class KiviLayer(CacheLayerMixin):
             start = 0 if side.sink is not None else side.store.start
             views.append(AttentionView(side.store, split, pending, quantized=True, sink=side.sink, start=start))
             self._flush(side, pending, pvalid)
-        self.seen += n
-        return views[0], views[1]
+        return views
 
     def _pending_valid(self, side: _Side, valid: torch.Tensor | None, n: int) -> torch.Tensor | None:
         if valid is None and side.window_valid is None:

@@ -124,6 +124,17 @@ class BlockStore:
             self.derived.clear()
             raise
 
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint(self) -> tuple:
+        """What :meth:`rollback` needs to undo every append made after this call."""
+        return self.length, self.start, len(self.blocks), self.template
+
+    def rollback(self, checkpoint: tuple) -> None:
+        """Forget every append made since ``checkpoint`` (blocks added since then are freed)."""
+        self.length, self.start, nblocks, self.template = checkpoint
+        del self.blocks[nblocks:], self.starts[nblocks:], self.caps[nblocks:]
+        self.derived.clear()
+
     # ------------------------------------------------------------------ reading
     def iter_blocks(self, end: int | None = None) -> Iterator[tuple[int, Segment]]:
         """Yield ``(first_token, segment)`` for the stored tokens ``[start, end)``, one block at a time.

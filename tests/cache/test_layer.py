@@ -271,3 +271,44 @@ def test_nan_in_a_decode_value_raises_and_leaves_the_store_as_it_was():
     with pytest.raises(ValueError, match="NaN or Inf"):
         layer.update(k1, v1)
     assert layer.v.store.length == before
+
+
+@pytest.mark.parametrize("sink", [0, 3])
+@pytest.mark.parametrize("fail_at", ["nan-value", "key-quantizer", "value-store"])
+def test_failed_update_leaves_the_cache_as_it_was(fail_at, sink, monkeypatch):
+    """An error inside update (either side, any step) leaves the layer bit-identical to before."""
+    from kivi import KiviCache
+    import kivi.cache.layer as layer_mod
+    import kivi.cache.store as store_mod
+
+    cfg = KiviConfig(group_size=8, residual_length=16, block_size=32, sink_tokens=sink)
+    g = torch.Generator().manual_seed(0)
+    kv = lambda n: (torch.randn(1, 2, n, 16, generator=g), torch.randn(1, 2, n, 16, generator=g))  # noqa: E731
+    a, b = KiviCache(cfg), KiviCache(cfg)
+    for n in (40, 1, 1, 7):
+        k, v = kv(n)
+        a.update(k, v, 0)
+        b.update(k, v, 0)
+    k, v = kv(100)
+    if fail_at == "nan-value":
+        v[0, 0, 50, 3] = float("nan")
+    elif fail_at == "key-quantizer":
+        monkeypatch.setattr(layer_mod, "quantize_kv", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("boom")))
+    else:
+        calls = []
+        orig = store_mod.BlockStore.append_in_place
+
+        def fail_second(self, n, write):  # keys are written first; fail when values are written
+            calls.append(n)
+            if len(calls) == 2:
+                raise RuntimeError("boom")
+            return orig(self, n, write)
+
+        monkeypatch.setattr(store_mod.BlockStore, "append_in_place", fail_second)
+    with pytest.raises((ValueError, RuntimeError)):
+        a.update(k, v, 0)
+    monkeypatch.undo()
+    assert a.get_seq_length() == b.get_seq_length() and a.nbytes == b.nbytes
+    k, v = kv(1)
+    ra, rb = a.update(k, v, 0), b.update(k, v, 0)
+    assert torch.equal(ra[0], rb[0]) and torch.equal(ra[1], rb[1])
