@@ -303,13 +303,17 @@ class KiviLayer(CacheLayerMixin):
         if tokens_to_remove == 0 or not self.is_initialized:
             return
         new_seen = self.seen + tokens_to_remove
+        if new_seen < 0:
+            raise ValueError(
+                f"crop({tokens_to_remove}): the cache holds {self.seen} tokens, so at most {self.seen} can be removed"
+            )
         if new_seen < self.kv_offset:
             raise ValueError(
                 f"cannot crop to {new_seen} tokens: tokens before {self.kv_offset} were dropped by the sliding window"
             )
         for side in (self.k, self.v):
-            self._crop_side(side, max(new_seen, 0))
-        self.seen = max(new_seen, 0)
+            self._crop_side(side, new_seen)
+        self.seen = new_seen
 
     def _crop_side(self, side: _Side, new_seen: int) -> None:
         store = side.store

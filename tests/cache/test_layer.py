@@ -312,3 +312,14 @@ def test_failed_update_leaves_the_cache_as_it_was(fail_at, sink, monkeypatch):
     k, v = kv(1)
     ra, rb = a.update(k, v, 0), b.update(k, v, 0)
     assert torch.equal(ra[0], rb[0]) and torch.equal(ra[1], rb[1])
+
+
+def test_crop_beyond_the_cache_names_the_cache_length():
+    layer = KiviLayer(KiviConfig(group_size=8, residual_length=16, block_size=32))
+    k = torch.randn(1, 2, 150, 16)
+    layer.update(k, k)
+    with pytest.raises(ValueError, match=r"crop\(-151\): the cache holds 150 tokens, so at most 150"):
+        layer.crop(-151)
+    assert layer.get_seq_length() == 150
+    layer.crop(-150)  # everything may go
+    assert layer.get_seq_length() == 0
