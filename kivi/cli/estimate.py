@@ -85,6 +85,8 @@ def build_spec(args: argparse.Namespace) -> Any:
         if missing:
             raise CliError(f"an explicit shape also needs {' '.join(missing)}")
         layer_types = None
+        if args.sliding_window is not None and args.sliding_window < 1:
+            raise CliError(f"--sliding-window {args.sliding_window}: must be a positive number of tokens")
         if args.sliding_layers or args.sliding_window:
             if not (args.sliding_layers and args.sliding_window):
                 raise CliError("--sliding-window and --sliding-layers go together")

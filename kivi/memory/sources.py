@@ -61,6 +61,9 @@ class ModelSpec:
         if len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         check_layer_types(self.layer_types, "ModelSpec")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
+                                                or not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window={self.sliding_window!r} must be a positive integer (tokens) or None")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ValueError("sliding_attention layers need sliding_window")
         for f in ("params", "weights_bytes", "max_context"):
