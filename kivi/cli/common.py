@@ -126,4 +126,15 @@ def load_model_and_windows(args: argparse.Namespace):
         raise ValueError(f"--prefix {args.prefix} must be smaller than --context {args.context} (nothing left to score)")
     text = load_text(args.text)  # fail on a bad path before loading the model
     model, tok = load_model(args.model, dtype=args.dtype)
+    check_context_fits(model, args.context, "--context")
     return model, tok, token_windows(tok, text, args.context, args.windows)
+
+
+def check_context_fits(model: Any, tokens: int, what: str) -> None:
+    """Raise ``ValueError`` when ``tokens`` (described by ``what``) exceed the model's context length."""
+    from ..models import model_max_context
+
+    max_ctx = model_max_context(model)
+    if tokens > max_ctx:
+        raise ValueError(f"{what} needs {tokens:,} tokens, longer than the model supports ({max_ctx:,} tokens, "
+                         "max_position_embeddings)")

@@ -6,6 +6,7 @@ import argparse
 
 from .common import (
     add_config_args,
+    check_context_fits,
     add_model_args,
     add_output_args,
     add_text_args,
@@ -101,7 +102,17 @@ def cmd_passkey(args: argparse.Namespace) -> int:
     if not specs:
         raise ValueError("nothing to evaluate: drop --no-fp or give --preset/--presets/--baseline/--k-bits ...")
     lengths, depths = _int_list(args.lengths), _float_list(args.depths)
+    # Checked before the model loads.
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"--lengths {args.lengths}: give positive prompt lengths in tokens, e.g. 1024,2048")
+    if not depths or not all(0.0 <= d <= 1.0 for d in depths):
+        raise ValueError(f"--depths {args.depths}: give needle depth fractions between 0 and 1, e.g. 0.1,0.5,0.9")
+    if args.seeds < 1:
+        raise ValueError(f"--seeds {args.seeds} must be a positive integer")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be a positive integer")
     model, tok = load_model(args.model, dtype=args.dtype)
+    check_context_fits(model, max(lengths) + args.max_new_tokens, f"--lengths {max(lengths)} + --max-new-tokens")
     r = passkey(model, tok, specs, lengths=lengths, depths=depths, seeds=args.seeds,
                 max_new_tokens=args.max_new_tokens, progress=not args.no_progress)
     lines = []

@@ -98,6 +98,8 @@ def test_profile_and_tune(cli_on_tiny_model, capsys, tmp_path):
     (["eval", "ppl", "--baseline", "quanto-int2", "--preset", "high"], "not both"),
     (["eval", "ppl", "--baseline", "nope"], "unknown baseline"),
     (["eval", "ppl", "--group-size", "48", "--residual-length", "96", "--context", "160", "--prefix", "64"], "group_size"),
+    (["eval", "ppl", "--context", "5000", "--prefix", "64"], "longer than the model supports (4,096 tokens"),
+    (["eval", "kld", "--context", "5000", "--prefix", "64"], "longer than the model supports (4,096 tokens"),
     (["tune"], "budget"),
     (["tune", "--max-ppl-increase", "lots"], "percentage"),
 ])
@@ -106,6 +108,26 @@ def test_bad_input_is_one_line_exit_2(cli_on_tiny_model, capsys, argv, msg):
     _, err = capsys.readouterr()
     assert rc == 2
     assert msg in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--lengths", "5000"], "longer than the model supports (4,096 tokens"),
+    (["--lengths", "0"], "--lengths 0"),
+    (["--depths", "1.5"], "--depths 1.5"),
+    (["--seeds", "0"], "--seeds 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens 0"),
+])
+def test_passkey_bad_input_is_one_line_exit_2(cli_on_tiny_model, capsys, monkeypatch, argv, msg):
+    import kivi.models
+
+    loads = []
+    real = kivi.models.load_model
+    monkeypatch.setattr(kivi.models, "load_model", lambda *a, **kw: loads.append(1) or real(*a, **kw))
+    rc = main(["eval", "passkey", "--no-progress", *argv])
+    _, err = capsys.readouterr()
+    assert rc == 2
+    assert msg in err and len(err.strip().splitlines()) == 1
+    assert loads == ([1] if "5000" in argv else [])  # argument errors come before the model loads
 
 
 @pytest.mark.slow
