@@ -22,6 +22,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
+#: Sink tokens are a handful of full-precision tokens; more than this is a mistake (not a cache).
+MAX_SINK_TOKENS = 4096
 SCALE_DTYPES = ("auto", "float16", "bfloat16", "float32")
 RESIDUAL_BITS = (0, 1, 2, 3, 4, 8)
 
@@ -86,14 +88,21 @@ class KiviConfig:
     def __post_init__(self) -> None:
         # JSON turns int keys into strings; accept both.
         lsc = {}
+        if not isinstance(self.layer_specific_config or {}, dict):
+            raise ValueError(
+                f"layer_specific_config={self.layer_specific_config!r} must be a mapping {{layer index: {{field: value}}}}"
+            )
         for k, v in dict(self.layer_specific_config or {}).items():
-            try:
-                idx = int(k)
-            except (TypeError, ValueError):
+            digits = isinstance(k, str) and k.strip().isdigit()
+            if isinstance(k, bool) or not (isinstance(k, int) or digits):
                 raise ValueError(
                     f"layer_specific_config key {k!r} is not a layer index; expected a non-negative integer"
-                ) from None
-            lsc[idx] = dict(v)
+                )
+            if not isinstance(v, dict):
+                raise ValueError(
+                    f"layer_specific_config[{k!r}]={v!r} must be a mapping of fields, e.g. {{\"k_bits\": 4}}"
+                )
+            lsc[int(k)] = dict(v)
         self.layer_specific_config = lsc
         self.validate()
 
@@ -103,6 +112,13 @@ class KiviConfig:
         _check_layer_fields(self, where="")
         _check_int(self, "block_size", minimum=1)
         _check_int(self, "sink_tokens", minimum=0)
+        if self.sink_tokens > MAX_SINK_TOKENS:
+            raise ValueError(
+                f"sink_tokens={self.sink_tokens} is more than {MAX_SINK_TOKENS}: sink tokens are kept in full precision "
+                "(a handful, e.g. 4, is what they are for); use residual_length for a longer full-precision window"
+            )
+        if not isinstance(self.check_finite, bool):
+            raise ValueError(f"check_finite={self.check_finite!r} must be true or false")
         if self.block_size % self.group_size:
             raise ValueError(
                 f"block_size={self.block_size} must be a multiple of group_size={self.group_size}"
@@ -215,7 +231,7 @@ def _check_int(cfg: Any, name: str, *, minimum: int, where: str = "") -> None:
 def _check_layer_fields(cfg: KiviConfig, *, where: str) -> None:
     for name in ("k_bits", "v_bits"):
         v = getattr(cfg, name)
-        if isinstance(v, bool) or v not in SUPPORTED_BITS:
+        if isinstance(v, bool) or not isinstance(v, int) or v not in SUPPORTED_BITS:
             raise ValueError(f"{where}{name}={v!r} is not supported; allowed values are {list(SUPPORTED_BITS)}")
         if cfg.symmetric and v < 2:
             raise ValueError(f"{where}{name}={v} is not possible with symmetric=True (no level besides 0)")

@@ -44,6 +44,15 @@ def test_json_round_trip(tmp_path):
         (dict(layer_specific_config={"x": {}}), r"'x' is not a layer index"),
         (dict(quantize_key="yes"), r"quantize_key='yes' must be true or false"),
         (dict(sink_tokens=-1), r"sink_tokens=-1 must be an integer >= 0"),
+        # types are checked up front (a float width used to pass and fail mid-generation)
+        (dict(k_bits=2.0), r"k_bits=2.0 is not supported"),
+        (dict(v_bits="2"), r"v_bits='2' is not supported"),
+        (dict(check_finite="no"), r"check_finite='no' must be true or false"),
+        (dict(layer_specific_config={1.7: {"k_bits": 4}}), r"key 1.7 is not a layer index"),
+        (dict(layer_specific_config={True: {"k_bits": 4}}), r"key True is not a layer index"),
+        (dict(layer_specific_config={"0": 4}), r"layer_specific_config\['0'\]=4 must be a mapping"),
+        (dict(layer_specific_config=[1]), r"layer_specific_config=\[1\] must be a mapping"),
+        (dict(sink_tokens=10**12), r"sink_tokens=1000000000000 is more than 4096"),
     ],
 )
 def test_validation_names_field_value_and_allowed(kwargs, match):
