@@ -28,7 +28,7 @@ from . import CliError
 from ..eval.caches import cache_nbytes, make_cache
 from ..eval.progress import progress_bar
 from ..eval.stream import score_continuation, token_agreement
-from .common import add_model_args, add_text_args, print_json, set_cpu_threads
+from .common import add_model_args, add_text_args, check_context_fits, print_json, set_cpu_threads
 
 DEFAULT_PRESETS = "high,balanced,extreme"
 
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..data import load_text
-    from ..models import load_model, model_max_context
+    from ..models import load_model
 
     threads = args.threads or auto_threads(torch.get_num_threads())
     torch.set_num_threads(threads)
@@ -197,13 +197,8 @@ def run(args: argparse.Namespace) -> int:
         check_model_supported(model)
         cfg.validate(num_layers=model.config.get_text_config(decoder=True).num_hidden_layers)
 
-    max_ctx = model_max_context(model)
-    need = args.context + max(args.max_new_tokens, args.eval_tokens)
-    if need > max_ctx:
-        raise CliError(
-            f"--context {args.context} + {max(args.max_new_tokens, args.eval_tokens)} generated/scored tokens = {need} "
-            f"is longer than the model supports ({max_ctx} tokens, max_position_embeddings)"
-        )
+    extra = max(args.max_new_tokens, args.eval_tokens)
+    check_context_fits(model, args.context + extra, f"--context {args.context} + {extra} generated/scored tokens")
     from ..data import token_ids
 
     ids = token_ids(tokenizer, text)

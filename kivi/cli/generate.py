@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from . import CliError
-from .common import add_config_args, add_model_args, config_from_args, print_json
+from .common import add_config_args, add_model_args, check_context_fits, config_from_args, print_json
 
 
 def register(sub: Any) -> None:
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..integration import quantize_model
     from ..memory import estimate_kv_memory
-    from ..models import load_model, model_max_context
+    from ..models import load_model
 
     if not args.json:
         print(f"loading {args.model!r} ...", file=sys.stderr, flush=True)
@@ -90,12 +90,8 @@ def run(args: argparse.Namespace) -> int:
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     ids = ids.to(model.device)
     n_prompt = ids.shape[-1]
-    max_ctx = model_max_context(model)
-    if n_prompt + args.max_new_tokens > max_ctx:
-        raise CliError(
-            f"the prompt ({n_prompt} tokens) + --max-new-tokens {args.max_new_tokens} = "
-            f"{n_prompt + args.max_new_tokens} tokens is longer than the model supports ({max_ctx} tokens)"
-        )
+    check_context_fits(model, n_prompt + args.max_new_tokens,
+                       f"the prompt ({n_prompt} tokens) + --max-new-tokens {args.max_new_tokens}")
 
     streamer = None
     if not args.json:
