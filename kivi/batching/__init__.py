@@ -1,0 +1,16 @@
+"""KIVI pages in transformers' continuous batching (``model.generate_batch`` / ``init_continuous_batching``).
+
+:func:`init_continuous_batching` and :func:`generate_batch` are the entry points; see
+docs/continuous-batching.md. Modules: ``version`` (the tested transformers versions), ``layout``
+(bytes of a KIVI block), ``pages`` (page reads and writes), ``allocator`` (block bookkeeping and each
+request's KIVI state), ``cache`` (the paged cache's forward), ``manager`` (the entry points).
+"""
+
+from .layout import PageLayout, build_layout, fp_block_bytes
+from .manager import KiviBatchingManager, generate_batch, init_continuous_batching
+from .version import TESTED_TRANSFORMERS, check_transformers_version
+
+__all__ = [
+    "init_continuous_batching", "generate_batch", "KiviBatchingManager", "PageLayout", "build_layout",
+    "fp_block_bytes", "TESTED_TRANSFORMERS", "check_transformers_version",
+]

@@ -1,0 +1,248 @@
+"""`KiviPagedCache`: transformers' ``PagedAttentionCache`` whose blocks hold KIVI pages.
+
+What changes against the float paged cache (everything else — scheduling, block tables, prefix
+hashes, the batch's attention mask — is transformers' own):
+
+* **size**: the number of blocks is ``cache_memory // layout.block_bytes`` (the packed block size),
+  and no trash sectors are reserved (nothing reads or writes through indices);
+* **update** (one call per layer and forward): for every request of the batch, what attention sees
+  is its sink, its pages dequantized (all requests' pages of this layer in one gather and one
+  dequantization), its window and its new tokens, in full precision, concatenated in the batch's
+  order (transformers' SDPA / eager attention then runs over it with its varlen mask: at most one
+  layer of the batch's context is dequantized at a time). Then, as in :class:`kivi.cache.KiviLayer`,
+  tokens leave the window (keys in whole groups of ``G`` once ``R`` newer remain, values beyond
+  ``R``), are quantized (one :func:`kivi.quant.kv.quantize_kv` per side for the whole batch) and
+  written to their pages.
+
+The batch's requests reach ``update`` through the one side channel transformers leaves:
+``extend_read_and_write_indices`` is called once per request, in batch order, while the batch is
+prepared; the cache records ``(request_id, past_length, query_length)`` there (:attr:`_next_batch`)
+and the first layer's ``update`` takes that list for the whole forward. Synchronous batching only
+(``use_async_batching`` prepares the next batch during a forward; it is refused).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.generation.continuous_batching.cache import PagedAttentionCache
+from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION, CachePool
+from transformers.generation.continuous_batching.requests import RequestState as HFRequestState
+from transformers.generation.continuous_batching.requests import RequestStatus
+
+from ..cache.schedule import flush_count, sink_take
+from ..quant.kv import dequantize_kv, quantize_kv
+from .allocator import KiviPageAllocator
+from .layout import AXIS, SIDES, PageLayout, _param_dtype, field_views, window_view
+from .pages import gather_pages, scatter_tokens, store_rows
+
+DEFAULT_MAX_BATCH_TOKENS = 8192  # transformers' own default (PagedAttentionMemoryHandler)
+
+
+class KiviPagedCache(PagedAttentionCache):
+    """A ``PagedAttentionCache`` of KIVI pages holding at most ``cache_memory`` bytes (see the module docstring)."""
+
+    def __init__(self, config: Any, continuous_batching_config: Any, device: torch.device | str, *,
+                 layout: PageLayout, cache_memory: int) -> None:
+        if isinstance(cache_memory, bool) or not isinstance(cache_memory, int) or cache_memory < 1:
+            raise ValueError(f"cache_memory={cache_memory!r} must be a positive number of bytes")
+        self.config = config
+        self.dtype = layout.dtype
+        self.device = device
+        self.layout = layout
+        self.max_blocks_per_request = 0  # no decode fast path: no kernel reads KIVI pages by block table
+        allocator = KiviPageAllocator(0, list(range(layout.num_layers)), layout,
+                                      continuous_batching_config.allow_block_sharing)
+        self.cache_allocators = {FULL_ATTENTION: allocator}
+        self.layer_to_allocator = dict.fromkeys(range(layout.num_layers), allocator)
+        self.bytes_per_sector = layout.block_bytes  # one block per sector
+        self.tokens_per_sector = layout.page_size * layout.num_layers
+        self.max_batch_tokens = continuous_batching_config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
+        self.num_sectors = cache_memory // layout.block_bytes
+        if self.num_sectors < layout.window_blocks + 1:
+            raise ValueError(
+                f"cache_memory={cache_memory} bytes holds {self.num_sectors} KIVI blocks of {layout.block_bytes} bytes; "
+                f"one request needs at least {layout.window_blocks + 1} (its full-precision window and one page)"
+            )
+        self.cache_tensor = torch.zeros(self.num_sectors * self.bytes_per_sector, dtype=torch.uint8, device=device)
+        self.pool = CachePool(self.num_sectors, 1, num_reserved_sectors=0)
+        allocator.register_cache_tensor(self.bytes_per_sector, self.cache_tensor.numel(), self.cache_tensor, self.pool)
+        self.allow_block_sharing = continuous_batching_config.allow_block_sharing
+        self.use_prefix_sharing = self.allow_block_sharing and not any(c.sink_tokens for c in layout.layer_configs)
+        self.num_blocks = self.num_sectors
+        self.read_cache_limit = None
+        self.max_decode_fast_path_length = 0
+        self.max_tokens_read = layout.page_size * self.num_blocks
+        self._views = field_views(self.cache_tensor, layout)
+        self._rows = window_view(self.cache_tensor, layout)
+        self._next_batch: list[tuple[str, int, int]] = []  # filled while a batch is prepared
+        self._batch: list[tuple[str, int, int]] = []  # the batch of the running forward
+        #: largest keys + values (bytes) one update handed to attention: the dequantized transient of one layer
+        self.max_dequantized_bytes = 0
+
+    @property
+    def allocator(self) -> KiviPageAllocator:
+        return self.cache_allocators[FULL_ATTENTION]
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def page_bytes_total(self) -> int:
+        """Bytes of the cache tensor: blocks x block bytes (what ``cache_memory`` bounds)."""
+        return self.cache_tensor.numel()
+
+    def free_block_count(self) -> int:
+        self.pool.try_to_free_sectors()
+        return self.pool.num_free_sectors + self.pool.count_free_blocks(0)
+
+    # ------------------------------------------------------------------ batch plan (the side channel)
+    def extend_read_and_write_indices(self, request_id: str, past_length: int, query_length: int,
+                                      read_index: list[list[int]] | None, write_index: list[list[int]]) -> None:
+        """transformers calls this once per request, in batch order, while it prepares a batch."""
+        self._next_batch.append((request_id, past_length, query_length))
+
+    # ------------------------------------------------------------------ prefix sharing
+    def count_new_complete_blocks(self, state: HFRequestState, request_len: int) -> dict[str, int]:
+        return {FULL_ATTENTION: 1} if self.use_prefix_sharing else {}
+
+    def mark_complete_blocks(self, state: HFRequestState, complete_blocks: dict[str, int]) -> None:
+        """Hash (offer for sharing) the request's blocks whose tokens every layer has quantized."""
+        if not self.use_prefix_sharing or state.status == RequestStatus.FINISHED:
+            return
+        alloc = self.allocator
+        table = alloc.block_table.get(state.request_id, [])
+        hashed = 0
+        while hashed < len(table) and table[hashed] in alloc.ledger.block_to_hash:
+            hashed += 1
+        new = min(alloc.quantized_blocks(state.request_id), len(table)) - hashed
+        if new > 0:
+            alloc.mark_complete_blocks(state.request_id, state.initial_tokens + state.generated_tokens, new)
+
+    def prepare_fork_request(self, src_state, dst_req_ids, copy_src_and_dst):
+        raise NotImplementedError("KIVI pages do not support forking requests (num_return_sequences > 1)")
+
+    # ------------------------------------------------------------------ the forward
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[1, H, n, D]`` new keys / values of the batch -> ``[1, H, sum(past + q), D]`` for attention."""
+        alloc = self.allocator
+        kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][alloc.layer_type].to(torch.int32)
+        kwargs["max_length_k"] = kwargs["max_length_k"][alloc.layer_type]
+        if kwargs.get("block_table") is not None:
+            raise NotImplementedError("KIVI pages cannot be read by a block-table (flash) kernel")
+        if layer_idx == 0:
+            self._batch, self._next_batch = self._next_batch, []
+        n = key_states.shape[-2]
+        if sum(q for _, _, q in self._batch) != n:
+            raise RuntimeError(
+                f"KiviPagedCache.update got {n} new tokens but the prepared batch has "
+                f"{sum(q for _, _, q in self._batch)}; was the batch prepared by transformers' continuous batching?")
+        keys, values = self.layer_forward(layer_idx, key_states[0], value_states[0], self._batch)
+        self.max_dequantized_bytes = max(self.max_dequantized_bytes,
+                                         keys.numel() * keys.element_size() * 2)
+        return keys.unsqueeze(0), values.unsqueeze(0)
+
+    def layer_forward(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
+                      batch: list[tuple[str, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer of one forward: ``keys`` / ``values`` ``[H, n, D]`` (the batch's new tokens, in batch
+        order) -> what attention sees ``[H, sum(past + q), D]``; then moves tokens out of the windows."""
+        alloc, lay = self.allocator, self.layout
+        cfg = lay.layer_configs[layer]
+        states = [alloc.state(rid) for rid, _, _ in batch]
+        for (rid, past, _), st in zip(batch, states):
+            if not st.window_blocks:
+                raise RuntimeError(f"request {rid} has no KIVI window blocks (its cache was never allocated)")
+            for s in range(2):
+                window = past - st.sink[layer][s] - st.stored[layer][s]
+                if window < 0:
+                    raise RuntimeError(f"request {rid}: layer {layer} side {SIDES[s]} holds more tokens than its past "
+                                       f"({past})")
+        qs = [q for _, _, q in batch]
+        out = []
+        for s, (side, new) in enumerate((("k", keys), ("v", values))):
+            out.append(self._side_forward(layer, s, side, cfg, new.split(qs, dim=1), batch, states))
+        return out[0], out[1]
+
+    def _side_forward(self, layer, s, side, cfg, news, batch, states) -> torch.Tensor:
+        alloc, lay = self.allocator, self.layout
+        P = lay.page_size
+        dtype = news[0].dtype
+        views = self._views[(layer, side)]
+        bits = cfg.k_bits if side == "k" else cfg.v_bits
+        # 1. every request's pages of this layer and side: one gather, one dequantization
+        blocks: list[int] = []
+        starts: list[int] = []
+        for (rid, _, _), st in zip(batch, states):
+            starts.append(len(blocks) * P)
+            blocks.extend(alloc.block_table[rid][: lay.token_blocks(st.stored[layer][s])])
+        deq = None
+        if blocks:
+            seg = gather_pages(views, torch.tensor(blocks, dtype=torch.long, device=self.cache_tensor.device),
+                               bits=bits, group_size=cfg.group_size, axis=AXIS[side], head_dim=lay.head_dim,
+                               residual_bits=cfg.residual_bits)
+            deq = dequantize_kv(seg, dtype)[0]  # [H, N * P, D]
+        # 2. what attention sees, request by request: sink, pages, window, new tokens
+        parts: list[torch.Tensor] = []
+        pendings: list[torch.Tensor] = []
+        for (rid, past, q), st, new, start in zip(batch, states, news, starts):
+            sink, stored = st.sink[layer][s], st.stored[layer][s]
+            wlen = past - sink - stored
+            idx = st.window_index[layer, s]
+            if sink:
+                parts.append(self._rows[idx[:sink, 0], idx[:sink, 1]].transpose(0, 1))
+            if stored:
+                parts.append(deq[:, start: start + stored])
+            if wlen:
+                w = idx[cfg.sink_tokens: cfg.sink_tokens + wlen]
+                pending = torch.cat([self._rows[w[:, 0], w[:, 1]].transpose(0, 1), new], dim=1)
+            else:
+                pending = new
+            parts.append(pending)
+            pendings.append(pending)
+        seen = torch.cat(parts, dim=1)
+        del deq
+        # 3. move what is due out of the windows (the rule of kivi.cache.schedule), quantize once, write
+        moved, tok_index, grp_index, sink_rows, window_rows, new_state = [], ([], []), ([], []), [], [], []
+        for (rid, past, q), st, pending in zip(batch, states, pendings):
+            sink, stored = st.sink[layer][s], st.stored[layer][s]
+            total = pending.shape[1]
+            take = sink_take(total, cfg.residual_length, sink, cfg.sink_tokens)
+            move = flush_count(AXIS[side], total - take, cfg.residual_length, cfg.group_size)
+            idx = st.window_index[layer, s]
+            if take:
+                sink_rows.append((idx[sink: sink + take], pending[:, :take]))
+            if move:
+                moved.append(pending[:, take: take + move])
+                table = alloc.block_table[rid]
+                for dest, per_row in ((tok_index, 1), (grp_index, cfg.group_size if side == "k" else None)):
+                    if per_row is not None:
+                        b, r = store_rows(table, stored, move, lay.page_size, per_row)
+                        dest[0].extend(b)
+                        dest[1].extend(r)
+            rest = pending[:, take + move:]
+            if rest.shape[1]:
+                window_rows.append((idx[cfg.sink_tokens: cfg.sink_tokens + rest.shape[1]], rest))
+            new_state.append((sink + take, stored + move))
+        seg = None
+        if moved:  # quantize before writing anything: a refused value leaves the cache as it was
+            seg = quantize_kv(torch.cat(moved, dim=1).unsqueeze(0), AXIS[side], bits, cfg.group_size,
+                              symmetric=cfg.symmetric, residual_bits=cfg.residual_bits,
+                              param_dtype=_param_dtype(cfg, dtype), check_finite=cfg.check_finite)
+        rows = sink_rows + window_rows
+        rows_src = torch.cat([r.transpose(0, 1) for _, r in rows], dim=0) if rows else None  # [n, H, D]
+        if seg is not None:
+            dev = self.cache_tensor.device
+            index = {1: tuple(torch.tensor(x, dtype=torch.long, device=dev) for x in tok_index)}
+            if side == "k":  # keys' scale / offset / compensation: one row per group of G tokens
+                index[cfg.group_size] = tuple(torch.tensor(x, dtype=torch.long, device=dev) for x in grp_index)
+            per_row = {f.name: f.tokens_per_row for f in self.layout.layer_fields(layer, side).values()}
+            scatter_tokens(views, seg, index, per_row)
+        if rows_src is not None:
+            ridx = torch.cat([i for i, _ in rows], dim=0)
+            self._rows[ridx[:, 0], ridx[:, 1]] = rows_src.to(self._rows.dtype)
+        for st, (sink, stored) in zip(states, new_state):
+            st.sink[layer][s], st.stored[layer][s] = sink, stored
+        return seen
+
+
+__all__ = ["KiviPagedCache", "DEFAULT_MAX_BATCH_TOKENS"]

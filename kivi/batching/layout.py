@@ -1,0 +1,226 @@
+"""The byte layout of KIVI pages: what one block of the paged cache holds, and how many fit a budget.
+
+transformers' paged cache (``PagedAttentionCache``) cuts one flat byte tensor into **blocks**; a block
+holds ``page_size`` consecutive tokens of one request for every layer (one **page** per layer). A KIVI
+block holds, per layer and per side (keys, values), the fields of a :class:`~kivi.quant.kv.PackedKV`
+of ``page_size`` tokens:
+
+* keys (per channel, groups of ``G`` tokens): codes ``[H, P, packed(D)]``, scale / offset
+  ``[H, P // G, D]`` (+ compensation codes) — a page is a whole number of key groups (``G | P``);
+* values (per token, groups of ``G`` channels): codes ``[H, P, packed(D)]``, scale / offset ``[H, P, D // G]``.
+
+Field shapes and dtypes are read off :func:`kivi.quant.kv.quantize_kv` itself (one quantization of a
+zero page), so the page format is the format of kivi's own cache, never restated here.
+
+Each request also keeps full-precision rows (model dtype, ``[H, D]`` per token): its sink tokens and
+its window of recent tokens, ``S + R + G - 1`` rows per layer and side at most. They live in
+**window blocks** taken from the same pool (so the budget counts them and the scheduler sees them):
+``window_blocks`` blocks per request, rows numbered ``(layer, side, slot)`` and cut into blocks of
+``rows_per_block`` rows.
+
+Store positions: a side's quantized tokens are numbered from the end of its sink (``u = t - S``), and
+store position ``u`` lives in the request's ``u // P``-th block, row ``u % P``. Key groups start at
+``u = 0, G, 2G, ...`` as in :class:`kivi.cache.KiviLayer`, so they never straddle pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..cache.support import check_head_dim, model_head_dim, model_layer_types, plan_layers, text_config
+from ..config import KiviConfig
+from ..quant.kv import quantize_kv, token_divisor
+
+SIDES = ("k", "v")
+AXIS = {"k": "channel", "v": "token"}
+ALIGN = 16  # bytes: every field starts on a multiple (any dtype can view it)
+BLOCK_ALIGN = 128  # bytes: transformers aligns its sectors on 128 bytes
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@dataclass(frozen=True)
+class PageField:
+    """One tensor of one side of one layer's page.
+
+    ``shape`` is the per-page shape (``[H, rows, C]``, rows = ``P`` or ``P // G``), ``offset`` the
+    byte offset inside a block, ``tokens_per_row`` = tokens covered by one row (``G`` for the key
+    scale / offset / compensation, else 1).
+    """
+
+    layer: int
+    side: str
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+    tokens_per_row: int
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Geometry of a KIVI paged cache for one model, config, dtype and ``page_size``.
+
+    Attributes:
+        page_size: tokens per page (``P``), a multiple of every layer's ``group_size``.
+        num_layers, num_kv_heads (``H``), head_dim (``D``), dtype: the model's.
+        layer_configs: the KIVI config of each layer (``layer_specific_config`` applied).
+        fields: every page field of every layer, with its byte offset inside a block.
+        page_bytes: bytes the fields take in one block (all layers).
+        bytes_per_page: what transformers' allocator calls a page (``block_bytes // num_layers``).
+        block_bytes: bytes of one block (``page_bytes`` rounded up; a multiple of 128 bytes).
+        window_rows: full-precision rows per layer and side (``S + R + G - 1``, max over layers).
+        rows_per_block: full-precision rows of ``[H, D]`` one block holds.
+        window_blocks: blocks per request for its sinks and windows (all layers, both sides).
+    """
+
+    page_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    layer_configs: tuple[KiviConfig, ...]
+    fields: tuple[PageField, ...]
+    page_bytes: int
+    bytes_per_page: int
+    block_bytes: int
+    window_rows: int
+    rows_per_block: int
+    window_blocks: int
+
+    @property
+    def row_bytes(self) -> int:
+        return self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def layer_fields(self, layer: int, side: str) -> dict[str, PageField]:
+        return {f.name: f for f in self.fields if f.layer == layer and f.side == side}
+
+    def token_blocks(self, tokens: int) -> int:
+        """Blocks that hold the pages of ``tokens`` tokens of one request."""
+        return -(-tokens // self.page_size)
+
+    def request_blocks(self, tokens: int) -> int:
+        """Blocks one request of ``tokens`` tokens takes: its pages plus its window blocks."""
+        return self.token_blocks(tokens) + self.window_blocks
+
+    def window_row(self, layer: int, side: str, slot: int) -> tuple[int, int]:
+        """``(window block index, row)`` of full-precision row ``slot`` of ``(layer, side)``."""
+        r = (layer * 2 + SIDES.index(side)) * self.window_rows + slot
+        return r // self.rows_per_block, r % self.rows_per_block
+
+    def requests_that_fit(self, cache_memory: int, tokens: int) -> int:
+        """Requests of ``tokens`` tokens each that ``cache_memory`` bytes of blocks hold at once."""
+        return (cache_memory // self.block_bytes) // self.request_blocks(tokens)
+
+
+def fp_block_bytes(model_config: Any, dtype: torch.dtype, page_size: int) -> int:
+    """Bytes of one block of transformers' float paged cache (keys + values of ``page_size`` tokens, all layers)."""
+    text = text_config(model_config)
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    return text.num_hidden_layers * 2 * heads * model_head_dim(model_config) * dtype.itemsize * page_size
+
+
+def _param_dtype(cfg: KiviConfig, dtype: torch.dtype) -> torch.dtype:
+    return dtype if cfg.scale_dtype == "auto" else getattr(torch, cfg.scale_dtype)
+
+
+def build_layout(model_config: Any, config: KiviConfig, page_size: int, dtype: torch.dtype) -> PageLayout:
+    """The :class:`PageLayout` of ``config`` on a model; ``ValueError`` naming what the paged cache cannot hold."""
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size={page_size!r} must be a positive integer")
+    types = model_layer_types(model_config)  # raises on unsupported layer types
+    sliding = [i for i, (_, w) in enumerate(types) if w is not None]
+    if sliding:
+        raise ValueError(
+            f"the model has sliding-window layers ({', '.join(map(str, sliding[:8]))}); KIVI pages in continuous "
+            "batching support full-attention layers only (use kivi_config=None for transformers' float paged cache, "
+            "or kivi's single-request generate())"
+        )
+    plan = plan_layers(model_config, config)
+    text = text_config(model_config)
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = model_head_dim(model_config)
+    check_head_dim(config, head_dim, len(plan))
+    fields: list[PageField] = []
+    offset = 0
+    window_rows = 0
+    for layer, (cfg, _) in enumerate(plan):
+        where = f"layer_specific_config[{layer}]." if layer in config.layer_specific_config else ""
+        if not (cfg.quantize_key and cfg.quantize_value):
+            raise ValueError(
+                f"{where}quantize_key={cfg.quantize_key}, quantize_value={cfg.quantize_value}: KIVI pages hold "
+                "quantized keys and values only; a full-precision side is not supported in continuous batching"
+            )
+        if page_size % cfg.group_size:
+            raise ValueError(
+                f"page_size={page_size} must be a multiple of {where}group_size={cfg.group_size} (a page holds whole "
+                "key groups)"
+            )
+        window_rows = max(window_rows, cfg.sink_tokens + cfg.residual_length + cfg.group_size - 1)
+        zero = torch.zeros(1, heads, page_size, head_dim, dtype=dtype)
+        for side in SIDES:
+            seg = quantize_kv(zero, AXIS[side], cfg.k_bits if side == "k" else cfg.v_bits, cfg.group_size,
+                              symmetric=cfg.symmetric, residual_bits=cfg.residual_bits,
+                              param_dtype=_param_dtype(cfg, dtype), check_finite=False)
+            for name, t in seg.tensors().items():
+                offset = _round_up(offset, ALIGN)
+                f = PageField(layer, side, name, tuple(t.shape[1:]), t.dtype, offset,
+                              token_divisor(AXIS[side], cfg.group_size, name))
+                fields.append(f)
+                offset += f.nbytes
+    page_bytes = offset
+    num_layers = len(plan)
+    bytes_per_page = _round_up(-(-page_bytes // num_layers), BLOCK_ALIGN)
+    block_bytes = bytes_per_page * num_layers
+    row_bytes = heads * head_dim * dtype.itemsize
+    rows_per_block = block_bytes // row_bytes
+    if rows_per_block < 1:
+        raise ValueError(f"page_size={page_size} is too small: one block ({block_bytes} bytes) cannot hold one "
+                         f"full-precision token row ({row_bytes} bytes)")
+    window_blocks = -(-(num_layers * 2 * window_rows) // rows_per_block)
+    return PageLayout(page_size, num_layers, heads, head_dim, dtype, tuple(c for c, _ in plan), tuple(fields),
+                      page_bytes, bytes_per_page, block_bytes, window_rows, rows_per_block, window_blocks)
+
+
+def field_views(cache_tensor: torch.Tensor, layout: PageLayout) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """Views of ``cache_tensor`` (flat uint8, a whole number of blocks): ``{(layer, side): {field: [NB, *shape]}}``.
+
+    Element ``[b]`` of a view is that field of block ``b``; the views alias the cache (no copy).
+    """
+    nb = cache_tensor.numel() // layout.block_bytes
+    out: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for f in layout.fields:
+        flat = cache_tensor.view(f.dtype)
+        item = f.dtype.itemsize
+        inner = [1]
+        for s in reversed(f.shape[1:]):
+            inner.insert(0, inner[0] * s)
+        out.setdefault((f.layer, f.side), {})[f.name] = flat.as_strided(
+            (nb, *f.shape), (layout.block_bytes // item, *inner), f.offset // item
+        )
+    return out
+
+
+def window_view(cache_tensor: torch.Tensor, layout: PageLayout) -> torch.Tensor:
+    """``[NB, rows_per_block, H, D]`` view of ``cache_tensor`` in the model dtype: the full-precision rows."""
+    nb = cache_tensor.numel() // layout.block_bytes
+    item = layout.dtype.itemsize
+    h, d = layout.num_kv_heads, layout.head_dim
+    return cache_tensor.view(layout.dtype).as_strided(
+        (nb, layout.rows_per_block, h, d), (layout.block_bytes // item, h * d, d, 1), 0
+    )
+
+
+__all__ = ["PageField", "PageLayout", "build_layout", "fp_block_bytes", "field_views", "window_view", "SIDES", "AXIS"]

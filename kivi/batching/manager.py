@@ -1,0 +1,229 @@
+"""Continuous batching with KIVI pages: :func:`init_continuous_batching` and :func:`generate_batch`.
+
+Both build a :class:`KiviBatchingManager`, transformers' ``ContinuousBatchingManager`` with three
+changes: its cache is a :class:`~kivi.batching.cache.KiviPagedCache` of ``cache_memory`` bytes
+(``kivi_config=None``: transformers' own float ``PagedAttentionCache`` with the same byte budget,
+``num_blocks = cache_memory // float block bytes``); a request that can never fit the budget is
+refused by ``add_request`` (``ValueError``) instead of waiting forever; a model switched to kivi's
+``"kivi"`` attention by :func:`kivi.quantize_model` runs transformers' ``sdpa`` while the manager runs
+(the paged cache hands attention dequantized tensors) and gets ``"kivi"`` back when it stops.
+
+The hook (``_create_batch_processor``) is private transformers code: versions other than the tested
+ones are refused (:mod:`kivi.batching.version`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.continuous_api import (
+    SCHEDULER_MAPPING,
+    ContinuousBatchingManager,
+    ContinuousBatchProcessor,
+    FIFOScheduler,
+    update_cb_config_after_cache_creation,
+)
+from transformers.generation.continuous_batching.utils import WorkloadHints
+
+from ..backends import ATTN_IMPLEMENTATION
+from ..config import KiviConfig
+from .cache import KiviPagedCache
+from .layout import PageLayout, build_layout, fp_block_bytes
+from .version import check_transformers_version
+
+CB_FIELDS = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+
+
+class KiviBatchingManager(ContinuousBatchingManager):
+    """transformers' continuous batching manager over KIVI pages (or the float paged cache) of a fixed byte budget.
+
+    ``layout`` is ``None`` for the float cache. ``capacity_blocks``: blocks the budget holds.
+    """
+
+    def __init__(self, model: Any, generation_config: GenerationConfig, continuous_batching_config: ContinuousBatchingConfig,
+                 workload_hints: WorkloadHints | None, *, kivi_config: KiviConfig | None, cache_memory: int,
+                 layout: PageLayout | None) -> None:
+        self.kivi_config = kivi_config
+        self.cache_memory = cache_memory
+        self.layout = layout
+        text = model.config.get_text_config()
+        self.block_bytes = layout.block_bytes if layout is not None else fp_block_bytes(
+            text, model.dtype, continuous_batching_config.page_size)
+        self.page_size = continuous_batching_config.page_size
+        self.capacity_blocks = cache_memory // self.block_bytes
+        super().__init__(model, generation_config, continuous_batching_config, workload_hints)
+
+    def switch_to_cb_friendly_attn(self, model: Any, auto_switch_to_flash: bool = True) -> None:
+        """A model whose attention is kivi's ``"kivi"`` (packed-cache attention) runs ``sdpa`` here."""
+        if model.config._attn_implementation == ATTN_IMPLEMENTATION:
+            model.set_attn_implementation("sdpa")
+            super().switch_to_cb_friendly_attn(model, auto_switch_to_flash)
+            self._original_attn_impl = ATTN_IMPLEMENTATION
+            return
+        super().switch_to_cb_friendly_attn(model, auto_switch_to_flash)
+
+    def request_blocks(self, tokens: int) -> int:
+        """Blocks a request of ``tokens`` tokens (prompt + new) takes at its longest."""
+        if self.layout is not None:
+            return self.layout.request_blocks(tokens)
+        return -(-tokens // self.page_size)
+
+    def check_request_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """``ValueError`` when a request of ``prompt_tokens + max_new_tokens`` tokens can never fit the budget."""
+        need = self.request_blocks(prompt_tokens + max_new_tokens)
+        if need > self.capacity_blocks:
+            kind = "KIVI" if self.layout is not None else "float"
+            raise ValueError(
+                f"request of {prompt_tokens} prompt tokens + max_new_tokens={max_new_tokens} needs {need} {kind} blocks "
+                f"of {self.block_bytes} bytes ({need * self.block_bytes} bytes) but cache_memory={self.cache_memory} "
+                f"holds {self.capacity_blocks}; raise cache_memory or shorten the request"
+            )
+
+    def add_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
+                    *args: Any, **kwargs: Any) -> str | None:
+        new = self.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        self.check_request_fits(len(input_ids), int(new or 0))
+        return super().add_request(input_ids, request_id, max_new_tokens, *args, **kwargs)
+
+    def _create_batch_processor(self) -> ContinuousBatchProcessor:
+        if self.layout is None:
+            return super()._create_batch_processor()
+        # transformers 5.24's _create_batch_processor with the cache swapped for KIVI pages
+        batch_processor = getattr(self, "batch_processor", None)
+        if isinstance(batch_processor, ContinuousBatchProcessor):
+            batch_processor.reset()
+            return batch_processor
+        cache = KiviPagedCache(self.model.config.get_text_config(), self.continuous_batching_config,
+                               self.model.device, layout=self.layout, cache_memory=self.cache_memory)
+        self._use_prefix_sharing = cache.use_prefix_sharing
+        update_cb_config_after_cache_creation(cb_config=self.continuous_batching_config, num_blocks=cache.num_blocks,
+                                              max_batch_tokens=cache.max_batch_tokens)
+        self.continuous_batching_config.max_blocks_per_request = 0
+        scheduler_cls = SCHEDULER_MAPPING.get(self.continuous_batching_config.scheduler_type, FIFOScheduler)
+        scheduler = scheduler_cls(cache=cache, safety_margin=self.continuous_batching_config.safety_margin,
+                                  max_requests_per_batch=self.continuous_batching_config.max_requests_per_batch)
+        return ContinuousBatchProcessor(
+            cache=cache, config=self.model.config.get_text_config(), generation_config=self.generation_config,
+            continuous_batching_config=self.continuous_batching_config, logit_processor=self.logit_processor,
+            input_queue=self.input_queue if self.is_tp_driver else None,
+            cancel_queue=self.cancel_queue if self.is_tp_driver else None, output_router=self.output_router,
+            background_thread_status=self.background_thread_status, model_device=self.model.device,
+            model_dtype=self.model.dtype, scheduler=scheduler, distributed_helper=self.distributed_helper,
+        )
+
+
+def _cb_config(kwargs: dict[str, Any]) -> ContinuousBatchingConfig:
+    """The ``ContinuousBatchingConfig`` from ``continuous_batching_config=`` and/or its fields given as kwargs."""
+    base = kwargs.pop("continuous_batching_config", None)
+    fields = {k: kwargs.pop(k) for k in list(kwargs) if k in CB_FIELDS}
+    if base is not None and not isinstance(base, ContinuousBatchingConfig):
+        raise TypeError(f"continuous_batching_config must be a ContinuousBatchingConfig, got {type(base).__name__}")
+    if base is None:
+        return ContinuousBatchingConfig(**fields)
+    return dataclasses.replace(base, **fields) if fields else dataclasses.replace(base)
+
+
+def _check_kivi_cb_config(cb: ContinuousBatchingConfig) -> None:
+    """Refuse the continuous-batching options KIVI pages cannot serve, naming each."""
+    if cb.use_async_batching:
+        raise ValueError("use_async_batching=True is not supported with KIVI pages (the cache reads the batch plan "
+                         "of the forward it runs; async batching prepares the next batch during it)")
+    if cb.varlen_compile_config is not None or cb.decode_compile_config is not None or cb.default_compile_level:
+        raise ValueError("torch.compile of the forward (varlen/decode_compile_config, default_compile_level) is not "
+                         "supported with KIVI pages (the page reads are data dependent)")
+    if cb.use_cuda_graph not in (None, False, (False, False)):
+        raise ValueError(f"use_cuda_graph={cb.use_cuda_graph!r} is not supported with KIVI pages")
+    cb.use_async_batching = False
+    cb.use_cuda_graph = False
+    cb.max_blocks_per_request = 0
+
+
+def init_continuous_batching(model: Any, kivi_config: KiviConfig | None, *, cache_memory: int | None = None,
+                             generation_config: GenerationConfig | None = None, **kwargs: Any) -> KiviBatchingManager:
+    """A continuous-batching manager for ``model`` whose cache is KIVI pages (``kivi_config``) or, with
+    ``kivi_config=None``, transformers' float paged cache, in ``cache_memory`` bytes.
+
+    ``kwargs``: ``continuous_batching_config=`` (a ``ContinuousBatchingConfig``), any of its fields
+    (``page_size``, ``max_batch_tokens``, ``max_requests_per_batch``, ``allow_block_sharing``, ...), and
+    ``workload_hints=``. ``cache_memory=None``: for the float cache, transformers sizes it from the free
+    memory as usual; KIVI pages need a budget (``ValueError``). Returns transformers'
+    ``ContinuousBatchingManager`` (``add_request`` / ``get_result`` / ``start`` / ``stop``).
+    """
+    workload_hints = kwargs.pop("workload_hints", None)
+    cb = _cb_config(kwargs)
+    if kwargs:
+        raise TypeError(f"unexpected keyword argument(s) {sorted(kwargs)}; allowed: continuous_batching_config, "
+                        f"workload_hints and the ContinuousBatchingConfig fields {sorted(CB_FIELDS)}")
+    if kivi_config is not None and not isinstance(kivi_config, KiviConfig):
+        raise TypeError(f"kivi_config must be a KiviConfig or None, got {type(kivi_config).__name__}")
+    if cache_memory is not None and (isinstance(cache_memory, bool) or not isinstance(cache_memory, int)
+                                     or cache_memory < 1):
+        raise ValueError(f"cache_memory={cache_memory!r} must be a positive number of bytes or None")
+    gen = generation_config if generation_config is not None else model.generation_config
+    if (getattr(gen, "num_return_sequences", None) or 1) > 1 and kivi_config is not None:
+        raise ValueError(f"num_return_sequences={gen.num_return_sequences} is not supported with KIVI pages "
+                         "(forked requests would share a full-precision window)")
+    layout = None
+    text = model.config.get_text_config()
+    if kivi_config is not None:
+        check_transformers_version()
+        if cache_memory is None:
+            raise ValueError("cache_memory=None: KIVI pages need a byte budget (e.g. cache_memory=2 * 1024**3)")
+        _check_kivi_cb_config(cb)
+        layout = build_layout(model.config, kivi_config, cb.page_size, model.dtype)
+    elif cache_memory is not None:
+        cb.num_blocks = max(1, cache_memory // fp_block_bytes(text, model.dtype, cb.page_size))
+    if cache_memory is None:  # float cache sized by transformers: the budget is what it will allocate
+        cache_memory = 2**62
+    if gen.eos_token_id is None:
+        gen.eos_token_id = -1
+    return KiviBatchingManager(model, gen, cb, workload_hints, kivi_config=kivi_config, cache_memory=cache_memory,
+                               layout=layout)
+
+
+def generate_batch(model: Any, inputs: list[list[int]], kivi_config: KiviConfig | None, *,
+                   cache_memory: int | None = None, generation_config: GenerationConfig | None = None,
+                   **kwargs: Any) -> dict[str, Any]:
+    """``model.generate_batch`` over KIVI pages (or the float paged cache with ``kivi_config=None``).
+
+    Returns ``{request_id: GenerationOutput}`` in the order of ``inputs``, as transformers does.
+    ``kwargs``: ``max_new_tokens``, ``record_timestamps``, and what :func:`init_continuous_batching` takes.
+    A request that can never fit ``cache_memory`` raises ``ValueError`` before anything runs.
+    """
+    if not inputs:
+        return {}
+    gen = generation_config if generation_config is not None else model.generation_config
+    max_new_tokens = kwargs.pop("max_new_tokens", None)
+    max_new_tokens = gen.max_new_tokens if max_new_tokens is None else max_new_tokens
+    record_timestamps = kwargs.pop("record_timestamps", False)
+    if "workload_hints" not in kwargs:
+        kwargs["workload_hints"] = WorkloadHints(max_prompt_length=max(len(x) for x in inputs),
+                                                 max_generated_length=max_new_tokens or 0, num_requests=len(inputs))
+    manager = init_continuous_batching(model, kivi_config, cache_memory=cache_memory, generation_config=gen, **kwargs)
+    for x in inputs:  # refuse before starting anything
+        manager.check_request_fits(len(x), int(max_new_tokens or 0))
+    results: dict[str, Any] = {}
+    manager.start()
+    try:
+        ids = manager.add_requests(inputs=inputs, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps)
+        while len(results) < len(ids):
+            out = manager.get_result(timeout=1)
+            if out is not None and out.is_finished():
+                results[out.request_id] = out
+            elif out is None and not manager.is_running():
+                error = manager.background_thread_status
+                raise RuntimeError(f"the continuous-batching loop stopped with {len(ids) - len(results)} requests "
+                                   f"unfinished ({error})")
+    finally:
+        manager.stop(block=True, timeout=30)
+        manager.destroy()
+    failed = {k: v.error for k, v in results.items() if v.error is not None}
+    if failed:
+        raise RuntimeError(f"{len(failed)} request(s) failed in continuous batching: {next(iter(failed.values()))}")
+    return {rid: results[rid] for rid in ids}
+
+
+__all__ = ["KiviBatchingManager", "init_continuous_batching", "generate_batch"]

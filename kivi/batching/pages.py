@@ -1,0 +1,53 @@
+"""Reading and writing quantized tokens in KIVI pages (pure functions over the page views).
+
+A side's page views (:func:`kivi.batching.layout.field_views`) are ``{field: [NB, H, rows, C]}``.
+:func:`gather_pages` reads whole pages of many requests at once into one :class:`PackedKV`
+(``[1, H, n_pages * P, ...]``, pages concatenated along tokens: key groups stay aligned because a page
+is a whole number of groups); :func:`scatter_tokens` writes a :class:`PackedKV` of quantized tokens to
+their store positions. Both index the cache with tensors (one gather / one index_put per field).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant.kv import PackedKV
+
+
+def gather_pages(views: dict[str, torch.Tensor], blocks: torch.Tensor, *, bits: int, group_size: int, axis: str,
+                 head_dim: int, residual_bits: int) -> PackedKV:
+    """The pages ``blocks`` (long ``[N]``) of one side as one ``PackedKV`` of ``N * P`` tokens (copies)."""
+    tensors = {}
+    for name, view in views.items():
+        pages = view.index_select(0, blocks)  # [N, H, rows, C]
+        n, h, rows, c = pages.shape
+        tensors[name] = pages.transpose(0, 1).reshape(1, h, n * rows, c)  # [1, H, N * rows, C]
+    return PackedKV(packed=tensors["packed"], scale=tensors["scale"], offset=tensors.get("offset"),
+                    comp=tensors.get("comp"), bits=bits, group_size=group_size, axis=axis, head_dim=head_dim,
+                    residual_bits=residual_bits)
+
+
+def store_rows(block_table: list[int], start: int, count: int, page_size: int,
+               tokens_per_row: int) -> tuple[list[int], list[int]]:
+    """``(blocks, rows)`` of the page rows that hold store positions ``[start, start + count)``.
+
+    ``tokens_per_row`` is 1 for per-token fields, ``G`` for the keys' per-group fields (``start`` and
+    ``count`` are then multiples of ``G``).
+    """
+    blocks, rows = [], []
+    for u in range(start, start + count, tokens_per_row):
+        blocks.append(block_table[u // page_size])
+        rows.append((u % page_size) // tokens_per_row)
+    return blocks, rows
+
+
+def scatter_tokens(views: dict[str, torch.Tensor], seg: PackedKV, index: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                   tokens_per_row: dict[str, int]) -> None:
+    """Write ``seg`` (``[1, H, M, ...]``) into the pages: field rows go to ``index[tokens_per_row[field]]``
+    = ``(blocks [rows], rows [rows])`` (long tensors, one entry per row of the field)."""
+    for name, src in seg.tensors().items():
+        blocks, rows = index[tokens_per_row[name]]
+        views[name][blocks, :, rows] = src[0].transpose(0, 1)  # [rows, H, C]
+
+
+__all__ = ["gather_pages", "store_rows", "scatter_tokens"]
