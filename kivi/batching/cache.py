@@ -158,12 +158,18 @@ class KiviPagedCache(PagedAttentionCache):
                     raise RuntimeError(f"request {rid}: layer {layer} side {SIDES[s]} holds more tokens than its past "
                                        f"({past})")
         qs = [q for _, _, q in batch]
-        out = []
-        for s, (side, new) in enumerate((("k", keys), ("v", values))):
-            out.append(self._side_forward(layer, s, side, cfg, new.split(qs, dim=1), batch, states))
-        return out[0], out[1]
+        # Both sides are read and quantized before either is written: a refused value (NaN) leaves the
+        # layer's pages, windows and request states exactly as they were.
+        sides = [self._side_forward(layer, s, side, cfg, new.split(qs, dim=1), batch, states)
+                 for s, (side, new) in enumerate((("k", keys), ("v", values)))]
+        for _, commit in sides:
+            commit()
+        return sides[0][0], sides[1][0]
 
-    def _side_forward(self, layer, s, side, cfg, news, batch, states) -> torch.Tensor:
+    def _side_forward(self, layer: int, s: int, side: str, cfg: Any, news: tuple[torch.Tensor, ...],
+                      batch: list[tuple[str, int, int]], states: list) -> tuple[torch.Tensor, Any]:
+        """What attention sees of one side ``[H, sum(past + q), D]``, and the function that then writes the
+        side's moves (quantized tokens to pages, sink and window rows, request states)."""
         alloc, lay = self.allocator, self.layout
         P = lay.page_size
         dtype = news[0].dtype
@@ -229,20 +235,23 @@ class KiviPagedCache(PagedAttentionCache):
                               symmetric=cfg.symmetric, residual_bits=cfg.residual_bits,
                               param_dtype=_param_dtype(cfg, dtype), check_finite=cfg.check_finite)
         rows = sink_rows + window_rows
-        rows_src = torch.cat([r.transpose(0, 1) for _, r in rows], dim=0) if rows else None  # [n, H, D]
-        if seg is not None:
-            dev = self.cache_tensor.device
-            index = {1: tuple(torch.tensor(x, dtype=torch.long, device=dev) for x in tok_index)}
-            if side == "k":  # keys' scale / offset / compensation: one row per group of G tokens
-                index[cfg.group_size] = tuple(torch.tensor(x, dtype=torch.long, device=dev) for x in grp_index)
-            per_row = {f.name: f.tokens_per_row for f in self.layout.layer_fields(layer, side).values()}
-            scatter_tokens(views, seg, index, per_row)
-        if rows_src is not None:
-            ridx = torch.cat([i for i, _ in rows], dim=0)
-            self._rows[ridx[:, 0], ridx[:, 1]] = rows_src.to(self._rows.dtype)
-        for st, (sink, stored) in zip(states, new_state):
-            st.sink[layer][s], st.stored[layer][s] = sink, stored
-        return seen
+
+        def commit() -> None:
+            if seg is not None:
+                dev = self.cache_tensor.device
+                index = {1: tuple(torch.tensor(x, dtype=torch.long, device=dev) for x in tok_index)}
+                if side == "k":  # keys' scale / offset / compensation: one row per group of G tokens
+                    index[cfg.group_size] = tuple(torch.tensor(x, dtype=torch.long, device=dev) for x in grp_index)
+                per_row = {f.name: f.tokens_per_row for f in self.layout.layer_fields(layer, side).values()}
+                scatter_tokens(views, seg, index, per_row)
+            if rows:
+                ridx = torch.cat([i for i, _ in rows], dim=0)
+                self._rows[ridx[:, 0], ridx[:, 1]] = torch.cat([r.transpose(0, 1) for _, r in rows], dim=0).to(
+                    self._rows.dtype)  # [n, H, D]
+            for st, (sink, stored) in zip(states, new_state):
+                st.sink[layer][s], st.stored[layer][s] = sink, stored
+
+        return seen, commit
 
 
 __all__ = ["KiviPagedCache", "DEFAULT_MAX_BATCH_TOKENS"]

@@ -1,0 +1,129 @@
+"""KiviPagedCache's forward against kivi's one-request cache (KiviLayer), bit for bit.
+
+Several requests with different lengths and chunkings share one paged cache; each layer's
+``layer_forward`` must hand attention exactly what ``KiviLayer.update`` returns for that request
+alone (sink + dequantized store + window + new tokens), and leave the same tokens quantized.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+from kivi import KiviConfig, KiviLayer
+from kivi.batching.cache import KiviPagedCache
+from kivi.batching.layout import build_layout
+from tests.helpers import tiny_model
+
+H, D = 2, 32
+
+
+class _Req:
+    """The two things transformers' cache asks of a request state."""
+
+    def __init__(self, rid: str):
+        self.request_id = rid
+        self.position_offset = 0
+
+    def current_len(self) -> int:
+        return self.position_offset
+
+
+def _cache(cfg: KiviConfig, dtype: torch.dtype, page_size: int = 32, memory: int = 2 * 1024**2,
+           sharing: bool = False) -> KiviPagedCache:
+    model = tiny_model()
+    layout = build_layout(model.config, cfg, page_size, dtype)
+    cb = ContinuousBatchingConfig(page_size=page_size, max_batch_tokens=512, allow_block_sharing=sharing)
+    return KiviPagedCache(model.config, cb, "cpu", layout=layout, cache_memory=memory)
+
+
+def _run(cfg: KiviConfig, dtype: torch.dtype, schedule: list[list[tuple[str, int]]], seed: int = 0) -> None:
+    """``schedule``: steps, each a list of ``(request, new tokens)``; compares every layer of every step."""
+    torch.manual_seed(seed)
+    cache = _cache(cfg, dtype)
+    reqs: dict[str, _Req] = {}
+    refs: dict[str, list[KiviLayer]] = {}
+    for step in schedule:
+        batch = []
+        for rid, q in step:
+            r = reqs.setdefault(rid, _Req(rid))
+            refs.setdefault(rid, [KiviLayer(cfg.for_layer(i)) for i in range(2)])
+            assert cache.can_store_request_tokens(r, q)
+            batch.append((rid, r.position_offset, q))
+        n = sum(q for _, q in step)
+        for layer in range(2):
+            k = (torch.randn(H, n, D) * 3 + torch.randn(1, 1, D)).to(dtype)  # channel offsets, as real keys
+            v = torch.randn(H, n, D).to(dtype)
+            ks, vs = cache.layer_forward(layer, k, v, batch)
+            off_new = off_seen = 0
+            for rid, past, q in batch:
+                rk, rv = refs[rid][layer].update(k[None, :, off_new: off_new + q], v[None, :, off_new: off_new + q])
+                got_k = ks[:, off_seen: off_seen + past + q]
+                got_v = vs[:, off_seen: off_seen + past + q]
+                assert torch.equal(got_k, rk[0]), (rid, layer, past, q, (got_k - rk[0]).abs().max())
+                assert torch.equal(got_v, rv[0]), (rid, layer, past, q, (got_v - rv[0]).abs().max())
+                st = cache.allocator.requests[rid]
+                ref = refs[rid][layer]
+                assert st.stored[layer] == [ref.k.store.length - ref.k.store.start, ref.v.store.length - ref.v.store.start]
+                assert st.sink[layer] == [ref.k.sink_len, ref.v.sink_len]
+                off_new += q
+                off_seen += past + q
+            assert ks.shape[1] == off_seen
+        for rid, q in step:
+            reqs[rid].position_offset += q
+
+
+SCHEDULE = (
+    [[("a", 45), ("b", 3)]]  # prefills of odd lengths
+    + [[("a", 1), ("b", 70 if i == 0 else 1)] for i in range(40)]  # b's chunk, then decodes
+    + [[("c", 100), ("a", 1)]]  # a request joins mid-way
+    + [[("a", 1), ("b", 1), ("c", 1)] for _ in range(37)]
+)
+
+CONFIGS = {
+    "K2V2": KiviConfig(k_bits=2, v_bits=2, group_size=16, residual_length=32),
+    "balanced-sink4": KiviConfig(k_bits=4, v_bits=2, group_size=16, residual_length=32, sink_tokens=4),
+    "layer-override-comp": KiviConfig(k_bits=2, v_bits=2, group_size=16, residual_length=16, residual_bits=2,
+                                      layer_specific_config={1: {"k_bits": 4, "residual_length": 48}}),
+    "R0-sym-fp32-scales": KiviConfig(k_bits=4, v_bits=4, group_size=8, residual_length=0, symmetric=True,
+                                     scale_dtype="float32"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_paged_forward_equals_kivi_layer(name, dtype):
+    _run(CONFIGS[name], dtype, SCHEDULE)
+
+
+def test_freed_request_gives_back_window_and_pages():
+    cfg = CONFIGS["K2V2"]
+    cache = _cache(cfg, torch.float32)
+    free0 = cache.free_block_count()
+    r = _Req("x")
+    assert cache.can_store_request_tokens(r, 100)
+    cache.layer_forward(0, torch.randn(H, 100, D), torch.randn(H, 100, D), [("x", 0, 100)])
+    used = free0 - cache.free_block_count()
+    assert used == cache.layout.request_blocks(100)
+    cache.free_blocks("x")
+    assert cache.free_block_count() == free0
+    assert "x" not in cache.allocator.requests
+
+
+def test_refused_value_leaves_pages_and_state_unchanged():
+    cfg = CONFIGS["K2V2"]
+    cache = _cache(cfg, torch.float32)
+    r = _Req("x")
+    assert cache.can_store_request_tokens(r, 80)
+    k, v = torch.randn(H, 80, D), torch.randn(H, 80, D)
+    v[0, 3, 5] = float("nan")
+    before = cache.cache_tensor.clone()
+    with pytest.raises(ValueError):
+        cache.layer_forward(0, k, v, [("x", 0, 80)])
+    st = cache.allocator.requests["x"]
+    assert st.stored[0] == [0, 0] and st.sink[0] == [0, 0]
+    assert torch.equal(cache.cache_tensor, before)
+    v[0, 3, 5] = 0.0  # the same forward, now finite, goes through
+    cache.layer_forward(0, k, v, [("x", 0, 80)])
+    assert st.stored[0] == [48, 48] and not torch.equal(cache.cache_tensor, before)
