@@ -80,6 +80,8 @@ class KiviPagedCache(PagedAttentionCache):
         self._batch: list[tuple[str, int, int]] = []  # the batch of the running forward
         #: largest keys + values (bytes) one update handed to attention: the dequantized transient of one layer
         self.max_dequantized_bytes = 0
+        #: prompt tokens requests took from other requests' pages instead of computing them
+        self.shared_tokens = 0
 
     @property
     def allocator(self) -> KiviPageAllocator:
@@ -102,6 +104,13 @@ class KiviPagedCache(PagedAttentionCache):
         self._next_batch.append((request_id, past_length, query_length))
 
     # ------------------------------------------------------------------ prefix sharing
+    def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
+        """transformers' prefix match (limited to pages the request's own schedule quantizes, see
+        :func:`kivi.batching.allocator.shareable_tokens`); counts the tokens shared in :attr:`shared_tokens`."""
+        n = super().search_prefix_match(request_id, prompt_ids)
+        self.shared_tokens += n
+        return n
+
     def count_new_complete_blocks(self, state: HFRequestState, request_len: int) -> dict[str, int]:
         return {FULL_ATTENTION: 1} if self.use_prefix_sharing else {}
 

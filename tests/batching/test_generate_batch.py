@@ -1,0 +1,158 @@
+"""generate_batch / init_continuous_batching over KIVI pages: tokens, budget, refusals, prefix sharing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from kivi import KiviConfig, quantize_model
+from kivi.batching import build_layout, fp_block_bytes, generate_batch, init_continuous_batching
+from kivi.batching.version import check_transformers_version, transformers_version_problem
+from tests.helpers import tiny_model
+
+CFG = dict(k_bits=2, v_bits=2, group_size=16, residual_length=32)
+CB = dict(page_size=64, max_batch_tokens=512)
+MEM = 4 * 1024**2
+LENGTHS = (5, 70, 150, 33, 97, 200, 64, 1)
+
+
+def _inputs(lengths=LENGTHS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 128, (n,), generator=g).tolist() for n in lengths]
+
+
+def _single(model_kwargs: dict, cfg: KiviConfig, prompt: list[int], new: int, **qkw) -> list[int]:
+    m = quantize_model(tiny_model(**model_kwargs), cfg, **qkw)
+    return m.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_greedy_tokens_equal_single_request_generate(backend):
+    """Many requests of different lengths in one batch engine = one generate() each with a KiviCache."""
+    inputs = _inputs()
+    out = generate_batch(tiny_model(), inputs, KiviConfig(**CFG), cache_memory=MEM, max_new_tokens=24, **CB)
+    assert list(out) == [f"req_{i}" for i in range(len(inputs))]
+    cfg = KiviConfig(**CFG, attention_backend=backend)
+    for x, o in zip(inputs, out.values()):
+        assert o.generated_tokens == _single({}, cfg, x, 24), len(x)
+
+
+def test_kivi_pages_are_not_float_pages():
+    """The comparison above can fail: the float paged cache gives other tokens on this model."""
+    inputs = _inputs()
+    kivi = generate_batch(tiny_model(), inputs, KiviConfig(**CFG), cache_memory=MEM, max_new_tokens=24, **CB)
+    fp = generate_batch(tiny_model(), inputs, None, cache_memory=MEM, max_new_tokens=24, **CB)
+    assert sum(a.generated_tokens != b.generated_tokens for a, b in zip(kivi.values(), fp.values())) >= 3
+
+
+def test_budget_accounting_and_capacity():
+    model = tiny_model()
+    cfg = KiviConfig(**CFG)
+    manager = init_continuous_batching(model, cfg, cache_memory=MEM, **CB)
+    manager.start()
+    try:
+        rid = manager.add_request(_inputs((40,))[0], max_new_tokens=4)
+        assert manager.get_result(rid, timeout=60).is_finished()
+        cache = manager.batch_processor.cache
+        lay = cache.layout
+        assert cache.num_blocks * lay.block_bytes == cache.cache_tensor.numel() <= MEM
+        assert cache.num_blocks == MEM // lay.block_bytes
+        assert lay.page_bytes <= lay.block_bytes < lay.page_bytes + 128 * lay.num_layers
+    finally:
+        manager.stop(block=True, timeout=30)
+        manager.destroy()
+    fpm = init_continuous_batching(tiny_model(), None, cache_memory=MEM, **CB)
+    assert fpm.continuous_batching_config.num_blocks * fp_block_bytes(model.config, model.dtype, 64) <= MEM
+
+
+def test_smollm2_shape_holds_4x_the_4k_requests_of_float16():
+    """Capacity from page sizes: SmolLM2-135M's shape (30 layers, 3 KV heads of 64), fp16, pages of 256."""
+    cfg = transformers.LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30,
+                                   intermediate_size=1536, vocab_size=49152)
+    budget = 4 * 1024**3
+    fp = (budget // fp_block_bytes(cfg, torch.float16, 256)) // (4096 // 256)
+    kivi = build_layout(cfg, KiviConfig(), 256, torch.float16).requests_that_fit(budget, 4096)
+    assert kivi >= 4 * fp, (kivi, fp)
+
+
+def test_request_that_does_not_fit_is_refused():
+    model = tiny_model()
+    with pytest.raises(ValueError, match=r"request of 3000 prompt tokens \+ max_new_tokens=10 needs \d+ KIVI blocks"):
+        generate_batch(model, [[1] * 3000], KiviConfig(**CFG), cache_memory=256 * 1024, max_new_tokens=10, **CB)
+    manager = init_continuous_batching(model, None, cache_memory=64 * 1024, **CB)
+    with pytest.raises(ValueError, match="float blocks"):
+        manager.add_request([1] * 3000, max_new_tokens=10)
+
+
+def test_budget_below_one_request_is_refused():
+    with pytest.raises(ValueError, match="cache_memory=1000 bytes holds 0 KIVI blocks"):
+        m = init_continuous_batching(tiny_model(), KiviConfig(**CFG), cache_memory=1000, **CB)
+        m._create_batch_processor()
+
+
+def test_version_pin_message():
+    assert transformers_version_problem() is None  # the installed one is tested
+    msg = transformers_version_problem("5.25.1")
+    assert "installed transformers is 5.25.1" in msg and "5.24.x" in msg and "\n" not in msg
+    with pytest.raises(RuntimeError, match="installed transformers is 4.57.0"):
+        check_transformers_version("4.57.0")
+
+
+def test_untested_version_is_refused_at_init(monkeypatch):
+    monkeypatch.setattr(transformers, "__version__", "5.30.0")
+    with pytest.raises(RuntimeError, match="installed transformers is 5.30.0"):
+        init_continuous_batching(tiny_model(), KiviConfig(**CFG), cache_memory=MEM, **CB)
+
+
+def test_refusals_name_what_is_unsupported():
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        init_continuous_batching(tiny_model("mistral", sliding_window=64), KiviConfig(**CFG), cache_memory=MEM, **CB)
+    with pytest.raises(ValueError, match="page_size=40 must be a multiple of group_size=16"):
+        init_continuous_batching(tiny_model(), KiviConfig(**CFG), cache_memory=MEM, page_size=40)
+    with pytest.raises(ValueError, match="quantize_key=False"):
+        init_continuous_batching(tiny_model(), KiviConfig(**CFG, quantize_key=False), cache_memory=MEM, **CB)
+    with pytest.raises(ValueError, match="use_async_batching"):
+        init_continuous_batching(tiny_model(), KiviConfig(**CFG), cache_memory=MEM, use_async_batching=True, **CB)
+    with pytest.raises(ValueError, match="cache_memory=None"):
+        init_continuous_batching(tiny_model(), KiviConfig(**CFG), **CB)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        init_continuous_batching(tiny_model(), KiviConfig(**CFG), cache_memory=MEM, nonsense=1)
+
+
+def test_quantized_model_runs_sdpa_and_gets_kivi_attention_back():
+    model = quantize_model(tiny_model(), KiviConfig(**CFG))
+    assert model.config._attn_implementation == "kivi"
+    x = _inputs((90,))[0]
+    out = generate_batch(model, [x], KiviConfig(**CFG), cache_memory=MEM, max_new_tokens=12, **CB)
+    assert model.config._attn_implementation == "kivi"
+    assert next(iter(out.values())).generated_tokens == model.generate(
+        torch.tensor([x]), max_new_tokens=12, do_sample=False)[0, 90:].tolist()
+
+
+def test_prefix_sharing_reuses_quantized_pages():
+    """B reuses A's quantized pages of their common prefix; B then equals a single-request generate whose
+    prefill is cut at the shared length (its suffix attends to the prefix as stored: quantized)."""
+    cfg = KiviConfig(k_bits=2, v_bits=2, group_size=16, residual_length=32)
+    prefix = _inputs((150,), seed=1)[0]
+    a = prefix + _inputs((50,), seed=2)[0]
+    b = prefix + _inputs((60,), seed=3)[0]
+    manager = init_continuous_batching(tiny_model(), cfg, cache_memory=MEM, page_size=64, max_batch_tokens=512)
+    manager.start()
+    try:
+        ra = manager.add_request(a, max_new_tokens=8)
+        manager.get_result(ra, timeout=60)
+        rb = manager.add_request(b, max_new_tokens=16)
+        out_b = manager.get_result(rb, timeout=60)
+        cache = manager.batch_processor.cache
+        assert cache.shared_tokens == 128  # two pages of 64: what B's own schedule quantizes of the prefix
+    finally:
+        manager.stop(block=True, timeout=30)
+        manager.destroy()
+    ref = _single({}, KiviConfig(**CFG, attention_backend="reference"), b, 16, prefill_chunk_size=128)
+    assert out_b.generated_tokens == ref
+
+
+def test_no_prefix_sharing_with_sink_tokens():
+    manager = init_continuous_batching(tiny_model(), KiviConfig(**CFG, sink_tokens=4), cache_memory=MEM, **CB)
+    assert not manager._create_batch_processor().cache.use_prefix_sharing
