@@ -32,10 +32,12 @@ from transformers.generation.continuous_batching.requests import RequestState as
 from transformers.generation.continuous_batching.requests import RequestStatus
 
 from ..cache.schedule import flush_count, sink_take
+from ..cache.view import AttentionView
 from ..quant.kv import dequantize_kv, quantize_kv
 from .allocator import KiviPageAllocator
-from .layout import AXIS, SIDES, PageLayout, _param_dtype, field_views, window_view
-from .pages import gather_pages, scatter_tokens, store_rows
+from .attention import PagedBatchViews
+from .layout import AXIS, SIDES, PageLayout, field_views, param_dtype, window_view
+from .pages import gather_pages, page_store, scatter_tokens, store_rows
 
 DEFAULT_MAX_BATCH_TOKENS = 8192  # transformers' own default (PagedAttentionMemoryHandler)
 
@@ -44,13 +46,16 @@ class KiviPagedCache(PagedAttentionCache):
     """A ``PagedAttentionCache`` of KIVI pages holding at most ``cache_memory`` bytes (see the module docstring)."""
 
     def __init__(self, config: Any, continuous_batching_config: Any, device: torch.device | str, *,
-                 layout: PageLayout, cache_memory: int) -> None:
+                 layout: PageLayout, cache_memory: int, packed_backend: str | None = None) -> None:
         if isinstance(cache_memory, bool) or not isinstance(cache_memory, int) or cache_memory < 1:
             raise ValueError(f"cache_memory={cache_memory!r} must be a positive number of bytes")
         self.config = config
         self.dtype = layout.dtype
         self.device = device
         self.layout = layout
+        #: ``None``: update returns the batch's keys / values dequantized (transformers' SDPA reads them);
+        #: ``"cpu"`` / ``"reference"``: it returns :class:`PagedBatchViews` that kivi's backend reads packed
+        self.packed_backend = packed_backend
         self.max_blocks_per_request = 0  # no decode fast path: no kernel reads KIVI pages by block table
         allocator = KiviPageAllocator(0, list(range(layout.num_layers)), layout,
                                       continuous_batching_config.allow_block_sharing)
@@ -147,14 +152,17 @@ class KiviPagedCache(PagedAttentionCache):
                 f"KiviPagedCache.update got {n} new tokens but the prepared batch has "
                 f"{sum(q for _, _, q in self._batch)}; was the batch prepared by transformers' continuous batching?")
         keys, values = self.layer_forward(layer_idx, key_states[0], value_states[0], self._batch)
+        if isinstance(keys, PagedBatchViews):
+            return keys, values
         self.max_dequantized_bytes = max(self.max_dequantized_bytes,
                                          keys.numel() * keys.element_size() * 2)
         return keys.unsqueeze(0), values.unsqueeze(0)
 
     def layer_forward(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
-                      batch: list[tuple[str, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+                      batch: list[tuple[str, int, int]]) -> tuple[Any, Any]:
         """One layer of one forward: ``keys`` / ``values`` ``[H, n, D]`` (the batch's new tokens, in batch
-        order) -> what attention sees ``[H, sum(past + q), D]``; then moves tokens out of the windows."""
+        order) -> what attention sees: ``[H, sum(past + q), D]`` tensors (materialized mode) or a
+        :class:`PagedBatchViews` per side (packed mode); then moves tokens out of the windows."""
         alloc, lay = self.allocator, self.layout
         cfg = lay.layer_configs[layer]
         states = [alloc.state(rid) for rid, _, _ in batch]
@@ -184,37 +192,48 @@ class KiviPagedCache(PagedAttentionCache):
         dtype = news[0].dtype
         views = self._views[(layer, side)]
         bits = cfg.k_bits if side == "k" else cfg.v_bits
-        # 1. every request's pages of this layer and side: one gather, one dequantization
+        # 1. every request's pages of this layer and side: one gather, one dequantization (materialized mode)
         blocks: list[int] = []
         starts: list[int] = []
         for (rid, _, _), st in zip(batch, states):
             starts.append(len(blocks) * P)
             blocks.extend(alloc.block_table[rid][: lay.token_blocks(st.stored[layer][s])])
+        meta = dict(bits=bits, group_size=cfg.group_size, axis=AXIS[side], head_dim=lay.head_dim,
+                    residual_bits=cfg.residual_bits)
         deq = None
-        if blocks:
-            seg = gather_pages(views, torch.tensor(blocks, dtype=torch.long, device=self.cache_tensor.device),
-                               bits=bits, group_size=cfg.group_size, axis=AXIS[side], head_dim=lay.head_dim,
-                               residual_bits=cfg.residual_bits)
+        if blocks and self.packed_backend is None:
+            seg = gather_pages(views, torch.tensor(blocks, dtype=torch.long, device=self.cache_tensor.device), **meta)
             deq = dequantize_kv(seg, dtype)[0]  # [H, N * P, D]
         # 2. what attention sees, request by request: sink, pages, window, new tokens
         parts: list[torch.Tensor] = []
         pendings: list[torch.Tensor] = []
+        attn_views: list[AttentionView] = []
         for (rid, past, q), st, new, start in zip(batch, states, news, starts):
             sink, stored = st.sink[layer][s], st.stored[layer][s]
             wlen = past - sink - stored
             idx = st.window_index[layer, s]
-            if sink:
-                parts.append(self._rows[idx[:sink, 0], idx[:sink, 1]].transpose(0, 1))
-            if stored:
-                parts.append(deq[:, start: start + stored])
+            sink_t = self._rows[idx[:sink, 0], idx[:sink, 1]].transpose(0, 1) if sink else None  # [H, S, D]
             if wlen:
                 w = idx[cfg.sink_tokens: cfg.sink_tokens + wlen]
                 pending = torch.cat([self._rows[w[:, 0], w[:, 1]].transpose(0, 1), new], dim=1)
             else:
                 pending = new
-            parts.append(pending)
             pendings.append(pending)
-        seen = torch.cat(parts, dim=1)
+            if self.packed_backend is not None:
+                table = alloc.block_table[rid][: lay.token_blocks(stored)]
+                store = page_store(views, table, sink, stored, P, **meta)
+                attn_views.append(AttentionView(store, sink + stored, pending.unsqueeze(0), quantized=True,
+                                                sink=None if sink_t is None else sink_t.unsqueeze(0), start=0))
+                continue
+            if sink_t is not None:
+                parts.append(sink_t)
+            if stored:
+                parts.append(deq[:, start: start + stored])
+            parts.append(pending)
+        if self.packed_backend is not None:
+            seen = PagedBatchViews(tuple(attn_views), tuple(q for _, _, q in batch), self.packed_backend)
+        else:
+            seen = torch.cat(parts, dim=1)
         del deq
         # 3. move what is due out of the windows (the rule of kivi.cache.schedule), quantize once, write
         moved, tok_index, grp_index, sink_rows, window_rows, new_state = [], ([], []), ([], []), [], [], []
@@ -242,7 +261,7 @@ class KiviPagedCache(PagedAttentionCache):
         if moved:  # quantize before writing anything: a refused value leaves the cache as it was
             seg = quantize_kv(torch.cat(moved, dim=1).unsqueeze(0), AXIS[side], bits, cfg.group_size,
                               symmetric=cfg.symmetric, residual_bits=cfg.residual_bits,
-                              param_dtype=_param_dtype(cfg, dtype), check_finite=cfg.check_finite)
+                              param_dtype=param_dtype(cfg, dtype), check_finite=cfg.check_finite)
         rows = sink_rows + window_rows
 
         def commit() -> None:

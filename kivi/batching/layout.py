@@ -132,7 +132,8 @@ def fp_block_bytes(model_config: Any, dtype: torch.dtype, page_size: int) -> int
     return text.num_hidden_layers * 2 * heads * model_head_dim(model_config) * dtype.itemsize * page_size
 
 
-def _param_dtype(cfg: KiviConfig, dtype: torch.dtype) -> torch.dtype:
+def param_dtype(cfg: KiviConfig, dtype: torch.dtype) -> torch.dtype:
+    """dtype of scales / offsets: the cached tensors' (``scale_dtype=\"auto\"``) or the one named."""
     return dtype if cfg.scale_dtype == "auto" else getattr(torch, cfg.scale_dtype)
 
 
@@ -173,7 +174,7 @@ def build_layout(model_config: Any, config: KiviConfig, page_size: int, dtype: t
         for side in SIDES:
             seg = quantize_kv(zero, AXIS[side], cfg.k_bits if side == "k" else cfg.v_bits, cfg.group_size,
                               symmetric=cfg.symmetric, residual_bits=cfg.residual_bits,
-                              param_dtype=_param_dtype(cfg, dtype), check_finite=False)
+                              param_dtype=param_dtype(cfg, dtype), check_finite=False)
             for name, t in seg.tensors().items():
                 offset = _round_up(offset, ALIGN)
                 f = PageField(layer, side, name, tuple(t.shape[1:]), t.dtype, offset,
@@ -223,4 +224,4 @@ def window_view(cache_tensor: torch.Tensor, layout: PageLayout) -> torch.Tensor:
     )
 
 
-__all__ = ["PageField", "PageLayout", "build_layout", "fp_block_bytes", "field_views", "window_view", "SIDES", "AXIS"]
+__all__ = ["PageField", "PageLayout", "build_layout", "param_dtype", "fp_block_bytes", "field_views", "window_view", "SIDES", "AXIS"]

@@ -28,8 +28,9 @@ from transformers.generation.continuous_batching.continuous_api import (
 )
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
-from ..backends import ATTN_IMPLEMENTATION
+from ..backends import ATTN_IMPLEMENTATION, model_attention_unsupported
 from ..config import KiviConfig
+from .attention import PAGED_ATTN_IMPLEMENTATION
 from .cache import KiviPagedCache
 from .layout import PageLayout, build_layout, fp_block_bytes
 from .version import check_transformers_version
@@ -45,8 +46,9 @@ class KiviBatchingManager(ContinuousBatchingManager):
 
     def __init__(self, model: Any, generation_config: GenerationConfig, continuous_batching_config: ContinuousBatchingConfig,
                  workload_hints: WorkloadHints | None, *, kivi_config: KiviConfig | None, cache_memory: int,
-                 layout: PageLayout | None) -> None:
+                 layout: PageLayout | None, packed_backend: str | None = None) -> None:
         self.kivi_config = kivi_config
+        self.packed_backend = packed_backend
         self.cache_memory = cache_memory
         self.layout = layout
         text = model.config.get_text_config()
@@ -57,13 +59,27 @@ class KiviBatchingManager(ContinuousBatchingManager):
         super().__init__(model, generation_config, continuous_batching_config, workload_hints)
 
     def switch_to_cb_friendly_attn(self, model: Any, auto_switch_to_flash: bool = True) -> None:
-        """A model whose attention is kivi's ``"kivi"`` (packed-cache attention) runs ``sdpa`` here."""
-        if model.config._attn_implementation == ATTN_IMPLEMENTATION:
+        """With a packed backend the model runs ``"kivi_paged"`` attention (each request reads its pages);
+        otherwise transformers' choice, where kivi's ``"kivi"`` attention (quantize_model) becomes ``sdpa``."""
+        current = model.config._attn_implementation
+        if self.packed_backend is not None:
+            if current != PAGED_ATTN_IMPLEMENTATION:
+                model.set_attn_implementation(PAGED_ATTN_IMPLEMENTATION)
+                if self._original_attn_impl is None:
+                    self._original_attn_impl = current
+            return
+        if current == ATTN_IMPLEMENTATION:
             model.set_attn_implementation("sdpa")
             super().switch_to_cb_friendly_attn(model, auto_switch_to_flash)
             self._original_attn_impl = ATTN_IMPLEMENTATION
             return
         super().switch_to_cb_friendly_attn(model, auto_switch_to_flash)
+
+    def restore_attention(self) -> None:
+        """Give the model back the attention implementation it had (``stop()`` does it for a started manager)."""
+        if self._original_attn_impl is not None:
+            self.model.set_attn_implementation(self._original_attn_impl)
+            self._original_attn_impl = None
 
     def request_blocks(self, tokens: int) -> int:
         """Blocks a request of ``tokens`` tokens (prompt + new) takes at its longest."""
@@ -97,7 +113,8 @@ class KiviBatchingManager(ContinuousBatchingManager):
             batch_processor.reset()
             return batch_processor
         cache = KiviPagedCache(self.model.config.get_text_config(), self.continuous_batching_config,
-                               self.model.device, layout=self.layout, cache_memory=self.cache_memory)
+                               self.model.device, layout=self.layout, cache_memory=self.cache_memory,
+                               packed_backend=self.packed_backend)
         self._use_prefix_sharing = cache.use_prefix_sharing
         update_cb_config_after_cache_creation(cb_config=self.continuous_batching_config, num_blocks=cache.num_blocks,
                                               max_batch_tokens=cache.max_batch_tokens)
@@ -141,6 +158,24 @@ def _check_kivi_cb_config(cb: ContinuousBatchingConfig) -> None:
     cb.max_blocks_per_request = 0
 
 
+def pages_attention_backend(kivi_config: KiviConfig, model: Any) -> str | None:
+    """How attention reads KIVI pages for ``kivi_config.attention_backend``: ``"cpu"`` (packed, kivi's CPU
+    kernels; what ``"auto"`` is on CPU) or ``None`` (``"reference"``, and ``"auto"`` off CPU: the pages
+    dequantized one layer at a time, transformers' attention). ``"triton"`` is refused."""
+    requested = kivi_config.attention_backend
+    device = getattr(getattr(model, "device", None), "type", "cpu")
+    if requested == "triton":
+        raise ValueError("attention_backend='triton' cannot read KIVI pages yet; use 'cpu', 'reference' or 'auto'")
+    if requested == "cpu" or (requested == "auto" and device == "cpu"):
+        if model_attention_unsupported(model.config):
+            if requested == "cpu":
+                raise ValueError(f"attention_backend='cpu' cannot run this model: "
+                                 f"{model_attention_unsupported(model.config)}; use 'reference'")
+            return None
+        return "cpu"
+    return None
+
+
 def init_continuous_batching(model: Any, kivi_config: KiviConfig | None, *, cache_memory: int | None = None,
                              generation_config: GenerationConfig | None = None, **kwargs: Any) -> KiviBatchingManager:
     """A continuous-batching manager for ``model`` whose cache is KIVI pages (``kivi_config``) or, with
@@ -166,7 +201,7 @@ def init_continuous_batching(model: Any, kivi_config: KiviConfig | None, *, cach
     if (getattr(gen, "num_return_sequences", None) or 1) > 1 and kivi_config is not None:
         raise ValueError(f"num_return_sequences={gen.num_return_sequences} is not supported with KIVI pages "
                          "(forked requests would share a full-precision window)")
-    layout = None
+    layout, packed_backend = None, None
     text = model.config.get_text_config()
     if kivi_config is not None:
         check_transformers_version()
@@ -174,6 +209,7 @@ def init_continuous_batching(model: Any, kivi_config: KiviConfig | None, *, cach
             raise ValueError("cache_memory=None: KIVI pages need a byte budget (e.g. cache_memory=2 * 1024**3)")
         _check_kivi_cb_config(cb)
         layout = build_layout(model.config, kivi_config, cb.page_size, model.dtype)
+        packed_backend = pages_attention_backend(kivi_config, model)
     elif cache_memory is not None:
         cb.num_blocks = max(1, cache_memory // fp_block_bytes(text, model.dtype, cb.page_size))
     if cache_memory is None:  # float cache sized by transformers: the budget is what it will allocate
@@ -181,7 +217,7 @@ def init_continuous_batching(model: Any, kivi_config: KiviConfig | None, *, cach
     if gen.eos_token_id is None:
         gen.eos_token_id = -1
     return KiviBatchingManager(model, gen, cb, workload_hints, kivi_config=kivi_config, cache_memory=cache_memory,
-                               layout=layout)
+                               layout=layout, packed_backend=packed_backend)
 
 
 def generate_batch(model: Any, inputs: list[list[int]], kivi_config: KiviConfig | None, *,
@@ -203,8 +239,12 @@ def generate_batch(model: Any, inputs: list[list[int]], kivi_config: KiviConfig 
         kwargs["workload_hints"] = WorkloadHints(max_prompt_length=max(len(x) for x in inputs),
                                                  max_generated_length=max_new_tokens or 0, num_requests=len(inputs))
     manager = init_continuous_batching(model, kivi_config, cache_memory=cache_memory, generation_config=gen, **kwargs)
-    for x in inputs:  # refuse before starting anything
-        manager.check_request_fits(len(x), int(max_new_tokens or 0))
+    try:
+        for x in inputs:  # refuse before starting anything
+            manager.check_request_fits(len(x), int(max_new_tokens or 0))
+    except ValueError:
+        manager.restore_attention()
+        raise
     results: dict[str, Any] = {}
     manager.start()
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..cache.store import BlockStore
 from ..quant.kv import PackedKV
 
 
@@ -25,6 +26,25 @@ def gather_pages(views: dict[str, torch.Tensor], blocks: torch.Tensor, *, bits: 
     return PackedKV(packed=tensors["packed"], scale=tensors["scale"], offset=tensors.get("offset"),
                     comp=tensors.get("comp"), bits=bits, group_size=group_size, axis=axis, head_dim=head_dim,
                     residual_bits=residual_bits)
+
+
+def page_store(views: dict[str, torch.Tensor], blocks: list[int], first: int, stored: int, page_size: int, *,
+               bits: int, group_size: int, axis: str, head_dim: int, residual_bits: int) -> BlockStore:
+    """A :class:`BlockStore` of tokens ``[first, first + stored)`` whose blocks are the pages ``blocks``
+    themselves (views into the cache, no copy): what kivi's attention backends read. ``first`` is the
+    first stored token (the sink length)."""
+    store = BlockStore(page_size, start=first, length=first + stored)
+    if stored == 0:
+        return store
+    page0 = {name: v[blocks[0]].unsqueeze(0) for name, v in views.items()}
+    store.template = PackedKV(packed=page0["packed"][:, :, :0], scale=page0["scale"][:, :, :0],
+                              offset=None if "offset" not in page0 else page0["offset"][:, :, :0],
+                              comp=None if "comp" not in page0 else page0["comp"][:, :, :0], bits=bits,
+                              group_size=group_size, axis=axis, head_dim=head_dim, residual_bits=residual_bits)
+    store.blocks = [page0] + [{name: v[b].unsqueeze(0) for name, v in views.items()} for b in blocks[1:]]
+    store.starts = [first + i * page_size for i in range(len(blocks))]
+    store.caps = [page_size] * len(blocks)
+    return store
 
 
 def store_rows(block_table: list[int], start: int, count: int, page_size: int,
@@ -50,4 +70,4 @@ def scatter_tokens(views: dict[str, torch.Tensor], seg: PackedKV, index: dict[in
         views[name][blocks, :, rows] = src[0].transpose(0, 1)  # [rows, H, C]
 
 
-__all__ = ["gather_pages", "store_rows", "scatter_tokens"]
+__all__ = ["gather_pages", "page_store", "store_rows", "scatter_tokens"]

@@ -29,11 +29,18 @@ def _single(model_kwargs: dict, cfg: KiviConfig, prompt: list[int], new: int, **
 
 @pytest.mark.parametrize("backend", ["reference", "auto"])
 def test_greedy_tokens_equal_single_request_generate(backend):
-    """Many requests of different lengths in one batch engine = one generate() each with a KiviCache."""
+    """Many requests of different lengths in one batch engine = one generate() each with a KiviCache, the
+    same attention backend on both sides: "reference" = pages dequantized + SDPA, "auto" = packed pages
+    read by kivi's CPU kernels ("kivi_paged" attention)."""
     inputs = _inputs()
-    out = generate_batch(tiny_model(), inputs, KiviConfig(**CFG), cache_memory=MEM, max_new_tokens=24, **CB)
-    assert list(out) == [f"req_{i}" for i in range(len(inputs))]
     cfg = KiviConfig(**CFG, attention_backend=backend)
+    model = tiny_model()
+    manager = init_continuous_batching(model, cfg, cache_memory=MEM, **CB)
+    assert model.config._attn_implementation == ("kivi_paged" if backend == "auto" else "sdpa")
+    manager.restore_attention()
+    assert model.config._attn_implementation == "sdpa"
+    out = generate_batch(model, inputs, cfg, cache_memory=MEM, max_new_tokens=24, **CB)
+    assert list(out) == [f"req_{i}" for i in range(len(inputs))]
     for x, o in zip(inputs, out.values()):
         assert o.generated_tokens == _single({}, cfg, x, 24), len(x)
 
@@ -80,6 +87,7 @@ def test_request_that_does_not_fit_is_refused():
     model = tiny_model()
     with pytest.raises(ValueError, match=r"request of 3000 prompt tokens \+ max_new_tokens=10 needs \d+ KIVI blocks"):
         generate_batch(model, [[1] * 3000], KiviConfig(**CFG), cache_memory=256 * 1024, max_new_tokens=10, **CB)
+    assert model.config._attn_implementation == "sdpa"  # given back
     manager = init_continuous_batching(model, None, cache_memory=64 * 1024, **CB)
     with pytest.raises(ValueError, match="float blocks"):
         manager.add_request([1] * 3000, max_new_tokens=10)

@@ -127,3 +127,55 @@ def test_refused_value_leaves_pages_and_state_unchanged():
     v[0, 3, 5] = 0.0  # the same forward, now finite, goes through
     cache.layer_forward(0, k, v, [("x", 0, 80)])
     assert st.stored[0] == [48, 48] and not torch.equal(cache.cache_tensor, before)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("name", ["K2V2", "balanced-sink4"])
+def test_packed_attention_matches_materialized_pages(name, backend):
+    """The packed path (kivi's backend over page views, no dequantized context) against the plain one
+    (pages dequantized, full-precision attention per request), on the same batch."""
+    from kivi.batching.attention import PagedBatchViews, fp_attention, paged_attention_forward
+
+    cfg = CONFIGS[name]
+    torch.manual_seed(1)
+    packed, plain = _cache(cfg, torch.float32), _cache(cfg, torch.float32)
+    packed.packed_backend = backend
+    reqs = {}
+    schedule = [[("a", 45), ("b", 3)], [("a", 1), ("b", 70)]] + [[("a", 1), ("b", 1), ("c", 30 if i == 0 else 1)]
+                                                                  for i in range(20)]
+    for step in schedule:
+        batch = []
+        for rid, q in step:
+            r = reqs.setdefault(rid, _Req(rid))
+            assert packed.can_store_request_tokens(r, q) and plain.can_store_request_tokens(r, q)
+            batch.append((rid, r.position_offset, q))
+        n = sum(q for _, q in step)
+        k = torch.randn(H, n, D) * 3 + torch.randn(1, 1, D)
+        v = torch.randn(H, n, D)
+        query = torch.randn(1, 4, n, D)  # GQA: 4 query heads over 2 kv heads
+        pk, pv = packed.layer_forward(0, k, v, batch)
+        mk, mv = plain.layer_forward(0, k, v, batch)
+        assert isinstance(pk, PagedBatchViews)
+        got, _ = paged_attention_forward(torch.nn.Module(), query, pk, pv, None, scaling=D**-0.5)
+        off_q = off_k = 0
+        for rid, past, q in batch:
+            want = fp_attention(query[:, :, off_q: off_q + q], mk[None, :, off_k: off_k + past + q],
+                                mv[None, :, off_k: off_k + past + q], D**-0.5).transpose(1, 2)
+            torch.testing.assert_close(got[:, off_q: off_q + q], want, atol=2e-5, rtol=1e-4)
+            off_q += q
+            off_k += past + q
+        for rid, q in step:
+            reqs[rid].position_offset += q
+    assert packed.max_dequantized_bytes == 0
+
+
+def test_fp_attention_is_bottom_right_causal():
+    from kivi.batching.attention import fp_attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
+    got = fp_attention(q, k, v, None)
+    for i in range(3):
+        keep = 7 - 3 + i + 1
+        s = (q[:, :, i: i + 1] @ k[:, :, :keep].transpose(-1, -2)) * 8**-0.5
+        torch.testing.assert_close(got[:, :, i: i + 1], s.softmax(-1) @ v[:, :, :keep])

@@ -1,0 +1,89 @@
+"""The ``"kivi_paged"`` attention: each request of a continuous batch attends over its KIVI pages, packed.
+
+transformers lets a model run a registered attention function over whatever ``cache.update`` returned.
+With a packed attention backend (``cpu``), :class:`~kivi.batching.cache.KiviPagedCache` returns a
+:class:`PagedBatchViews` per side instead of tensors: for every request of the batch, the
+:class:`~kivi.cache.view.AttentionView` kivi's own cache would hand attention (sink, pages as a
+:class:`~kivi.cache.store.BlockStore` aliasing the page memory — no copy, no dequantization —, window
+and new tokens). :func:`paged_attention_forward` splits the batch's queries by request and runs kivi's
+backend on each (:func:`kivi.attention.interface.run_backend`: the fused numba decode kernel for one
+query token, the blocked online-softmax path otherwise). A request with nothing quantized yet attends
+in full precision with torch's SDPA (bottom-right causal). No attention mask is built for the batch.
+
+The plain reference beside it is the cache's materialized mode (``attention_backend="reference"``):
+the pages dequantized one layer at a time and transformers' SDPA with its varlen mask; tests compare
+the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+
+from ..attention.interface import run_backend
+from ..cache.view import AttentionView
+
+#: The attention implementation name a model runs while a KIVI-pages manager with a packed backend runs.
+PAGED_ATTN_IMPLEMENTATION = "kivi_paged"
+
+
+@dataclass(frozen=True)
+class PagedBatchViews:
+    """One side (keys or values) of one layer for the whole batch: ``views[i]`` for request ``i``,
+    whose ``q_lens[i]`` new tokens are consecutive in the batch's query axis; ``backend`` reads them."""
+
+    views: tuple[AttentionView, ...]
+    q_lens: tuple[int, ...]
+    backend: str
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", repr(func))
+        raise TypeError(f"{name} received KIVI paged views: the model's attention must be "
+                        f"{PAGED_ATTN_IMPLEMENTATION!r} (kivi.batching.init_continuous_batching sets it)")
+
+
+def fp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """``[1, Hq, n, D]`` attention of the ``n`` newest positions over ``key``/``value`` ``[1, Hkv, T, D]``
+    (full precision; causal, aligned bottom-right: query ``i`` sees keys ``< T - n + i + 1``)."""
+    n, t = query.shape[-2], key.shape[-2]
+    mask = None
+    if 1 < n < t:
+        mask = torch.ones(n, t, dtype=torch.bool, device=query.device).tril(t - n)
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, is_causal=n > 1 and n == t, scale=scaling,
+        enable_gqa=key.shape[1] != query.shape[1])
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: PagedBatchViews,
+                            value: PagedBatchViews, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                            scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``query [1, Hq, sum(q), D]`` -> ``([1, sum(q), Hq, D], None)``."""
+    if not isinstance(key, PagedBatchViews) or not isinstance(value, PagedBatchViews):
+        raise TypeError(f"the {PAGED_ATTN_IMPLEMENTATION!r} attention reads KIVI pages; it got "
+                        f"{type(key).__name__} (run it through kivi.batching.init_continuous_batching)")
+    if dropout:
+        raise NotImplementedError("KIVI paged attention does not implement attention dropout (training)")
+    if getattr(module, "sinks", None) is not None or kwargs.get("softcap") is not None:
+        raise NotImplementedError("KIVI paged attention does not support attention sinks or logit softcapping")
+    outs = []
+    for q, kv, vv in zip(query.split(list(key.q_lens), dim=2), key.views, value.views):
+        if kv.only_full_precision and vv.only_full_precision:
+            outs.append(fp_attention(q, kv.fp, vv.fp, scaling))
+        else:
+            outs.append(run_backend(key.backend, q, kv, vv, scaling=scaling, attention_mask=None))
+    out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register ``"kivi_paged"`` with transformers' attention functions (idempotent). No mask function is
+    registered: transformers then builds no batch mask, and each request is causal on its own here."""
+    AttentionInterface.register(PAGED_ATTN_IMPLEMENTATION, paged_attention_forward)
+
+
+register()
+
+__all__ = ["PAGED_ATTN_IMPLEMENTATION", "PagedBatchViews", "paged_attention_forward", "fp_attention", "register"]
