@@ -38,7 +38,10 @@ from transformers import GenerationConfig  # noqa: E402
 from kivi import KiviConfig  # noqa: E402
 from kivi.batching import build_layout, fp_block_bytes, generate_batch, init_continuous_batching  # noqa: E402
 
-ROWS = {"float": None, "kivi-2/2": KiviConfig(k_bits=2, v_bits=2), "balanced": KiviConfig.preset("balanced")}
+ROWS = {"float": None, "kivi-2/2": KiviConfig(k_bits=2, v_bits=2), "balanced": KiviConfig.preset("balanced"),
+        # the materialized path: pages dequantized one layer at a time, transformers' SDPA (not run by default)
+        "kivi-2/2-sdpa": KiviConfig(k_bits=2, v_bits=2, attention_backend="reference")}
+DEFAULT_ROWS = ["float", "kivi-2/2", "balanced"]
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -99,6 +102,28 @@ def run_row(model, cfg, prompts, new_tokens, cache_memory, cb_kwargs) -> dict:
     }
 
 
+def check_single(model, prompts, new_tokens, rows, tokens) -> dict:
+    """Greedy tokens of the batch engine vs ``quantize_model`` + one ``generate()`` per request, same config."""
+    from kivi import dequantize_model, quantize_model
+
+    out = {}
+    for name in rows:
+        quantize_model(model, ROWS[name])
+        try:
+            same, first_diff = 0, []
+            for i, p in enumerate(prompts):
+                ref = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False,
+                                     eos_token_id=None)[0, len(p):].tolist()
+                got = tokens[name][f"req_{i}"]
+                same += got == ref
+                first_diff.append(next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), None))
+        finally:
+            dequantize_model(model)
+        out[name] = {"requests": len(prompts), "identical": same, "first_differing_token": first_diff}
+        print(f"{name}: {same}/{len(prompts)} requests token-identical to one-request generate()", flush=True)
+    return out
+
+
 def capacity_table(model_config, at: int, budget: int, page: int) -> dict:
     fp16 = (budget // fp_block_bytes(model_config, torch.float16, page)) // -(-at // page)
     out = {"float16": fp16}
@@ -119,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-memory", type=int, default=None, help="budget in bytes (overrides --fp-requests)")
     ap.add_argument("--shared-prefix", type=float, nargs="+", default=[0.0, 0.75],
                     help="fractions of every prompt that are one common prefix; one variant each")
-    ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    ap.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, choices=list(ROWS))
+    ap.add_argument("--check-single", type=int, default=2,
+                    help="compare the first N requests of every KIVI row with one-request generate() (same config)")
     ap.add_argument("--page-size", type=int, default=256)
     ap.add_argument("--max-batch-tokens", type=int, default=2048)
     ap.add_argument("--capacity-at", type=int, default=4096)
@@ -150,9 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.cache_memory or args.fp_requests * -(-total // args.page_size) * fp_block_bytes(
         text, model.dtype, args.page_size)
     cb = dict(page_size=args.page_size, max_batch_tokens=args.max_batch_tokens)
-    # warm-up (first-call overheads of every path)
+    # warm-up: compile kivi's numba kernels, then one full-length request per row (first-call overheads)
+    from kivi.attention.fused_cpu import warmup as warm_attention
+    from kivi.quant.fused_cpu import warmup as warm_quant
+
+    warm_quant()
+    warm_attention()
     for cfg in (ROWS[r] for r in args.rows):
-        generate_batch(model, [[101] * 40], cfg, cache_memory=budget, max_new_tokens=2, **cb)
+        generate_batch(model, [[101] * args.prompt_len], cfg, cache_memory=budget, max_new_tokens=3, **cb)
 
     report = {"command": " ".join(sys.argv), "model": args.model, "dtype": str(model.dtype),
               "threads": args.threads, "budget_bytes": budget, "requests": args.requests,
@@ -172,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"  {r['total_tokens_per_s']:8.1f} tok/s  ttft p50 {r['ttft_p50_s']:7.2f}s p95 {r['ttft_p95_s']:7.2f}s"
                   f"  per-token p50 {r['per_token_p50_s'] * 1e3:7.1f} ms", flush=True)
         base = rows.get("float")
+        tokens = {name: r["tokens"] for name, r in rows.items()}
         for name, r in rows.items():
             toks = r.pop("tokens")
             if base is not None and name != "float":
@@ -182,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows.values():
             r.pop("_tokens", None)
         report["variants"][f"shared_prefix_{shared:.2f}"] = rows
+        if args.check_single and shared == args.shared_prefix[0]:
+            report["single_request_agreement"] = check_single(model, prompts[: args.check_single], args.new_tokens,
+                                                              [r for r in args.rows if ROWS[r] is not None], tokens)
     text_out = format_table(report)
     print(text_out)
     if args.out:
@@ -206,6 +242,9 @@ def format_table(report: dict) -> str:
                 f"{r['total_tokens_per_s']:8.1f} {r['generated_tokens_per_s']:9.2f} {r['ttft_p50_s']:8.2f}s "
                 f"{r['ttft_p95_s']:8.2f}s {r['per_token_p50_s'] * 1e3:6.0f}ms {r['per_token_p95_s'] * 1e3:6.0f}ms "
                 f"{'-' if tr is None else f'{tr / 2**20:8.1f}Mi':>10s} {r['shared_prompt_tokens'] or 0:6d}")
+    for name, a in report.get("single_request_agreement", {}).items():
+        lines.append(f"greedy tokens vs one-request generate() with the same config ({name}): {a['identical']}/"
+                     f"{a['requests']} requests identical (first differing token: {a['first_differing_token']})")
     cap = report["capacity"]
     lines.append(f"computed: requests of {cap['tokens_per_request']} tokens held at once in "
                  f"{cap['budget_bytes'] / 2**30:.1f} GiB (fp16 model, from page sizes): "
