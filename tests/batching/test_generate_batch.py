@@ -164,3 +164,31 @@ def test_prefix_sharing_reuses_quantized_pages():
 def test_no_prefix_sharing_with_sink_tokens():
     manager = init_continuous_batching(tiny_model(), KiviConfig(**CFG, sink_tokens=4), cache_memory=MEM, **CB)
     assert not manager._create_batch_processor().cache.use_prefix_sharing
+
+
+def test_cancelled_request_gives_its_pages_back():
+    """What `kivi serve` relies on for a client that disconnects: cancel_request frees pages and window blocks."""
+    manager = init_continuous_batching(tiny_model(), KiviConfig(**CFG), cache_memory=MEM, **CB)
+    manager.start()
+    try:
+        rid = manager.add_request(_inputs((300,))[0], max_new_tokens=400, streaming=True)
+        first = manager.get_result(rid, timeout=60)  # a streamed token: the request holds its cache now
+        assert first is not None and not first.is_finished()
+        cache = manager.batch_processor.cache
+        assert rid in cache.allocator.requests
+        manager.cancel_request(rid)
+        import time
+
+        def reclaimable() -> int:  # free, or kept only as a hashed prefix page (evicted under memory pressure)
+            return cache.free_block_count() + len(cache.allocator.ledger.cached_blocks)
+
+        deadline = time.time() + 30
+        while (rid in cache.allocator.requests or reclaimable() < cache.num_blocks) and time.time() < deadline:
+            time.sleep(0.05)
+        assert rid not in cache.allocator.requests
+        assert reclaimable() == cache.num_blocks
+        cache.evict_cached_blocks()
+        assert cache.free_block_count() == cache.num_blocks
+    finally:
+        manager.stop(block=True, timeout=30)
+        manager.destroy()
