@@ -22,7 +22,7 @@ import torch
 from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
 
 from ..cache.schedule import KEY_AXIS, VALUE_AXIS, side_tokens
-from .layout import SIDES, PageLayout
+from .layout import PageLayout
 
 
 @dataclass
@@ -87,14 +87,7 @@ class KiviPageAllocator(FullAttentionCacheAllocator):
             return
         lay = self.layout
         st.window_blocks = self.pool.get_free_blocks(self.index, lay.window_blocks)
-        idx = torch.empty(lay.num_layers, 2, lay.window_rows, 2, dtype=torch.long)
-        for layer in range(lay.num_layers):
-            for s, side in enumerate(SIDES):
-                for slot in range(lay.window_rows):
-                    b, r = lay.window_row(layer, side, slot)
-                    idx[layer, s, slot, 0] = st.window_blocks[b]
-                    idx[layer, s, slot, 1] = r
-        st.window_index = idx
+        st.window_index = lay.window_index(st.window_blocks)
 
     def quantized_blocks(self, request_id: str) -> int:
         """Leading blocks of the request whose tokens are quantized in every layer, on both sides."""

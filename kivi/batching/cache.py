@@ -93,11 +93,6 @@ class KiviPagedCache(PagedAttentionCache):
         return self.cache_allocators[FULL_ATTENTION]
 
     # ------------------------------------------------------------------ accounting
-    @property
-    def page_bytes_total(self) -> int:
-        """Bytes of the cache tensor: blocks x block bytes (what ``cache_memory`` bounds)."""
-        return self.cache_tensor.numel()
-
     def free_block_count(self) -> int:
         self.pool.try_to_free_sectors()
         return self.pool.num_free_sectors + self.pool.count_free_blocks(0)

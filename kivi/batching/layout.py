@@ -115,10 +115,13 @@ class PageLayout:
         """Blocks one request of ``tokens`` tokens takes: its pages plus its window blocks."""
         return self.token_blocks(tokens) + self.window_blocks
 
-    def window_row(self, layer: int, side: str, slot: int) -> tuple[int, int]:
-        """``(window block index, row)`` of full-precision row ``slot`` of ``(layer, side)``."""
-        r = (layer * 2 + SIDES.index(side)) * self.window_rows + slot
-        return r // self.rows_per_block, r % self.rows_per_block
+    def window_index(self, window_blocks: list[int]) -> torch.Tensor:
+        """Long ``[layers, 2, window_rows, 2]``: (block id, row) of every full-precision row slot of a
+        request whose window blocks are ``window_blocks``. Row ``(layer, side, slot)`` is number
+        ``r = (layer * 2 + side) * window_rows + slot`` and lives in window block ``r // rows_per_block``."""
+        r = torch.arange(self.num_layers * 2 * self.window_rows).view(self.num_layers, 2, self.window_rows)
+        blocks = torch.tensor(window_blocks, dtype=torch.long)[r // self.rows_per_block]
+        return torch.stack([blocks, r % self.rows_per_block], dim=-1)
 
     def requests_that_fit(self, cache_memory: int, tokens: int) -> int:
         """Requests of ``tokens`` tokens each that ``cache_memory`` bytes of blocks hold at once."""

@@ -41,11 +41,12 @@ CB_FIELDS = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
 class KiviBatchingManager(ContinuousBatchingManager):
     """transformers' continuous batching manager over KIVI pages (or the float paged cache) of a fixed byte budget.
 
-    ``layout`` is ``None`` for the float cache. ``capacity_blocks``: blocks the budget holds.
+    ``layout`` is ``None`` for the float cache. ``capacity_blocks``: blocks the budget holds (``None``:
+    transformers sizes the float cache itself).
     """
 
     def __init__(self, model: Any, generation_config: GenerationConfig, continuous_batching_config: ContinuousBatchingConfig,
-                 workload_hints: WorkloadHints | None, *, kivi_config: KiviConfig | None, cache_memory: int,
+                 workload_hints: WorkloadHints | None, *, kivi_config: KiviConfig | None, cache_memory: int | None,
                  layout: PageLayout | None, packed_backend: str | None = None) -> None:
         self.kivi_config = kivi_config
         self.packed_backend = packed_backend
@@ -55,7 +56,7 @@ class KiviBatchingManager(ContinuousBatchingManager):
         self.block_bytes = layout.block_bytes if layout is not None else fp_block_bytes(
             text, model.dtype, continuous_batching_config.page_size)
         self.page_size = continuous_batching_config.page_size
-        self.capacity_blocks = cache_memory // self.block_bytes
+        self.capacity_blocks = None if cache_memory is None else cache_memory // self.block_bytes
         super().__init__(model, generation_config, continuous_batching_config, workload_hints)
 
     def switch_to_cb_friendly_attn(self, model: Any, auto_switch_to_flash: bool = True) -> None:
@@ -90,7 +91,7 @@ class KiviBatchingManager(ContinuousBatchingManager):
     def check_request_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
         """``ValueError`` when a request of ``prompt_tokens + max_new_tokens`` tokens can never fit the budget."""
         need = self.request_blocks(prompt_tokens + max_new_tokens)
-        if need > self.capacity_blocks:
+        if self.capacity_blocks is not None and need > self.capacity_blocks:
             kind = "KIVI" if self.layout is not None else "float"
             raise ValueError(
                 f"request of {prompt_tokens} prompt tokens + max_new_tokens={max_new_tokens} needs {need} {kind} blocks "
@@ -212,8 +213,6 @@ def init_continuous_batching(model: Any, kivi_config: KiviConfig | None, *, cach
         packed_backend = pages_attention_backend(kivi_config, model)
     elif cache_memory is not None:
         cb.num_blocks = max(1, cache_memory // fp_block_bytes(text, model.dtype, cb.page_size))
-    if cache_memory is None:  # float cache sized by transformers: the budget is what it will allocate
-        cache_memory = 2**62
     if gen.eos_token_id is None:
         gen.eos_token_id = -1
     return KiviBatchingManager(model, gen, cb, workload_hints, kivi_config=kivi_config, cache_memory=cache_memory,
@@ -254,9 +253,8 @@ def generate_batch(model: Any, inputs: list[list[int]], kivi_config: KiviConfig 
             if out is not None and out.is_finished():
                 results[out.request_id] = out
             elif out is None and not manager.is_running():
-                error = manager.background_thread_status
                 raise RuntimeError(f"the continuous-batching loop stopped with {len(ids) - len(results)} requests "
-                                   f"unfinished ({error})")
+                                   "unfinished (see the transformers log for its error)")
     finally:
         manager.stop(block=True, timeout=30)
         manager.destroy()

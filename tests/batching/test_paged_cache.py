@@ -179,3 +179,12 @@ def test_fp_attention_is_bottom_right_causal():
         keep = 7 - 3 + i + 1
         s = (q[:, :, i: i + 1] @ k[:, :, :keep].transpose(-1, -2)) * 8**-0.5
         torch.testing.assert_close(got[:, :, i: i + 1], s.softmax(-1) @ v[:, :, :keep])
+
+
+def test_window_rows_are_distinct_and_inside_the_window_blocks():
+    layout = _cache(CONFIGS["balanced-sink4"], torch.float16).layout
+    blocks = [7, 3, 9, 11, 2, 5][: layout.window_blocks]
+    idx = layout.window_index(blocks).view(-1, 2)
+    assert idx.shape[0] == layout.num_layers * 2 * layout.window_rows
+    assert set(idx[:, 0].tolist()) <= set(blocks) and int(idx[:, 1].max()) < layout.rows_per_block
+    assert len({(int(b), int(r)) for b, r in idx}) == idx.shape[0]  # no two slots share a row
