@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..attention.interface import run_backend
 from ..cache.view import AttentionView
@@ -45,16 +46,19 @@ class PagedBatchViews:
                         f"{PAGED_ATTN_IMPLEMENTATION!r} (kivi.batching.init_continuous_batching sets it)")
 
 
-def fp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
+def fp_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 scaling: float | None) -> torch.Tensor:
     """``[1, Hq, n, D]`` attention of the ``n`` newest positions over ``key``/``value`` ``[1, Hkv, T, D]``
-    (full precision; causal, aligned bottom-right: query ``i`` sees keys ``< T - n + i + 1``)."""
+    (full precision; causal, aligned bottom-right: query ``i`` sees keys ``< T - n + i + 1``).
+
+    transformers' own SDPA function, called as kivi's ``"kivi"`` attention calls it for a forward with
+    nothing quantized yet, so a request's prefill is computed exactly as one-request ``generate()`` does."""
     n, t = query.shape[-2], key.shape[-2]
     mask = None
     if 1 < n < t:
-        mask = torch.ones(n, t, dtype=torch.bool, device=query.device).tril(t - n)
-    return torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, is_causal=n > 1 and n == t, scale=scaling,
-        enable_gqa=key.shape[1] != query.shape[1])
+        mask = torch.ones(n, t, dtype=torch.bool, device=query.device).tril(t - n)[None, None]
+    out, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling)
+    return out.transpose(1, 2)  # sdpa_attention_forward returns [1, n, Hq, D]
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: PagedBatchViews,
@@ -71,7 +75,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: P
     outs = []
     for q, kv, vv in zip(query.split(list(key.q_lens), dim=2), key.views, value.views):
         if kv.only_full_precision and vv.only_full_precision:
-            outs.append(fp_attention(q, kv.fp, vv.fp, scaling))
+            outs.append(fp_attention(module, q, kv.fp, vv.fp, scaling))
         else:
             outs.append(run_backend(key.backend, q, kv, vv, scaling=scaling, attention_mask=None))
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]

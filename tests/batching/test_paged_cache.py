@@ -19,6 +19,16 @@ from tests.helpers import tiny_model
 H, D = 2, 32
 
 
+class _Attn(torch.nn.Module):
+    """What transformers' SDPA function reads from an attention module (GQA: 4 query heads, 2 kv heads)."""
+
+    is_causal = True
+    num_key_value_groups = 2
+
+
+_ATTN = _Attn()
+
+
 class _Req:
     """The two things transformers' cache asks of a request state."""
 
@@ -156,10 +166,10 @@ def test_packed_attention_matches_materialized_pages(name, backend):
         pk, pv = packed.layer_forward(0, k, v, batch)
         mk, mv = plain.layer_forward(0, k, v, batch)
         assert isinstance(pk, PagedBatchViews)
-        got, _ = paged_attention_forward(torch.nn.Module(), query, pk, pv, None, scaling=D**-0.5)
+        got, _ = paged_attention_forward(_ATTN, query, pk, pv, None, scaling=D**-0.5)
         off_q = off_k = 0
         for rid, past, q in batch:
-            want = fp_attention(query[:, :, off_q: off_q + q], mk[None, :, off_k: off_k + past + q],
+            want = fp_attention(_ATTN, query[:, :, off_q: off_q + q], mk[None, :, off_k: off_k + past + q],
                                 mv[None, :, off_k: off_k + past + q], D**-0.5).transpose(1, 2)
             torch.testing.assert_close(got[:, off_q: off_q + q], want, atol=2e-5, rtol=1e-4)
             off_q += q
@@ -173,12 +183,13 @@ def test_fp_attention_is_bottom_right_causal():
     from kivi.batching.attention import fp_attention
 
     torch.manual_seed(0)
-    q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
-    got = fp_attention(q, k, v, None)
+    q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
+    k4, v4 = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    got = fp_attention(_ATTN, q, k, v, None)
     for i in range(3):
         keep = 7 - 3 + i + 1
-        s = (q[:, :, i: i + 1] @ k[:, :, :keep].transpose(-1, -2)) * 8**-0.5
-        torch.testing.assert_close(got[:, :, i: i + 1], s.softmax(-1) @ v[:, :, :keep])
+        s = (q[:, :, i: i + 1] @ k4[:, :, :keep].transpose(-1, -2)) * 8**-0.5
+        torch.testing.assert_close(got[:, :, i: i + 1], s.softmax(-1) @ v4[:, :, :keep])
 
 
 def test_window_rows_are_distinct_and_inside_the_window_blocks():
