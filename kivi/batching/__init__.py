@@ -3,7 +3,8 @@
 :func:`init_continuous_batching` and :func:`generate_batch` are the entry points; see
 docs/continuous-batching.md. Modules: ``version`` (the tested transformers versions), ``layout``
 (bytes of a KIVI block), ``pages`` (page reads and writes), ``allocator`` (block bookkeeping and each
-request's KIVI state), ``cache`` (the paged cache's forward), ``manager`` (the entry points).
+request's KIVI state), ``cache`` (the paged cache's forward), ``attention`` (the ``"kivi_paged"``
+attention over packed pages), ``manager`` (the entry points).
 """
 
 from .layout import PageLayout, build_layout, fp_block_bytes

@@ -264,4 +264,4 @@ def generate_batch(model: Any, inputs: list[list[int]], kivi_config: KiviConfig 
     return {rid: results[rid] for rid in ids}
 
 
-__all__ = ["KiviBatchingManager", "init_continuous_batching", "generate_batch"]
+__all__ = ["KiviBatchingManager", "init_continuous_batching", "generate_batch", "pages_attention_backend"]
