@@ -70,7 +70,7 @@ def build_app(engine: Engine, *, model_name: str) -> FastAPI:
     async def chat_completions(request: Request):
         req = parse_chat(await _json_body(request))
         ids = _chat_ids(engine, req)
-        running = _start(engine, ids, req)
+        running = _start(engine, ids, req, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             async def events() -> AsyncIterator[str]:
@@ -88,7 +88,7 @@ def build_app(engine: Engine, *, model_name: str) -> FastAPI:
     async def completions(request: Request):
         req = parse_completion(await _json_body(request))
         ids = _prompt_ids(engine, req)
-        running = _start(engine, ids, req)
+        running = _start(engine, ids, req, "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             async def events() -> AsyncIterator[str]:
@@ -138,9 +138,9 @@ def _prompt_ids(engine: Engine, req: GenerationRequest) -> list[int]:
     return list(engine.tokenizer(req.prompt)["input_ids"])
 
 
-def _start(engine: Engine, ids: list[int], req: GenerationRequest) -> RunningRequest:
+def _start(engine: Engine, ids: list[int], req: GenerationRequest, prompt_field: str) -> RunningRequest:
     try:
-        max_new = engine.plan(len(ids), req.max_tokens)
+        max_new = engine.plan(len(ids), req.max_tokens, prompt_field=prompt_field)
     except RequestRefused as e:
         raise ApiError(400, str(e), param=e.param, code=e.code) from None
     sampling = Sampling(max_new, None if req.greedy else req.temperature, req.top_p)

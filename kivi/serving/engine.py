@@ -181,17 +181,19 @@ class Engine:
         self._dispatcher.start()
 
     # ------------------------------------------------------------------ requests
-    def plan(self, prompt_tokens: int, max_tokens: int | None) -> int:
+    def plan(self, prompt_tokens: int, max_tokens: int | None, *, prompt_field: str = "prompt") -> int:
         """The ``max_new_tokens`` a request of ``prompt_tokens`` gets (``max_tokens`` asked, or ``None`` for
-        as many as fit the context, the budget and the server's cap); :class:`RequestRefused` when it cannot run."""
+        as many as fit the context, the budget and the server's cap); :class:`RequestRefused` when it cannot run
+        (``param``: ``prompt_field`` when the prompt alone is too long, else ``max_tokens``)."""
         if prompt_tokens < 1:
             raise RequestRefused("the prompt is empty (0 tokens)", code="empty_prompt")
         room = self.max_context - prompt_tokens
         if room < 1 or (max_tokens is not None and max_tokens > room):
             asked = "" if max_tokens is None else f" + max_tokens {max_tokens}"
+            param = prompt_field if room < 1 or max_tokens is None else "max_tokens"
             raise RequestRefused(
                 f"this model's maximum context length is {self.max_context} tokens; the request has {prompt_tokens} "
-                f"prompt tokens{asked}", code="context_length_exceeded", param="messages" if max_tokens is None else "max_tokens")
+                f"prompt tokens{asked}", code="context_length_exceeded", param=param)
         if max_tokens is not None and max_tokens > self.max_new_tokens:
             raise RequestRefused(f"max_tokens={max_tokens} is above this server's limit of {self.max_new_tokens} "
                                  "(kivi serve --max-new-tokens)", code="max_tokens_exceeded", param="max_tokens")

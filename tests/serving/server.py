@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import torch
 
 from tests.helpers import tiny_model
@@ -68,6 +67,8 @@ class ServeProcess:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "KIVI_DEBUG": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "kivi", "serve", "--port", str(self.port), *args],
                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        import httpx
+
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
@@ -83,6 +84,8 @@ class ServeProcess:
             time.sleep(0.1)
 
     def health(self) -> dict:
+        import httpx
+
         return httpx.get(f"{self.url}/health", timeout=5.0).json()
 
     def stop(self, timeout: float = 15.0) -> int:
