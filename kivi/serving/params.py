@@ -51,8 +51,8 @@ def _bad(field: str, value: Any, allowed: str) -> ApiError:
 def _check_fields(body: Any, allowed: tuple[str, ...]) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_body")
-    for key in body:
-        if key not in allowed:
+    for key, value in body.items():
+        if key not in allowed and value is not None:
             raise ApiError(400, f"unsupported field {key!r}: kivi serve accepts {', '.join(allowed)}",
                            param=key, code="unsupported_field")
     return {k: v for k, v in body.items() if v is not None}  # JSON null = not given, as in OpenAI's API
