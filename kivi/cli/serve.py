@@ -11,6 +11,7 @@ from . import CliError
 from .common import add_config_args, add_model_args, config_from_args
 
 DEFAULT_PRESET = "balanced"
+GRACEFUL_SHUTDOWN_S = 5
 
 
 def register(sub: Any) -> None:
@@ -118,7 +119,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"kivi serve: {name} on http://{args.host}:{args.port}/v1 — {cache}, {args.cache_memory} "
               f"({stats.blocks_total} blocks), max {args.max_new_tokens} new tokens per request", file=sys.stderr,
               flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        # on Ctrl-C / SIGTERM, open requests get GRACEFUL_SHUTDOWN_S to finish, then are cancelled
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     finally:
         engine.stop()
     return 0

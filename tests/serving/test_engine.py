@@ -87,8 +87,12 @@ def test_kivi_config_without_kivi_pages_is_refused_not_served_as_float():
 @pytest.mark.skipif(not HAS_KIVI_PAGES, reason="kivi.batching (KIVI pages) is not in this build")
 def test_default_factory_serves_kivi_pages():
     e = Engine(tiny_chat_model(), tiny_tokenizer(), KiviConfig(k_bits=2, v_bits=2, residual_length=32),
-               cache_memory=2**20, max_new_tokens=64)
+               cache_memory=2**18, max_new_tokens=64)
     try:
         assert type(e.manager).__name__ == "KiviBatchingManager" and e.stats().blocks_total > 0
+        assert e.plan(10, None) == 64  # the server's cap
+        with pytest.raises(RequestRefused) as refused:
+            e.plan(4000, 64)  # within the context (4096), beyond the budget
+        assert refused.value.code == "cache_budget_exceeded" and "cache_memory" in str(refused.value)
     finally:
         e.stop()
