@@ -76,6 +76,12 @@ def _check_args(args: argparse.Namespace) -> tuple[Any, int]:
     if DEFAULT_FACTORY is float_paged_manager:  # kivi.batching not merged into this build
         raise CliError("KIVI pages need kivi.batching (KIVI pages in continuous batching), which this build does "
                        "not have; serve transformers' float pages with --float-cache")
+    from ..batching import check_transformers_version  # KIVI pages hook into private transformers code
+
+    try:
+        check_transformers_version()
+    except RuntimeError as e:
+        raise CliError(f"{e} (or serve --float-cache)") from None
     return (cfg if cfg is not None else KiviConfig.preset(DEFAULT_PRESET)), cache_memory
 
 
@@ -109,8 +115,11 @@ def run(args: argparse.Namespace) -> int:
         from .common import set_cpu_threads
 
         set_cpu_threads(args.threads)
-    engine = Engine(model, tokenizer, kivi_config, cache_memory=cache_memory, max_new_tokens=args.max_new_tokens,
-                    max_batch_tokens=args.max_batch_tokens)
+    try:
+        engine = Engine(model, tokenizer, kivi_config, cache_memory=cache_memory,
+                        max_new_tokens=args.max_new_tokens, max_batch_tokens=args.max_batch_tokens)
+    except RuntimeError as e:  # the manager did not start (e.g. the budget holds no block)
+        raise CliError(str(e)) from None
     try:
         name = args.served_model_name or args.model
         app = build_app(engine, model_name=name)

@@ -51,3 +51,13 @@ def test_serve_is_listed_in_the_help(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "serve" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("kivi.batching") is None, reason="kivi.batching is not in this build")
+def test_an_untested_transformers_version_fails_in_one_line_naming_it(monkeypatch, capsys):
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "5.99.0")
+    rc = main(["serve", "--model", "/nonexistent/never-loaded", "--preset", "extreme"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "5.99.0" in err and "--float-cache" in err and err.count("\n") == 1, err
