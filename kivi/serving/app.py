@@ -14,6 +14,7 @@ enters the scheduler (a request larger than the cache stalls or fails the whole 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -80,7 +81,7 @@ def build_app(engine: Engine, *, model_name: str) -> FastAPI:
                 yield chat_builder._build_chunk_sse(rid, finish_reason=running.finish_reason, model=model_name,
                                                     usage=_usage(running))
             return _sse(events())
-        text = await _complete(running)
+        text = await _complete(running, request)
         return chat_builder._build_completion(rid, text, model_name, finish_reason=running.finish_reason,
                                               usage=_usage(running))
 
@@ -97,7 +98,7 @@ def build_app(engine: Engine, *, model_name: str) -> FastAPI:
                 yield text_builder._build_chunk_sse(rid, model_name, finish_reason=running.finish_reason,
                                                     usage=_usage(running))
             return _sse(events())
-        text = await _complete(running)
+        text = await _complete(running, request)
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": running.finish_reason}],
                 "usage": _usage(running).model_dump()}
@@ -150,11 +151,25 @@ def _start(engine: Engine, ids: list[int], req: GenerationRequest, prompt_field:
         raise ApiError(503, str(e), code="engine_stopped") from None
 
 
-async def _complete(running: RunningRequest) -> str:
+#: how often a non-streamed request checks that its client is still there
+DISCONNECT_POLL_S = 0.25
+
+
+async def _complete(running: RunningRequest, request: Request) -> str:
+    """The whole text of a non-streamed request. uvicorn does not cancel a handler whose client left,
+    so the wait polls for the disconnect and cancels the request then (which frees its pages)."""
+    task = asyncio.ensure_future(running.text())
     try:
-        return await running.text()
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                raise ApiError(499, "the client closed the connection", code="client_closed_request")
+        return task.result()
     except GenerationFailed as e:
         raise ApiError(500, f"generation failed: {e}", code="generation_failed") from None
+    finally:
+        if not task.done():
+            task.cancel()  # RunningRequest.deltas cancels the request in the engine
 
 
 def _usage(running: RunningRequest):

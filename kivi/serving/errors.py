@@ -6,7 +6,8 @@ from typing import Any
 
 #: HTTP status -> OpenAI error ``type``
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-               413: "invalid_request_error", 422: "invalid_request_error", 500: "server_error", 503: "server_error"}
+               413: "invalid_request_error", 422: "invalid_request_error",
+               499: "invalid_request_error", 500: "server_error", 503: "server_error"}
 
 
 class ApiError(Exception):

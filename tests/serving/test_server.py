@@ -110,10 +110,10 @@ def test_models_lists_the_served_model(server):
     assert [m["id"] for m in r.json()["data"]] == ["tiny-kivi"]
 
 
-def _post(server, path, body, **kw):
+def _post(server, path, body, timeout=30.0):
     content = body if isinstance(body, (str, bytes)) else json.dumps(body)
     return httpx.post(f"{server.url}{path}", content=content, headers={"Content-Type": "application/json"},
-                      timeout=30, **kw)
+                      timeout=timeout)
 
 
 @pytest.mark.parametrize(("path", "body", "param", "code"), [
@@ -170,3 +170,18 @@ def test_a_disconnected_client_frees_its_pages(server):
     assert after["blocks_held"] == 0 and after["requests_holding_blocks"] == 0 and after["requests_open"] == 0
     assert after["requests_cancelled"] == before["requests_cancelled"] + 1
     assert after["free_fraction"] == 1.0
+
+
+def test_a_client_that_leaves_a_non_streamed_request_frees_its_pages(server):
+    """uvicorn keeps running a handler whose client left; the server notices and cancels the request."""
+    before = server.health()["cache"]
+    with pytest.raises(httpx.ReadTimeout):
+        _post(server, "/v1/completions", {"prompt": "wait for me", "max_tokens": 1500}, timeout=2.0)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        after = server.health()["cache"]
+        if after["requests_cancelled"] == before["requests_cancelled"] + 1 and after["blocks_held"] == 0:
+            break
+        time.sleep(0.05)
+    assert after["blocks_held"] == 0 and after["requests_open"] == 0
+    assert after["requests_cancelled"] == before["requests_cancelled"] + 1
