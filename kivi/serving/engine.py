@@ -172,10 +172,12 @@ class Engine:
         self.manager.start()
         deadline = time.monotonic() + start_timeout
         while self.manager.batch_processor is None:  # the cache is built on the generation thread
-            if self.fatal_error() is not None:
-                raise RuntimeError(f"the continuous-batching manager failed to start: {self.fatal_error()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the continuous-batching manager did not start within {start_timeout:.0f} s")
+            problem = self.fatal_error()
+            if problem is None and time.monotonic() > deadline:
+                problem = f"no cache within {start_timeout:.0f} s"
+            if problem is not None:
+                self.manager.stop(block=True, timeout=10, hard_stop=True)  # its thread would keep the process alive
+                raise RuntimeError(f"the continuous-batching manager failed to start: {problem}")
             time.sleep(0.01)
         self._dispatcher = threading.Thread(target=self._dispatch, name="kivi-serve-dispatch", daemon=True)
         self._dispatcher.start()

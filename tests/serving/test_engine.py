@@ -96,3 +96,43 @@ def test_default_factory_serves_kivi_pages():
         assert refused.value.code == "cache_budget_exceeded" and "cache_memory" in str(refused.value)
     finally:
         e.stop()
+
+
+def test_a_manager_that_fails_to_start_is_reported_and_stopped():
+    """A cache that cannot be built (here an invalid scheduler setting) fails on the generation thread:
+    the engine says why and stops the manager (its non-daemon thread would keep the process alive)."""
+    import dataclasses
+
+    made = []
+
+    def factory(model, kivi_config, *, cache_memory, generation_config, continuous_batching_config):
+        cb = dataclasses.replace(continuous_batching_config, safety_margin=2.0)
+        made.append(float_paged_manager(model, kivi_config, cache_memory=cache_memory,
+                                        generation_config=generation_config, continuous_batching_config=cb))
+        return made[-1]
+
+    with pytest.raises(RuntimeError, match="failed to start: .*safety_margin"):
+        Engine(tiny_chat_model(), tiny_tokenizer(), None, cache_memory=2**20, max_new_tokens=8, factory=factory)
+    assert not made[0].is_running()
+
+
+def test_a_manager_that_does_not_start_in_time_is_stopped():
+    import dataclasses
+    import time as _time
+
+    class Slow(FloatPagedManager):
+        def _create_batch_processor(self):
+            _time.sleep(1.0)
+            return super()._create_batch_processor()
+
+    made = []
+
+    def factory(model, kivi_config, *, cache_memory, generation_config, continuous_batching_config):
+        cb = dataclasses.replace(continuous_batching_config, num_blocks=2)
+        made.append(Slow(model, generation_config, cb, cache_memory))
+        return made[-1]
+
+    with pytest.raises(RuntimeError, match="failed to start: no cache within"):
+        Engine(tiny_chat_model(), tiny_tokenizer(), None, cache_memory=2**20, max_new_tokens=8, factory=factory,
+               start_timeout=0.2)
+    assert not made[0].is_running()
