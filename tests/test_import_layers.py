@@ -35,6 +35,7 @@ LAYERS: dict[str, int] = {
     "kivi.batching": 6,
     # 7 tools: planner, evaluation, model loading, data, command line; the package facade
     "kivi.memory": 7, "kivi.eval": 7, "kivi.models": 7, "kivi.data": 7, "kivi.cli": 7, "kivi.__main__": 7,
+    "kivi.serving": 7,
     "kivi": 7,
 }
 

@@ -14,7 +14,7 @@ import os
 import sys
 
 # module name -> registers one or more subcommands via `register(subparsers)`
-SUBCOMMAND_MODULES = ("estimate", "generate", "demo", "evaluate", "tune")
+SUBCOMMAND_MODULES = ("estimate", "generate", "demo", "evaluate", "tune", "serve")
 
 
 class CliError(Exception):

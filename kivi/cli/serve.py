@@ -1,0 +1,136 @@
+"""`kivi serve`: an OpenAI-compatible HTTP server with continuous batching and a KIVI cache."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from typing import Any
+
+from . import CliError
+from .common import add_config_args, add_model_args, config_from_args
+
+DEFAULT_PRESET = "balanced"
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server: continuous batching over a KIVI paged cache",
+        description="Loads a model and serves POST /v1/chat/completions and /v1/completions (streaming and not), "
+        "GET /v1/models and GET /health. Requests share one continuous-batching manager whose paged cache holds "
+        f"--cache-memory bytes of KIVI pages (preset {DEFAULT_PRESET!r} unless --preset/--config/fields say "
+        "otherwise; --float-cache for transformers' float pages). See docs/serving.md.",
+        epilog="examples:\n"
+        "  kivi serve                                  # SmolLM2-135M on 127.0.0.1:8000, 512MiB of KIVI pages\n"
+        "  kivi serve --port 9000 --preset extreme --cache-memory 2GiB\n"
+        "  kivi serve --model ./my-checkpoint --float-cache --max-new-tokens 256\n"
+        "  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        "       -d '{\"model\": \"any\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--cache-memory", default="512MiB",
+                   help="bytes of the paged KV cache shared by all requests, e.g. 512MiB, 2GiB (default 512MiB)")
+    p.add_argument("--max-new-tokens", type=int, default=512,
+                   help="most tokens one request may generate, and the default when it sets no max_tokens (default 512)")
+    p.add_argument("--max-batch-tokens", type=int, default=512,
+                   help="tokens per forward (prompts are prefilled in chunks of this size; default 512)")
+    p.add_argument("--served-model-name", default=None, help="the model id /v1/models lists (default: --model)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--float-cache", action="store_true",
+                   help="transformers' float paged cache instead of KIVI pages (the baseline)")
+    p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    add_config_args(p)
+    p.set_defaults(func=run)
+
+
+def _check_args(args: argparse.Namespace) -> tuple[Any, int]:
+    """``(kivi_config or None, cache bytes)``; bad values fail before the model loads."""
+    from ..config import KiviConfig
+    from ..memory.units import parse_bytes
+
+    for name in ("max_new_tokens", "max_batch_tokens"):
+        v = getattr(args, name)
+        if v < 1:
+            raise CliError(f"--{name.replace('_', '-')} must be a positive integer, got {v}")
+    if not 0 <= args.port <= 65535:
+        raise CliError(f"--port {args.port} is not a port number (0..65535)")
+    if args.threads is not None and args.threads < 1:
+        raise CliError(f"--threads must be a positive integer, got {args.threads}")
+    try:
+        cache_memory = parse_bytes(args.cache_memory)
+    except ValueError as e:
+        raise CliError(f"--cache-memory: {e}") from None
+    cfg = config_from_args(args)
+    if args.float_cache:
+        if cfg is not None:
+            raise CliError("--float-cache serves transformers' float pages; it takes no KIVI options "
+                           "(--preset, --config, --k-bits, ...)")
+        return None, cache_memory
+    from ..serving.engine import DEFAULT_FACTORY, float_paged_manager
+
+    if DEFAULT_FACTORY is float_paged_manager:  # kivi.batching not merged into this build
+        raise CliError("KIVI pages need kivi.batching (KIVI pages in continuous batching), which this build does "
+                       "not have; serve transformers' float pages with --float-cache")
+    from ..batching import check_transformers_version  # KIVI pages hook into private transformers code
+
+    try:
+        check_transformers_version()
+    except RuntimeError as e:
+        raise CliError(f"{e} (or serve --float-cache)") from None
+    return (cfg if cfg is not None else KiviConfig.preset(DEFAULT_PRESET)), cache_memory
+
+
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise CliError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    kivi_config, cache_memory = _check_args(args)
+    try:
+        import fastapi  # noqa: F401
+        import openai  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        raise CliError(f"kivi serve needs the serve extra ({e.name} is missing): pip install 'kivi[serve]'") from None
+    _check_port_free(args.host, args.port)
+
+    from ..models import load_model
+    from ..serving.app import build_app
+    from ..serving.engine import Engine
+
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    if not getattr(tokenizer, "is_fast", False):
+        raise CliError(f"kivi serve streams text with a fast (Rust) tokenizer; {args.model!r} has a slow one")
+    if args.threads is not None:
+        from .common import set_cpu_threads
+
+        set_cpu_threads(args.threads)
+    try:
+        engine = Engine(model, tokenizer, kivi_config, cache_memory=cache_memory,
+                        max_new_tokens=args.max_new_tokens, max_batch_tokens=args.max_batch_tokens)
+    except RuntimeError as e:  # the manager did not start (e.g. the budget holds no block)
+        raise CliError(str(e)) from None
+    try:
+        name = args.served_model_name or args.model
+        app = build_app(engine, model_name=name)
+        cache = "float pages" if kivi_config is None else f"KIVI pages (k{kivi_config.k_bits}/v{kivi_config.v_bits})"
+        stats = engine.stats()
+        print(f"kivi serve: {name} on http://{args.host}:{args.port}/v1 — {cache}, {args.cache_memory} "
+              f"({stats.blocks_total} blocks), max {args.max_new_tokens} new tokens per request", file=sys.stderr,
+              flush=True)
+        # on Ctrl-C / SIGTERM, open requests get GRACEFUL_SHUTDOWN_S to finish, then are cancelled
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    finally:
+        engine.stop()
+    return 0

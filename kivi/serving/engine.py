@@ -1,0 +1,307 @@
+"""The serving engine: one continuous-batching manager over one model, shared by every HTTP request.
+
+:class:`Engine` owns transformers' ``ContinuousBatchingManager`` (built by a *manager factory*, see
+:data:`DEFAULT_FACTORY`), a dispatcher thread that routes the manager's outputs to the asyncio loop
+of the request they belong to, the per-request checks (context length, cache budget) and the cache
+statistics that ``GET /health`` reports.
+
+Per-request sampling on one manager: transformers' continuous batching fixes ``do_sample`` and the
+set of logits processors when the manager is built; per request it only takes processor arguments
+(``add_request(..., temperature=, top_k=, top_p=)`` with ``per_request_processors=True``). The
+manager is therefore built sampling, with a temperature, top-k and top-p processor, and every
+request passes all three: a greedy request is ``top_k=1`` (one token keeps a non-zero probability,
+so the multinomial draw is the argmax; the serving tests check it equals ``model.generate`` greedy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+from ..config import KiviConfig
+
+#: The manager factory's signature: ``factory(model, kivi_config, *, cache_memory, generation_config,
+#: continuous_batching_config) -> ContinuousBatchingManager`` (with ``check_request_fits``,
+#: ``request_blocks`` and ``capacity_blocks``).
+ManagerFactory = Callable[..., ContinuousBatchingManager]
+
+
+def fp_block_bytes(model_config: Any, dtype: torch.dtype, page_size: int) -> int:
+    """Bytes of one block of transformers' float paged cache (keys + values of ``page_size`` tokens, all layers)."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return text.num_hidden_layers * 2 * heads * head_dim * dtype.itemsize * page_size
+
+
+class FloatPagedManager(ContinuousBatchingManager):
+    """transformers' manager over its float paged cache of ``cache_memory`` bytes, refusing a request
+    that can never fit (transformers' own scheduler would wait for it forever, or fail the whole batch).
+
+    Stand-in until ``kivi.batching`` (KIVI pages, branch ``paged13``) is merged: it has the same three
+    members (``request_blocks``, ``capacity_blocks``, ``check_request_fits``) the engine reads.
+    """
+
+    def __init__(self, model: Any, generation_config: GenerationConfig, cb: ContinuousBatchingConfig,
+                 cache_memory: int) -> None:
+        self.page_size = cb.page_size
+        self.block_bytes = fp_block_bytes(model.config, model.dtype, cb.page_size)
+        self.cache_memory = cache_memory
+        self.capacity_blocks = cache_memory // self.block_bytes
+        super().__init__(model, generation_config, cb)
+
+    def request_blocks(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def check_request_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        need = self.request_blocks(prompt_tokens + max_new_tokens)
+        if need > self.capacity_blocks:
+            raise ValueError(
+                f"request of {prompt_tokens} prompt tokens + max_new_tokens={max_new_tokens} needs {need} float "
+                f"blocks of {self.block_bytes} bytes but cache_memory={self.cache_memory} holds {self.capacity_blocks}")
+
+
+def float_paged_manager(model: Any, kivi_config: KiviConfig | None, *, cache_memory: int | None = None,
+                        generation_config: GenerationConfig | None = None,
+                        continuous_batching_config: ContinuousBatchingConfig | None = None) -> FloatPagedManager:
+    """The manager factory used until ``kivi.batching`` is merged: transformers' float paged cache.
+
+    KIVI pages come from ``kivi.batching.init_continuous_batching`` (same signature) when it is
+    present; this stand-in refuses a ``kivi_config`` instead of silently serving a float cache.
+    """
+    if kivi_config is not None:
+        raise ValueError("KIVI pages need kivi.batching (KIVI pages in continuous batching), which this build "
+                         "does not have; serve the float paged cache with --float-cache")
+    if cache_memory is None or cache_memory < 1:
+        raise ValueError(f"cache_memory={cache_memory!r} must be a positive number of bytes")
+    cb = dataclasses.replace(continuous_batching_config or ContinuousBatchingConfig())
+    cb.num_blocks = max(1, cache_memory // fp_block_bytes(model.config, model.dtype, cb.page_size))
+    gen = generation_config if generation_config is not None else model.generation_config
+    return FloatPagedManager(model, gen, cb, cache_memory)
+
+
+try:  # KIVI pages in transformers' continuous batching (kivi/batching, branch paged13)
+    from ..batching import init_continuous_batching as DEFAULT_FACTORY  # type: ignore[attr-defined]
+except ImportError:  # not merged yet: the float paged cache only
+    DEFAULT_FACTORY = float_paged_manager
+
+
+class RequestRefused(ValueError):
+    """A request the engine cannot serve; ``code`` is the OpenAI-style error code, ``param`` the field."""
+
+    def __init__(self, message: str, *, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.param = code, param
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How one request picks tokens. ``temperature=None``: greedy."""
+
+    max_new_tokens: int
+    temperature: float | None = None
+    top_p: float = 1.0
+
+    def processor_kwargs(self) -> dict[str, Any]:
+        """The per-request logits-processor arguments (see the module docstring: greedy is ``top_k=1``)."""
+        if self.temperature is None:
+            return {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
+        return {"temperature": float(self.temperature), "top_k": 0x7FFFFFFF, "top_p": float(self.top_p)}
+
+
+#: What the manager is built with: its values only make transformers create the three processors;
+#: every request overrides all of them (Sampling.processor_kwargs).
+_PROCESSOR_DEFAULTS = {"temperature": 0.5, "top_k": 1, "top_p": 0.5}
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """What ``GET /health`` reports about the cache and the requests."""
+
+    blocks_total: int
+    blocks_held: int
+    requests_holding_blocks: int
+    free_fraction: float
+    requests_open: int
+    requests_done: int
+    requests_cancelled: int
+    requests_failed: int
+
+
+class Engine:
+    """One continuous-batching manager shared by all requests (see the module docstring).
+
+    ``submit`` returns a request id; outputs (transformers ``GenerationOutput``) reach ``on_output``
+    on the caller's event loop. ``cancel`` frees a request's pages (the manager drops it from its
+    scheduler and cache on its next step).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, kivi_config: KiviConfig | None, *, cache_memory: int,
+                 max_new_tokens: int, max_batch_tokens: int = 512, factory: ManagerFactory | None = None,
+                 start_timeout: float = 120.0) -> None:
+        from ..models import model_max_context
+
+        self.model, self.tokenizer, self.kivi_config = model, tokenizer, kivi_config
+        self.max_context = model_max_context(model)
+        self.max_new_tokens = max_new_tokens
+        eos = model.generation_config.eos_token_id
+        if eos is None:
+            eos = tokenizer.eos_token_id
+        self.eos_token_id = -1 if eos is None else eos
+        gen = GenerationConfig(do_sample=True, eos_token_id=self.eos_token_id, max_new_tokens=max_new_tokens,
+                               **_PROCESSOR_DEFAULTS)
+        cb = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens, per_request_processors=True,
+                                      use_async_batching=False)
+        factory = DEFAULT_FACTORY if factory is None else factory
+        self.manager = factory(model, kivi_config, cache_memory=cache_memory, generation_config=gen,
+                               continuous_batching_config=cb)
+        self._routes: dict[str, tuple[asyncio.AbstractEventLoop, Callable[[Any], None]]] = {}
+        self._lock = threading.Lock()
+        self._counts = {"done": 0, "cancelled": 0, "failed": 0}
+        self._next_id = 0
+        self._stopping = threading.Event()
+        self.manager.start()
+        deadline = time.monotonic() + start_timeout
+        while self.manager.batch_processor is None:  # the cache is built on the generation thread
+            problem = self.fatal_error()
+            if problem is None and time.monotonic() > deadline:
+                problem = f"no cache within {start_timeout:.0f} s"
+            if problem is not None:
+                self.manager.stop(block=True, timeout=10, hard_stop=True)  # its thread would keep the process alive
+                raise RuntimeError(f"the continuous-batching manager failed to start: {problem}")
+            time.sleep(0.01)
+        self._dispatcher = threading.Thread(target=self._dispatch, name="kivi-serve-dispatch", daemon=True)
+        self._dispatcher.start()
+
+    # ------------------------------------------------------------------ requests
+    def plan(self, prompt_tokens: int, max_tokens: int | None, *, prompt_field: str = "prompt") -> int:
+        """The ``max_new_tokens`` a request of ``prompt_tokens`` gets (``max_tokens`` asked, or ``None`` for
+        as many as fit the context, the budget and the server's cap); :class:`RequestRefused` when it cannot run
+        (``param``: ``prompt_field`` when the prompt alone is too long, else ``max_tokens``)."""
+        if prompt_tokens < 1:
+            raise RequestRefused("the prompt is empty (0 tokens)", code="empty_prompt")
+        room = self.max_context - prompt_tokens
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            asked = "" if max_tokens is None else f" + max_tokens {max_tokens}"
+            param = prompt_field if room < 1 or max_tokens is None else "max_tokens"
+            raise RequestRefused(
+                f"this model's maximum context length is {self.max_context} tokens; the request has {prompt_tokens} "
+                f"prompt tokens{asked}", code="context_length_exceeded", param=param)
+        if max_tokens is not None and max_tokens > self.max_new_tokens:
+            raise RequestRefused(f"max_tokens={max_tokens} is above this server's limit of {self.max_new_tokens} "
+                                 "(kivi serve --max-new-tokens)", code="max_tokens_exceeded", param="max_tokens")
+        if max_tokens is None:
+            max_tokens = self._largest_fitting(prompt_tokens, min(room, self.max_new_tokens))
+        try:
+            self.manager.check_request_fits(prompt_tokens, max_tokens)
+        except ValueError as e:
+            raise RequestRefused(f"the request does not fit the server's cache budget: {e}",
+                                 code="cache_budget_exceeded", param="max_tokens") from None
+        return max_tokens
+
+    def _largest_fitting(self, prompt_tokens: int, upper: int) -> int:
+        """Largest ``n <= upper`` with ``prompt_tokens + n`` within the budget (``upper`` when none fits:
+        ``check_request_fits`` then names the numbers)."""
+        fits = lambda n: self.manager.request_blocks(prompt_tokens + n) <= self.manager.capacity_blocks  # noqa: E731
+        if not fits(1):
+            return upper
+        lo, hi = 1, upper
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
+
+    def submit(self, input_ids: list[int], sampling: Sampling, on_output: Callable[[Any], None]) -> str:
+        """Queue a request (checked by :meth:`plan` first); ``on_output(GenerationOutput)`` runs on the
+        running event loop for every new token and at the end."""
+        problem = self.fatal_error()
+        if problem is not None:
+            raise RuntimeError(f"the generation loop has stopped: {problem}")
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            request_id = f"kivi-{self._next_id}"
+            self._next_id += 1
+            self._routes[request_id] = (loop, on_output)
+        try:
+            self.manager.add_request(list(input_ids), request_id=request_id, max_new_tokens=sampling.max_new_tokens,
+                                     streaming=True, eos_token_id=self.eos_token_id, **sampling.processor_kwargs())
+        except BaseException:
+            with self._lock:
+                self._routes.pop(request_id, None)
+            raise
+        return request_id
+
+    def cancel(self, request_id: str, *, stopped: bool = False) -> None:
+        """Stop a request and free its pages; no more outputs reach its callback. ``stopped``: it ended
+        on a stop sequence (counted as done, not as cancelled)."""
+        with self._lock:
+            if self._routes.pop(request_id, None) is None:
+                return  # finished (or cancelled) already
+            self._counts["done" if stopped else "cancelled"] += 1
+        self.manager.cancel_request(request_id)
+
+    def _dispatch(self) -> None:
+        """Route the manager's outputs to the loop of the request they belong to (a background thread)."""
+        while not self._stopping.is_set():
+            output = self.manager.get_result(timeout=0.05)
+            if output is None:
+                if self.fatal_error() is not None:  # get_result returns at once then: fail the open requests
+                    self._fail_open_requests()
+                    self._stopping.wait(0.1)
+                continue
+            with self._lock:
+                route = self._routes.get(output.request_id)
+                if route is not None and output.is_finished():
+                    del self._routes[output.request_id]
+                    self._counts["failed" if output.error is not None else "done"] += 1
+            if route is not None:  # None: a cancelled request's last step
+                loop, callback = route
+                loop.call_soon_threadsafe(callback, output)
+
+    def _fail_open_requests(self) -> None:
+        from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+
+        with self._lock:
+            routes, self._routes = self._routes, {}
+            self._counts["failed"] += len(routes)
+        for request_id, (loop, callback) in routes.items():
+            out = GenerationOutput(request_id=request_id, status=RequestStatus.FAILED,
+                                   error=f"the generation loop stopped: {self.fatal_error()}")
+            loop.call_soon_threadsafe(callback, out)
+
+    # ------------------------------------------------------------------ state
+    def fatal_error(self) -> BaseException | None:
+        return self.manager.background_thread_status.fatal_error
+
+    def stats(self) -> EngineStats:
+        """Blocks held by requests, read from the cache's allocators (copies: the generation thread
+        mutates them; a dict copy is atomic under the GIL)."""
+        cache = self.manager.batch_processor.cache
+        held, holders = 0, set()
+        for allocator in list(cache.cache_allocators.values()):
+            for request_id, blocks in dict(allocator.block_table).items():
+                held += len(blocks)
+                if blocks:
+                    holders.add(request_id)
+        with self._lock:
+            open_requests, counts = len(self._routes), dict(self._counts)
+        return EngineStats(blocks_total=int(cache.num_blocks), blocks_held=held, requests_holding_blocks=len(holders),
+                           free_fraction=round(float(cache.compute_free_capacity()), 6), requests_open=open_requests,
+                           requests_done=counts["done"], requests_cancelled=counts["cancelled"],
+                           requests_failed=counts["failed"])
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the dispatcher and the manager (fails what is still running)."""
+        self._stopping.set()
+        if self.manager.is_running():
+            self.manager.stop(block=True, timeout=timeout, hard_stop=True)
+        self._dispatcher.join(timeout=timeout)

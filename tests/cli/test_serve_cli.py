@@ -1,0 +1,66 @@
+"""`kivi serve` options: bad values fail with one line before the model loads (in-process)."""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+
+import pytest
+
+from kivi.cli import main
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--cache-memory", "lots"], "--cache-memory"),
+    (["--cache-memory=-5MiB"], "--cache-memory"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be a positive integer, got 0"),
+    (["--max-batch-tokens", "-1"], "--max-batch-tokens must be a positive integer, got -1"),
+    (["--port", "70000"], "--port 70000"),
+    (["--threads", "0"], "--threads"),
+    (["--float-cache", "--preset", "extreme"], "--float-cache"),
+    (["--preset", "nope"], "preset='nope' is unknown"),
+    (["--preset", "extreme", "--config", "x.json"], "either --preset or --config"),
+], ids=["cache-memory", "negative-cache", "max-new-tokens", "max-batch-tokens", "port", "threads",
+        "float-and-preset", "unknown-preset", "preset-and-config"])
+def test_bad_options_fail_with_one_line(capsys, argv, message):
+    rc = main(["serve", "--model", "/nonexistent/never-loaded", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("kivi.batching") is not None, reason="this build has KIVI pages")
+def test_kivi_pages_without_kivi_batching_fail_before_the_model_loads(capsys):
+    rc = main(["serve", "--model", "/nonexistent/never-loaded", "--preset", "extreme"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "kivi.batching" in err and "--float-cache" in err, err
+
+
+def test_a_busy_port_fails_before_the_model_loads(capsys):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        rc = main(["serve", "--model", "/nonexistent/never-loaded", "--float-cache", "--port", str(port)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"cannot listen on 127.0.0.1:{port}" in err, err
+
+
+def test_serve_is_listed_in_the_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "serve" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("kivi.batching") is None, reason="kivi.batching is not in this build")
+def test_an_untested_transformers_version_fails_in_one_line_naming_it(monkeypatch, capsys):
+    import importlib
+
+    # the transformers module object kivi.batching.version reads (in a full run it was seen to differ
+    # from sys.modules["transformers"] at this point)
+    version = importlib.import_module("kivi.batching.version")
+    monkeypatch.setattr(version.transformers, "__version__", "5.99.0")
+    rc = main(["serve", "--model", "/nonexistent/never-loaded", "--preset", "extreme"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "5.99.0" in err and "--float-cache" in err and err.count("\n") == 1, err

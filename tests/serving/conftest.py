@@ -1,0 +1,27 @@
+"""Fixtures: one `kivi serve` subprocess over a tiny saved checkpoint, shared by a module's tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.serving.server import ServeProcess, save_tiny_checkpoint
+
+#: 2 MiB of float pages = 8 blocks of 256 tokens (the tiny model's block is 256 KiB): 2048 tokens in all
+SERVE_ARGS = ["--float-cache", "--cache-memory", "2MiB", "--max-new-tokens", "4000", "--max-batch-tokens", "256",
+              "--threads", "1", "--served-model-name", "tiny-kivi"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("serve") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("httpx")
+    proc = ServeProcess(["--model", str(checkpoint), *SERVE_ARGS])
+    yield proc
+    rc = proc.stop()
+    assert rc == 0, f"kivi serve exited with {rc}:\n{proc.output}"

@@ -1,0 +1,138 @@
+"""The engine in-process: request planning against context, server cap and cache budget; the factory."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+
+import pytest
+import torch
+
+from kivi import KiviConfig
+from kivi.serving.engine import Engine, FloatPagedManager, RequestRefused, Sampling, float_paged_manager
+from tests.serving.server import tiny_chat_model, tiny_tokenizer
+
+HAS_KIVI_PAGES = importlib.util.find_spec("kivi.batching") is not None
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """Float pages, 2 MiB = 8 blocks x 256 tokens; context 4096; cap 4000 new tokens."""
+    e = Engine(tiny_chat_model(), tiny_tokenizer(), None, cache_memory=2 * 2**20, max_new_tokens=4000,
+               max_batch_tokens=128, factory=float_paged_manager)
+    yield e
+    e.stop()
+    assert not e.manager.is_running()
+
+
+def test_budget_and_capacity(engine):
+    assert isinstance(engine.manager, FloatPagedManager)
+    assert engine.manager.capacity_blocks == 8 == engine.stats().blocks_total
+    assert engine.stats().free_fraction == 1.0 and engine.stats().blocks_held == 0
+
+
+def test_plan_default_is_the_largest_that_fits(engine):
+    assert engine.plan(100, None) == 2048 - 100  # the budget binds (8 blocks of 256 tokens)
+    assert engine.plan(100, 50) == 50
+    assert engine.plan(2047, None) == 1
+
+
+@pytest.mark.parametrize(("prompt", "max_tokens", "code", "param"), [
+    (4096, None, "context_length_exceeded", "prompt"),
+    (5000, 10, "context_length_exceeded", "prompt"),
+    (100, 3997, "context_length_exceeded", "max_tokens"),
+    (10, 4001, "max_tokens_exceeded", "max_tokens"),
+    (100, 1949, "cache_budget_exceeded", "max_tokens"),
+    (2048, None, "cache_budget_exceeded", "max_tokens"),
+    (0, None, "empty_prompt", None),
+])
+def test_plan_refusals(engine, prompt, max_tokens, code, param):
+    with pytest.raises(RequestRefused) as e:
+        engine.plan(prompt, max_tokens)
+    assert e.value.code == code and e.value.param == param
+
+
+def test_greedy_and_sampling_processor_arguments():
+    assert Sampling(5).processor_kwargs() == {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
+    kw = Sampling(5, temperature=0.7, top_p=0.9).processor_kwargs()
+    assert kw["temperature"] == 0.7 and kw["top_p"] == 0.9 and kw["top_k"] > 10**6
+
+
+def test_cancel_frees_the_blocks_of_a_running_request(engine):
+    async def run():
+        seen = asyncio.Queue()
+        rid = engine.submit(list(range(2, 40)), Sampling(1500), seen.put_nowait)
+        while len((await seen.get()).generated_tokens) < 3:
+            pass
+        held = engine.stats()
+        engine.cancel(rid)
+        for _ in range(200):
+            if engine.stats().blocks_held == 0:
+                break
+            await asyncio.sleep(0.02)
+        return held, engine.stats()
+
+    held, after = asyncio.run(run())
+    assert held.blocks_held == 1 and held.requests_holding_blocks == 1 and held.requests_open == 1
+    assert after.blocks_held == 0 and after.requests_open == 0 and after.requests_cancelled == held.requests_cancelled + 1
+
+
+def test_kivi_config_without_kivi_pages_is_refused_not_served_as_float():
+    model = tiny_chat_model()
+    with pytest.raises(ValueError, match="--float-cache"):
+        float_paged_manager(model, KiviConfig(), cache_memory=2**20)
+    assert model.config._attn_implementation != "paged|eager"
+
+
+@pytest.mark.skipif(not HAS_KIVI_PAGES, reason="kivi.batching (KIVI pages) is not in this build")
+def test_default_factory_serves_kivi_pages():
+    e = Engine(tiny_chat_model(), tiny_tokenizer(), KiviConfig(k_bits=2, v_bits=2, residual_length=32),
+               cache_memory=2**18, max_new_tokens=64)
+    try:
+        assert type(e.manager).__name__ == "KiviBatchingManager" and e.stats().blocks_total > 0
+        assert e.plan(10, None) == 64  # the server's cap
+        with pytest.raises(RequestRefused) as refused:
+            e.plan(4000, 64)  # within the context (4096), beyond the budget
+        assert refused.value.code == "cache_budget_exceeded" and "cache_memory" in str(refused.value)
+    finally:
+        e.stop()
+
+
+def test_a_manager_that_fails_to_start_is_reported_and_stopped():
+    """A cache that cannot be built (here an invalid scheduler setting) fails on the generation thread:
+    the engine says why and stops the manager (its non-daemon thread would keep the process alive)."""
+    import dataclasses
+
+    made = []
+
+    def factory(model, kivi_config, *, cache_memory, generation_config, continuous_batching_config):
+        cb = dataclasses.replace(continuous_batching_config, safety_margin=2.0)
+        made.append(float_paged_manager(model, kivi_config, cache_memory=cache_memory,
+                                        generation_config=generation_config, continuous_batching_config=cb))
+        return made[-1]
+
+    with pytest.raises(RuntimeError, match="failed to start: .*safety_margin"):
+        Engine(tiny_chat_model(), tiny_tokenizer(), None, cache_memory=2**20, max_new_tokens=8, factory=factory)
+    assert not made[0].is_running()
+
+
+def test_a_manager_that_does_not_start_in_time_is_stopped():
+    import dataclasses
+    import time as _time
+
+    class Slow(FloatPagedManager):
+        def _create_batch_processor(self):
+            _time.sleep(1.0)
+            return super()._create_batch_processor()
+
+    made = []
+
+    def factory(model, kivi_config, *, cache_memory, generation_config, continuous_batching_config):
+        cb = dataclasses.replace(continuous_batching_config, num_blocks=2)
+        made.append(Slow(model, generation_config, cb, cache_memory))
+        return made[-1]
+
+    with pytest.raises(RuntimeError, match="failed to start: no cache within"):
+        Engine(tiny_chat_model(), tiny_tokenizer(), None, cache_memory=2**20, max_new_tokens=8, factory=factory,
+               start_timeout=0.2)
+    assert not made[0].is_running()
