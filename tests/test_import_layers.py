@@ -30,7 +30,7 @@ LAYERS: dict[str, int] = {
     # 5 attention over the cache's views, and its kernels
     "kivi.attention": 5, "kivi.kernels": 5,
     # 6 integration with a model
-    "kivi.integration": 6,
+    "kivi.integration": 6, "kivi.prefix": 6,
     # 7 tools: planner, evaluation, model loading, data, command line; the package facade
     "kivi.memory": 7, "kivi.eval": 7, "kivi.models": 7, "kivi.data": 7, "kivi.cli": 7, "kivi.__main__": 7,
     "kivi": 7,
