@@ -43,7 +43,7 @@ def weights_sha256(model: Any, mode: str = "all") -> str:
         flat = p.detach().reshape(-1)
         h.update(f"{name}|{str(p.dtype)}|{tuple(p.shape)}|".encode())
         if mode == "sample" and flat.numel() > SAMPLE_ELEMENTS:
-            idx = torch.linspace(0, flat.numel() - 1, SAMPLE_ELEMENTS, device=flat.device).round().long()
+            idx = torch.arange(SAMPLE_ELEMENTS, device=flat.device) * (flat.numel() - 1) // (SAMPLE_ELEMENTS - 1)
             flat = flat[idx]
         h.update(memoryview(flat.to("cpu").contiguous().view(torch.uint8).numpy()))
     return h.hexdigest()

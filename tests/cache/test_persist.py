@@ -110,6 +110,22 @@ def test_round_trip_is_bit_identical_and_continues_exactly(tmp_path, name, kb, v
     _same_state(cache, loaded.cache)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_round_trip(tmp_path, dtype):
+    model = _model("llama-gqa", _config(2, 4, 4, scale_dtype="auto")).to(dtype)
+    ids = _ids(131)
+    cache = prefill(model, ids)
+    assert cache.layers[0].k.window.dtype == dtype == cache.layers[0].k.store.template.scale.dtype
+    save_prefix(tmp_path / "p.safetensors", cache, model, None, ids)
+    assert read_header(tmp_path / "p.safetensors").fingerprint["dtype"] == str(dtype).removeprefix("torch.")
+    loaded = load_prefix(tmp_path / "p.safetensors", model, None)
+    _same_state(cache, loaded.cache)
+    q = _ids(2, seed=9)
+    assert torch.equal(_decode(model, loaded.cache, q, 20), _decode(model, cache, q, 20))
+    with pytest.raises(PrefixFileError, match=r"dtype (bfloat16|float16) vs float32"):
+        load_prefix(tmp_path / "p.safetensors", model.float(), None)
+
+
 def test_generate_after_loading_equals_generate_in_the_saving_process(tmp_path):
     model = _model("llama-gqa", _config(2, 2, 4))
     ids = _ids(171)
