@@ -13,7 +13,7 @@ import kivi
 from kivi.cache.cache import KiviCache
 from kivi.cache.persist import PrefixFileError, read_header
 from kivi.config import KiviConfig
-from kivi.prefix import load_prefix, model_fingerprint, prefill, save_prefix, weights_sha256
+from kivi.prefix import load_prefix, model_fingerprint, prefill, save_prefix, tokenizer_sha256, weights_sha256
 from tests.helpers import tiny_model
 
 MODELS = {
@@ -188,6 +188,51 @@ def test_fingerprint_tells_models_apart():
     assert model_fingerprint(_model(num_hidden_layers=3))["num_hidden_layers"] == 3
     with pytest.raises(ValueError, match=r"weights='some' is not allowed"):
         weights_sha256(a, "some")
+
+
+def _word_tokenizer(extra: str):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, extra: 2}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+
+
+def test_fingerprint_tells_tokenizers_apart(tmp_path):
+    assert tokenizer_sha256(_word_tokenizer("b")) == tokenizer_sha256(_word_tokenizer("b"))
+    assert tokenizer_sha256(_word_tokenizer("b")) != tokenizer_sha256(_word_tokenizer("c"))
+    model = _model()
+    cache = prefill(model, _ids(40))
+    save_prefix(tmp_path / "p.safetensors", cache, model, _word_tokenizer("b"), _ids(40))
+    with pytest.raises(PrefixFileError, match=r"different model or tokenizer; differs \(file vs this\): "
+                                              r"tokenizer_sha256 [0-9a-f]{12}… vs [0-9a-f]{12}…$"):
+        load_prefix(tmp_path / "p.safetensors", model, _word_tokenizer("c"))
+    with pytest.raises(PrefixFileError, match=r"tokenizer_sha256 [0-9a-f]{12}… vs none$"):
+        load_prefix(tmp_path / "p.safetensors", model, None)
+
+
+@pytest.mark.slow
+def test_smollm2_prefix_answers_questions_like_the_saving_process(tmp_path, smollm2, wikitext_ids):
+    import copy
+
+    model, tok = smollm2
+    kivi.quantize_model(model, KiviConfig.preset("balanced"))
+    try:
+        ids = wikitext_ids[None, :700]
+        cache = prefill(model, ids)
+        snapshot = copy.deepcopy(cache)  # before first use: see docs/prefix-cache.md
+        save_prefix(tmp_path / "doc.kivi", cache, model, tok, ids)
+        kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=tok.eos_token_id)
+        for q in ("\n\nQuestion: What is this about?\nAnswer:", "\n\nSummary:"):
+            q_ids = tok(q, return_tensors="pt", add_special_tokens=False).input_ids
+            loaded = load_prefix(tmp_path / "doc.kivi", model, tok)
+            full = loaded.continuation_ids(q_ids)
+            a = model.generate(full, attention_mask=torch.ones_like(full), cache=copy.deepcopy(snapshot), **kw)
+            b = model.generate(full, attention_mask=torch.ones_like(full), cache=loaded.cache, **kw)
+            assert torch.equal(a, b)
+    finally:
+        kivi.dequantize_model(model)
 
 
 # ---------------------------------------------------------------------------------------------- bad files
