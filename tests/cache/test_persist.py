@@ -110,6 +110,29 @@ def test_round_trip_is_bit_identical_and_continues_exactly(tmp_path, name, kb, v
     _same_state(cache, loaded.cache)
 
 
+@pytest.mark.parametrize("fields", [{"quantize_value": False}, {"residual_bits": 2}, {"symmetric": True},
+                                    {"layer_specific_config": {1: {"k_bits": 4, "group_size": 32}}}],
+                         ids=["fp-values", "compensation", "symmetric", "per-layer"])
+def test_other_storage_fields_round_trip(tmp_path, fields, request):
+    """Unquantized values (FpSegment blocks), compensation codes, no zero-points, per-layer configs."""
+    name = request.node.callspec.id
+    model = _model("llama-gqa", _config(2, 2, 0, "cpu", **fields))
+    ids = _ids(157)
+    cache = prefill(model, ids[:, :100])
+    _decode(model, cache, ids[:, 100:], 1)
+    stored = {side: sorted(getattr(cache.layers[1], side).store.template.tensors()) for side in ("k", "v")}
+    assert stored == {"fp-values": {"k": ["offset", "packed", "scale"], "v": ["data"]},
+                      "compensation": {"k": ["comp", "offset", "packed", "scale"], "v": ["comp", "offset", "packed", "scale"]},
+                      "symmetric": {"k": ["packed", "scale"], "v": ["packed", "scale"]},
+                      "per-layer": {"k": ["offset", "packed", "scale"], "v": ["offset", "packed", "scale"]}}[name]
+    save_prefix(tmp_path / "p.safetensors", cache, model, None, ids)
+    loaded = load_prefix(tmp_path / "p.safetensors", model, None)
+    _same_state(cache, loaded.cache)
+    assert [la.config.k_bits for la in loaded.cache.layers] == [la.config.k_bits for la in cache.layers]
+    q = _ids(2, seed=4)
+    assert torch.equal(_decode(model, loaded.cache, q, 12), _decode(model, cache, q, 12))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_half_precision_round_trip(tmp_path, dtype):
     model = _model("llama-gqa", _config(2, 4, 4, scale_dtype="auto")).to(dtype)
