@@ -115,10 +115,15 @@ def save_cache(cache: Any, path: str | os.PathLike, *, fingerprint: dict[str, An
     header = {"kivi_format": FORMAT, "kivi_format_version": str(FORMAT_VERSION), "kivi_meta": text,
               "kivi_meta_sha256": hashlib.sha256(text.encode()).hexdigest()}
     path = Path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot save to {str(path)!r}: folder {str(path.parent)!r} does not exist")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=header)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 -> what open() would have given
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

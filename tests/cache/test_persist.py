@@ -404,4 +404,12 @@ def test_save_checks_its_arguments(saved, tmp_path):
         cache.save(tmp_path / "x", fingerprint="llama")
     with pytest.raises(ValueError, match=r"input_ids of shape \(1, 3\) must be \[batch, 150\]"):
         cache.save(tmp_path / "x", fingerprint={}, input_ids=_ids(3))
+    with pytest.raises(FileNotFoundError, match=r"folder '.*/no' does not exist"):
+        cache.save(tmp_path / "no" / "x", fingerprint={})
     assert not (tmp_path / "x").exists()
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    cache.save(tmp_path / "y", fingerprint={})
+    assert (tmp_path / "y").stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's 0600
