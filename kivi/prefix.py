@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import LogitsProcessor
 
 from .cache.cache import KiviCache
 from .cache.persist import read_header
@@ -131,7 +132,7 @@ def load_prefix(path: str | os.PathLike, model: Any, tokenizer: Any, *, config: 
     return SavedPrefix(cache, ids)
 
 
-class SaveAfterPrefill:
+class SaveAfterPrefill(LogitsProcessor):
     """A ``generate()`` logits processor that saves the cache once, right after the prefill.
 
     ``generate()`` offers no point between its prefill and its first decode step; its logits

@@ -40,15 +40,18 @@ def _json(p):
     return json.loads(p.stdout)
 
 
-def test_save_then_load_continue_like_the_library(folders, tmp_path):
+def test_save_then_load_continue_like_the_library(folders, tmp_path, capsys):
     import kivi as kv
+    from kivi.cli import main
     from kivi.models import load_model
     from kivi.prefix import prefill
 
     model_dir, _, doc = folders
     f = tmp_path / "doc.kivi"
-    saved = _json(kivi("generate", "--model", str(model_dir), "--prompt-file", str(doc), "--raw", *QUANT,
-                       "--max-new-tokens", "12", "--json", "--save-prefix", str(f)))
+    # saved in this process (fast), loaded in a fresh one (as a user would, later)
+    assert main(["generate", "--model", str(model_dir), "--prompt-file", str(doc), "--raw", *QUANT,
+                 "--max-new-tokens", "12", "--json", "--save-prefix", str(f)]) == 0
+    saved = json.loads(capsys.readouterr().out)
     assert f.is_file() and saved["prefix_tokens"] == saved["prompt_tokens"] == 150
     loaded = _json(kivi("generate", "--model", str(model_dir), "--load-prefix", str(f), "--prompt", "w5 w6",
                         "--max-new-tokens", "12", "--json"))
