@@ -30,7 +30,7 @@ LAYERS: dict[str, int] = {
     # 5 attention over the cache's views, and its kernels
     "kivi.attention": 5, "kivi.kernels": 5,
     # 6 integration with a model
-    "kivi.integration": 6,
+    "kivi.integration": 6, "kivi.prefix": 6,
     # KIVI pages in transformers' continuous batching (depends on cache, quant and integration's backends)
     "kivi.batching": 6,
     # 7 tools: planner, evaluation, model loading, data, command line; the package facade

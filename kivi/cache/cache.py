@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -11,7 +12,7 @@ from ..backends import PACKED_BACKENDS, cache_attention_backend, resolve_attenti
 from ..config import KiviConfig
 from .layer import KiviLayer
 from .padding import install_padding_hook
-from .support import plan_layers
+from .support import model_layer_types, plan_layers
 from .view import PackedStates
 
 
@@ -114,6 +115,51 @@ class KiviCache(Cache):
     def nbytes(self) -> int:
         """Total bytes of every tensor the cache holds (real storage, not a formula)."""
         return sum(self.memory_breakdown().values())
+
+    # ------------------------------------------------------------------ save / load (kivi/cache/persist.py)
+    def save(self, path: Any, *, fingerprint: dict, input_ids: torch.Tensor | None = None) -> Any:
+        """Write the packed cache to a safetensors file (about :attr:`nbytes`); see :mod:`kivi.cache.persist`.
+
+        ``fingerprint``: the model and tokenizer it was made with (:func:`kivi.prefix.model_fingerprint`);
+        ``input_ids [B, T]``: the tokens it holds, stored with it. Nothing in the cache changes.
+        """
+        from .persist import save_cache
+
+        return save_cache(self, path, fingerprint=fingerprint, input_ids=input_ids)
+
+    @classmethod
+    def load(cls, path: Any, *, fingerprint: dict, model: Any = None, config: KiviConfig | None = None,
+             attention_backend: str | None = None) -> "KiviCache":
+        """A cache saved by :meth:`save`, bit for bit; raises ``PrefixFileError`` naming what differs.
+
+        ``fingerprint`` must equal the saved one (the model and tokenizer). ``config`` (default: the
+        ``model``'s ``kivi_config`` when it has one) must equal the saved config (``attention_backend``
+        aside). With ``model``: its layers must match, the cache reads with the backend built for it and
+        the padding hook is installed (like :meth:`from_model`). ``attention_backend`` overrides
+        (default ``"reference"`` without a model). The token ids saved with it:
+        :func:`kivi.cache.persist.load_cache` or :func:`kivi.prefix.load_prefix`.
+        """
+        return cls.load_with_ids(path, fingerprint=fingerprint, model=model, config=config,
+                                 attention_backend=attention_backend)[0]
+
+    @classmethod
+    def load_with_ids(cls, path: Any, *, fingerprint: dict, model: Any = None, config: KiviConfig | None = None,
+                      attention_backend: str | None = None) -> tuple["KiviCache", torch.Tensor | None]:
+        """:meth:`load`, also returning the token ids saved with the cache (``None`` if none were)."""
+        from .persist import load_cache
+
+        windows, device = None, "cpu"
+        if model is not None:
+            config = config if config is not None else getattr(model, "kivi_config", None)
+            windows = [window for _, window in model_layer_types(model.config)]
+            device = getattr(model, "device", "cpu")
+        config, layers, ids = load_cache(path, fingerprint=fingerprint, config=config, windows=windows, device=device)
+        if model is not None:
+            install_padding_hook(model)
+            if attention_backend is not None:  # checked against the model (packed needs its "kivi" attention)
+                config = dataclasses.replace(config, attention_backend=attention_backend)
+            attention_backend = cache_attention_backend(model, config)
+        return cls(config, layers=layers, attention_backend=attention_backend or "reference"), ids
 
     def __repr__(self) -> str:
         return (

@@ -9,6 +9,7 @@ from typing import Any
 
 from . import CliError
 from .common import add_config_args, add_model_args, check_context_fits, config_from_args, print_json
+from .prefix import add_prefix_args, check_prefix_args, prefix_inputs
 
 
 def register(sub: Any) -> None:
@@ -35,6 +36,7 @@ def register(sub: Any) -> None:
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature (with --do-sample)")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
     add_config_args(p, default_preset=None)
+    add_prefix_args(p)
     p.add_argument("--json", action="store_true",
                    help="no streaming; print {text, tokens, cache_bytes, fp_cache_bytes, ...} as JSON")
     p.set_defaults(func=run)
@@ -69,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
-    cfg = config_from_args(args) or KiviConfig()  # validate options before loading anything
+    prefix_cfg = check_prefix_args(args)  # --save-prefix's folder, --load-prefix's file: before anything loads
+    cfg = config_from_args(args) or prefix_cfg or KiviConfig()  # validate options before loading anything
     prompt = read_prompt(args)
 
     import torch
@@ -88,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
                                             return_tensors="pt", return_dict=True)["input_ids"]
     else:
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-    ids = ids.to(model.device)
+    ids, prefix_kwargs, prefix_info = prefix_inputs(args, model, tokenizer, prompt, ids.to(model.device))
     n_prompt = ids.shape[-1]
     check_context_fits(model, n_prompt + args.max_new_tokens,
                        f"the prompt ({n_prompt} tokens) + --max-new-tokens {args.max_new_tokens}")
@@ -110,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), streamer=streamer,
-                             return_dict_in_generate=True, pad_token_id=pad, **gen_kwargs)
+                             return_dict_in_generate=True, pad_token_id=pad, **gen_kwargs, **prefix_kwargs)
     elapsed = time.perf_counter() - t0
     cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
     new_ids = out.sequences[0, n_prompt:].tolist()
@@ -136,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         "compression_ratio": ratio,
         "generate_s": elapsed,
         "tokens_per_s": len(new_ids) / elapsed if elapsed > 0 else None,
+        **prefix_info,
     }
     if args.json:
         print_json(result)

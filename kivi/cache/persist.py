@@ -1,0 +1,397 @@
+"""A :class:`KiviCache` saved to a file and loaded back, bit for bit (a "saved quantized prefix").
+
+The file is a safetensors file. Its tensors are the cache's state exactly as the cache holds it:
+per layer and side (``k`` / ``v``), the filled rows of every stored block (``packed`` codes,
+``scale``, ``offset`` zero-points, ``comp`` compensation codes, or ``data`` for an unquantized side),
+the full-precision ``window`` (and its padding mask ``window_valid``) and the ``sink``; plus the
+token ids the cache holds (``input_ids``) when the caller gives them. Nothing is re-quantized, so
+the file is about :attr:`KiviCache.nbytes` (less the unused tail of the last block of each side).
+
+Its safetensors header metadata holds (``__metadata__``):
+
+* ``kivi_format`` = ``"kivi-prefix"`` and ``kivi_format_version`` (this module reads version 1);
+* ``kivi_meta``: JSON with the :class:`KiviConfig`, the caller's model/tokenizer ``fingerprint``,
+  the kivi / transformers / torch versions, the cache's structure (per layer: tokens seen, dtype,
+  sliding window; per side: block starts and capacities, evicted blocks, store start and length,
+  the segment template) and the sha256 of every tensor;
+* ``kivi_meta_sha256``: the sha256 of ``kivi_meta`` (a changed header byte is caught).
+
+:func:`load_cache` checks, before it builds anything: the file is a kivi prefix file of a version
+it reads, it is complete (size against the header's offsets), the header is intact, the
+fingerprint and the config equal the caller's, the layers match the model's, and every tensor's
+checksum. Each failure is a :class:`PrefixFileError` (a ``ValueError``) with a one-line message
+naming what differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import KiviConfig
+from ..quant.kv import PackedKV, token_divisor
+from .layer import KiviLayer
+from .store import BlockStore, FpSegment
+
+FORMAT = "kivi-prefix"
+FORMAT_VERSION = 1
+#: A safetensors header longer than this is not one kivi wrote (it would be a corrupt length field).
+MAX_HEADER_BYTES = 64 << 20
+_DTYPES = {name: getattr(torch, name) for name in (
+    "float32", "float16", "bfloat16", "float64", "uint8", "int8", "int16", "int32", "int64", "bool")}
+#: KiviConfig fields that say how attention reads the cache, not what it holds: not compared on load.
+READ_ONLY_FIELDS = ("attention_backend",)
+
+
+class PrefixFileError(ValueError):
+    """A prefix file cannot be loaded here; the message names the file and what differs."""
+
+
+@dataclass
+class PrefixHeader:
+    """What a prefix file's header says (read without touching its tensors)."""
+
+    path: Path
+    config: KiviConfig
+    fingerprint: dict[str, Any]
+    meta: dict[str, Any]  # the whole ``kivi_meta`` JSON
+    offsets: dict[str, tuple[int, int]]  # tensor name -> byte range in the payload
+    data_start: int  # first payload byte in the file
+
+    @property
+    def seq_length(self) -> int:
+        return self.meta["cache"]["seq_length"]
+
+
+# ---------------------------------------------------------------------------------------------- save
+def save_cache(cache: Any, path: str | os.PathLike, *, fingerprint: dict[str, Any],
+               input_ids: torch.Tensor | None = None) -> Path:
+    """Write ``cache`` (a :class:`~kivi.cache.cache.KiviCache`) to ``path`` (see the module docstring); returns the path.
+
+    ``fingerprint``: a JSON-serialisable dict describing the model and tokenizer the cache was made
+    with (:func:`kivi.prefix.model_fingerprint`); :func:`load_cache` refuses a different one.
+    ``input_ids [B, T]``: the tokens the cache holds (``T`` = the cache's length), stored with it.
+    The file is written to a temporary name and renamed: a failed save leaves no partial file and
+    never changes the cache.
+    """
+    from safetensors.torch import save_file
+
+    if not isinstance(fingerprint, dict):
+        raise TypeError(f"fingerprint must be a dict (e.g. kivi.prefix.model_fingerprint(model, tokenizer)), "
+                        f"got {type(fingerprint).__name__}")
+    try:
+        json.dumps(fingerprint)
+    except TypeError as e:
+        raise ValueError(f"fingerprint must be JSON-serialisable: {e}") from None
+    tensors: dict[str, torch.Tensor] = {}
+    layers = []
+    for i, layer in enumerate(cache.layers):
+        if not isinstance(layer, KiviLayer):
+            raise TypeError(f"layer {i} is a {type(layer).__name__}, not a KiviLayer; only KIVI layers can be saved")
+        layers.append(_layer_meta(layer, f"layer{i}", tensors))
+    seq = cache.get_seq_length() if cache.layers else 0
+    if input_ids is not None:
+        if input_ids.dim() != 2 or input_ids.shape[-1] != seq:
+            raise ValueError(f"input_ids of shape {tuple(input_ids.shape)} must be [batch, {seq}] (the cache holds "
+                             f"{seq} tokens)")
+        tensors["input_ids"] = input_ids.detach().to("cpu", torch.int64).contiguous()
+    meta = {
+        "config": cache.config.to_dict(),
+        "fingerprint": fingerprint,
+        "versions": _versions(),
+        "cache": {"seq_length": seq, "layers": layers, "input_ids": input_ids is not None},
+        "tensor_sha256": {name: tensor_sha256(t) for name, t in tensors.items()},
+    }
+    text = json.dumps(meta, sort_keys=True)
+    header = {"kivi_format": FORMAT, "kivi_format_version": str(FORMAT_VERSION), "kivi_meta": text,
+              "kivi_meta_sha256": hashlib.sha256(text.encode()).hexdigest()}
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot save to {str(path)!r}: folder {str(path.parent)!r} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=header)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 -> what open() would have given
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _layer_meta(layer: KiviLayer, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    sides = {}
+    for label, side in (("k", layer.k), ("v", layer.v)):
+        for field, t in (("window", side.window), ("window_valid", side.window_valid), ("sink", side.sink)):
+            if t is not None:
+                tensors[f"{name}.{label}.{field}"] = _cpu(t)
+        store = side.store
+        present = []
+        for j, blk in enumerate(store.blocks):
+            present.append(blk is not None)
+            if blk is None:
+                continue
+            filled = _filled(store, j)
+            for field, t in blk.items():
+                rows = filled // _divisor(store.template, field)
+                tensors[f"{name}.{label}.block{j}.{field}"] = _cpu(t[:, :, :rows])
+        sides[label] = {
+            "window": side.window is not None, "window_valid": side.window_valid is not None,
+            "sink": side.sink is not None,
+            "store": {"block_size": store.block_size, "length": store.length, "start": store.start,
+                      "starts": list(store.starts), "caps": list(store.caps), "present": present,
+                      "template": _template_meta(store.template)},
+        }
+    return {"seen": layer.seen, "initialized": bool(layer.is_initialized), "sliding_window": layer.sliding_window,
+            "dtype": None if layer.dtype is None else _dtype_name(layer.dtype), "k": sides["k"], "v": sides["v"]}
+
+
+def _filled(store: BlockStore, j: int) -> int:
+    """Tokens written into block ``j`` (the last block may be partly filled)."""
+    return max(0, min(store.caps[j], store.length - store.starts[j]))
+
+
+def _divisor(template: Any, field: str) -> int:
+    return token_divisor(template.axis, template.group_size, field)
+
+
+def _template_meta(template: Any) -> dict[str, Any] | None:
+    if template is None:
+        return None
+    fields = {k: {"dtype": _dtype_name(t.dtype), "shape": [t.shape[0], t.shape[1], *t.shape[3:]]}
+              for k, t in template.tensors().items()}
+    if isinstance(template, FpSegment):
+        return {"kind": "fp", "axis": template.axis, "group_size": template.group_size, "fields": fields}
+    return {"kind": "packed", "bits": template.bits, "group_size": template.group_size, "axis": template.axis,
+            "head_dim": template.head_dim, "residual_bits": template.residual_bits, "fields": fields}
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu").contiguous()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes (CPU, contiguous)."""
+    return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    import safetensors
+    import transformers
+
+    try:
+        kivi_version = metadata.version("kivi")
+    except metadata.PackageNotFoundError:  # running from a source tree
+        kivi_version = "unknown"
+    return {"kivi": kivi_version, "transformers": transformers.__version__, "torch": torch.__version__,
+            "safetensors": safetensors.__version__}
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def read_header(path: str | os.PathLike) -> PrefixHeader:
+    """Read and check a prefix file's header: kivi format and version, complete file, intact metadata."""
+    path = Path(path)
+    if not path.is_file():
+        raise PrefixFileError(f"prefix file {str(path)!r} does not exist" if not path.exists()
+                              else f"prefix file {str(path)!r} is not a file")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise PrefixFileError(f"{path}: not a kivi prefix file ({size} bytes, too short for a safetensors header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES:
+            raise PrefixFileError(f"{path}: not a kivi prefix file (not a safetensors file: header length {n})")
+        if 8 + n > size:
+            raise PrefixFileError(f"{path}: file is truncated: {size} bytes, its header alone needs {8 + n}")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, UnicodeDecodeError):
+        raise PrefixFileError(f"{path}: not a kivi prefix file (its header is not safetensors JSON)") from None
+    md = header.pop("__metadata__", None) or {}
+    if md.get("kivi_format") != FORMAT:
+        raise PrefixFileError(f"{path}: a safetensors file but not a kivi prefix file (no kivi_format={FORMAT!r} "
+                              "in its metadata)")
+    version = md.get("kivi_format_version", "")
+    if not version.isdigit() or int(version) > FORMAT_VERSION:
+        raise PrefixFileError(f"{path}: kivi prefix format version {version!r}; this kivi reads versions up to "
+                              f"{FORMAT_VERSION} (upgrade kivi)")
+    try:
+        offsets = {name: tuple(int(x) for x in info["data_offsets"]) for name, info in header.items()}
+    except (TypeError, KeyError, ValueError):
+        raise PrefixFileError(f"{path}: header is corrupted (bad tensor entries)") from None
+    expected = 8 + n + max((end for _, end in offsets.values()), default=0)
+    if size < expected:
+        raise PrefixFileError(f"{path}: file is truncated: {size} of {expected} bytes")
+    if size > expected:
+        raise PrefixFileError(f"{path}: file has {size - expected} bytes after its data ({size} bytes, expected "
+                              f"{expected}); it is not the file kivi wrote")
+    text = md.get("kivi_meta", "")
+    if hashlib.sha256(text.encode()).hexdigest() != md.get("kivi_meta_sha256"):
+        raise PrefixFileError(f"{path}: metadata checksum mismatch (the header was altered or corrupted)")
+    meta = json.loads(text)
+    config = KiviConfig.from_dict(meta["config"])
+    return PrefixHeader(path, config, meta["fingerprint"], meta, offsets, 8 + n)
+
+
+def check_fingerprint(header: PrefixHeader, fingerprint: dict[str, Any]) -> None:
+    """Raise naming what differs between the file's fingerprint and ``fingerprint`` (this model's)."""
+    saved = header.fingerprint
+    diffs = [k for k in sorted(set(saved) | set(fingerprint)) if saved.get(k) != fingerprint.get(k)]
+    if not diffs:
+        return
+
+    def show(v: Any) -> str:
+        if v is None:
+            return "none"
+        s = str(v)
+        return s[:12] + "…" if isinstance(v, str) and len(s) == 64 else s
+
+    what = "; ".join(f"{k} {show(saved.get(k))} vs {show(fingerprint.get(k))}" for k in diffs)
+    if "weights_sha256" in diffs:
+        lead = (f"prefix file was saved for model {saved.get('architecture')} (weights {show(saved.get('weights_sha256'))}), "
+                f"this model is {fingerprint.get('architecture')} (weights {show(fingerprint.get('weights_sha256'))})")
+        raise PrefixFileError(f"{header.path}: {lead}; differs (file vs this): {what}")
+    raise PrefixFileError(f"{header.path}: prefix file was saved for a different model or tokenizer; differs "
+                          f"(file vs this): {what}")
+
+
+def check_config(header: PrefixHeader, config: KiviConfig) -> None:
+    """Raise naming every field where ``config`` differs from the file's (``attention_backend`` aside)."""
+    saved, given = header.config.to_dict(), config.to_dict()
+    diffs = [k for k in saved if k not in READ_ONLY_FIELDS and saved[k] != given.get(k)]
+    if diffs:
+        what = ", ".join(f"{k} {saved[k]} vs {given.get(k)}" for k in diffs)
+        raise PrefixFileError(f"{header.path}: config differs (file vs given): {what}")
+
+
+def check_layers(header: PrefixHeader, windows: list[int | None]) -> None:
+    """Raise when the file's layers (count, sliding windows) are not the model's (``windows``: one per layer,
+    ``None`` for full attention; :func:`kivi.cache.support.model_layer_types`)."""
+    layers = header.meta["cache"]["layers"]
+    if len(layers) != len(windows):
+        raise PrefixFileError(f"{header.path}: the prefix has {len(layers)} layers, the model has {len(windows)}")
+    for i, (lm, window) in enumerate(zip(layers, windows)):
+        if lm["sliding_window"] != window:
+            raise PrefixFileError(f"{header.path}: layer {i} has sliding window {lm['sliding_window']} in the file, "
+                                  f"{window} in the model")
+
+
+# ---------------------------------------------------------------------------------------------- load
+def load_cache(path: str | os.PathLike, *, fingerprint: dict[str, Any], config: KiviConfig | None = None,
+               windows: list[int | None] | None = None, device: str | torch.device = "cpu") -> tuple[KiviConfig, list[KiviLayer], torch.Tensor | None]:
+    """``(config, layers, input_ids or None)`` of the cache in a file written by :func:`save_cache`
+    (:meth:`KiviCache.load <kivi.cache.cache.KiviCache.load>` builds the cache from them).
+
+    Checks in this order, each failure a :class:`PrefixFileError` before anything is built: the
+    header (:func:`read_header`), ``fingerprint`` (:func:`check_fingerprint`), ``config`` when
+    given (:func:`check_config`), the layers against the model's ``windows`` when given (:func:`check_layers`),
+    every tensor's checksum and shape. The layers live on ``device``; the config is ``config`` when
+    given (it may differ in ``attention_backend``), else the file's.
+    """
+    from safetensors import safe_open
+
+    header = read_header(path)
+    check_fingerprint(header, fingerprint)
+    if config is not None:
+        check_config(header, config)
+    if windows is not None:
+        check_layers(header, windows)
+    meta = header.meta
+    sums = meta["tensor_sha256"]
+    if set(sums) != set(header.offsets):
+        missing = sorted(set(sums) - set(header.offsets)) or sorted(set(header.offsets) - set(sums))
+        raise PrefixFileError(f"{header.path}: tensor list does not match the metadata (e.g. {missing[0]!r})")
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        with safe_open(str(header.path), framework="pt") as f:
+            for name in sorted(sums):
+                t = f.get_tensor(name)
+                if tensor_sha256(t) != sums[name]:
+                    raise PrefixFileError(f"{header.path}: checksum mismatch in tensor {name}")
+                tensors[name] = t
+    except PrefixFileError:
+        raise
+    except Exception as e:  # safetensors' own errors on a damaged header
+        raise PrefixFileError(f"{header.path}: cannot read tensors ({str(e).splitlines()[0]})") from None
+    cfg = config if config is not None else header.config
+    layers = [_build_layer(lm, cfg.for_layer(i), f"layer{i}", tensors, device, header.path)
+              for i, lm in enumerate(meta["cache"]["layers"])]
+    ids = tensors.get("input_ids")
+    return cfg, layers, None if ids is None else ids.to(device)
+
+
+def _build_layer(lm: dict[str, Any], config: KiviConfig, name: str, tensors: dict[str, torch.Tensor],
+                 device: str | torch.device, path: Path) -> KiviLayer:
+    layer = KiviLayer(config, sliding_window=lm["sliding_window"])
+    layer.seen = lm["seen"]
+    layer.dtype = None if lm["dtype"] is None else _DTYPES[lm["dtype"]]
+    if lm["initialized"]:
+        layer.device = torch.device(device)
+        layer.is_initialized = True
+    for label, side in (("k", layer.k), ("v", layer.v)):
+        sm = lm[label]
+        for field in ("window", "window_valid", "sink"):
+            if sm[field]:
+                setattr(side, field, tensors[f"{name}.{label}.{field}"].to(device))
+        side.store = _build_store(sm["store"], f"{name}.{label}", tensors, device, path)
+    return layer
+
+
+def _build_store(sm: dict[str, Any], name: str, tensors: dict[str, torch.Tensor], device: str | torch.device,
+                 path: Path) -> BlockStore:
+    store = BlockStore(sm["block_size"])
+    tm = sm["template"]
+    if tm is not None:
+        empty = {k: torch.empty((f["shape"][0], f["shape"][1], 0, *f["shape"][2:]), dtype=_DTYPES[f["dtype"]],
+                                device=device) for k, f in tm["fields"].items()}
+        if tm["kind"] == "fp":
+            store.template = FpSegment(empty["data"], tm["axis"], tm["group_size"])
+        else:
+            store.template = PackedKV(packed=empty["packed"], scale=empty["scale"], offset=empty.get("offset"),
+                                      comp=empty.get("comp"), bits=tm["bits"], group_size=tm["group_size"],
+                                      axis=tm["axis"], head_dim=tm["head_dim"], residual_bits=tm["residual_bits"])
+    store.length, store.start = sm["length"], sm["start"]
+    store.starts, store.caps = list(sm["starts"]), list(sm["caps"])
+    for j, (present, cap) in enumerate(zip(sm["present"], sm["caps"])):
+        if not present:
+            store.blocks.append(None)
+            continue
+        blk = {}
+        for field, t in store.template.tensors().items():
+            saved = tensors[f"{name}.block{j}.{field}"]
+            rows = cap // _divisor(store.template, field)
+            want = (*t.shape[:2], _filled(store, j) // _divisor(store.template, field), *t.shape[3:])
+            if tuple(saved.shape) != want or saved.dtype != t.dtype:
+                raise PrefixFileError(f"{path}: tensor {name}.block{j}.{field} has shape {tuple(saved.shape)} "
+                                      f"{saved.dtype}, the metadata says {want} {t.dtype}")
+            full = torch.zeros((*t.shape[:2], rows, *t.shape[3:]), dtype=t.dtype, device=device)
+            full[:, :, : saved.shape[2]].copy_(saved)  # the unused tail of the block stays zero
+            blk[field] = full
+        store.blocks.append(blk)
+    return store
+
+
+__all__ = ["save_cache", "load_cache", "read_header", "check_fingerprint", "check_config", "check_layers",
+           "tensor_sha256", "PrefixFileError", "PrefixHeader", "FORMAT", "FORMAT_VERSION"]

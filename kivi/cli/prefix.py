@@ -1,0 +1,67 @@
+"""`kivi generate --save-prefix FILE / --load-prefix FILE`: the options and their calls into :mod:`kivi.prefix`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from ..config import KiviConfig
+from . import CliError
+
+
+def add_prefix_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("saved prefixes (docs/prefix-cache.md)").add_mutually_exclusive_group()
+    g.add_argument("--save-prefix", metavar="FILE", default=None,
+                   help="after the prompt's prefill, save its KIVI cache (packed, with the config and a fingerprint "
+                        "of the model and tokenizer) to FILE, then generate as usual")
+    g.add_argument("--load-prefix", metavar="FILE", default=None,
+                   help="start from the cache saved in FILE (for this model and tokenizer); --prompt / --prompt-file "
+                        "is appended after its tokens as plain text (no chat template); the KIVI configuration is "
+                        "the file's (options given must match it)")
+
+
+def check_prefix_args(args: argparse.Namespace) -> KiviConfig | None:
+    """Before anything loads: --save-prefix's folder must be writable; --load-prefix's file must be a complete,
+    intact kivi prefix file. Returns the file's KiviConfig for --load-prefix, else ``None``."""
+    if args.save_prefix:
+        path = Path(args.save_prefix).expanduser()
+        folder = path.parent
+        if path.is_dir():
+            raise CliError(f"--save-prefix {str(path)!r} is a directory; give a file name")
+        if not folder.is_dir():
+            raise CliError(f"--save-prefix {str(path)!r}: folder {str(folder)!r} does not exist")
+        if not os.access(folder, os.W_OK):
+            raise CliError(f"--save-prefix {str(path)!r}: folder {str(folder)!r} is not writable")
+        return None
+    if args.load_prefix:
+        from ..cache.persist import read_header
+
+        return read_header(Path(args.load_prefix).expanduser()).config
+    return None
+
+
+def prefix_inputs(args: argparse.Namespace, model: Any, tokenizer: Any, prompt: str, ids: Any
+                  ) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """``(input ids, extra generate() arguments, extra result fields)`` for the prefix options (none: unchanged)."""
+    from ..cache.cache import KiviCache
+    from ..prefix import SaveAfterPrefill, load_prefix, save_prefix
+
+    if args.load_prefix:
+        prefix = load_prefix(Path(args.load_prefix).expanduser(), model, tokenizer)
+        if prefix.input_ids is None:
+            raise CliError(f"--load-prefix {args.load_prefix!r} holds no token ids (saved without input_ids)")
+        new = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        full = prefix.continuation_ids(new.to(prefix.input_ids.device))
+        return full, {"cache": prefix.cache}, {"prefix_file": args.load_prefix,
+                                               "prefix_tokens": prefix.input_ids.shape[-1]}
+    if args.save_prefix:
+        from transformers import LogitsProcessorList
+
+        cache = KiviCache.from_model(model)
+        path = Path(args.save_prefix).expanduser()
+        saver = SaveAfterPrefill(cache, lambda c: save_prefix(path, c, model, tokenizer, ids))
+        return ids, {"cache": cache, "logits_processor": LogitsProcessorList([saver])}, {
+            "prefix_file": args.save_prefix, "prefix_tokens": ids.shape[-1]}
+    return ids, {}, {}
