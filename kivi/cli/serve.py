@@ -71,11 +71,6 @@ def _check_args(args: argparse.Namespace) -> tuple[Any, int]:
             raise CliError("--float-cache serves transformers' float pages; it takes no KIVI options "
                            "(--preset, --config, --k-bits, ...)")
         return None, cache_memory
-    from ..serving.engine import DEFAULT_FACTORY, float_paged_manager
-
-    if DEFAULT_FACTORY is float_paged_manager:  # kivi.batching not merged into this build
-        raise CliError("KIVI pages need kivi.batching (KIVI pages in continuous batching), which this build does "
-                       "not have; serve transformers' float pages with --float-cache")
     from ..batching import check_transformers_version  # KIVI pages hook into private transformers code
 
     try:

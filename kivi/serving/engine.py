@@ -22,11 +22,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
+from ..batching import init_continuous_batching
 from ..config import KiviConfig
 
 #: The manager factory's signature: ``factory(model, kivi_config, *, cache_memory, generation_config,
@@ -35,64 +35,8 @@ from ..config import KiviConfig
 ManagerFactory = Callable[..., ContinuousBatchingManager]
 
 
-def fp_block_bytes(model_config: Any, dtype: torch.dtype, page_size: int) -> int:
-    """Bytes of one block of transformers' float paged cache (keys + values of ``page_size`` tokens, all layers)."""
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return text.num_hidden_layers * 2 * heads * head_dim * dtype.itemsize * page_size
-
-
-class FloatPagedManager(ContinuousBatchingManager):
-    """transformers' manager over its float paged cache of ``cache_memory`` bytes, refusing a request
-    that can never fit (transformers' own scheduler would wait for it forever, or fail the whole batch).
-
-    Stand-in until ``kivi.batching`` (KIVI pages, branch ``paged13``) is merged: it has the same three
-    members (``request_blocks``, ``capacity_blocks``, ``check_request_fits``) the engine reads.
-    """
-
-    def __init__(self, model: Any, generation_config: GenerationConfig, cb: ContinuousBatchingConfig,
-                 cache_memory: int) -> None:
-        self.page_size = cb.page_size
-        self.block_bytes = fp_block_bytes(model.config, model.dtype, cb.page_size)
-        self.cache_memory = cache_memory
-        self.capacity_blocks = cache_memory // self.block_bytes
-        super().__init__(model, generation_config, cb)
-
-    def request_blocks(self, tokens: int) -> int:
-        return -(-tokens // self.page_size)
-
-    def check_request_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
-        need = self.request_blocks(prompt_tokens + max_new_tokens)
-        if need > self.capacity_blocks:
-            raise ValueError(
-                f"request of {prompt_tokens} prompt tokens + max_new_tokens={max_new_tokens} needs {need} float "
-                f"blocks of {self.block_bytes} bytes but cache_memory={self.cache_memory} holds {self.capacity_blocks}")
-
-
-def float_paged_manager(model: Any, kivi_config: KiviConfig | None, *, cache_memory: int | None = None,
-                        generation_config: GenerationConfig | None = None,
-                        continuous_batching_config: ContinuousBatchingConfig | None = None) -> FloatPagedManager:
-    """The manager factory used until ``kivi.batching`` is merged: transformers' float paged cache.
-
-    KIVI pages come from ``kivi.batching.init_continuous_batching`` (same signature) when it is
-    present; this stand-in refuses a ``kivi_config`` instead of silently serving a float cache.
-    """
-    if kivi_config is not None:
-        raise ValueError("KIVI pages need kivi.batching (KIVI pages in continuous batching), which this build "
-                         "does not have; serve the float paged cache with --float-cache")
-    if cache_memory is None or cache_memory < 1:
-        raise ValueError(f"cache_memory={cache_memory!r} must be a positive number of bytes")
-    cb = dataclasses.replace(continuous_batching_config or ContinuousBatchingConfig())
-    cb.num_blocks = max(1, cache_memory // fp_block_bytes(model.config, model.dtype, cb.page_size))
-    gen = generation_config if generation_config is not None else model.generation_config
-    return FloatPagedManager(model, gen, cb, cache_memory)
-
-
-try:  # KIVI pages in transformers' continuous batching (kivi/batching, branch paged13)
-    from ..batching import init_continuous_batching as DEFAULT_FACTORY  # type: ignore[attr-defined]
-except ImportError:  # not merged yet: the float paged cache only
-    DEFAULT_FACTORY = float_paged_manager
+#: KIVI pages (or, with ``kivi_config=None``, transformers' float pages) in one byte budget.
+DEFAULT_FACTORY: ManagerFactory = init_continuous_batching
 
 
 class RequestRefused(ValueError):

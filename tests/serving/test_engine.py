@@ -3,30 +3,28 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-
 import pytest
 import torch
 
 from kivi import KiviConfig
-from kivi.serving.engine import Engine, FloatPagedManager, RequestRefused, Sampling, float_paged_manager
+from kivi.batching import init_continuous_batching
+from kivi.batching.manager import KiviBatchingManager
+from kivi.serving.engine import Engine, RequestRefused, Sampling
 from tests.serving.server import tiny_chat_model, tiny_tokenizer
-
-HAS_KIVI_PAGES = importlib.util.find_spec("kivi.batching") is not None
 
 
 @pytest.fixture(scope="module")
 def engine():
     """Float pages, 2 MiB = 8 blocks x 256 tokens; context 4096; cap 4000 new tokens."""
     e = Engine(tiny_chat_model(), tiny_tokenizer(), None, cache_memory=2 * 2**20, max_new_tokens=4000,
-               max_batch_tokens=128, factory=float_paged_manager)
+               max_batch_tokens=128, factory=init_continuous_batching)
     yield e
     e.stop()
     assert not e.manager.is_running()
 
 
 def test_budget_and_capacity(engine):
-    assert isinstance(engine.manager, FloatPagedManager)
+    assert isinstance(engine.manager, KiviBatchingManager) and engine.manager.layout is None  # float pages
     assert engine.manager.capacity_blocks == 8 == engine.stats().blocks_total
     assert engine.stats().free_fraction == 1.0 and engine.stats().blocks_held == 0
 
@@ -77,14 +75,6 @@ def test_cancel_frees_the_blocks_of_a_running_request(engine):
     assert after.blocks_held == 0 and after.requests_open == 0 and after.requests_cancelled == held.requests_cancelled + 1
 
 
-def test_kivi_config_without_kivi_pages_is_refused_not_served_as_float():
-    model = tiny_chat_model()
-    with pytest.raises(ValueError, match="--float-cache"):
-        float_paged_manager(model, KiviConfig(), cache_memory=2**20)
-    assert model.config._attn_implementation != "paged|eager"
-
-
-@pytest.mark.skipif(not HAS_KIVI_PAGES, reason="kivi.batching (KIVI pages) is not in this build")
 def test_default_factory_serves_kivi_pages():
     e = Engine(tiny_chat_model(), tiny_tokenizer(), KiviConfig(k_bits=2, v_bits=2, residual_length=32),
                cache_memory=2**18, max_new_tokens=64)
@@ -107,7 +97,7 @@ def test_a_manager_that_fails_to_start_is_reported_and_stopped():
 
     def factory(model, kivi_config, *, cache_memory, generation_config, continuous_batching_config):
         cb = dataclasses.replace(continuous_batching_config, safety_margin=2.0)
-        made.append(float_paged_manager(model, kivi_config, cache_memory=cache_memory,
+        made.append(init_continuous_batching(model, kivi_config, cache_memory=cache_memory,
                                         generation_config=generation_config, continuous_batching_config=cb))
         return made[-1]
 
@@ -120,7 +110,7 @@ def test_a_manager_that_does_not_start_in_time_is_stopped():
     import dataclasses
     import time as _time
 
-    class Slow(FloatPagedManager):
+    class Slow(KiviBatchingManager):
         def _create_batch_processor(self):
             _time.sleep(1.0)
             return super()._create_batch_processor()
@@ -129,7 +119,7 @@ def test_a_manager_that_does_not_start_in_time_is_stopped():
 
     def factory(model, kivi_config, *, cache_memory, generation_config, continuous_batching_config):
         cb = dataclasses.replace(continuous_batching_config, num_blocks=2)
-        made.append(Slow(model, generation_config, cb, cache_memory))
+        made.append(Slow(model, generation_config, cb, None, kivi_config=None, cache_memory=cache_memory, layout=None))
         return made[-1]
 
     with pytest.raises(RuntimeError, match="failed to start: no cache within"):

@@ -4,14 +4,11 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import time
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("kivi.batching") is None,
-                                reason="kivi.batching (KIVI pages) is not in this build")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
