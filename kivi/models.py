@@ -264,9 +264,10 @@ def mark_used(folder: Path) -> None:
 
 
 def _adopt_legacy_copy(gguf: Path, target: Path) -> None:
-    """Reuse a copy made before copies were keyed by content (the key hashed name, size and mtime):
-    a complete copy whose marker names this very file, at the size and mtime it has now, is renamed
-    to its content key instead of being converted again."""
+    """Reuse a copy made before copies were keyed by content (that key hashed name, size and mtime):
+    a complete copy whose marker names this very file, at the size and mtime it has now, is linked
+    (hard links: no second 517 MB) into ``target`` instead of converting the GGUF again. The old
+    folder stays valid for older kivi versions that share the cache; ``kivi cache clear`` drops it."""
     stat = gguf.stat()
     for folder in sorted(target.parent.glob(f"{gguf.stem}-*")):
         if folder == target or not _is_converted(folder):
@@ -276,13 +277,19 @@ def _adopt_legacy_copy(gguf: Path, target: Path) -> None:
             continue
         if (info.get("size"), info.get("mtime_ns")) != (stat.st_size, stat.st_mtime_ns):
             continue
-        info["sha256"] = gguf_sha256(gguf, target.parent.parent)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
-            (folder / _CONVERTED_MARKER).write_text(json.dumps(info, indent=2) + "\n")
-            os.rename(folder, target)
+            for item in folder.iterdir():
+                if item.name != _CONVERTED_MARKER and item.is_file():
+                    os.link(item, tmp / item.name)
+            info["sha256"] = gguf_sha256(gguf, target.parent.parent)
+            (tmp / _CONVERTED_MARKER).write_text(json.dumps(info, indent=2) + "\n")  # written last
+            os.rename(tmp, target)
             logger.info("reusing the converted copy %s as %s", folder, target)
-        except OSError as error:
-            logger.debug("could not adopt %s: %s", folder, error)
+        except OSError as error:  # no hard links here, or another process was first: convert / use theirs
+            logger.debug("could not reuse %s: %s", folder, error)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         return
 
 
@@ -466,6 +473,22 @@ def _folder_bytes(folder: Path) -> int:
         for name in files:
             with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+def disk_bytes(copies: list[ConvertedCopy]) -> int:
+    """Bytes the copies take on disk: a file hard-linked into several copies counts once."""
+    seen, total = set(), 0
+    for c in copies:
+        for dirpath, _, files in os.walk(c.path):
+            for name in files:
+                try:
+                    st = os.lstat(os.path.join(dirpath, name))
+                except OSError:
+                    continue
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    total += st.st_size
     return total
 
 

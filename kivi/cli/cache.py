@@ -17,12 +17,12 @@ def _fmt_time(t: float) -> str:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     from ..memory import format_bytes
-    from ..models import _models_dir, list_converted
+    from ..models import disk_bytes, kivi_cache_dir, list_converted
 
     copies = list_converted()
-    root = _models_dir(None)
+    root = kivi_cache_dir() / "models"
     if args.json:
-        print_json({"root": str(root), "total_bytes": sum(c.nbytes for c in copies),
+        print_json({"root": str(root), "disk_bytes": disk_bytes(copies),
                     "copies": [c.to_dict() for c in copies]})
         return 0
     if not copies:
@@ -32,7 +32,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for c in copies:
         state = f"  STALE: {c.stale}" if c.stale else ""
         print(f"  {c.key}  {format_bytes(c.nbytes):>10s}  last use {_fmt_time(c.last_used)}  source {c.source}{state}")
-    print(f"total {format_bytes(sum(c.nbytes for c in copies))}; `kivi cache clear` removes the stale ones, "
+    print(f"{len(copies)} copies, {format_bytes(disk_bytes(copies))} on disk (hard-linked files counted once); "
+          "`kivi cache clear` removes the stale ones, "
           "`kivi cache clear KEY` one, `--all` every one")
     return 0
 
