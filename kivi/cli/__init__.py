@@ -109,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         parser = build_parser()
         args = parser.parse_args(argv)
-        command = f"kivi {args.command}" if getattr(args, "command", None) else "kivi"
+        # "kivi eval ppl": the command and its action (eval_command, cache_command, ...)
+        words = [args.command] + [v for k, v in sorted(vars(args).items())
+                                  if k.endswith("_command") and isinstance(v, str)]
+        command = " ".join(["kivi", *[w for w in words if w]])
         if not getattr(args, "func", None):
             parser.print_help()
             return 2
