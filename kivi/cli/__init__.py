@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import sys
 
+from .errors import CliError
+
 #: Subcommand modules (``kivi.cli.<name>``), each with ``register(subparsers)`` adding its
 #: subcommand(s). One line per module: a new subcommand is a new line here.
 SUBCOMMAND_MODULES = (
@@ -26,15 +28,6 @@ SUBCOMMAND_MODULES = (
     "tune",  # profile, tune
     "cache",  # cache ls|clear
 )
-
-
-class CliError(Exception):
-    """A user-facing error: printed as one line, exit code 2. ``prog`` (e.g. ``"kivi eval ppl"``)
-    names the command when the error comes from parsing the arguments."""
-
-    def __init__(self, message: str, *, prog: str | None = None) -> None:
-        super().__init__(message)
-        self.prog = prog
 
 
 #: Exit status of a process killed by SIGPIPE, as a shell reports it (128 + 13).

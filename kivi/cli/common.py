@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import PRESETS, KiviConfig
+from .errors import CliError
 
 
 # --------------------------------------------------------------------------- the parser
@@ -30,8 +31,6 @@ class KiviArgumentParser(argparse.ArgumentParser):
     raised as :class:`kivi.cli.CliError`, so that :func:`kivi.cli.main` prints and returns 2."""
 
     def error(self, message: str):  # type: ignore[override]
-        from . import CliError
-
         raise CliError(f"{message} (see {self.prog} --help)", prog=self.prog)
 
 
@@ -240,8 +239,6 @@ def load_config_file(path: str, flag: str = "--config") -> KiviConfig:
     try:
         return KiviConfig.from_json(Path(path))
     except (ValueError, TypeError) as e:
-        from . import CliError
-
         raise CliError(f"{flag} {path!r}: {_first_line(e)}") from None
 
 
@@ -260,8 +257,6 @@ def check_cli_backend(cfg: KiviConfig) -> None:
     try:
         resolve_attention_backend(cfg.attention_backend, "cpu", config=cfg)
     except (RuntimeError, ValueError) as e:
-        from . import CliError
-
         raise CliError(f"--attention-backend {cfg.attention_backend}: {_first_line(e)} "
                        "(the kivi command line runs models on the CPU: use 'cpu' or 'reference')") from None
 
@@ -352,22 +347,24 @@ def write_outputs(writes: list[Write]) -> list[str]:
     return failed
 
 
-def emit(args: argparse.Namespace, result: Any, human: str | Callable[[], str],
-         writes: list[Write] | None = None) -> None:
+def emit(args: argparse.Namespace, result: Any, human: str, writes: list[Write] | None = None) -> None:
     """Write ``result`` to ``--output`` (when given) and the ``writes``, then print it as JSON
-    (``--json``) or ``human``. A write that fails does not drop the result: it is printed (as JSON
-    too when it was shown as text), then one error line names what could not be written (exit 2)."""
+    (``--json``) or ``human``, followed by a ``wrote PATH`` line per file written. A write that fails
+    does not drop the result: it is printed (as JSON too when it was shown as text), then one error
+    line names what could not be written (exit 2)."""
     all_writes = [("-o/--output", getattr(args, "output", None), lambda p: write_json_file(p, result))]
-    failed = write_outputs(all_writes + list(writes or []))
+    all_writes += list(writes or [])
+    failed = write_outputs(all_writes)
     if getattr(args, "json", False):
         print_json(result)
     else:
-        print(human() if callable(human) else human)
+        print(human)
+        for flag, path, _ in writes or []:
+            if path and not any(repr(path) in f for f in failed):
+                print(f"wrote {path}")
         if failed:
             print_json(result)
     if failed:
-        from . import CliError
-
         raise CliError("; ".join(failed) + " — the result was printed on stdout instead")
 
 

@@ -90,8 +90,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
         lines.append(f"{r['layer']:5d} {r['kl']:10.6f} {r['delta_ppl_pct']:+8.3f} {100 * r['top1_agreement']:7.2f}")
     lines.append(f"most sensitive first: {prof['ranking']}")
     lines.append(f"recommended: {rec.describe()}; layer_specific_config={rec.layer_specific_config}")
-    if args.write_config:
-        lines.append(f"wrote {args.write_config}")
     emit(args, prof, "\n".join(lines), writes=[("--write-config", args.write_config, rec.to_json)])
     return 0
 
@@ -123,8 +121,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     out = args.write_config
     chosen = KiviConfig.from_dict(r["config"])
     human = (f"chose {r['name']}: {r['bits_per_element']:.3f} bits/element, ppl {r['ppl']:.4f} vs FP {r['ppl_fp']:.4f} "
-             f"({r['delta_ppl_pct']:+.2f}%) after measuring {len(r['evaluated'])} candidates"
-             + (f"; wrote {out}" if out else ""))
+             f"({r['delta_ppl_pct']:+.2f}%) after measuring {len(r['evaluated'])} candidates")
     emit(args, r, human, writes=[("--write-config", out, chosen.to_json)])
     return 0
 

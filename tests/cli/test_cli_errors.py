@@ -128,7 +128,7 @@ def test_closed_stdout_is_one_line():
     one_line(p.returncode, p.stderr, "standard output is closed")
 
 
-@pytest.mark.parametrize("delay", [0.3, 1.5])
+@pytest.mark.parametrize("delay", [1.0, 2.5])
 def test_ctrl_c_during_the_imports_is_one_line_exit_130(delay):
     """A SIGINT while torch/transformers load (they are imported inside main's guard now) -> exit 130."""
     p = subprocess.Popen([sys.executable, "-m", "kivi", "generate", "--prompt-file", "-"], stdin=subprocess.PIPE,
@@ -138,8 +138,8 @@ def test_ctrl_c_during_the_imports_is_one_line_exit_130(delay):
     out, err = p.communicate(timeout=300)
     err = err.decode()
     assert p.returncode == 130, (p.returncode, err)
-    assert "Traceback" not in err and err.strip().splitlines() == ["kivi generate: interrupted"] or \
-        err.strip().splitlines() == ["kivi: interrupted"], err
+    assert "Traceback" not in err and err.strip().splitlines() in (["kivi generate: interrupted"],
+                                                                   ["kivi: interrupted"]), err
 
 
 def test_ctrl_c_during_the_work_is_one_line_exit_130():
@@ -148,7 +148,12 @@ def test_ctrl_c_during_the_work_is_one_line_exit_130():
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env())
     p.stdin.write(b"partial prompt")
     p.stdin.flush()
-    time.sleep(12)  # the imports are done: reading stdin
+    wchan = Path(f"/proc/{p.pid}/wchan")
+    deadline = time.monotonic() + 240
+    while "pipe" not in (wchan.read_text() if wchan.exists() else "pipe"):  # imports done: blocked reading stdin
+        assert time.monotonic() < deadline and p.poll() is None, p.stderr.read()
+        time.sleep(0.2)
+    time.sleep(0.3)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=300)
     assert p.returncode == 130 and err.decode().strip().splitlines() == ["kivi generate: interrupted"], err
@@ -161,8 +166,7 @@ def test_head_on_the_pipe_exits_quietly_141_or_0(unbuffered):
     never 1, nothing on stderr."""
     cmd = f"{sys.executable} -m kivi estimate {' '.join(SHAPE)} | head -1; echo \"rc=${{PIPESTATUS[0]}}\" >&2"
     e = {**env(), "PYTHONUNBUFFERED": unbuffered}
-    for _ in range(2):
-        p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=300, cwd=ROOT, env=e)
-        assert p.stdout.startswith("Model: custom"), p.stdout
-        *noise, rc = p.stderr.strip().splitlines()
-        assert noise == [] and rc in ("rc=141", "rc=0"), p.stderr
+    p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=300, cwd=ROOT, env=e)
+    assert p.stdout.startswith("Model: custom"), p.stdout
+    *noise, rc = p.stderr.strip().splitlines()
+    assert noise == [] and rc in ("rc=141", "rc=0"), p.stderr
