@@ -137,7 +137,9 @@ def test_ctrl_c_during_the_imports_is_one_line_exit_130(delay):
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=300)
     err = err.decode()
-    assert p.returncode == 130, (p.returncode, err)
+    # 130 = exit(130); -2 = the interpreter ended itself with SIGINT (seen under load when the signal landed in
+    # torch's import): a shell reports 130 for both, and what the user sees is the one line below
+    assert p.returncode in (130, -signal.SIGINT), (p.returncode, err)
     assert "Traceback" not in err and err.strip().splitlines() in (["kivi generate: interrupted"],
                                                                    ["kivi: interrupted"]), err
 
