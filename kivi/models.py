@@ -190,7 +190,8 @@ def _write_json_atomic(path: Path, data: Any) -> None:
 
 def gguf_sha256(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> str:
     """SHA-256 (hex) of a file's content, remembered per ``(path, size, mtime)`` in the cache's
-    ``models/hash-index.json``: a file is hashed once (SmolLM2's 97 MB: ~0.3 s), not on every load."""
+    ``models/hash-index.json``: a file is hashed once, not on every load (SmolLM2's 98 MB took 1.6 s on the
+    shared 2-core VM, load ~10: ``kivi.models._file_sha256(alias_gguf_path("smollm2"))``)."""
     path = Path(path).expanduser().resolve()
     stat = path.stat()
     models_dir = _models_dir(cache_dir)
