@@ -192,13 +192,20 @@ class KiviConfig:
         if not s.lstrip().startswith("{"):
             p = Path(s)
             try:
-                s = p.read_text()
+                s = p.read_text(encoding="utf-8")
             except OSError as e:
                 raise ValueError(f"cannot read KiviConfig JSON file {str(p)!r}: {e.strerror or e}") from None
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"KiviConfig JSON file {str(p)!r} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                    f"{e.start}); expected a JSON object like {{\"k_bits\": 2}}"
+                ) from None
         try:
             d = json.loads(s)
         except json.JSONDecodeError as e:
             raise ValueError(f"invalid KiviConfig JSON: {e}") from None
+        except RecursionError:
+            raise ValueError("invalid KiviConfig JSON: nested too deeply") from None
         # `kivi tune --json` wraps the config with its measurements.
         if isinstance(d, dict) and "config" in d and isinstance(d["config"], dict) and "k_bits" not in d:
             d = d["config"]

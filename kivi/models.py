@@ -17,6 +17,7 @@ The first load therefore keeps a converted copy (safetensors, config and tokeniz
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -24,6 +25,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,9 +41,13 @@ __all__ = [
     "ModelLoadError",
     "alias_gguf_path",
     "converted_cache_path",
+    "gguf_content_key",
+    "gguf_sha256",
     "kivi_cache_dir",
+    "list_converted",
     "load_model",
     "model_max_context",
+    "remove_converted",
 ]
 
 
@@ -124,19 +130,88 @@ def converted_cache_path(
     """Where the converted (safetensors) copy of a GGUF model lives, whether or not it exists yet.
 
     ``<cache root>/models/<gguf stem>-<key>``: the cache root is ``cache_dir`` if given, else
-    :func:`kivi_cache_dir`; ``key`` hashes the GGUF file's name, size and modification time, so a
-    changed file gets a new copy.
+    :func:`kivi_cache_dir`; ``key`` is the start of the SHA-256 of the GGUF file's *content*
+    (:func:`gguf_content_key`), so identical copies of a file share one converted copy, and a
+    changed file gets a new one.
 
     Args:
         name_or_path: an alias from :data:`KNOWN_ALIASES` or a path to a ``.gguf`` file.
         cache_dir: overrides the cache root.
     """
+    gguf = _gguf_path(name_or_path)
+    root = _models_dir(cache_dir)
+    return root / f"{gguf.stem}-{gguf_content_key(gguf, cache_dir)}"
+
+
+def _gguf_path(name_or_path: str | os.PathLike) -> Path:
     name = os.fspath(name_or_path)
-    gguf = alias_gguf_path(name) if name.lower() in KNOWN_ALIASES else Path(name).expanduser().resolve()
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.name}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return alias_gguf_path(name) if name.lower() in KNOWN_ALIASES else Path(name).expanduser().resolve()
+
+
+def _models_dir(cache_dir: str | os.PathLike | None) -> Path:
     root = Path(cache_dir).expanduser() if cache_dir is not None else kivi_cache_dir()
-    return root / "models" / f"{gguf.stem}-{key}"
+    return root / "models"
+
+
+#: Hex digits of the SHA-256 kept in a converted copy's folder name.
+KEY_DIGITS = 16
+_HASH_INDEX = "hash-index.json"  # {resolved path: {"size", "mtime_ns", "sha256"}} in <root>/models
+
+
+def _file_sha256(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _read_index(models_dir: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((models_dir / _HASH_INDEX).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}  # missing or damaged: rebuilt as files are hashed
+    return data if isinstance(data, dict) else {}
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def gguf_sha256(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> str:
+    """SHA-256 (hex) of a file's content, remembered per ``(path, size, mtime)`` in the cache's
+    ``models/hash-index.json``: a file is hashed once, not on every load (SmolLM2's 98 MB took 1.6 s on the
+    shared 2-core VM, load ~10: ``kivi.models._file_sha256(alias_gguf_path("smollm2"))``)."""
+    path = Path(path).expanduser().resolve()
+    stat = path.stat()
+    models_dir = _models_dir(cache_dir)
+    index = _read_index(models_dir)
+    entry = index.get(str(path))
+    if isinstance(entry, dict) and entry.get("size") == stat.st_size and entry.get("mtime_ns") == stat.st_mtime_ns \
+            and isinstance(entry.get("sha256"), str):
+        return entry["sha256"]
+    sha = _file_sha256(path)
+    index[str(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha}
+    try:
+        _write_json_atomic(models_dir / _HASH_INDEX, index)
+    except OSError as error:  # a read-only cache: hash again next time
+        logger.debug("could not update %s: %s", models_dir / _HASH_INDEX, error)
+    return sha
+
+
+def gguf_content_key(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> str:
+    """The key of a GGUF file's converted copy: the first :data:`KEY_DIGITS` hex digits of its SHA-256."""
+    return gguf_sha256(path, cache_dir)[:KEY_DIGITS]
 
 
 # --------------------------------------------------------------------------- helpers
@@ -183,6 +258,51 @@ def _is_converted(folder: Path) -> bool:
     return (folder / _CONVERTED_MARKER).is_file() and (folder / "config.json").is_file()
 
 
+def mark_used(folder: Path) -> None:
+    """Record a load of a converted copy: the marker file's modification time is its last use."""
+    with contextlib.suppress(OSError):
+        os.utime(folder / _CONVERTED_MARKER)
+
+
+def _adopt_legacy_copy(gguf: Path, target: Path) -> None:
+    """Reuse a copy made before copies were keyed by content (that key hashed name, size and mtime):
+    a complete copy whose marker names this very file, at the size and mtime it has now, is linked
+    (hard links: no second 517 MB) into ``target`` instead of converting the GGUF again. The old
+    folder stays valid for older kivi versions that share the cache; ``kivi cache clear`` drops it."""
+    stat = gguf.stat()
+    for folder in sorted(target.parent.glob(f"{gguf.stem}-*")):
+        if folder == target or not _is_converted(folder):
+            continue
+        info = read_marker(folder)
+        if "sha256" in info or info.get("source") != str(gguf):
+            continue
+        if (info.get("size"), info.get("mtime_ns")) != (stat.st_size, stat.st_mtime_ns):
+            continue
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            for item in folder.iterdir():
+                if item.name != _CONVERTED_MARKER and item.is_file():
+                    os.link(item, tmp / item.name)
+            info["sha256"] = gguf_sha256(gguf, target.parent.parent)
+            (tmp / _CONVERTED_MARKER).write_text(json.dumps(info, indent=2) + "\n")  # written last
+            os.rename(tmp, target)
+            logger.info("reusing the converted copy %s as %s", folder, target)
+        except OSError as error:  # no hard links here, or another process was first: convert / use theirs
+            logger.debug("could not reuse %s: %s", folder, error)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
+
+
+def read_marker(folder: Path) -> dict[str, Any]:
+    """What a converted copy records about its source (``{}`` when the marker is missing or damaged)."""
+    try:
+        info = json.loads((folder / _CONVERTED_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
 def _drop_gguf_quantization(model: Any) -> None:
     """Make a GGUF-loaded model savable with ``save_pretrained``.
 
@@ -200,7 +320,7 @@ def _drop_gguf_quantization(model: Any) -> None:
         del model.config.quantization_config
 
 
-def _save_converted(model: Any, tokenizer: Any, target: Path, source: Path) -> None:
+def _save_converted(model: Any, tokenizer: Any, target: Path, source: Path, sha256: str | None = None) -> None:
     """Write ``model`` and ``tokenizer`` to ``target`` atomically (temp folder, then rename)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
@@ -208,7 +328,7 @@ def _save_converted(model: Any, tokenizer: Any, target: Path, source: Path) -> N
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         stat = source.stat()
-        info = {"source": str(source), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        info = {"source": str(source), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256}
         (tmp / _CONVERTED_MARKER).write_text(json.dumps(info, indent=2) + "\n")
         if target.exists() and not _is_converted(target):
             shutil.rmtree(target)  # a stray folder without the marker: never trusted, replace it
@@ -234,8 +354,11 @@ def _load_gguf(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     converted = converted_cache_path(gguf, cache_dir)
+    if not _is_converted(converted):
+        _adopt_legacy_copy(gguf, converted)
     if _is_converted(converted):
         logger.info("loading %s from its converted copy at %s", label, converted)
+        mark_used(converted)
         model = AutoModelForCausalLM.from_pretrained(converted)
         tokenizer = AutoTokenizer.from_pretrained(converted)
         return _finish(model, tokenizer, dtype, device)
@@ -246,7 +369,7 @@ def _load_gguf(
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     _drop_gguf_quantization(model)
     try:
-        _save_converted(model, tokenizer, converted, gguf)
+        _save_converted(model, tokenizer, converted, gguf, sha256=gguf_sha256(gguf, cache_dir))
         logger.info("saved the converted copy of %s at %s", label, converted)
     except OSError as error:  # a read-only cache must not stop the load itself
         logger.warning("could not save a converted copy of %s at %s: %s", label, converted, _short_reason(error))
@@ -319,6 +442,119 @@ def load_model(
             f"unknown model {name!r}: not an alias (known: {', '.join(KNOWN_ALIASES)}), not a local folder "
             f"or .gguf file, and loading it from the Hugging Face hub failed: {_short_reason(error)}"
         ) from error
+
+
+# --------------------------------------------------------------------------- the converted-copy cache: list, clear
+
+
+#: A temporary conversion folder older than this is left over from a crash (not a running conversion).
+STALE_TEMP_SECONDS = 3600
+
+
+@dataclass(frozen=True)
+class ConvertedCopy:
+    """One folder under ``<cache root>/models``: a converted copy, or an unfinished conversion."""
+
+    key: str  # the folder's name (what ``kivi cache clear KEY`` takes)
+    path: Path
+    nbytes: int  # bytes of its files
+    source: str | None  # the GGUF file it was converted from (the latest one, for identical copies)
+    sha256: str | None  # content hash of that GGUF (None: made before copies were keyed by content)
+    last_used: float  # POSIX time of its last load (creation for unfinished folders)
+    stale: str | None  # why no load would use it any more, or None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "path": str(self.path), "bytes": self.nbytes, "source": self.source,
+                "sha256": self.sha256, "last_used": self.last_used, "stale": self.stale}
+
+
+def _folder_bytes(folder: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+def disk_bytes(copies: list[ConvertedCopy]) -> int:
+    """Bytes the copies take on disk: a file hard-linked into several copies counts once."""
+    seen, total = set(), 0
+    for c in copies:
+        for dirpath, _, files in os.walk(c.path):
+            for name in files:
+                try:
+                    st = os.lstat(os.path.join(dirpath, name))
+                except OSError:
+                    continue
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    total += st.st_size
+    return total
+
+
+def _staleness(folder: Path, info: dict[str, Any], cache_dir: str | os.PathLike | None) -> str | None:
+    if not _is_converted(folder):
+        age = time.time() - folder.stat().st_mtime
+        if folder.name.startswith(".") and age < STALE_TEMP_SECONDS:
+            return None  # maybe a conversion running right now
+        return "unfinished conversion (no marker)"
+    source = info.get("source")
+    if not isinstance(source, str) or not Path(source).is_file():
+        return f"its source {source!r} is gone"
+    stat = Path(source).stat()
+    if info.get("sha256") is None:
+        if (info.get("size"), info.get("mtime_ns")) != (stat.st_size, stat.st_mtime_ns):
+            return "its source changed since (made before copies were keyed by content)"
+        return None
+    if gguf_sha256(source, cache_dir) != info["sha256"]:
+        return "its source's content changed since"
+    return None
+
+
+def list_converted(cache_dir: str | os.PathLike | None = None) -> list[ConvertedCopy]:
+    """Every folder of the converted-copy cache (``<cache root>/models``), most recently used first."""
+    models_dir = _models_dir(cache_dir)
+    if not models_dir.is_dir():
+        return []
+    out = []
+    for folder in models_dir.iterdir():
+        if not folder.is_dir():
+            continue
+        info = read_marker(folder)
+        marker = folder / _CONVERTED_MARKER
+        try:
+            last = (marker if marker.is_file() else folder).stat().st_mtime
+        except OSError:
+            continue  # removed meanwhile
+        source, sha = info.get("source"), info.get("sha256")
+        out.append(ConvertedCopy(
+            key=folder.name, path=folder, nbytes=_folder_bytes(folder),
+            source=source if isinstance(source, str) else None, sha256=sha if isinstance(sha, str) else None,
+            last_used=last, stale=_staleness(folder, info, cache_dir)))
+    return sorted(out, key=lambda c: -c.last_used)
+
+
+def remove_converted(keys: list[str] | None = None, *, all: bool = False, stale: bool = False,
+                     cache_dir: str | os.PathLike | None = None) -> list[ConvertedCopy]:
+    """Delete converted copies: those named in ``keys`` (folder names; an unknown key raises
+    ``ValueError`` before anything is deleted), every one (``all``), or the stale ones (``stale``).
+    Returns what was deleted."""
+    copies = list_converted(cache_dir)
+    by_key = {c.key: c for c in copies}
+    if all:
+        chosen = copies
+    else:
+        unknown = [k for k in keys or [] if k not in by_key]
+        if unknown:
+            raise ValueError(f"no converted copy {unknown[0]!r} in {_models_dir(cache_dir)} "
+                             f"(known: {', '.join(sorted(by_key)) or 'none'})")
+        chosen = [by_key[k] for k in keys or []]
+        if stale:
+            chosen += [c for c in copies if c.stale and c not in chosen]
+    for c in chosen:
+        shutil.rmtree(c.path)
+    return chosen
 
 
 def model_max_context(model: Any) -> int:

@@ -85,3 +85,72 @@ def test_for_layer_applies_overrides():
     c = KiviConfig(layer_specific_config={1: {"k_bits": 4, "residual_length": 64}})
     assert c.for_layer(0).k_bits == 2 and c.for_layer(1).k_bits == 4 and c.for_layer(1).residual_length == 64
     assert c.for_layer(1).layer_specific_config == {}
+
+
+# --------------------------------------------------------------------------- fuzz (hypothesis)
+from dataclasses import fields as _fields  # noqa: E402
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+FIELDS = [f.name for f in _fields(KiviConfig)]
+LAYER_FIELD_NAMES = ["k_bits", "v_bits", "group_size", "residual_length", "residual_bits", "quantize_key",
+                     "quantize_value", "symmetric"]
+# right and wrong types, in and out of range
+SCALARS = st.one_of(
+    st.sampled_from([0, 1, 2, 3, 4, 8, 16, 32, 64, 128, 256, -1, -32, 5, 7, 100, 4096, 4097, 10**12, 2**70]),
+    st.integers(-10**6, 10**6),
+    st.sampled_from([2.0, 0.5, float("nan"), float("inf"), -0.0]),
+    st.booleans(), st.none(),
+    st.sampled_from(["2", "auto", "float16", "bfloat16", "fp8", "cpu", "reference", "triton", "cuda", "", "no"]),
+    st.just([1]), st.just({}),
+)
+LAYER_OVERRIDES = st.dictionaries(st.sampled_from(LAYER_FIELD_NAMES + ["bogus", "block_size"]), SCALARS, max_size=3)
+LSC = st.one_of(
+    st.dictionaries(st.one_of(st.integers(-2, 40), st.sampled_from(["0", "1", " 3", "x", "1.7", "-1"]),
+                              st.sampled_from([1.7, True, None])),
+                    st.one_of(LAYER_OVERRIDES, SCALARS), max_size=3),
+    SCALARS,
+)
+KWARGS = st.dictionaries(st.sampled_from(FIELDS + ["kbits"]), SCALARS, max_size=6).flatmap(
+    lambda d: st.one_of(st.just(d), LSC.map(lambda lsc: {**d, "layer_specific_config": lsc})))
+
+
+def _names_a_field(message: str) -> bool:
+    return any(name in message for name in FIELDS + ["KiviConfig field", "JSON"])
+
+
+@settings(max_examples=400, derandomize=True, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(kwargs=KWARGS)
+def test_fuzz_kwargs_valid_config_or_error_naming_the_field(kwargs):
+    """Random kwargs (right and wrong types, ranges): a valid config that round-trips through JSON
+    and resolves every layer, or a ValueError/TypeError naming the field — never another exception."""
+    try:
+        cfg = KiviConfig(**kwargs)
+    except TypeError as e:  # an unknown keyword: Python names it
+        assert "kbits" in kwargs and "kbits" in str(e), (kwargs, e)
+        return
+    except ValueError as e:
+        assert _names_a_field(str(e)), (kwargs, e)
+        assert len(str(e).splitlines()) == 1, (kwargs, e)
+        return
+    assert KiviConfig.from_json(cfg.to_json()) == cfg
+    for i in cfg.layer_specific_config:
+        layer = cfg.for_layer(i)
+        assert isinstance(layer.k_bits, int) and not isinstance(layer.k_bits, bool)
+
+
+@settings(max_examples=200, derandomize=True, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(kwargs=KWARGS, junk=st.sampled_from(["", "[1]", "5", "null", "{", '{"layer_specific_config": {"0": 4}}',
+                                            "[" * 5000, '{"k_bits": NaN}', '{"k_bits": 1e999}']))
+def test_fuzz_json_valid_config_or_value_error(kwargs, junk):
+    """The same through JSON text (and text that is not a config): a config or one ValueError."""
+    for text in (json.dumps(kwargs), junk):
+        try:
+            cfg = KiviConfig.from_json(text)
+        except ValueError as e:
+            assert _names_a_field(str(e)) or "must be a JSON object" in str(e), (text[:80], e)
+            continue
+        assert KiviConfig.from_json(cfg.to_json()) == cfg

@@ -9,8 +9,10 @@ write a cache uses ``tmp_path``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -219,17 +221,116 @@ def test_cache_root_rule(monkeypatch, tmp_path):
     assert kivi_cache_dir() == tmp_path / "home" / ".cache" / "kivi"
 
 
-def test_converted_path_keyed_on_file(monkeypatch, tmp_path):
+def test_converted_path_keyed_on_content(monkeypatch, tmp_path):
+    """Issue 15 item 9: the key hashed the GGUF's name, size and mtime: a touched or copied file got a
+    second 517 MB copy. Now identical bytes share one key, wherever they are and whatever their mtime."""
     monkeypatch.setenv("KIVI_CACHE_DIR", str(tmp_path / "cache"))
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF" + bytes(10))
     first = converted_cache_path(gguf)
     assert first.parent == tmp_path / "cache" / "models" and first.name.startswith("m-")
-    assert converted_cache_path(gguf) == first
+    assert first.name == f"m-{hashlib.sha256(gguf.read_bytes()).hexdigest()[:16]}"
     os.utime(gguf, ns=(0, 123_456_789))
-    assert converted_cache_path(gguf) != first  # touched: a new copy
+    assert converted_cache_path(gguf) == first  # touched, same content: same copy
+    (tmp_path / "elsewhere").mkdir()
+    twin = tmp_path / "elsewhere" / "m.gguf"
+    shutil.copyfile(gguf, twin)
+    assert converted_cache_path(twin) == first  # an identical copy: same copy
+    gguf.write_bytes(b"GGUF" + bytes(11))
+    assert converted_cache_path(gguf) != first  # new content: a new copy
     assert converted_cache_path("smollm2").name.startswith("SmolLM2-135M-Instruct.Q4_1-")
     assert set(KNOWN_ALIASES) >= {"smollm2", "smollm2-135m"}
+
+
+def test_content_hash_is_remembered_per_path_size_mtime(monkeypatch, tmp_path):
+    calls = []
+    real = models._file_sha256
+    monkeypatch.setattr(models, "_file_sha256", lambda p, *a: calls.append(p) or real(p, *a))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(100))
+    key = models.gguf_content_key(gguf, tmp_path / "cache")
+    assert models.gguf_content_key(gguf, tmp_path / "cache") == key and len(calls) == 1  # from the index
+    os.utime(gguf, ns=(0, 987_654_321))
+    assert models.gguf_content_key(gguf, tmp_path / "cache") == key and len(calls) == 2  # touched: hashed again
+    (tmp_path / "cache" / "models" / "hash-index.json").write_text("{damaged")
+    assert models.gguf_content_key(gguf, tmp_path / "cache") == key and len(calls) == 3  # damaged index: rebuilt
+
+
+@pytest.fixture
+def fake_conversion(monkeypatch, tiny_checkpoint):
+    """GGUF 'conversion' without the real model: from_pretrained(..., gguf_file=...) returns the tiny
+    checkpoint; the list records each conversion."""
+    from transformers import AutoTokenizer
+
+    conversions = []
+    real_model, real_tok = AutoModelForCausalLM.from_pretrained, AutoTokenizer.from_pretrained
+
+    def model_from(source, *args, gguf_file=None, **kw):
+        if gguf_file is None:
+            return real_model(source, *args, **kw)
+        conversions.append(Path(source) / gguf_file)
+        return real_model(tiny_checkpoint)
+
+    def tok_from(source, *args, gguf_file=None, **kw):
+        return real_tok(tiny_checkpoint if gguf_file else source, *args, **kw)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", model_from)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", tok_from)
+    monkeypatch.setattr(models, "_require_gguf_support", lambda what: None)
+    return conversions
+
+
+def test_identical_gguf_copies_share_one_conversion(fake_conversion, tmp_path):
+    cache = tmp_path / "cache"
+    a, b = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
+    for p in (a, b):
+        p.parent.mkdir()
+        p.write_bytes(b"GGUF same bytes")
+    load_model(a, cache_dir=cache)
+    load_model(b, cache_dir=cache)
+    load_model(a, cache_dir=cache)
+    assert fake_conversion == [a.resolve()]  # converted once, reused for the twin
+    assert [c.key for c in models.list_converted(cache)] == [converted_cache_path(a, cache).name]
+
+
+def test_copy_from_before_content_keys_is_reused_not_converted(fake_conversion, tmp_path, tiny_checkpoint):
+    cache = tmp_path / "cache"
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF old copy")
+    st = gguf.stat()
+    legacy = cache / "models" / "model-0123456789abcdef"
+    shutil.copytree(tiny_checkpoint, legacy)
+    (legacy / models._CONVERTED_MARKER).write_text(json.dumps(
+        {"source": str(gguf.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}))
+    model, _ = load_model(gguf, cache_dir=cache)
+    assert fake_conversion == [] and model.config.num_hidden_layers == 2
+    new = converted_cache_path(gguf, cache)
+    assert models._is_converted(new) and models._is_converted(legacy)  # older kivi versions keep theirs
+    assert os.path.samefile(new / "model.safetensors", legacy / "model.safetensors")  # hard link, not a copy
+    copies = models.list_converted(cache)
+    assert models.disk_bytes(copies) < sum(c.nbytes for c in copies)
+
+
+def test_list_and_remove_converted(fake_conversion, tmp_path):
+    cache = tmp_path / "cache"
+    keep, drop = tmp_path / "keep.gguf", tmp_path / "drop.gguf"
+    keep.write_bytes(b"GGUF keep")
+    drop.write_bytes(b"GGUF drop")
+    load_model(keep, cache_dir=cache)
+    load_model(drop, cache_dir=cache)
+    drop.unlink()  # its copy is stale now
+    (cache / "models" / "half-written").mkdir()  # a crash's leftover (no marker)
+    copies = {c.key: c for c in models.list_converted(cache)}
+    k, d = converted_cache_path(keep, cache).name, f"drop-{hashlib.sha256(b'GGUF drop').hexdigest()[:16]}"
+    assert set(copies) == {k, d, "half-written"}
+    assert copies[k].stale is None and copies[k].source == str(keep.resolve()) and copies[k].nbytes > 1000
+    assert "gone" in copies[d].stale and "unfinished" in copies["half-written"].stale
+    with pytest.raises(ValueError, match="no converted copy 'nope'"):
+        models.remove_converted(["nope"], cache_dir=cache)
+    assert {c.key for c in models.remove_converted(stale=True, cache_dir=cache)} == {d, "half-written"}
+    assert [c.key for c in models.list_converted(cache)] == [k]
+    assert [c.key for c in models.remove_converted([k], cache_dir=cache)] == [k]
+    assert models.list_converted(cache) == []
 
 
 def test_interrupted_conversion_leaves_nothing_trusted(tiny_checkpoint, tmp_path):

@@ -2,33 +2,52 @@
 
 Conventions (every subcommand):
 * bad user input raises :class:`CliError` (or ``ValueError``) -> one clear line on stderr, exit 2;
+  arguments are checked by the validators of :mod:`kivi.cli.common` before any model loads;
 * ``--json`` prints one JSON object on stdout instead of tables (progress goes to stderr);
+* files the command writes are checked before the work starts; a write that still fails at the end
+  prints the result on stdout and the error on stderr (exit 2): a computed result is never dropped;
+* Ctrl-C at any time (the imports included) -> one line, exit 130;
+* a closed pipe on stdout (``kivi ... | head``) -> quiet, exit 141 (see :func:`main`);
 * ``KIVI_DEBUG=1`` shows full tracebacks.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import os
 import sys
 
-# module name -> registers one or more subcommands via `register(subparsers)`
-SUBCOMMAND_MODULES = ("estimate", "generate", "demo", "evaluate", "tune", "serve")
+from .errors import CliError
+
+#: Subcommand modules (``kivi.cli.<name>``), each with ``register(subparsers)`` adding its
+#: subcommand(s). One line per module: a new subcommand is a new line here.
+SUBCOMMAND_MODULES = (
+    "estimate",  # estimate
+    "generate",  # generate
+    "demo",  # demo
+    "evaluate",  # eval ppl|kld|passkey, sweep
+    "tune",  # profile, tune
+    "cache",  # cache ls|clear
+    "serve",  # serve (OpenAI-compatible HTTP server)
+)
 
 
-class CliError(Exception):
-    """A user-facing error: printed as one line, exit code 2."""
+#: Exit status of a process killed by SIGPIPE, as a shell reports it (128 + 13).
+EXIT_BROKEN_PIPE = 141
+#: Exit status of a process stopped by Ctrl-C (128 + SIGINT).
+EXIT_INTERRUPTED = 130
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser():
+    import importlib
+
+    from .. import __version__
+    from .common import KiviArgumentParser
+
+    parser = KiviArgumentParser(
         prog="kivi",
         description="KIVI 2-bit KV-cache quantization for HuggingFace models: plan memory, generate, "
         "evaluate and tune. Run `kivi demo` to see it on the embedded SmolLM2-135M.",
     )
-    from .. import __version__
-
     parser.add_argument("--version", action="version", version=f"kivi {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMAND_MODULES:
@@ -40,37 +59,75 @@ def build_parser() -> argparse.ArgumentParser:
 #: allocator behaviour. Pinning the mmap threshold turns every large temporary into a fresh mapping;
 #: measured at 2K tokens, that slowed DynamicCache decoding by ~35% (a torch.cat of the cache per
 #: layer and step) and left KIVI's unchanged — an unfair baseline in the demo's speed column.
-UNPINNED_COMMANDS = ("demo", "generate", "estimate")
+UNPINNED_COMMANDS = ("demo", "generate", "estimate", "cache")
+
+
+def _is_user_error(e: BaseException) -> bool:
+    return isinstance(e, (CliError, ValueError, OSError)) or getattr(e, "user_facing", False)
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _quiet_stdout() -> None:
+    """Point fd 1 at /dev/null, so that the interpreter's exit-time flush cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.close(devnull)
+    except OSError:  # pragma: no cover - nothing more to do
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..allocator import reduce_fragmentation
+    """Run the command line; returns the exit status.
 
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
-    if args.command not in UNPINNED_COMMANDS:
-        reduce_fragmentation()  # long CPU runs: keep RSS close to what the caches really hold
+    Everything, imports of torch / transformers included, runs inside this function's guard: a
+    Ctrl-C at any moment prints one line and exits 130.
+
+    A broken pipe on stdout (``kivi estimate | head -1``): the reader left. The command exits
+    quietly with 141, what a shell reports for a C tool killed by SIGPIPE (``seq 1 100000 | head
+    -1``), so ``set -o pipefail`` scripts see kivi exactly as they see any other Unix tool. stdout
+    is written by Python's buffer (rich output is captured and printed through it, never written
+    by rich itself, which would exit 1 on its own): output that fits the pipe goes out in one write
+    at the end, so a small output read by ``head`` exits 0 every time and a write after the reader
+    left exits 141 every time — never 1, never a traceback.
+    """
+    command = "kivi"
     try:
+        if sys.stdout is None:  # `kivi ... >&-`: fd 1 closed at start; nothing could receive the result
+            print("kivi: error: standard output is closed (e.g. `>&-`); redirect it to a file or /dev/null",
+                  file=sys.stderr)
+            return 2
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        # "kivi eval ppl": the command and its action (eval_command, cache_command, ...)
+        words = [args.command] + [v for k, v in sorted(vars(args).items())
+                                  if k.endswith("_command") and isinstance(v, str)]
+        command = " ".join(["kivi", *[w for w in words if w]])
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
+        if args.command not in UNPINNED_COMMANDS:
+            from ..allocator import reduce_fragmentation
+
+            reduce_fragmentation()  # long CPU runs: keep RSS close to what the caches really hold
         rc = args.func(args)
         sys.stdout.flush()  # a closed pipe shows up here, inside the handler below, not at interpreter exit
         return int(rc or 0)
     except BrokenPipeError:
-        # `kivi ... | head`: the reader left. Not an error of ours; exit quietly like other Unix tools.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit-time flush must not fail again
-        return 141  # 128 + SIGPIPE
-    except Exception as e:  # noqa: BLE001 - user-facing errors become one line, others re-raise
-        user_error = isinstance(e, (CliError, ValueError, OSError)) or getattr(e, "user_facing", False)
-        if not user_error or os.environ.get("KIVI_DEBUG"):
-            raise
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"kivi {args.command}: error: {msg}", file=sys.stderr)
-        return 2
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        print(f"{command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - user-facing errors become one line, others re-raise
+        if not _is_user_error(e) or os.environ.get("KIVI_DEBUG"):
+            raise
+        print(f"{getattr(e, 'prog', None) or command}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

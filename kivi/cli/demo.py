@@ -19,16 +19,26 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 from typing import Any
 
 from . import CliError
-from ..eval.caches import cache_nbytes, make_cache
-from ..eval.progress import progress_bar
-from ..eval.stream import score_continuation, token_agreement
-from .common import add_model_args, add_text_args, check_context_fits, print_json, set_cpu_threads
+from .common import (
+    add_model_args,
+    add_text_args,
+    check_context_fits,
+    check_cli_backend,
+    load_config_file,
+    non_negative_int,
+    output_path,
+    positive_int,
+    print_json,
+    print_rich,
+    set_cpu_threads,
+    write_json_file,
+    write_outputs,
+)
 
 DEFAULT_PRESETS = "high,balanced,extreme"
 
@@ -45,19 +55,20 @@ def register(sub: Any) -> None:
     )
     add_model_args(p)
     add_text_args(p)
-    p.add_argument("--context", type=int, default=2000, help="prompt tokens (default 2000)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="greedy continuation tokens (default 32)")
-    p.add_argument("--eval-tokens", type=int, default=256,
+    p.add_argument("--context", type=positive_int, default=2000, help="prompt tokens (default 2000)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=32, help="greedy continuation tokens (default 32)")
+    p.add_argument("--eval-tokens", type=non_negative_int, default=256,
                    help="held-back text tokens after the prompt scored by teacher forcing (default 256; 0 = skip)")
-    p.add_argument("--chunk", type=int, default=16, help="tokens per forward when scoring the held-back text (default 16)")
+    p.add_argument("--chunk", type=positive_int, default=16, help="tokens per forward when scoring the held-back text (default 16)")
     p.add_argument("--presets", default=DEFAULT_PRESETS,
                    help=f"comma-separated KIVI presets, or KiviConfig JSON files (default {DEFAULT_PRESETS})")
     p.add_argument("--no-fp", action="store_true", help="skip the FP reference (no agreement / KL columns)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads of torch and of the numba kernels (default: torch's choice, lowered to the idle "
                    "cores when the machine is busy: oversubscribed threads make CPU decoding several times slower)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object on stdout")
-    p.add_argument("--json-out", default=None, help="also write the JSON results to this file")
+    p.add_argument("--json-out", default=None, type=output_path,
+                   help="also write the JSON results to this file (checked before the work starts)")
     p.set_defaults(func=run)
 
 
@@ -73,11 +84,13 @@ def parse_presets(text: str) -> list[tuple[str, Any]]:
     out = []
     for item in [s.strip() for s in text.split(",") if s.strip()]:
         if item.lower().endswith(".json"):
-            out.append((Path(item).stem, KiviConfig.from_json(item)))
+            out.append((Path(item).stem, load_config_file(item, "--presets")))
         else:
             out.append((item.lower(), KiviConfig.preset(item)))
     if not out:
         raise CliError("--presets is empty; give e.g. high,balanced,extreme")
+    for _, cfg in out:
+        check_cli_backend(cfg)
     return out
 
 
@@ -104,6 +117,9 @@ def run_one(model: Any, cfg: Any, prompt: Any, cont: Any, max_new: int, chunk: i
     """Prefill, greedy decode and teacher-forced scoring with one cache. Returns numbers + tokens
     (+ the scored log-probabilities for the FP row, the reference of the others)."""
     import torch
+
+    from ..eval.caches import cache_nbytes, make_cache
+    from ..eval.stream import score_continuation
 
     res: dict[str, Any] = {}
     cache = make_cache(model, cfg)
@@ -169,18 +185,14 @@ def warm_up(model: Any, kivi_rows: bool, threads: int) -> float | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("context", "max_new_tokens", "chunk"):
-        v = getattr(args, name)
-        if v < 1:
-            raise CliError(f"--{name.replace('_', '-')} {v} must be at least 1")
-    if args.eval_tokens < 0:
-        raise CliError(f"--eval-tokens {args.eval_tokens} must be >= 0")
     presets = parse_presets(args.presets)  # fail on a bad preset before loading anything
     wall0 = time.perf_counter()
 
     import torch
 
     from ..data import load_text
+    from ..eval.progress import progress_bar
+    from ..eval.stream import token_agreement
     from ..models import load_model
 
     threads = args.threads or auto_threads(torch.get_num_threads())
@@ -299,17 +311,15 @@ def run(args: argparse.Namespace) -> int:
         "wall_s": time.perf_counter() - wall0,
         "rows": rows,
     }
-    if args.json_out:
-        from pathlib import Path
-
-        try:
-            Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
-        except OSError as e:
-            raise CliError(f"cannot write --json-out {args.json_out!r}: {e.strerror or e}") from None
+    failed = write_outputs([("--json-out", args.json_out, lambda p: write_json_file(p, result))])
     if args.json:
         print_json(result)
     else:
         render(result)
+        if failed:
+            print_json(result)
+    if failed:  # the result is on stdout: nothing computed is lost
+        raise CliError("; ".join(failed) + " — the result was printed on stdout instead")
     return 0
 
 
@@ -337,7 +347,6 @@ def render(result: dict[str, Any]) -> None:
              f"{result['text']}, {result['max_new_tokens']} greedy tokens, PPL/KL on the next "
              f"{result['eval_tokens']} tokens (chunks of {result['chunk']})")
     try:
-        from rich.console import Console
         from rich.table import Table
 
         t = Table(*header, title=title)
@@ -345,7 +354,7 @@ def render(result: dict[str, Any]) -> None:
             c.justify = "right"
         for row in table:
             t.add_row(*row)
-        Console(width=max(140, Console().width)).print(t)
+        print_rich(t, width=140)
     except ImportError:
         print(title)
         widths = [max(len(str(x[i])) for x in [header, *table]) for i in range(len(header))]

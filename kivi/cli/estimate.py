@@ -6,7 +6,16 @@ import argparse
 from typing import Any
 
 from . import CliError
-from .common import add_config_args, config_from_args, print_json
+from .common import (
+    add_config_args,
+    byte_size,
+    config_from_args,
+    non_negative_float,
+    positive_int,
+    print_json,
+    print_rich,
+    token_count,
+)
 
 EPILOG = """examples:
   kivi estimate --num-layers 40 --num-kv-heads 40 --head-dim 128 --dtype float16 --context 128k
@@ -31,25 +40,25 @@ def register(sub: Any) -> None:
     m = p.add_argument_group("model (an alias / folder / .gguf / hub id, or an explicit shape)")
     m.add_argument("--model", default=None,
                    help="alias (smollm2), checkpoint folder, .gguf file or hub id (default: smollm2 unless a shape is given)")
-    m.add_argument("--num-layers", type=int, default=None, help="decoder layers")
-    m.add_argument("--num-kv-heads", type=int, default=None, help="key/value heads (MHA: = heads; GQA: fewer; MQA: 1)")
-    m.add_argument("--num-heads", type=int, default=None, help="query heads (optional, for the MHA/GQA/MQA label)")
-    m.add_argument("--head-dim", type=int, default=None, help="channels per head")
-    m.add_argument("--sliding-window", type=int, default=None,
+    m.add_argument("--num-layers", type=positive_int, default=None, help="decoder layers")
+    m.add_argument("--num-kv-heads", type=positive_int, default=None, help="key/value heads (MHA: = heads; GQA: fewer; MQA: 1)")
+    m.add_argument("--num-heads", type=positive_int, default=None, help="query heads (optional, for the MHA/GQA/MQA label)")
+    m.add_argument("--head-dim", type=positive_int, default=None, help="channels per head")
+    m.add_argument("--sliding-window", type=positive_int, default=None,
                    help="with an explicit shape: sliding window of the sliding layers (see --sliding-layers)")
     m.add_argument("--sliding-layers", default=None,
                    help="with an explicit shape: which layers use the sliding window, 'all' or a pattern "
                    "'N:M' = N sliding layers then M full ones, repeated (Gemma 3: 5:1)")
-    m.add_argument("--params", type=float, default=None, help="weight parameters (e.g. 13e9) for the fit computation")
-    m.add_argument("--weights-bytes", default=None, help="weight bytes instead of --params (e.g. 26GB)")
+    m.add_argument("--params", type=non_negative_float, default=None, help="weight parameters (e.g. 13e9) for the fit computation")
+    m.add_argument("--weights-bytes", default=None, type=byte_size, help="weight bytes instead of --params (e.g. 26GB)")
     m.add_argument("--dtype", default=None,
                    help="cache dtype: float16 | bfloat16 | float32 (default: the model's; float16 for a shape)")
     w = p.add_argument_group("workload")
-    w.add_argument("--context", default=None, help="tokens per sequence: 32768, 32k, 128K, 1m (default: the model's maximum)")
-    w.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
-    w.add_argument("--prefill", default=None,
+    w.add_argument("--context", default=None, type=token_count, help="tokens per sequence: 32768, 32k, 128K, 1m (default: the model's maximum)")
+    w.add_argument("--batch", type=positive_int, default=1, help="sequences (default 1)")
+    w.add_argument("--prefill", default=None, type=token_count,
                    help="tokens of the first forward; the rest is decoded one by one (default: the whole context)")
-    w.add_argument("--device-memory", default=None, help="accelerator memory, e.g. 80GB, 80GiB, 24G, 16000MB")
+    w.add_argument("--device-memory", default=None, type=byte_size, help="accelerator memory, e.g. 80GB, 80GiB, 24G, 16000MB")
     w.add_argument("--ignore-max-context", action="store_true",
                    help="plan a context longer than the model's max_position_embeddings anyway")
     add_config_args(p)
@@ -74,7 +83,7 @@ def _parse_sliding(pattern: str, n_layers: int) -> list[str]:
 
 
 def build_spec(args: argparse.Namespace) -> Any:
-    from ..memory import ModelSpec, model_spec, parse_bytes
+    from ..memory import ModelSpec, model_spec
 
     shape = {"num_layers": args.num_layers, "num_kv_heads": args.num_kv_heads, "head_dim": args.head_dim}
     given = {k for k, v in shape.items() if v is not None}
@@ -85,21 +94,14 @@ def build_spec(args: argparse.Namespace) -> Any:
         if missing:
             raise CliError(f"an explicit shape also needs {' '.join(missing)}")
         layer_types = None
-        if args.sliding_window is not None and args.sliding_window < 1:
-            raise CliError(f"--sliding-window {args.sliding_window}: must be a positive number of tokens")
         if args.sliding_layers or args.sliding_window:
             if not (args.sliding_layers and args.sliding_window):
                 raise CliError("--sliding-window and --sliding-layers go together")
             layer_types = _parse_sliding(args.sliding_layers, args.num_layers)
-        params = None
-        if args.params is not None:
-            if args.params < 0:
-                raise CliError(f"--params {args.params} must be non-negative")
-            params = int(args.params)
+        params = int(args.params) if args.params is not None else None
         return ModelSpec(
             **shape, dtype=args.dtype or "float16", num_heads=args.num_heads, layer_types=layer_types,
-            sliding_window=args.sliding_window, params=params,
-            weights_bytes=parse_bytes(args.weights_bytes) if args.weights_bytes else None,
+            sliding_window=args.sliding_window, params=params, weights_bytes=args.weights_bytes,
         )
     for opt in ("num_heads", "sliding_window", "sliding_layers"):
         if getattr(args, opt) is not None:
@@ -108,7 +110,7 @@ def build_spec(args: argparse.Namespace) -> Any:
     if args.params is not None:
         spec.params = int(args.params)
     if args.weights_bytes:
-        spec.weights_bytes = parse_bytes(args.weights_bytes)
+        spec.weights_bytes = args.weights_bytes
     return spec
 
 
@@ -210,7 +212,6 @@ def render(e: Any, *, per_layer: bool = False) -> None:
 
 def _table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> None:
     try:
-        from rich.console import Console
         from rich.table import Table
     except ImportError:  # plain text
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -222,29 +223,29 @@ def _table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> None:
         c.justify = "right"
     for r in rows:
         t.add_row(*r, style="bold" if r[0].startswith(("KIVI total", "compression")) else None)
-    Console(width=max(120, Console().width)).print(t)
+    print_rich(t, width=120)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..memory import estimate_kv_memory, parse_context
+    from ..memory import estimate_kv_memory
 
+    cfg = _config(args)  # options and files first: nothing is read before they are valid
     spec = build_spec(args)
-    if args.batch < 1:
-        raise CliError(f"--batch {args.batch} must be at least 1")
     if args.context is None:
         if not spec.max_context:
             raise CliError("--context is required (e.g. --context 32k) when the model's maximum context is unknown")
         context = spec.max_context
     else:
-        context = parse_context(args.context)
+        context = args.context
     if spec.max_context and context > spec.max_context and not args.ignore_max_context:
         raise CliError(
             f"--context {context:,} is longer than {spec.name} supports ({spec.max_context:,} tokens, "
             "max_position_embeddings); add --ignore-max-context to plan it anyway"
         )
-    prefill = parse_context(args.prefill) if args.prefill is not None else None
-    est = estimate_kv_memory(spec, context, batch=args.batch, config=_config(args),
-                             device_memory=args.device_memory, prefill=prefill)
+    if args.prefill is not None and args.prefill > context:
+        raise CliError(f"--prefill {args.prefill:,} is longer than the context ({context:,} tokens)")
+    est = estimate_kv_memory(spec, context, batch=args.batch, config=cfg,
+                             device_memory=args.device_memory, prefill=args.prefill)
     if args.json:
         d = est.to_dict()
         if not args.per_layer:

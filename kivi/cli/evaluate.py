@@ -6,14 +6,19 @@ import argparse
 
 from .common import (
     add_config_args,
-    check_context_fits,
     add_model_args,
     add_output_args,
     add_text_args,
     add_window_args,
+    check_context_fits,
     config_from_args,
     emit,
+    fraction_list,
+    int_list,
+    load_config_file,
     load_model_and_windows,
+    output_path,
+    positive_int,
 )
 
 
@@ -67,20 +72,6 @@ def cmd_kld(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------- eval passkey
-def _int_list(s: str) -> list[int]:
-    try:
-        return [int(x) for x in str(s).split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"expected a comma-separated list of integers, got {s!r}") from None
-
-
-def _float_list(s: str) -> list[float]:
-    try:
-        return [float(x) for x in str(s).split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"expected a comma-separated list of numbers, got {s!r}") from None
-
-
 def cmd_passkey(args: argparse.Namespace) -> int:
     from ..eval.passkey import passkey
     from ..models import load_model
@@ -101,16 +92,7 @@ def cmd_passkey(args: argparse.Namespace) -> int:
         specs.append(check_spec(b))
     if not specs:
         raise ValueError("nothing to evaluate: drop --no-fp or give --preset/--presets/--baseline/--k-bits ...")
-    lengths, depths = _int_list(args.lengths), _float_list(args.depths)
-    # Checked before the model loads.
-    if not lengths or min(lengths) < 1:
-        raise ValueError(f"--lengths {args.lengths}: give positive prompt lengths in tokens, e.g. 1024,2048")
-    if not depths or not all(0.0 <= d <= 1.0 for d in depths):
-        raise ValueError(f"--depths {args.depths}: give needle depth fractions between 0 and 1, e.g. 0.1,0.5,0.9")
-    if args.seeds < 1:
-        raise ValueError(f"--seeds {args.seeds} must be a positive integer")
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be a positive integer")
+    lengths, depths = args.lengths, args.depths  # checked by their argparse types, before the model loads
     model, tok = load_model(args.model, dtype=args.dtype)
     check_context_fits(model, max(lengths) + args.max_new_tokens, f"--lengths {max(lengths)} + --max-new-tokens")
     r = passkey(model, tok, specs, lengths=lengths, depths=depths, seeds=args.seeds,
@@ -142,7 +124,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     for p in _list_arg(args.presets):
         specs.append(KiviConfig.preset(p))
     for f in args.configs or []:
-        specs.append(KiviConfig.from_json(f))
+        specs.append(load_config_file(f, "--configs"))
     if not args.no_baselines and args.grid != "default":
         specs += [check_spec(b) for b in _list_arg(args.baselines)]
     if not specs:
@@ -154,12 +136,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
     model, tok, windows = load_model_and_windows(args)
     rows = sweep(model, tok, windows, specs, prefix=args.prefix, chunk=args.chunk, batch_size=args.batch_size,
-                 passkey_lengths=_int_list(args.passkey) if args.passkey else (), progress=not args.no_progress)
-    if args.csv:
-        write_rows(rows, args.csv)
-    if args.plot:
-        pareto_plot(rows, args.plot, title=f"{args.model}: {windows.shape[0]} x {args.context} tokens, prefix "
-                                           f"{args.prefix}, chunk {args.chunk}")
+                 passkey_lengths=args.passkey or (), progress=not args.no_progress)
+    title = f"{args.model}: {windows.shape[0]} x {args.context} tokens, prefix {args.prefix}, chunk {args.chunk}"
+    writes = [("--csv", args.csv, lambda p: write_rows(rows, p)),
+              ("--plot", args.plot, lambda p: pareto_plot(rows, p, title=title))]
     table = [f"{'name':32s} {'bits':>7s} {'ppl':>9s} {'dppl%':>8s} {'KL':>9s} {'top1%':>6s}"]
     for r in rows:
         if r.get("unavailable"):
@@ -167,7 +147,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             continue
         table.append(f"{r['name']:32s} {r['bits_per_element']:7.3f} {r['ppl']:9.4f} {r['delta_ppl_pct']:+8.2f} "
                      f"{r['kl']:9.5f} {100 * r['top1_agreement']:6.2f}")
-    emit(args, {"rows": rows}, "\n".join(table))
+    emit(args, {"rows": rows}, "\n".join(table), writes=writes)
     return 0
 
 
@@ -201,10 +181,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_config_args(p)
     p.add_argument("--presets", default=None, help="comma-separated presets to add, e.g. high,extreme")
     p.add_argument("--baseline", default=None, help="comma-separated baselines to add, e.g. quanto-int2")
-    p.add_argument("--lengths", default="1024,2048,4096", help="prompt lengths in tokens (default: 1024,2048,4096)")
-    p.add_argument("--depths", default="0.1,0.5,0.9", help="needle depth fractions (default: 0.1,0.5,0.9)")
-    p.add_argument("--seeds", type=int, default=3, help="random keys per (length, depth) (default: 3)")
-    p.add_argument("--max-new-tokens", type=int, default=12)
+    p.add_argument("--lengths", default=[1024, 2048, 4096], type=int_list, help="prompt lengths in tokens (default: 1024,2048,4096)")
+    p.add_argument("--depths", default=[0.1, 0.5, 0.9], type=fraction_list, help="needle depth fractions (default: 0.1,0.5,0.9)")
+    p.add_argument("--seeds", type=positive_int, default=3, help="random keys per (length, depth) (default: 3)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=12, help="tokens generated per prompt (default 12)")
     p.add_argument("--no-fp", action="store_true", help="skip the FP reference")
     add_output_args(p)
     p.set_defaults(func=cmd_passkey)
@@ -221,8 +201,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--baselines", default="quanto-int4,quanto-int2,quanto-int2-perchannel",
                    help="comma-separated baselines (with --grid none)")
     p.add_argument("--no-baselines", action="store_true", help="no quanto baselines")
-    p.add_argument("--passkey", default=None, help="also passkey accuracy at these lengths, e.g. 1024,2048")
-    p.add_argument("--csv", default=None, help="write the rows as CSV")
-    p.add_argument("--plot", default=None, help="write a Pareto plot (PNG) of Δppl vs bits per element")
+    p.add_argument("--passkey", default=None, type=int_list, help="also passkey accuracy at these lengths, e.g. 1024,2048")
+    p.add_argument("--csv", default=None, type=output_path, help="write the rows as CSV")
+    p.add_argument("--plot", default=None, type=output_path, help="write a Pareto plot (PNG) of Δppl vs bits per element")
     add_output_args(p)
     p.set_defaults(func=cmd_sweep)

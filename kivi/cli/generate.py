@@ -8,7 +8,17 @@ import time
 from typing import Any
 
 from . import CliError
-from .common import add_config_args, add_model_args, check_context_fits, config_from_args, print_json
+from .common import (
+    add_config_args,
+    add_model_args,
+    check_context_fits,
+    config_from_args,
+    positive_float,
+    positive_int,
+    print_json,
+    seed,
+    utf8_text,
+)
 from .prefix import add_prefix_args, check_prefix_args, prefix_inputs
 
 
@@ -27,14 +37,14 @@ def register(sub: Any) -> None:
     )
     add_model_args(p)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", default=None, help="the prompt text")
+    src.add_argument("--prompt", default=None, type=utf8_text, help="the prompt text")
     src.add_argument("--prompt-file", default=None, help="read the prompt from this UTF-8 file ('-' = stdin)")
     p.add_argument("--raw", action="store_true",
                    help="feed the prompt as plain text (default: wrap it in the tokenizer's chat template if it has one)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (with --do-sample)")
-    p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
+    p.add_argument("--temperature", type=positive_float, default=None, help="sampling temperature (with --do-sample)")
+    p.add_argument("--seed", type=seed, default=0, help="random seed for sampling, 0 to 2**64-1 (default 0)")
     add_config_args(p, default_preset=None)
     add_prefix_args(p)
     p.add_argument("--json", action="store_true",
@@ -46,7 +56,12 @@ def read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None:
         text = args.prompt
     elif args.prompt_file == "-":
-        text = sys.stdin.read()
+        data = sys.stdin.buffer.read() if sys.stdin is not None else b""
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CliError(f"--prompt-file -: standard input is not UTF-8 text (byte 0x{data[e.start]:02x} at "
+                           f"offset {e.start})") from None
     else:
         from pathlib import Path
 
@@ -69,8 +84,6 @@ def read_prompt(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     from ..config import KiviConfig
 
-    if args.max_new_tokens < 1:
-        raise CliError(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
     prefix_cfg = check_prefix_args(args)  # --save-prefix's folder, --load-prefix's file: before anything loads
     cfg = config_from_args(args) or prefix_cfg or KiviConfig()  # validate options before loading anything
     prompt = read_prompt(args)

@@ -6,17 +6,56 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
+from . import CliError
 from .common import (
     add_config_args,
     add_model_args,
     add_output_args,
     add_text_args,
     add_window_args,
+    check_window_args,
     config_from_args,
     emit,
+    json_object,
+    load_config_file,
     load_model_and_windows,
+    non_negative_int,
+    output_path,
+    positive_float,
 )
+
+
+def upgrade_config(base: Any, upgrade: dict) -> None:
+    """``--upgrade`` must be fields a layer may override, with values KiviConfig accepts (checked now,
+    not after the profile ran)."""
+    import dataclasses
+
+    from ..config import LAYER_FIELDS
+
+    unknown = sorted(set(upgrade) - set(LAYER_FIELDS))
+    if unknown:
+        raise CliError(f"--upgrade has unknown field(s) {unknown}; allowed: {list(LAYER_FIELDS)}")
+    try:
+        dataclasses.replace(base, layer_specific_config={}, **upgrade)
+    except (ValueError, TypeError) as e:
+        raise CliError(f"--upgrade {json.dumps(upgrade)}: {e}") from None
+
+
+def read_profile(path: str) -> dict:
+    """A `kivi profile --json` output: an object whose 'ranking' lists layer indices."""
+    try:
+        profile = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        reason = getattr(e, "strerror", None) or (e.msg if isinstance(e, json.JSONDecodeError) else type(e).__name__)
+        raise CliError(f"--profile {path!r}: cannot read a layer profile ({reason})") from None
+    ranking = profile.get("ranking") if isinstance(profile, dict) else None
+    if not isinstance(ranking, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                for i in ranking):
+        raise CliError(f"--profile {path!r} is not a `kivi profile --json` output (it needs 'ranking': a list of "
+                       "layer indices)")
+    return profile
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -24,12 +63,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from ..eval.profile import layer_profile, recommend_layer_config
 
     base = config_from_args(args) or KiviConfig.preset("extreme")
-    upgrade = json.loads(args.upgrade) if args.upgrade else {"k_bits": 4}
-    if not isinstance(upgrade, dict):
-        raise ValueError('--upgrade must be a JSON object, e.g. \'{"k_bits": 4}\'')
+    upgrade = args.upgrade if args.upgrade is not None else {"k_bits": 4}
+    upgrade_config(base, upgrade)
     if args.max_bits is not None and args.upgrade_layers is not None:
         raise ValueError("give either --upgrade-layers or --max-bits, not both")
+    check_window_args(args)
     model, tok, windows = load_model_and_windows(args)
+    num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    if args.upgrade_layers is not None and args.upgrade_layers > num_layers:
+        raise CliError(f"--upgrade-layers {args.upgrade_layers} is more than the model's {num_layers} layers")
+    base.validate(num_layers=num_layers)
     prof = layer_profile(model, windows, base, prefix=args.prefix, chunk=args.chunk, batch_size=args.batch_size,
                          progress=not args.no_progress)
     n = args.upgrade_layers if args.max_bits is None else None
@@ -40,8 +83,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
     prof["recommended"] = rec.to_dict()
     prof["recommended_name"] = rec.describe()
     prof["upgrade"] = upgrade
-    if args.write_config:
-        rec.to_json(args.write_config)
     lines = [f"per-layer sensitivity to {prof['base_name']} (others FP), {prof['protocol']['windows']} windows; "
              f"FP ppl {prof['fp_ppl']:.4f}",
              f"{'layer':>5s} {'KL':>10s} {'dppl%':>8s} {'top1%':>7s}"]
@@ -49,9 +90,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         lines.append(f"{r['layer']:5d} {r['kl']:10.6f} {r['delta_ppl_pct']:+8.3f} {100 * r['top1_agreement']:7.2f}")
     lines.append(f"most sensitive first: {prof['ranking']}")
     lines.append(f"recommended: {rec.describe()}; layer_specific_config={rec.layer_specific_config}")
-    if args.write_config:
-        lines.append(f"wrote {args.write_config}")
-    emit(args, prof, "\n".join(lines))
+    emit(args, prof, "\n".join(lines), writes=[("--write-config", args.write_config, rec.to_json)])
     return 0
 
 
@@ -61,33 +100,29 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     if args.max_ppl_increase is None and args.max_bits is None:
         raise ValueError("give a budget: --max-ppl-increase 5%% and/or --max-bits 4".replace("%%", "%"))
-    mpi = parse_percent(args.max_ppl_increase) if args.max_ppl_increase is not None else None
-    if args.max_bits is not None and args.max_bits <= 0:
-        raise ValueError(f"--max-bits must be > 0, got {args.max_bits}")
-    profile = None
-    if args.profile:
-        try:
-            profile = json.loads(Path(args.profile).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read the layer profile {args.profile!r}: {e}") from None
-        if "ranking" not in profile:
-            raise ValueError(f"{args.profile!r} is not a `kivi profile --json` output (no 'ranking')")
+    try:
+        mpi = parse_percent(args.max_ppl_increase) if args.max_ppl_increase is not None else None
+    except ValueError as e:
+        raise CliError(f"--max-ppl-increase: {e}") from None
+    profile = read_profile(args.profile) if args.profile else None
     cands = candidate_grid(profile)
     extra = config_from_args(args)
     if extra is not None:
         cands.append(extra)
     for f in args.candidates or []:
-        cands.append(KiviConfig.from_json(f))
+        cands.append(load_config_file(f, "--candidates"))
+    check_window_args(args)
     model, tok, windows = load_model_and_windows(args)
+    num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    for c in cands:
+        c.validate(num_layers=num_layers)  # a profile of another model names layers this one lacks
     r = tune(model, windows, cands, max_ppl_increase=mpi, max_bits=args.max_bits, profile=profile,
              prefix=args.prefix, chunk=args.chunk, batch_size=args.batch_size, progress=not args.no_progress)
     out = args.write_config
-    if out:
-        KiviConfig.from_dict(r["config"]).to_json(out)
+    chosen = KiviConfig.from_dict(r["config"])
     human = (f"chose {r['name']}: {r['bits_per_element']:.3f} bits/element, ppl {r['ppl']:.4f} vs FP {r['ppl_fp']:.4f} "
-             f"({r['delta_ppl_pct']:+.2f}%) after measuring {len(r['evaluated'])} candidates"
-             + (f"; wrote {out}" if out else ""))
-    emit(args, r, human)
+             f"({r['delta_ppl_pct']:+.2f}%) after measuring {len(r['evaluated'])} candidates")
+    emit(args, r, human, writes=[("--write-config", out, chosen.to_json)])
     return 0
 
 
@@ -99,12 +134,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_text_args(p)
     add_window_args(p, windows=2)
     add_config_args(p)
-    p.add_argument("--upgrade", default=None, help='what the most sensitive layers get (JSON, default {"k_bits": 4})')
-    p.add_argument("--upgrade-layers", type=int, default=None,
+    p.add_argument("--upgrade", default=None, type=json_object, help='what the most sensitive layers get (JSON, default {"k_bits": 4})')
+    p.add_argument("--upgrade-layers", type=non_negative_int, default=None,
                    help="how many of the most sensitive layers to upgrade (default: a tenth of the layers)")
-    p.add_argument("--max-bits", type=float, default=None,
+    p.add_argument("--max-bits", type=positive_float, default=None,
                    help="upgrade as many layers as fit in this many bits per element (instead of --upgrade-layers)")
-    p.add_argument("--write-config", default=None, help="write the recommended KiviConfig JSON here")
+    p.add_argument("--write-config", default=None, type=output_path, help="write the recommended KiviConfig JSON here")
     add_output_args(p)
     p.set_defaults(func=cmd_profile)
 
@@ -116,10 +151,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_window_args(p, windows=4)
     add_config_args(p)
     p.add_argument("--max-ppl-increase", default=None, help="perplexity budget vs FP, e.g. 5%% (percent)")
-    p.add_argument("--max-bits", type=float, default=None, help="bits per element budget")
+    p.add_argument("--max-bits", type=positive_float, default=None, help="bits per element budget")
     p.add_argument("--profile", default=None, help="`kivi profile --json` output: adds per-layer candidates")
     p.add_argument("--candidates", nargs="*", default=None, help="extra KiviConfig JSON files to consider")
-    p.add_argument("--write-config", "--out", dest="write_config", default=None,
+    p.add_argument("--write-config", "--out", dest="write_config", default=None, type=output_path,
                    help="write the chosen KiviConfig JSON here (loadable by KiviConfig.from_json)")
     add_output_args(p)
     p.set_defaults(func=cmd_tune)

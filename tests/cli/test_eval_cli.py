@@ -112,10 +112,10 @@ def test_bad_input_is_one_line_exit_2(cli_on_tiny_model, capsys, argv, msg):
 
 @pytest.mark.parametrize("argv, msg", [
     (["--lengths", "5000"], "longer than the model supports (4,096 tokens"),
-    (["--lengths", "0"], "--lengths 0"),
-    (["--depths", "1.5"], "--depths 1.5"),
-    (["--seeds", "0"], "--seeds 0"),
-    (["--max-new-tokens", "0"], "--max-new-tokens 0"),
+    (["--lengths", "0"], "argument --lengths: '0'"),
+    (["--depths", "1.5"], "argument --depths: '1.5'"),
+    (["--seeds", "0"], "argument --seeds: 0 is not a positive integer"),
+    (["--max-new-tokens", "0"], "argument --max-new-tokens: 0 is not a positive integer"),
 ])
 def test_passkey_bad_input_is_one_line_exit_2(cli_on_tiny_model, capsys, monkeypatch, argv, msg):
     import kivi.models
