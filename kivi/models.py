@@ -42,6 +42,9 @@ __all__ = [
     "kivi_cache_dir",
     "load_model",
     "model_max_context",
+    "WEIGHT_BITS",
+    "quantize_weights",
+    "weight_bytes",
 ]
 
 
@@ -335,3 +338,70 @@ def model_max_context(model: Any) -> int:
         if isinstance(value, int) and value > 0:
             return value
     raise ValueError(f"{type(config).__name__} has no max_position_embeddings; cannot tell the model's context length")
+
+
+# --------------------------------------------------------------------------- weight quantization
+
+#: Accepted ``bits`` of :func:`quantize_weights`: 16 = leave the weights as loaded, 8 / 4 = optimum-quanto
+#: ``qint8`` / ``qint4`` weights.
+WEIGHT_BITS = (16, 8, 4)
+
+#: Modules left in floating point, as transformers' own quanto integration does (``QuantoConfig``'s
+#: ``modules_to_not_convert`` defaults to the output embedding): ``lm_head`` is often tied to the input
+#: embedding, and quantizing it would store a second, quantized copy next to the float embedding.
+WEIGHT_QUANT_EXCLUDE = ("lm_head",)
+
+
+def quantize_weights(model: Any, bits: int) -> Any:
+    """Quantize the weights of ``model``'s linear layers in place with optimum-quanto; returns ``model``.
+
+    ``bits``: 16 leaves the model as it is; 8 = ``qint8`` (one scale per output channel); 4 = ``qint4``
+    (a scale and a shift per group of up to 128 input channels, quanto's choice, see
+    :func:`kivi.memory.weights.quanto_linear_bytes`). Activations stay in the model's dtype. Every
+    ``torch.nn.Linear`` except :data:`WEIGHT_QUANT_EXCLUDE` becomes a quanto ``QLinear`` and is frozen
+    (the float weights are replaced by the integer codes and scales). Embeddings and norms stay float.
+
+    Use it before :func:`kivi.quantize_model` (the KV cache does not care how the weights are stored).
+
+    Raises:
+        ValueError: ``bits`` is not one of :data:`WEIGHT_BITS`.
+        ImportError: optimum-quanto is not installed (``pip install 'kivi[quanto]'``).
+    """
+    if isinstance(bits, bool) or bits not in WEIGHT_BITS:
+        raise ValueError(f"weight bits={bits!r} is not supported; allowed: {', '.join(map(str, WEIGHT_BITS))} "
+                         "(16 = unquantized)")
+    if bits == 16:
+        return model
+    try:
+        from optimum.quanto import freeze, qint4, qint8, quantize
+    except ImportError as error:
+        raise ImportError(f"{bits}-bit weights need optimum-quanto: pip install 'kivi[quanto]' "
+                          f"(or pip install optimum-quanto); import failed: {_short_reason(error)}") from None
+    if getattr(model, "kivi_weight_bits", 16) != 16:
+        raise ValueError(f"the model's weights are already quantized to {model.kivi_weight_bits} bits")
+    # Quantized under inference mode: quanto's int4 weight (WeightQBitsTensor) made outside it cannot be
+    # transposed inside it ("Cannot set version_counter for inference tensor" in F.linear), and kivi's
+    # evaluation and CLI run under torch.inference_mode(). Tensors made in inference mode cannot be saved for
+    # backward, so every parameter stops requiring grad: the model is for inference (quanto's frozen weights
+    # are not trainable either); forwards under no_grad, inference_mode or plain grad mode all run.
+    with torch.inference_mode():
+        quantize(model, weights=qint8 if bits == 8 else qint4, exclude=list(WEIGHT_QUANT_EXCLUDE))
+        freeze(model)
+    model.requires_grad_(False)
+    model.kivi_weight_bits = bits
+    return model
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes the model's parameters and buffers really occupy, each storage counted once.
+
+    Reads ``model.state_dict()``, where quanto flattens a quantized weight into its stored tensors
+    (``weight._data`` codes, ``weight._scale``, ``weight._shift``), and adds up the distinct storages (a
+    tied ``lm_head`` shares the embedding's storage and counts once).
+    """
+    storages: dict[int, int] = {}
+    for t in model.state_dict().values():
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            storages[st.data_ptr() if st.nbytes() else id(st)] = st.nbytes()
+    return sum(storages.values())
