@@ -42,8 +42,8 @@ __all__ = [
     "kivi_cache_dir",
     "load_model",
     "model_max_context",
-    "WEIGHT_BITS",
     "quantize_weights",
+    "quantizable_linears",
     "weight_bytes",
 ]
 
@@ -342,35 +342,42 @@ def model_max_context(model: Any) -> int:
 
 # --------------------------------------------------------------------------- weight quantization
 
-#: Accepted ``bits`` of :func:`quantize_weights`: 16 = leave the weights as loaded, 8 / 4 = optimum-quanto
-#: ``qint8`` / ``qint4`` weights.
-WEIGHT_BITS = (16, 8, 4)
-
 #: Modules left in floating point, as transformers' own quanto integration does (``QuantoConfig``'s
 #: ``modules_to_not_convert`` defaults to the output embedding): ``lm_head`` is often tied to the input
 #: embedding, and quantizing it would store a second, quantized copy next to the float embedding.
 WEIGHT_QUANT_EXCLUDE = ("lm_head",)
 
 
+def quantizable_linears(model: Any) -> list[tuple[str, Any]]:
+    """``(name, module)`` of every ``torch.nn.Linear`` of ``model`` that :func:`quantize_weights` quantizes.
+
+    All of them but those whose full name matches :data:`WEIGHT_QUANT_EXCLUDE` (``fnmatch``, as quanto's
+    ``quantize(exclude=...)`` matches). Works on a meta-device model (the planner counts bytes from it).
+    """
+    from fnmatch import fnmatch
+
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and not any(fnmatch(name, pat) for pat in WEIGHT_QUANT_EXCLUDE)]
+
+
 def quantize_weights(model: Any, bits: int) -> Any:
     """Quantize the weights of ``model``'s linear layers in place with optimum-quanto; returns ``model``.
 
-    ``bits``: 16 leaves the model as it is; 8 = ``qint8`` (one scale per output channel); 4 = ``qint4``
-    (a scale and a shift per group of up to 128 input channels, quanto's choice, see
-    :func:`kivi.memory.weights.quanto_linear_bytes`). Activations stay in the model's dtype. Every
+    ``bits`` (one of :data:`kivi.memory.weights.WEIGHT_BITS`): 16 leaves the model as it is; 8 = ``qint8``
+    (one scale per output channel); 4 = ``qint4`` (a scale and a shift per group of up to 128 input
+    channels, quanto's choice; what is stored: :mod:`kivi.memory.weights`). Activations stay in the model's dtype. Every
     ``torch.nn.Linear`` except :data:`WEIGHT_QUANT_EXCLUDE` becomes a quanto ``QLinear`` and is frozen
     (the float weights are replaced by the integer codes and scales). Embeddings and norms stay float.
 
     Use it before :func:`kivi.quantize_model` (the KV cache does not care how the weights are stored).
 
     Raises:
-        ValueError: ``bits`` is not one of :data:`WEIGHT_BITS`.
+        ValueError: ``bits`` is not 16, 8 or 4, or the model is already weight-quantized.
         ImportError: optimum-quanto is not installed (``pip install 'kivi[quanto]'``).
     """
-    if isinstance(bits, bool) or bits not in WEIGHT_BITS:
-        raise ValueError(f"weight bits={bits!r} is not supported; allowed: {', '.join(map(str, WEIGHT_BITS))} "
-                         "(16 = unquantized)")
-    if bits == 16:
+    from .memory.weights import check_weight_bits
+
+    if check_weight_bits(bits) == 16:
         return model
     try:
         from optimum.quanto import freeze, qint4, qint8, quantize
@@ -385,7 +392,7 @@ def quantize_weights(model: Any, bits: int) -> Any:
     # backward, so every parameter stops requiring grad: the model is for inference (quanto's frozen weights
     # are not trainable either); forwards under no_grad, inference_mode or plain grad mode all run.
     with torch.inference_mode():
-        quantize(model, weights=qint8 if bits == 8 else qint4, exclude=list(WEIGHT_QUANT_EXCLUDE))
+        quantize(model, weights=qint8 if bits == 8 else qint4, include=[n for n, _ in quantizable_linears(model)])
         freeze(model)
     model.requires_grad_(False)
     model.kivi_weight_bits = bits
