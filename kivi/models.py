@@ -43,6 +43,7 @@ __all__ = [
     "load_model",
     "model_max_context",
     "quantize_weights",
+    "WeightQuantizationUnavailable",
     "quantizable_linears",
     "weight_bytes",
 ]
@@ -348,6 +349,12 @@ def model_max_context(model: Any) -> int:
 WEIGHT_QUANT_EXCLUDE = ("lm_head",)
 
 
+class WeightQuantizationUnavailable(ImportError):
+    """8- or 4-bit weights were asked for but optimum-quanto cannot be imported; the message says how to fix it."""
+
+    user_facing = True  # the CLI prints it as one line
+
+
 def quantizable_linears(model: Any) -> list[tuple[str, Any]]:
     """``(name, module)`` of every ``torch.nn.Linear`` of ``model`` that :func:`quantize_weights` quantizes.
 
@@ -373,7 +380,7 @@ def quantize_weights(model: Any, bits: int) -> Any:
 
     Raises:
         ValueError: ``bits`` is not 16, 8 or 4, or the model is already weight-quantized.
-        ImportError: optimum-quanto is not installed (``pip install 'kivi[quanto]'``).
+        WeightQuantizationUnavailable: optimum-quanto is not installed (``pip install 'kivi[quanto]'``).
     """
     from .memory.weights import check_weight_bits
 
@@ -382,8 +389,9 @@ def quantize_weights(model: Any, bits: int) -> Any:
     try:
         from optimum.quanto import freeze, qint4, qint8, quantize
     except ImportError as error:
-        raise ImportError(f"{bits}-bit weights need optimum-quanto: pip install 'kivi[quanto]' "
-                          f"(or pip install optimum-quanto); import failed: {_short_reason(error)}") from None
+        raise WeightQuantizationUnavailable(
+            f"weight bits={bits} needs optimum-quanto: pip install 'kivi[quanto]' (or pip install optimum-quanto); "
+            f"importing it failed: {_short_reason(error)}") from None
     if getattr(model, "kivi_weight_bits", 16) != 16:
         raise ValueError(f"the model's weights are already quantized to {model.kivi_weight_bits} bits")
     # Quantized under inference mode: quanto's int4 weight (WeightQBitsTensor) made outside it cannot be

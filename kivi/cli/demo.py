@@ -28,7 +28,14 @@ from . import CliError
 from ..eval.caches import cache_nbytes, make_cache
 from ..eval.progress import progress_bar
 from ..eval.stream import score_continuation, token_agreement
-from .common import add_model_args, add_text_args, check_context_fits, print_json, set_cpu_threads
+from .common import (
+    add_model_args,
+    add_text_args,
+    check_context_fits,
+    load_model_from_args,
+    print_json,
+    set_cpu_threads,
+)
 
 DEFAULT_PRESETS = "high,balanced,extreme"
 
@@ -181,7 +188,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..data import load_text
-    from ..models import load_model
 
     threads = args.threads or auto_threads(torch.get_num_threads())
     torch.set_num_threads(threads)
@@ -189,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
 
     _status(f"loading model {args.model!r} (the first run converts the GGUF once, ~30 s) ...")
     t0 = time.perf_counter()
-    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    model, tokenizer = load_model_from_args(args)  # --weight-bits 8 / 4: quanto weights
     load_s = time.perf_counter() - t0
     from ..integration import check_model_supported, dequantize_model, quantize_model
 

@@ -14,6 +14,7 @@ from .common import (
     config_from_args,
     emit,
     load_model_and_windows,
+    load_model_from_args,
 )
 
 
@@ -83,8 +84,6 @@ def _float_list(s: str) -> list[float]:
 
 def cmd_passkey(args: argparse.Namespace) -> int:
     from ..eval.passkey import passkey
-    from ..models import load_model
-
     specs: list = []
     if not args.no_fp:
         specs.append(None)
@@ -111,7 +110,7 @@ def cmd_passkey(args: argparse.Namespace) -> int:
         raise ValueError(f"--seeds {args.seeds} must be a positive integer")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be a positive integer")
-    model, tok = load_model(args.model, dtype=args.dtype)
+    model, tok = load_model_from_args(args)
     check_context_fits(model, max(lengths) + args.max_new_tokens, f"--lengths {max(lengths)} + --max-new-tokens")
     r = passkey(model, tok, specs, lengths=lengths, depths=depths, seeds=args.seeds,
                 max_new_tokens=args.max_new_tokens, progress=not args.no_progress)
