@@ -182,3 +182,23 @@ def test_weight_bits_needs_linear_shapes_for_an_explicit_shape():
         estimate_kv_memory(spec, 128, weight_bits=4)
     with pytest.raises(ValueError, match=r"weight bits=5 is not supported"):
         estimate_kv_memory(spec, 128, weight_bits=5)
+
+
+def test_order_of_weight_and_cache_quantization_does_not_matter():
+    cfg = KiviConfig.from_dict({**CFG.to_dict(), "attention_backend": "cpu"})
+    ids = torch.randint(1, 128, (1, 120), generator=torch.Generator().manual_seed(4))
+    first = quantize_model(_wq_model(4, **GROUPED), cfg)
+    second = quantize_weights(quantize_model(tiny_model("llama", weight_scale=4.0, **GROUPED), cfg), 4)
+    assert second.config._attn_implementation == "kivi"
+    assert torch.equal(_generate(first, ids, torch.ones_like(ids))[0], _generate(second, ids, torch.ones_like(ids))[0])
+
+
+@pytest.mark.slow
+def test_smollm2_planned_weight_bytes_equal_the_quantized_model(smollm2_cache_root):
+    """The real model: SmolLM2-135M's int8 / int4 tensors (groups of 96 and 128 input channels, tied
+    embedding left float) against the planner reading only the alias's config."""
+    from kivi.models import load_model
+
+    for bits in (8, 4):
+        model = quantize_weights(load_model("smollm2", cache_dir=smollm2_cache_root)[0], bits)  # a private copy
+        assert weight_bytes(model) == estimate_kv_memory("smollm2", 1024, weight_bits=bits).weights_bytes
