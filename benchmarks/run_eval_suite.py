@@ -89,6 +89,7 @@ def merge_windows(snapshots: list[dict]) -> dict:
     fps = [s["fp"] for s in snapshots]
     proto = dict(snapshots[0]["protocol"])
     proto["windows"] = sum(s["protocol"]["windows"] for s in snapshots)
+    proto["windows_requested"] = sum(s["protocol"]["windows_requested"] for s in snapshots)
     proto["seconds"] = round(sum(s["protocol"]["seconds"] for s in snapshots), 1)
     return {
         "protocol": proto,
@@ -120,7 +121,8 @@ def run_weight_bits(a, specs: list, bits_list: list[int], tok_windows: torch.Ten
                 if "ppl" in x:
                     x[f"delta_ppl_pct_vs_w{bits_list[0]}_fp"] = 100.0 * (x["ppl"] / ref - 1.0)
         n = runs[str(bits_list[0])]["protocol"]["windows"]
-        out.write_text(json.dumps({**meta, "protocol": {**runs[str(bits_list[0])]["protocol"], "windows": n},
+        proto = {**runs[str(bits_list[0])]["protocol"], "windows": n, "windows_requested": int(tok_windows.shape[0])}
+        out.write_text(json.dumps({**meta, "protocol": proto,
                                    "weights": runs}, indent=2) + "\n")
         print(f"[{time.strftime('%H:%M:%S')}] windows {n}: " + "; ".join(
             f"w{b}: fp {r['fp']['ppl']:.3f} " + " ".join(f"{x['name']} {x.get('ppl', float('nan')):.3f}" for x in r["results"])

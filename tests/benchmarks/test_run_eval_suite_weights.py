@@ -28,6 +28,7 @@ def test_merged_windows_equal_one_compare_over_all_windows():
     whole = compare(model, windows, specs, **kw)
     merged = suite.merge_windows([compare(model, windows[i : i + 1], specs, **kw) for i in range(3)])
     assert merged["protocol"]["windows"] == whole["protocol"]["windows"] == 3
+    assert merged["protocol"]["windows_requested"] == 3
     for a, b in zip([merged["fp"], *merged["results"]], [whole["fp"], *whole["results"]]):
         assert a["tokens_scored"] == b["tokens_scored"] and a["windows"] == b["windows"]
         assert a["cache_bytes"] == b["cache_bytes"]
