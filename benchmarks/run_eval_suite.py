@@ -7,6 +7,14 @@ Protocol (default): windows of 1024 tokens, prefix 512, chunk 16. Results are wr
     python benchmarks/run_eval_suite.py --suite main --windows 20 --out results/main.json
     python benchmarks/run_eval_suite.py --suite sensitivity --windows 4 --out results/sensitivity.json
     python benchmarks/run_eval_suite.py --summarize a.json b.json --csv table.csv --plot pareto.png
+    python benchmarks/run_eval_suite.py --suite weights --weight-bits 16,8,4 --windows 20 --batch-size 1 \
+        --threads 1 --out results/weights_ppl.json
+
+``--weight-bits 16,8,4`` loads one model per weight width (``kivi.models.quantize_weights``: optimum-quanto
+qint8 / qint4 linear layers) and runs the suite on each, window by window (every width gets window
+``i`` before any gets window ``i + 1``), so a run stopped early covers every width equally. Its JSON holds,
+per width, the FP-cache (DynamicCache) and KIVI results summed over the windows done, the model's
+measured weight bytes, and the per-window results.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import torch
 from kivi import KiviConfig
 from kivi.data import load_text, token_windows
 from kivi.eval import compare
-from kivi.models import load_model
+from kivi.models import load_model, quantize_weights, weight_bytes
 
 
 def suites() -> dict[str, list]:
@@ -43,7 +51,82 @@ def suites() -> dict[str, list]:
                         KiviConfig(residual_bits=2), KiviConfig(residual_bits=4),
                         KiviConfig(k_bits=4, v_bits=2), KiviConfig(k_bits=2, v_bits=4),
                         KiviConfig(k_bits=4, v_bits=4, residual_bits=4)],
+        # With --weight-bits 16,8,4: KIVI 2/2 (plain KIVI-2) and balanced on weight-quantized models.
+        "weights": [P("extreme"), P("balanced")],
     }
+
+
+def merge_windows(snapshots: list[dict]) -> dict:
+    """One ``compare`` result from results of ``compare`` on disjoint windows (same specs, same protocol).
+
+    ``compare`` reports per-token means (``nll``, ``kl``, ``top1_agreement``) and per-window means (bits,
+    bytes); they are re-weighted by ``tokens_scored`` / ``windows``, so the merge equals one ``compare``
+    call over all the windows (``ppl = exp(total nll / total tokens)``).
+    """
+    import math
+
+    def merge(rows: list[dict], fp_rows: list[dict] | None) -> dict:
+        if any("unavailable" in r for r in rows):
+            return next(r for r in rows if "unavailable" in r)
+        tok = sum(r["tokens_scored"] for r in rows)
+        win = sum(r["windows"] for r in rows)
+        out = dict(rows[0])
+        out.update(
+            nll=sum(r["nll"] * r["tokens_scored"] for r in rows) / tok, tokens_scored=tok, windows=win,
+            bits_per_element=sum(r["bits_per_element"] * r["windows"] for r in rows) / win,
+            cache_bytes=int(sum(r["cache_bytes"] * r["windows"] for r in rows) / win),
+            seconds=round(sum(r["seconds"] for r in rows), 2),
+        )
+        out["ppl"] = math.exp(out["nll"])
+        if fp_rows is not None:
+            fp = merge(fp_rows, None)
+            out["ppl_fp"] = fp["ppl"]
+            out["delta_ppl_pct"] = 100.0 * (out["ppl"] / fp["ppl"] - 1.0)
+            out["kl"] = sum(r["kl"] * r["tokens_scored"] for r in rows) / tok
+            out["top1_agreement"] = sum(r["top1_agreement"] * r["tokens_scored"] for r in rows) / tok
+        return out
+
+    fps = [s["fp"] for s in snapshots]
+    proto = dict(snapshots[0]["protocol"])
+    proto["windows"] = sum(s["protocol"]["windows"] for s in snapshots)
+    proto["windows_requested"] = sum(s["protocol"]["windows_requested"] for s in snapshots)
+    proto["seconds"] = round(sum(s["protocol"]["seconds"] for s in snapshots), 1)
+    return {
+        "protocol": proto,
+        "fp": merge(fps, None),
+        "results": [merge([s["results"][i] for s in snapshots], fps) for i in range(len(snapshots[0]["results"]))],
+    }
+
+
+def run_weight_bits(a, specs: list, bits_list: list[int], tok_windows: torch.Tensor, out: Path, meta: dict) -> None:
+    """The suite on one model per weight width, window-major; JSON rewritten after every window."""
+    models = {}
+    for bits in bits_list:
+        model, _ = load_model(a.model)
+        models[bits] = quantize_weights(model, bits)
+    per_window: dict[int, list[dict]] = {b: [] for b in bits_list}
+    for w in range(0, tok_windows.shape[0], a.batch_size):
+        ids = tok_windows[w : w + a.batch_size]
+        for bits, model in models.items():
+            per_window[bits].append(compare(model, ids, specs, prefix=a.prefix, chunk=a.chunk,
+                                            batch_size=a.batch_size, progress=False))
+        runs = {}
+        for bits in bits_list:
+            merged = merge_windows(per_window[bits])
+            runs[str(bits)] = {"weight_bits": bits, "weight_bytes": weight_bytes(models[bits]), **merged,
+                               "per_window": per_window[bits]}
+        ref = runs[str(bits_list[0])]["fp"]["ppl"]
+        for r in runs.values():  # perplexity against the first width's FP-cache model (the float one with 16 first)
+            for x in [r["fp"], *r["results"]]:
+                if "ppl" in x:
+                    x[f"delta_ppl_pct_vs_w{bits_list[0]}_fp"] = 100.0 * (x["ppl"] / ref - 1.0)
+        n = runs[str(bits_list[0])]["protocol"]["windows"]
+        proto = {**runs[str(bits_list[0])]["protocol"], "windows": n, "windows_requested": int(tok_windows.shape[0])}
+        out.write_text(json.dumps({**meta, "protocol": proto,
+                                   "weights": runs}, indent=2) + "\n")
+        print(f"[{time.strftime('%H:%M:%S')}] windows {n}: " + "; ".join(
+            f"w{b}: fp {r['fp']['ppl']:.3f} " + " ".join(f"{x['name']} {x.get('ppl', float('nan')):.3f}" for x in r["results"])
+            for b, r in runs.items()), file=sys.stderr, flush=True)
 
 
 def summarize(paths: list[str], csv_path: str | None, plot: str | None) -> int:
@@ -90,6 +173,8 @@ def main() -> int:
     ap.add_argument("--prefix", type=int, default=512)
     ap.add_argument("--chunk", type=int, default=16)
     ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--weight-bits", default="16",
+                    help="comma-separated weight widths, e.g. 16,8,4 (8/4: optimum-quanto qint8/qint4 weights)")
     ap.add_argument("--threads", type=int, default=None, help="torch and numba threads (1 is faster on a busy machine)")
     ap.add_argument("--out", default=None, help="JSON written after every batch of windows")
     ap.add_argument("--summarize", nargs="+", default=None,
@@ -101,6 +186,10 @@ def main() -> int:
         return summarize(a.summarize, a.csv, a.plot)
     if not a.out:
         ap.error("--out is required")
+    try:
+        bits_list = [int(x) for x in a.weight_bits.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--weight-bits {a.weight_bits!r}: expected comma-separated integers such as 16,8,4")
     model, tok = load_model(a.model)
     if a.threads:
         from kivi.attention.fused_cpu import fused_decode_available, warmup
@@ -114,6 +203,10 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"model": a.model, "text": "wikitext-2-raw-test (shipped)", "suite": a.suite,
             "torch_threads": torch.get_num_threads(), "command": " ".join(sys.argv)}
+    if bits_list != [16]:
+        del model
+        run_weight_bits(a, suites()[a.suite], bits_list, windows, out, meta)
+        return 0
 
     def write(snap):
         out.write_text(json.dumps({**meta, **snap}, indent=2) + "\n")

@@ -11,7 +11,9 @@ After ``quantize_model(model, config)``:
   implementation becomes ``"kivi"`` (attention reads the packed cache, see :mod:`kivi.attention`);
   ``dequantize_model`` restores the previous one.
 
-Weights and ``generate`` arguments stay as they were. Tested with transformers 5.x (``cache=`` keyword; the deprecated
+Weights and ``generate`` arguments stay as they were; a model whose linear layers are quantized by
+optimum-quanto (:func:`kivi.models.quantize_weights`, before or after this call) works unchanged: nothing
+here looks at how the weights are stored (docs/weight-quantization.md). Tested with transformers 5.x (``cache=`` keyword; the deprecated
 ``past_key_values=`` is accepted too).
 """
 

@@ -286,3 +286,36 @@ def test_model_spec_refuses_a_bad_sliding_window(window):
     with pytest.raises(ValueError, match="sliding_window"):
         ModelSpec(num_layers=2, num_kv_heads=1, head_dim=64, layer_types=["sliding_attention"] * 2,
                   sliding_window=window)
+
+
+# --------------------------------------------------------------------------- weights + cache (--weight-bits)
+
+
+def test_weight_bits_plan_from_a_config_equals_the_plan_from_the_loaded_model(tmp_path):
+    """A checkpoint folder's config (meta-device instantiation: no weights read) gives the linear layers'
+    shapes, so 8- and 4-bit weights are planned as for the loaded model (whose plan equals the real quantized
+    tensors, tests/test_weight_quant.py)."""
+    model = tiny_model("llama", hidden_size=256, intermediate_size=384)
+    model.config.save_pretrained(tmp_path)
+    spec = model_spec(str(tmp_path), dtype="float32")  # the loaded tiny model's dtype
+    assert spec.linear_layers == [(m.out_features, m.in_features) for n, m in model.named_modules()
+                                  if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    for bits in (16, 8, 4):
+        a = estimate_kv_memory(spec, 512, weight_bits=bits)
+        b = estimate_kv_memory(model, 512, weight_bits=bits)
+        assert a.weights_bytes == b.weights_bytes and a.weights_breakdown == b.weights_breakdown
+    w = [estimate_kv_memory(spec, 512, weight_bits=b).weights_bytes for b in (16, 8, 4)]
+    assert w[0] > w[1] > w[2]
+
+
+def test_weight_bits_totals_and_fits():
+    model = tiny_model("llama", hidden_size=256, intermediate_size=384)
+    old = estimate_kv_memory(model, 1024)
+    assert old.weight_bits is None and old.weights_breakdown is None
+    assert old.total_fp_bytes == old.weights_bytes + old.fp_total_bytes
+    e16, e4 = (estimate_kv_memory(model, 1024, weight_bits=b, device_memory="8MiB") for b in (16, 4))
+    assert e16.weights_bytes == old.weights_bytes  # a float model: 16 bits = as loaded
+    assert e4.total_kivi_bytes == e4.weights_bytes + e4.kivi_total_bytes < e16.total_kivi_bytes
+    assert e4.kivi_total_bytes == e16.kivi_total_bytes  # the cache does not depend on the weights
+    assert e4.kivi_max_context > e16.kivi_max_context  # freed weight bytes go to the cache
+    assert e4.to_dict()["weights_breakdown"]["codes"] > 0

@@ -195,6 +195,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="model alias (smollm2), local checkpoint folder, .gguf file or hub id (default: smollm2)")
     p.add_argument("--dtype", default=None, type=model_dtype,
                    help="float32 | bfloat16 | float16 (default: as loaded; float32 for GGUF)")
+    p.add_argument("--weight-bits", type=int, default=16, choices=(16, 8, 4),
+                   help="weights of the linear layers: 16 = as loaded, 8 / 4 = optimum-quanto qint8 / qint4 "
+                   "(pip install 'kivi[quanto]'); docs/weight-quantization.md (default: 16)")
 
 
 def add_text_args(p: argparse.ArgumentParser) -> None:
@@ -373,11 +376,10 @@ def load_model_and_windows(args: argparse.Namespace):
     """``(model, tokenizer, windows)`` from the model, text and protocol options (``add_model_args``,
     ``add_text_args``, ``add_window_args``); bad option values fail before anything is loaded."""
     from ..data import load_text, token_windows
-    from ..models import load_model
 
     check_window_args(args)
     text = load_text(args.text)  # fail on a bad path before loading the model
-    model, tok = load_model(args.model, dtype=args.dtype)
+    model, tok = load_model_from_args(args)
     check_context_fits(model, args.context, "--context")
     return model, tok, token_windows(tok, text, args.context, args.windows)
 
@@ -386,6 +388,14 @@ def check_window_args(args: argparse.Namespace) -> None:
     """Checks across the protocol options (each one alone is checked by its argparse type)."""
     if args.prefix >= args.context:
         raise ValueError(f"--prefix {args.prefix} must be smaller than --context {args.context} (nothing left to score)")
+
+
+def load_model_from_args(args: argparse.Namespace):
+    """``(model, tokenizer)`` of the model options (``add_model_args``), weights quantized to ``--weight-bits``."""
+    from ..models import load_model, quantize_weights
+
+    model, tok = load_model(args.model, dtype=args.dtype)
+    return quantize_weights(model, getattr(args, "weight_bits", 16)), tok
 
 
 def check_context_fits(model: Any, tokens: int, what: str) -> None:

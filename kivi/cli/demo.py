@@ -30,6 +30,7 @@ from .common import (
     check_context_fits,
     check_cli_backend,
     load_config_file,
+    load_model_from_args,
     non_negative_int,
     output_path,
     positive_int,
@@ -193,7 +194,6 @@ def run(args: argparse.Namespace) -> int:
     from ..data import load_text
     from ..eval.progress import progress_bar
     from ..eval.stream import token_agreement
-    from ..models import load_model
 
     threads = args.threads or auto_threads(torch.get_num_threads())
     torch.set_num_threads(threads)
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
 
     _status(f"loading model {args.model!r} (the first run converts the GGUF once, ~30 s) ...")
     t0 = time.perf_counter()
-    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    model, tokenizer = load_model_from_args(args)  # --weight-bits 8 / 4: quanto weights
     load_s = time.perf_counter() - t0
     from ..integration import check_model_supported, dequantize_model, quantize_model
 

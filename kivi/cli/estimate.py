@@ -21,6 +21,7 @@ EPILOG = """examples:
   kivi estimate --num-layers 40 --num-kv-heads 40 --head-dim 128 --dtype float16 --context 128k
   kivi estimate --model smollm2 --context 8k --preset balanced --device-memory 24GiB
   kivi estimate --model meta-llama/Llama-3.1-8B --context 128k --batch 4 --device-memory 80GB --json
+  kivi estimate --model smollm2 --context 8k --preset balanced --weight-bits 4   (weights + cache)
 
 Sizes: GB/MB are decimal (10^9/10^6), GiB/MiB and a bare G/M are binary. Contexts: 32768, 32k, 128K, 1m
 (k = 1024 tokens)."""
@@ -51,6 +52,10 @@ def register(sub: Any) -> None:
                    "'N:M' = N sliding layers then M full ones, repeated (Gemma 3: 5:1)")
     m.add_argument("--params", type=non_negative_float, default=None, help="weight parameters (e.g. 13e9) for the fit computation")
     m.add_argument("--weights-bytes", default=None, type=byte_size, help="weight bytes instead of --params (e.g. 26GB)")
+    m.add_argument("--weight-bits", type=int, default=None, choices=(16, 8, 4),
+                   help="plan the weights as `--weight-bits` loads them: 16 = the model dtype, 8 / 4 = optimum-quanto "
+                   "qint8 / qint4 linear layers (codes + scales); needs a model, not an explicit shape "
+                   "(default: params x dtype, or --weights-bytes)")
     m.add_argument("--dtype", default=None,
                    help="cache dtype: float16 | bfloat16 | float32 (default: the model's; float16 for a shape)")
     w = p.add_argument_group("workload")
@@ -197,7 +202,15 @@ def render(e: Any, *, per_layer: bool = False) -> None:
                  f"{e.compression_ratio:.2f}x"))
     if e.weights_bytes is not None:
         params = f"{e.weights_params / 1e9:.3g} B params" if e.weights_params else "-"
-        rows.append(("weights", params, _fmt(e.weights_bytes)))
+        kind = {None: "", 16: f" ({e.dtype})", 8: " (int8 linear layers, quanto)", 4: " (int4 linear layers, quanto)"}
+        rows.append((f"weights{kind[e.weight_bits]}", params, _fmt(e.weights_bytes)))
+        if e.weights_breakdown and e.weight_bits != 16:
+            wb = e.weights_breakdown
+            rows.append(("  quantized linear layers: codes", "-", _fmt(wb["codes"])))
+            rows.append(("  quantized linear layers: scales + shifts", "-", _fmt(wb["scales"])))
+            rows.append((f"  left in {e.dtype} (embeddings, norms, lm_head)", "-", _fmt(wb["float"])))
+        rows.append((f"total: weights + {fp_name} cache", "-", _fmt(e.total_fp_bytes)))
+        rows.append(("total: weights + KIVI cache", "-", _fmt(e.total_kivi_bytes)))
     _table(rows, ("", "per token", f"total ({e.context:,} tokens x {e.batch})"))
     if e.device_memory is not None:
         print(f"Device memory {_fmt(e.device_memory)}, minus weights {_fmt(e.weights_bytes or 0)}:")
@@ -245,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
     if args.prefill is not None and args.prefill > context:
         raise CliError(f"--prefill {args.prefill:,} is longer than the context ({context:,} tokens)")
     est = estimate_kv_memory(spec, context, batch=args.batch, config=cfg,
-                             device_memory=args.device_memory, prefill=args.prefill)
+                             device_memory=args.device_memory, prefill=args.prefill, weight_bits=args.weight_bits)
     if args.json:
         d = est.to_dict()
         if not args.per_layer:

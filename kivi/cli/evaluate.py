@@ -17,6 +17,7 @@ from .common import (
     int_list,
     load_config_file,
     load_model_and_windows,
+    load_model_from_args,
     output_path,
     positive_int,
 )
@@ -74,8 +75,6 @@ def cmd_kld(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- eval passkey
 def cmd_passkey(args: argparse.Namespace) -> int:
     from ..eval.passkey import passkey
-    from ..models import load_model
-
     specs: list = []
     if not args.no_fp:
         specs.append(None)
@@ -93,7 +92,7 @@ def cmd_passkey(args: argparse.Namespace) -> int:
     if not specs:
         raise ValueError("nothing to evaluate: drop --no-fp or give --preset/--presets/--baseline/--k-bits ...")
     lengths, depths = args.lengths, args.depths  # checked by their argparse types, before the model loads
-    model, tok = load_model(args.model, dtype=args.dtype)
+    model, tok = load_model_from_args(args)
     check_context_fits(model, max(lengths) + args.max_new_tokens, f"--lengths {max(lengths)} + --max-new-tokens")
     r = passkey(model, tok, specs, lengths=lengths, depths=depths, seeds=args.seeds,
                 max_new_tokens=args.max_new_tokens, progress=not args.no_progress)

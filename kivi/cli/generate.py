@@ -13,6 +13,7 @@ from .common import (
     add_model_args,
     check_context_fits,
     config_from_args,
+    load_model_from_args,
     positive_float,
     positive_int,
     print_json,
@@ -92,11 +93,10 @@ def run(args: argparse.Namespace) -> int:
 
     from ..integration import quantize_model
     from ..memory import estimate_kv_memory
-    from ..models import load_model
 
     if not args.json:
         print(f"loading {args.model!r} ...", file=sys.stderr, flush=True)
-    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    model, tokenizer = load_model_from_args(args)  # --weight-bits 8 / 4: quanto weights
     quantize_model(model, cfg)
 
     if not args.raw and getattr(tokenizer, "chat_template", None):
@@ -149,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
         "cache_bytes": cache_bytes,
         "predicted_cache_bytes": est.kivi_total_bytes,
         "fp_cache_bytes": fp_bytes,
+        "weight_bits": args.weight_bits,
+        "weights_bytes": est.weights_bytes,  # measured: the tensors of the loaded (maybe quantized) model
         "compression_ratio": ratio,
         "generate_s": elapsed,
         "tokens_per_s": len(new_ids) / elapsed if elapsed > 0 else None,

@@ -17,6 +17,7 @@ from ..config import KiviConfig
 from .sources import ModelSpec, model_spec
 from .storage import FIELDS, layer_bytes, side_token_bytes
 from .units import DTYPE_BYTES, parse_bytes, parse_context
+from .weights import check_weight_bits, weight_bytes_breakdown
 
 
 @dataclass
@@ -55,6 +56,14 @@ class MemoryEstimate:
     fp_max_batch: int | None = None
     kivi_max_batch: int | None = None
     notes: list[str] = field(default_factory=list)
+    #: ``None``: the weights as the spec gives them (``weights_bytes``, or ``params`` x dtype); 16 / 8 / 4:
+    #: planned as :func:`kivi.models.quantize_weights` stores them, split in ``weights_breakdown``
+    #: (``float``: parameters left in the model dtype; ``codes`` and ``scales`` of the quantized linear layers).
+    weight_bits: int | None = None
+    weights_breakdown: dict[str, int] | None = None
+    #: weights + cache at ``context`` (None when the weights are unknown).
+    total_fp_bytes: int | None = None
+    total_kivi_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -143,6 +152,7 @@ def estimate_kv_memory(
     dtype: Any = None,
     *,
     prefill: int | None = None,
+    weight_bits: int | None = None,
 ) -> MemoryEstimate:
     """KV-cache memory of ``model_or_spec`` at ``context`` tokens x ``batch`` sequences, FP vs KIVI.
 
@@ -158,6 +168,9 @@ def estimate_kv_memory(
             and batch that fit after the weights.
         dtype: the cache dtype (default: the model's; ``float16`` for explicit shapes).
         prefill: tokens of the first forward (default ``context``: one prefill, no decode).
+        weight_bits: ``None`` keeps the weights as the spec gives them (a loaded model: its measured
+            bytes); 16 / 8 / 4 plans them as :func:`kivi.models.quantize_weights` would store them
+            (:mod:`.weights`: quanto codes + scales for the linear layers, the rest in the model dtype).
 
     Returns:
         A :class:`MemoryEstimate`; ``kivi_total_bytes`` equals ``KiviCache.nbytes`` after the same
@@ -170,6 +183,8 @@ def estimate_kv_memory(
     P = T if prefill is None else int(prefill)
     if not 1 <= P <= T:
         raise ValueError(f"prefill={prefill!r} must be between 1 and context={T}")
+    if weight_bits is not None:
+        check_weight_bits(weight_bits)
     cfg = _resolve_config(config)
     cfg.validate(num_layers=spec.num_layers)
     sd = None if cfg.scale_dtype == "auto" else cfg.scale_dtype
@@ -210,6 +225,13 @@ def estimate_kv_memory(
             f"than window + R + G tokens; FP keeps window - 1 tokens"
         )
     weights = spec.weight_bytes
+    weights_parts = None
+    if weight_bits is not None:
+        if spec.params is None:
+            raise ValueError(f"weight_bits={weight_bits} needs the model's parameter count (give --params or a model)")
+        weights_parts = weight_bytes_breakdown(spec.params, spec.linear_layers, weight_bits, DTYPE_BYTES[spec.dtype])
+        weights = sum(weights_parts.values())
+        notes[0] = "weights + cache; activations and the attention workspace are extra"
     est = MemoryEstimate(
         model=spec.name, context=T, batch=batch, dtype=spec.dtype, num_layers=spec.num_layers,
         num_kv_heads=spec.num_kv_heads, num_heads=spec.num_heads, head_dim=spec.head_dim, attention=spec.attention,
@@ -222,6 +244,9 @@ def estimate_kv_memory(
         asymptotic_compression_ratio=fp_per_token / kivi_per_token,
         layers=layers, sliding_layers=n_sliding, sliding_window=spec.sliding_window,
         weights_params=spec.params, weights_bytes=weights, max_context=spec.max_context, notes=notes,
+        weight_bits=weight_bits, weights_breakdown=weights_parts,
+        total_fp_bytes=None if weights is None else weights + fp_total,
+        total_kivi_bytes=None if weights is None else weights + kivi_total,
     )
     if spec.max_context and T > spec.max_context:
         notes.append(f"context {T} is longer than the model's max_position_embeddings={spec.max_context}")

@@ -25,7 +25,9 @@ class ModelSpec:
 
     ``layer_types`` (``"full_attention"`` / ``"sliding_attention"`` per layer; default all full)
     and ``sliding_window`` describe sliding-window models. ``params`` or ``weights_bytes`` give the
-    weights' size (``weights_bytes`` wins; otherwise ``params x dtype bytes``).
+    weights' size (``weights_bytes`` wins; otherwise ``params x dtype bytes``). ``linear_layers``:
+    ``(out_features, in_features)`` of every linear layer :func:`kivi.models.quantize_weights` would
+    quantize (all but ``lm_head``); the planner needs them for 8- and 4-bit weights.
     """
 
     num_layers: int
@@ -38,6 +40,7 @@ class ModelSpec:
     params: int | None = None
     weights_bytes: int | None = None
     max_context: int | None = None
+    linear_layers: list[tuple[int, int]] | None = None
     name: str = "custom"
     model_type: str | None = None
 
@@ -70,6 +73,11 @@ class ModelSpec:
             v = getattr(self, f)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"{f}={v!r} must be a non-negative integer")
+        if self.linear_layers is not None:
+            self.linear_layers = [tuple(x) for x in self.linear_layers]
+            if not all(len(x) == 2 and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in x)
+                       for x in self.linear_layers):
+                raise ValueError("linear_layers must be a list of (out_features, in_features) positive integer pairs")
 
     @property
     def attention(self) -> str:
@@ -88,21 +96,29 @@ class ModelSpec:
         return None
 
 
-def _count_params_from_config(config: Any) -> int | None:
-    """Parameters of the model ``config`` describes, from a meta-device instantiation (no memory)."""
+def _linear_layers(model: Any) -> list[tuple[int, int]]:
+    """``(out, in)`` of the linear layers :func:`kivi.models.quantize_weights` quantizes."""
+    from ..models import quantizable_linears
+
+    return [(int(m.out_features), int(m.in_features)) for _, m in quantizable_linears(model)]
+
+
+def _count_params_from_config(config: Any) -> tuple[int | None, list[tuple[int, int]] | None]:
+    """Parameters and quantizable linear layers of the model ``config`` describes, from a meta-device
+    instantiation (no memory)."""
     try:
         import torch
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-        return int(sum(p.numel() for p in model.parameters()))
+        return int(sum(p.numel() for p in model.parameters())), _linear_layers(model)
     except Exception:  # unknown architecture, remote code...: weights are then unknown
-        return None
+        return None, None
 
 
 def spec_from_hf_config(config: Any, *, name: str = "model", dtype: Any = None, params: int | None = None,
-                        count_params: bool = True) -> ModelSpec:
+                        count_params: bool = True, linear_layers: list[tuple[int, int]] | None = None) -> ModelSpec:
     """A :class:`ModelSpec` from a transformers ``PretrainedConfig``."""
     text = text_config(config)
     n_layers = getattr(text, "num_hidden_layers", None)
@@ -120,14 +136,16 @@ def spec_from_hf_config(config: Any, *, name: str = "model", dtype: Any = None, 
             dtype = normalize_dtype(dtype) if dtype is not None else DEFAULT_DTYPE
         except ValueError:
             dtype = DEFAULT_DTYPE
-    if params is None and count_params:
-        params = _count_params_from_config(config)
+    if (params is None or linear_layers is None) and count_params:
+        counted, linears = _count_params_from_config(config)
+        params = counted if params is None else params
+        linear_layers = linears if linear_layers is None else linear_layers
     max_ctx = getattr(text, "max_position_embeddings", None)
     return ModelSpec(
         num_layers=int(n_layers), num_kv_heads=int(kv), head_dim=int(head_dim), dtype=dtype, num_heads=int(heads),
         layer_types=[t for t, _ in layers], sliding_window=window, params=params,
         max_context=int(max_ctx) if isinstance(max_ctx, int) else None, name=name,
-        model_type=getattr(text, "model_type", None),
+        model_type=getattr(text, "model_type", None), linear_layers=linear_layers,
     )
 
 
@@ -226,10 +244,14 @@ def model_spec(model: Any, *, dtype: Any = None) -> ModelSpec:
             d["dtype"] = dtype
         return ModelSpec(**d)
     if hasattr(model, "config") and hasattr(model, "parameters"):  # a loaded PreTrainedModel
+        from ..models import weight_bytes
+
         params = int(sum(p.numel() for p in model.parameters()))
         md = dtype if dtype is not None else getattr(model, "dtype", None)
-        return spec_from_hf_config(model.config, name=getattr(model.config, "_name_or_path", "") or type(model).__name__,
-                                   dtype=md, params=params)
+        spec = spec_from_hf_config(model.config, name=getattr(model.config, "_name_or_path", "") or type(model).__name__,
+                                   dtype=md, params=params, linear_layers=_linear_layers(model))
+        spec.weights_bytes = weight_bytes(model)  # measured: the model may hold quantized weights
+        return spec
     if hasattr(model, "to_dict") and hasattr(model, "model_type"):  # a PretrainedConfig
         return spec_from_hf_config(model, name=type(model).__name__, dtype=dtype)
     if not isinstance(model, (str, os.PathLike)):
