@@ -91,6 +91,13 @@ def positive_float(text: str) -> float:
     return v
 
 
+def port_number(text: str) -> int:
+    v = _int(text, "a port number (0..65535)")
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"{v} is not a port number (0..65535)")
+    return v
+
+
 def token_count(text: str) -> int:
     """``32768``, ``32k``, ``128K``, ``1m`` (k = 1024 tokens) -> a positive int."""
     from ..memory.units import parse_context

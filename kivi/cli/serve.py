@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from . import CliError
-from .common import add_config_args, add_model_args, config_from_args
+from .common import add_config_args, add_model_args, byte_size, config_from_args, load_model_from_args, port_number, positive_int, utf8_text
 
 DEFAULT_PRESET = "balanced"
 GRACEFUL_SHUTDOWN_S = 5
@@ -31,19 +31,19 @@ def register(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    p.add_argument("--cache-memory", default="512MiB",
+    p.add_argument("--host", default="127.0.0.1", type=utf8_text, help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=port_number, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--cache-memory", default="512MiB", type=byte_size,
                    help="bytes of the paged KV cache shared by all requests, e.g. 512MiB, 2GiB (default 512MiB)")
-    p.add_argument("--max-new-tokens", type=int, default=512,
+    p.add_argument("--max-new-tokens", type=positive_int, default=512,
                    help="most tokens one request may generate, and the default when it sets no max_tokens (default 512)")
-    p.add_argument("--max-batch-tokens", type=int, default=512,
+    p.add_argument("--max-batch-tokens", type=positive_int, default=512,
                    help="tokens per forward (prompts are prefilled in chunks of this size; default 512)")
-    p.add_argument("--served-model-name", default=None, help="the model id /v1/models lists (default: --model)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--served-model-name", default=None, type=utf8_text, help="the model id /v1/models lists (default: --model)")
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--float-cache", action="store_true",
                    help="transformers' float paged cache instead of KIVI pages (the baseline)")
-    p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug", "trace"), help="uvicorn log level (default warning)")
     add_config_args(p)
     p.set_defaults(func=run)
 
@@ -51,20 +51,8 @@ def register(sub: Any) -> None:
 def _check_args(args: argparse.Namespace) -> tuple[Any, int]:
     """``(kivi_config or None, cache bytes)``; bad values fail before the model loads."""
     from ..config import KiviConfig
-    from ..memory.units import parse_bytes
 
-    for name in ("max_new_tokens", "max_batch_tokens"):
-        v = getattr(args, name)
-        if v < 1:
-            raise CliError(f"--{name.replace('_', '-')} must be a positive integer, got {v}")
-    if not 0 <= args.port <= 65535:
-        raise CliError(f"--port {args.port} is not a port number (0..65535)")
-    if args.threads is not None and args.threads < 1:
-        raise CliError(f"--threads must be a positive integer, got {args.threads}")
-    try:
-        cache_memory = parse_bytes(args.cache_memory)
-    except ValueError as e:
-        raise CliError(f"--cache-memory: {e}") from None
+    cache_memory = args.cache_memory  # each option is checked by its argparse type
     cfg = config_from_args(args)
     if args.float_cache:
         if cfg is not None:
@@ -99,11 +87,10 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"kivi serve needs the serve extra ({e.name} is missing): pip install 'kivi[serve]'") from None
     _check_port_free(args.host, args.port)
 
-    from ..models import load_model
     from ..serving.app import build_app
     from ..serving.engine import Engine
 
-    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    model, tokenizer = load_model_from_args(args)  # --weight-bits 8 / 4: quanto weights
     if not getattr(tokenizer, "is_fast", False):
         raise CliError(f"kivi serve streams text with a fast (Rust) tokenizer; {args.model!r} has a slow one")
     if args.threads is not None:
@@ -120,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         app = build_app(engine, model_name=name)
         cache = "float pages" if kivi_config is None else f"KIVI pages (k{kivi_config.k_bits}/v{kivi_config.v_bits})"
         stats = engine.stats()
-        print(f"kivi serve: {name} on http://{args.host}:{args.port}/v1 — {cache}, {args.cache_memory} "
+        print(f"kivi serve: {name} on http://{args.host}:{args.port}/v1 — {cache}, {cache_memory:,} bytes "
               f"({stats.blocks_total} blocks), max {args.max_new_tokens} new tokens per request", file=sys.stderr,
               flush=True)
         # on Ctrl-C / SIGTERM, open requests get GRACEFUL_SHUTDOWN_S to finish, then are cancelled

@@ -13,9 +13,9 @@ from kivi.cli import main
 @pytest.mark.parametrize(("argv", "message"), [
     (["--cache-memory", "lots"], "--cache-memory"),
     (["--cache-memory=-5MiB"], "--cache-memory"),
-    (["--max-new-tokens", "0"], "--max-new-tokens must be a positive integer, got 0"),
-    (["--max-batch-tokens", "-1"], "--max-batch-tokens must be a positive integer, got -1"),
-    (["--port", "70000"], "--port 70000"),
+    (["--max-new-tokens", "0"], "argument --max-new-tokens: 0 is not a positive integer"),
+    (["--max-batch-tokens", "-1"], "argument --max-batch-tokens: -1 is not a positive integer"),
+    (["--port", "70000"], "argument --port: 70000 is not a port number"),
     (["--threads", "0"], "--threads"),
     (["--float-cache", "--preset", "extreme"], "--float-cache"),
     (["--preset", "nope"], "preset='nope' is unknown"),
