@@ -184,7 +184,9 @@ class Spec:
     index); a fraction < 1 = that share of each 32-token × D block (fp16 + uint16 index, fixed count).
     ``levels``: "uniform" (KIVI), "nf" (normal Lloyd-Max levels on mean/std of the group, fp16 mean and
     std), "lloyd" (levels fitted per layer on the min-max normalised data of this layer and window).
-    ``pre_rope`` (keys only): quantized before RoPE (patched rotary; the kernel would rotate at read)."""
+    ``pre_rope`` (keys only): quantized before RoPE (patched rotary; the kernel would rotate at read).
+    Parameters are kept in fp32 like the other rows (bits still count them as fp16); ``fp16_params``
+    rounds them to fp16 as a float16 cache would store them."""
 
     bits: int = 2
     per: str = "channel"
@@ -193,6 +195,7 @@ class Spec:
     outliers: float = 0
     levels: str = "uniform"
     pre_rope: bool = False
+    fp16_params: bool = False  # round offset/range to fp16 as stored (the other rows keep them fp32)
 
     def bits_per_element(self, T: int, D: int, H: int = 3) -> float:
         b = self.bits + PARAM_BITS  # codes + two fp16 per group (scale/zero, or std/mean for nf)
@@ -243,13 +246,14 @@ def quantize_spec(x: torch.Tensor, spec: Spec, sinks: int = 0) -> torch.Tensor:
     eg, _ = _grouped(exact, axis)
     keep = ~eg
     L = 2**spec.bits
+    rp = (lambda t: t.half().float()) if spec.fp16_params else (lambda t: t)
     if spec.levels == "nf":
         cnt = keep.sum(red, keepdim=True).clamp_min(1)
-        a = (torch.where(keep, xg, 0).sum(red, keepdim=True) / cnt).half().float()
+        a = rp(torch.where(keep, xg, 0).sum(red, keepdim=True) / cnt)
         var = (torch.where(keep, (xg - a) ** 2, 0).sum(red, keepdim=True) / cnt)
         sd = var.sqrt()
         book = normal_levels(spec.bits)
-        tries = [(a, (sd * m).half().float().clamp_min(1e-12)) for m in (_NF_MULT if spec.clip else (1.0,))]
+        tries = [(a, rp(sd * m).clamp_min(1e-12)) for m in (_NF_MULT if spec.clip else (1.0,))]
     else:
         lo = torch.where(keep, xg, math.inf).amin(red, keepdim=True)
         hi = torch.where(keep, xg, -math.inf).amax(red, keepdim=True)
@@ -257,13 +261,13 @@ def quantize_spec(x: torch.Tensor, spec: Spec, sinks: int = 0) -> torch.Tensor:
         if spec.levels == "lloyd":
             t = ((xg - lo) / (hi - lo).clamp_min(1e-12))[keep]
             t = t[torch.randperm(t.numel(), generator=torch.Generator().manual_seed(0))[:200_000]]
-            book = lloyd_levels(t, L).half().float()
+            book = rp(lloyd_levels(t, L))
         else:
             book = torch.linspace(0, 1, L)
         tries = []
         for r in (_SHRINK if spec.clip else (1.0,)):
             mid, half = (lo + hi) / 2, (hi - lo) / 2 * r
-            tries.append(((mid - half).half().float(), (2 * half).half().float().clamp_min(1e-12)))
+            tries.append((rp(mid - half), rp(2 * half).clamp_min(1e-12)))
     mids = (book[1:] + book[:-1]) / 2
     best = best_err = None
     for a, b in tries:
@@ -327,10 +331,14 @@ def candidates(T: int, D: int) -> list[tuple[str, float, object]]:
 def beyond_kivi() -> list[tuple[str, Recipe]]:
     """Issue 12 item 4: techniques beyond KIVI, alone (on clipped K2V2) and combined into recipes."""
     K, V = Spec(2, "channel", clip=True), Spec(2, "token", clip=True)
+    K16, V16 = Spec(2, "channel", clip=True, fp16_params=True), Spec(2, "token", clip=True, fp16_params=True)
     kout = Spec(2, "channel", clip=True, outliers=0.01)
     vh = Spec(2, "token", rotate=True, clip=True)
     return [
-        ("B K2V2 clip (fp16 params)", Recipe(K, V)),
+        ("B K2V2 clip (= 'K2V2 + MSE clipping' above)", Recipe(K, V)),
+        ("B16 K2V2 clip, offset/range rounded to fp16", Recipe(K16, V16)),
+        ("B16 + NF levels K,V, mean/std rounded to fp16", Recipe(Spec(2, "channel", clip=True, levels="nf", fp16_params=True),
+                                                              Spec(2, "token", clip=True, levels="nf", fp16_params=True))),
         ("B + K outliers 1/group", Recipe(Spec(2, "channel", clip=True, outliers=1), V)),
         ("B + K outliers 1%", Recipe(kout, V)),
         ("B + K,V outliers 1%", Recipe(kout, Spec(2, "token", clip=True, outliers=0.01))),
@@ -387,6 +395,59 @@ def _install_pre_rope_hook() -> None:
     llama.apply_rotary_pos_emb = wrapped
 
 
+WIDER = ("K2V2 (KIVI)", "K3V2", "K3V3", "K4V2", "W K4V3", "W K4V4")
+
+
+def frontier(rows: list[dict]) -> list[tuple[float, float]]:
+    """(bits, Δppl %) of spending bits on wider codes: the best plain-code row at each width."""
+    best: dict[float, float] = {}
+    for r in rows:
+        if r["name"].split(" (")[0] in {w.split(" (")[0] for w in WIDER}:
+            best[r["bits"]] = min(best.get(r["bits"], math.inf), r["dppl"])
+    return sorted(best.items())
+
+
+def at_bits(front: list[tuple[float, float]], bits: float) -> float | None:
+    """Δppl % of wider codes at ``bits``, log-linear between frontier points; None outside them."""
+    for (b0, d0), (b1, d1) in zip(front, front[1:]):
+        if b0 <= bits <= b1:
+            t = (bits - b0) / (b1 - b0)
+            return math.exp((1 - t) * math.log(d0) + t * math.log(d1))
+    return None
+
+
+def merge(paths: list[str], md: str | None) -> dict:
+    """Combine screen runs (same protocol, same fp reference) into one table with the frontier."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    fp = runs[0]["rows"][0]["ppl"]
+    for p, r in zip(paths, runs):
+        if abs(r["rows"][0]["ppl"] - fp) > 1e-6 * fp or r["windows"] != runs[0]["windows"]:
+            raise ValueError(f"--merge: {p} is not the same protocol (fp ppl {r['rows'][0]['ppl']} vs {fp})")
+    rows, seen = [], set()
+    for p, r in zip(paths, runs):
+        for row in r["rows"]:
+            if row["name"] in seen:
+                continue
+            seen.add(row["name"])
+            rows.append({**row, "dppl": 100 * (row["ppl"] / fp - 1), "source": p,
+                         "command": r.get("command", "")})
+    front = frontier(rows)
+    for row in rows:
+        w = at_bits(front, row["bits"])
+        row["wider_codes_dppl_at_same_bits"] = None if w is None else round(w, 2)
+    out = {**{k: runs[0][k] for k in ("protocol", "model", "windows", "context", "residual_length", "group_size",
+                                      "tokens_scored")}, "sources": paths, "rows": rows}
+    if md:
+        lines = ["| method | bits | ppl | Δppl % | KL | wider codes at same bits, Δppl % |", "|---|---|---|---|---|---|"]
+        for row in rows:
+            w = row["wider_codes_dppl_at_same_bits"]
+            lines.append(f"| {row['name']} | {row['bits']:.3f} | {row['ppl']:.2f} | {row['dppl']:+.1f} | "
+                         f"{row['kl']:.3f} | {'' if w is None or row['name'] == 'fp' else f'{w:+.1f}'} |")
+        cmds = sorted({r.get("command", "") for r in runs})
+        Path(md).write_text("Commands:\n\n" + "\n".join(f"    python {c}" for c in cmds) + "\n\n" + "\n".join(lines) + "\n")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -400,7 +461,15 @@ def main() -> int:
                     help="compensation: the original study; beyond: issue-12 techniques and recipes")
     ap.add_argument("--only", action="append", default=None,
                     help="keep only rows whose name contains this (repeatable)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="no model: combine earlier runs' JSON into --out (and --md) with the wider-codes frontier")
+    ap.add_argument("--md", default=None, help="with --merge: markdown table output")
     a = ap.parse_args()
+    if a.merge:
+        result = merge(a.merge, a.md)
+        text = json.dumps(result, indent=2) + "\n"
+        Path(a.out).write_text(text) if a.out else print(text)
+        return 0
     if a.threads:
         torch.set_num_threads(a.threads)
     AttentionInterface.register("kivi_screen", _probe_attention)
@@ -431,8 +500,9 @@ def main() -> int:
     if a.rows in ("beyond", "all"):
         _install_pre_rope_hook()
         todo += [(name, r.bits(T, D, H), r) for name, r in beyond_kivi()]
-    if a.only:
-        todo = [t for t in todo if any(o in t[0] for o in a.only)]
+    if a.only:  # in the order given
+        todo = [t for o in a.only for t in todo if o in t[0]]
+        todo = [t for i, t in enumerate(todo) if t[0] not in {u[0] for u in todo[:i]}]
     for name, bits, fn in todo:
         t0 = time.time()
         lp = logprobs(fn)
@@ -440,6 +510,13 @@ def main() -> int:
         kl = (ref.exp() * (ref - lp)).sum(-1).mean().item()
         rows.append({"name": name, "bits": round(bits, 4), "ppl": ppl, "kl": kl, "seconds": round(time.time() - t0, 1)})
         print(f"{name:48s} {bits:6.2f} {ppl:9.3f} {kl:8.4f}", file=sys.stderr, flush=True)
+        if a.out:  # after every row, so that a long run leaves what it measured
+            _write(a, rows, targets)
+    _write(a, rows, targets)
+    return 0
+
+
+def _write(a, rows, targets) -> None:
     result = {"protocol": "one-shot screening (see module docstring), second half of each window scored",
               "model": a.model, "windows": a.windows, "context": a.context, "residual_length": a.residual_length,
               "group_size": G, "tokens_scored": int(targets.numel()), "torch_threads": torch.get_num_threads(),
@@ -449,7 +526,6 @@ def main() -> int:
         Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     else:
         print(json.dumps(result, indent=2))
-    return 0
 
 
 if __name__ == "__main__":

@@ -133,3 +133,33 @@ def test_recipe_bits_count_every_extra():
     assert math.isclose(r.bits(T, D), 4.0 + 4 * 16 / T)
     names = [n for n, _ in cs.beyond_kivi()]
     assert len(names) == len(set(names))
+
+
+def test_fp16_params_cost_precision_on_offset_channels():
+    """A channel with a large offset and a small range: fp16 rounding of the offset moves every value."""
+    g = torch.Generator().manual_seed(2)
+    k = 200 + 0.02 * torch.randn(1, 1, 64, 8, generator=g)
+    e32 = _err(cs.quantize_spec(k, cs.Spec(2, "channel")), k)
+    e16 = _err(cs.quantize_spec(k, cs.Spec(2, "channel", fp16_params=True)), k)
+    assert e16 > 1.5 * e32
+
+
+def test_frontier_interpolation_and_merge(tmp_path):
+    rows = [{"name": "K2V2 (KIVI)", "bits": 3.0, "dppl": 100.0}, {"name": "K3V2", "bits": 3.5, "dppl": 25.0},
+            {"name": "K3V3", "bits": 4.0, "dppl": 8.0}, {"name": "K4V2", "bits": 4.0, "dppl": 18.0},
+            {"name": "other", "bits": 3.2, "dppl": 1.0}]
+    front = cs.frontier(rows)
+    assert front == [(3.0, 100.0), (3.5, 25.0), (4.0, 8.0)]  # best plain codes per width only
+    assert math.isclose(cs.at_bits(front, 3.25), 50.0)  # log-linear: geometric mean halfway
+    assert cs.at_bits(front, 4.5) is None
+    import json
+    run = {"protocol": "p", "model": "m", "windows": 4, "context": 1024, "residual_length": 128, "group_size": 32,
+           "tokens_scored": 10, "command": "x", "rows": [{"name": "fp", "bits": 16, "ppl": 10.0, "kl": 0},
+                                                        {"name": "K2V2 (KIVI)", "bits": 3.0, "ppl": 20.0, "kl": 1}]}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(run))
+    b.write_text(json.dumps({**run, "rows": [{**run["rows"][0], "ppl": 11.0}]}))
+    out = cs.merge([str(a)], str(tmp_path / "t.md"))
+    assert out["rows"][1]["dppl"] == 100.0 and "| K2V2 (KIVI) | 3.000 | 20.00 | +100.0 |" in (tmp_path / "t.md").read_text()
+    with pytest.raises(ValueError, match="not the same protocol"):
+        cs.merge([str(a), str(b)], None)
