@@ -52,6 +52,10 @@ class _Side:
         self.store = BlockStore(block_size)
         self.window: torch.Tensor | None = None  # [B, H, W, D]
         self.window_valid: torch.Tensor | None = None  # [B, W] bool, None = all valid
+        # [B, P] bool: which stored keys [0, P) were real tokens, kept up to the last padded one only
+        # (None: no padding stored); a crop into a key group puts its survivors back in the window
+        # with their padding marks, so padding stays out of the group's statistics when re-stored.
+        self.stored_valid: torch.Tensor | None = None
         self.sink: torch.Tensor | None = None  # [B, H, S, D], tokens [0, S)
 
     @property
@@ -65,10 +69,10 @@ class _Side:
     def checkpoint(self) -> tuple:
         """The side's state (tensors are replaced, never written in place, so references suffice;
         the store object too: a crop into the sink replaces it)."""
-        return self.store, self.store.checkpoint(), self.window, self.window_valid, self.sink
+        return self.store, self.store.checkpoint(), self.window, self.window_valid, self.sink, self.stored_valid
 
     def rollback(self, checkpoint: tuple) -> None:
-        self.store, store, self.window, self.window_valid, self.sink = checkpoint
+        self.store, store, self.window, self.window_valid, self.sink, self.stored_valid = checkpoint
         self.store.rollback(store)
 
     def map_tensors(self, fn) -> None:
@@ -79,6 +83,8 @@ class _Side:
             self.window = fn(self.window)
         if self.window_valid is not None:
             self.window_valid = fn(self.window_valid)
+        if self.stored_valid is not None:
+            self.stored_valid = fn(self.stored_valid)
 
 
 class KiviLayer(CacheLayerMixin):
@@ -219,6 +225,11 @@ class KiviLayer(CacheLayerMixin):
 
             side.store.append_in_place(move, write)
         elif move:
+            if side.axis == "channel" and pvalid is not None and not bool(pvalid[:, :move].all()):
+                first = side.store.length  # absolute position of the first key stored now
+                old = side.stored_valid if side.stored_valid is not None else pvalid[:, :0]
+                gap = torch.ones(pvalid.shape[0], first - old.shape[1], dtype=torch.bool, device=pvalid.device)
+                side.stored_valid = torch.cat([old, gap, pvalid[:, :move]], dim=-1)
             seg = quantize_kv(
                 pending[:, :, :move],
                 side.axis,
@@ -353,7 +364,7 @@ class KiviLayer(CacheLayerMixin):
             side.sink = side.sink[:, :, :new_seen].clone() if new_seen else None
             side.store = BlockStore(self.config.block_size)
             side.store.start = side.store.length = side.sink_len
-            side.window = side.window_valid = None
+            side.window = side.window_valid = side.stored_valid = None
             return
         if new_seen >= store.length:  # only the window shrinks
             keep = new_seen - store.length
@@ -375,6 +386,13 @@ class KiviLayer(CacheLayerMixin):
             tail = tail[:, :, : new_seen - g0].clone()
         store.truncate(g0)
         side.window = tail
+        if side.stored_valid is not None:  # the survivors keep their padding marks
+            marks = side.stored_valid[:, g0:new_seen]
+            if tail is not None and not bool(marks.all()):
+                side.window_valid = torch.cat(
+                    [marks, marks.new_ones(marks.shape[0], new_seen - g0 - marks.shape[1])], dim=-1)
+            if g0 < side.stored_valid.shape[1]:
+                side.stored_valid = side.stored_valid[:, :g0].clone()
 
     # ------------------------------------------------------------------ accounting
     def memory_breakdown(self) -> dict[str, int]:
@@ -390,8 +408,9 @@ class KiviLayer(CacheLayerMixin):
                 out["fp_window"] += side.window.numel() * side.window.element_size()
             if side.sink is not None:
                 out["fp_sink"] += side.sink.numel() * side.sink.element_size()
-            if side.window_valid is not None:
-                out["padding_masks"] += side.window_valid.numel()
+            for mask in (side.window_valid, side.stored_valid):
+                if mask is not None:
+                    out["padding_masks"] += mask.numel()
         return out
 
     @property
