@@ -41,6 +41,7 @@ def test_tiny_soak_writes_results(tmp_path):
     (run,) = mem["runs"]
     assert [r["tokens"] for r in run["rows"]] == [20, 40] and run["rows"][-1]["seq_len"] == 1640
     assert run["summary"]["samples"] == 2 and all(r["nbytes"] > 0 and r["rss"] > r["nbytes"] for r in run["rows"])
+    assert run["summary_anon"]["samples"] == 2 and all(0 < r["rss_anon"] <= r["rss"] for r in run["rows"])
     (row,) = json.loads(tout.read_text())["rows"]
     # prompts of 1,600+ tokens x 2 kv heads: the decode kernel takes numba's pool (SERIAL_BELOW)
     assert row["exit"] == 0 and row["layer"] == "workqueue" and row["threads"] == 2
