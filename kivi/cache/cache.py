@@ -84,16 +84,52 @@ class KiviCache(Cache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        while len(self.layers) <= layer_idx:
-            self.layers.append(KiviLayer(self.config.for_layer(len(self.layers))))
-        layer = self.layers[layer_idx]
-        if isinstance(layer, KiviLayer):
+        """Append to layer ``layer_idx``; all or nothing (a failure leaves the cache as it was)."""
+        nlayers = len(self.layers)
+        try:
+            while len(self.layers) <= layer_idx:
+                self.layers.append(KiviLayer(self.config.for_layer(len(self.layers))))
+            layer = self.layers[layer_idx]
+            if not isinstance(layer, KiviLayer):
+                return layer.update(key_states, value_states, *args, **kwargs)
             valid = self._new_token_valid(key_states.shape[-2], key_states.shape[0])
-            if self.attention_backend in PACKED_BACKENDS:  # the "kivi" attention reads the views
+            if self.attention_backend not in PACKED_BACKENDS:
+                return layer.update(key_states, value_states, valid=valid)
+            with layer.all_or_nothing():  # the "kivi" attention reads the views
                 k_view, v_view = layer.append(key_states, value_states, valid=valid)
                 return PackedStates(k_view, self.attention_backend), PackedStates(v_view, self.attention_backend)
-            return layer.update(key_states, value_states, valid=valid)
-        return layer.update(key_states, value_states, *args, **kwargs)
+        except BaseException:
+            del self.layers[nlayers:]  # layers this call created
+            raise
+
+    # ------------------------------------------------------------------ edits of every layer, all or nothing
+    def _on_every_layer(self, edit) -> None:
+        """``edit(layer)`` on every layer; if one raises, every KiviLayer is put back as it was.
+
+        (A layer that is not a KiviLayer, passed in ``layers=``, has no checkpoint: it is edited as
+        transformers does, one layer after the other.)
+        """
+        checkpoints = [(layer, layer.checkpoint()) for layer in self.layers if isinstance(layer, KiviLayer)]
+        try:
+            for layer in self.layers:
+                edit(layer)
+        except BaseException:
+            for layer, checkpoint in checkpoints:
+                layer.rollback(checkpoint)
+            raise
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens of every layer (all layers or none)."""
+        self._on_every_layer(lambda layer: layer.crop(tokens_to_remove))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._on_every_layer(lambda layer: layer.reorder_cache(beam_idx))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._on_every_layer(lambda layer: layer.batch_repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._on_every_layer(lambda layer: layer.batch_select_indices(indices))
 
     # ------------------------------------------------------------------ accounting
     def memory_breakdown(self) -> dict[str, int]:

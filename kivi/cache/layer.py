@@ -26,6 +26,8 @@ only those; ``get_mask_sizes`` reports the first exposed token as the mask's ``k
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -50,6 +52,10 @@ class _Side:
         self.store = BlockStore(block_size)
         self.window: torch.Tensor | None = None  # [B, H, W, D]
         self.window_valid: torch.Tensor | None = None  # [B, W] bool, None = all valid
+        # [B, P] bool: which stored keys [0, P) were real tokens, kept up to the last padded one only
+        # (None: no padding stored); a crop into a key group puts its survivors back in the window
+        # with their padding marks, so padding stays out of the group's statistics when re-stored.
+        self.stored_valid: torch.Tensor | None = None
         self.sink: torch.Tensor | None = None  # [B, H, S, D], tokens [0, S)
 
     @property
@@ -61,11 +67,12 @@ class _Side:
         return 0 if self.sink is None else self.sink.shape[-2]
 
     def checkpoint(self) -> tuple:
-        """The side's state (tensors are replaced, never written in place, so references suffice)."""
-        return self.store.checkpoint(), self.window, self.window_valid, self.sink
+        """The side's state (tensors are replaced, never written in place, so references suffice;
+        the store object too: a crop into the sink replaces it)."""
+        return self.store, self.store.checkpoint(), self.window, self.window_valid, self.sink, self.stored_valid
 
     def rollback(self, checkpoint: tuple) -> None:
-        store, self.window, self.window_valid, self.sink = checkpoint
+        self.store, store, self.window, self.window_valid, self.sink, self.stored_valid = checkpoint
         self.store.rollback(store)
 
     def map_tensors(self, fn) -> None:
@@ -76,6 +83,8 @@ class _Side:
             self.window = fn(self.window)
         if self.window_valid is not None:
             self.window_valid = fn(self.window_valid)
+        if self.stored_valid is not None:
+            self.stored_valid = fn(self.stored_valid)
 
 
 class KiviLayer(CacheLayerMixin):
@@ -94,15 +103,39 @@ class KiviLayer(CacheLayerMixin):
         self.seen = 0
         self.k = _Side("channel", config.quantize_key, config.k_bits, config.block_size)
         self.v = _Side("token", config.quantize_value, config.v_bits, config.block_size)
+        self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
         self._fast: dict[torch.dtype, bool] = {}  # values quantized by the numba pass, per input dtype
 
     # ------------------------------------------------------------------ transformers API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        check_head_dim(self.config, value_states.shape[-1])
         self.device = key_states.device
         self.dtype = key_states.dtype
-        check_head_dim(self.config, value_states.shape[-1])
         self.is_initialized = True
+
+    # ------------------------------------------------------------------ all or nothing
+    def checkpoint(self) -> tuple:
+        """What :meth:`rollback` needs to put the layer back as it is now (references, no copies)."""
+        return (self.seen, self.device, self.dtype, self.is_initialized, dict(self._fast),
+                self.k.checkpoint(), self.v.checkpoint())
+
+    def rollback(self, checkpoint: tuple) -> None:
+        """Undo every change made since :meth:`checkpoint` (appends, evictions, crops, batch edits)."""
+        self.seen, self.device, self.dtype, self.is_initialized, fast, k, v = checkpoint
+        self._fast = fast
+        self.k.rollback(k)
+        self.v.rollback(v)
+
+    @contextlib.contextmanager
+    def all_or_nothing(self):
+        """Run the body as one change of the layer: if it raises, the layer is put back as it was."""
+        checkpoint = self.checkpoint()
+        try:
+            yield
+        except BaseException:
+            self.rollback(checkpoint)
+            raise
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, valid: torch.Tensor | None = None, **kwargs
@@ -111,13 +144,23 @@ class KiviLayer(CacheLayerMixin):
 
         ``valid [B, n]`` marks real (non-padding) tokens; ``None`` means all are real.
         """
-        kv, vv = self.append(key_states, value_states, valid=valid)
-        return materialize(kv, self.dtype), materialize(vv, self.dtype)
+        with self.all_or_nothing():  # a failed dequantization undoes the append too
+            kv, vv = self._append(key_states, value_states, valid)
+            return materialize(kv, self.dtype), materialize(vv, self.dtype)
 
     def append(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *, valid: torch.Tensor | None = None
     ) -> tuple[AttentionView, AttentionView]:
-        """Store new tokens; return the views attention must use for this forward (pre-move state)."""
+        """Store new tokens; return the views attention must use for this forward (pre-move state).
+
+        All or nothing: an error at any step (e.g. a non-finite value refused by the quantizer) leaves
+        the layer exactly as it was before the call (stores, windows, sinks, evictions, counters).
+        """
+        with self.all_or_nothing():
+            return self._append(key_states, value_states, valid)
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                valid: torch.Tensor | None) -> tuple[AttentionView, AttentionView]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if valid is not None and bool(valid.all()):
@@ -125,15 +168,7 @@ class KiviLayer(CacheLayerMixin):
         if self.sliding_window is not None:
             self._evict()  # before building the views: the mask of this forward already excludes them
         n = key_states.shape[-2]
-        # All or nothing: an error on either side (e.g. a non-finite value refused by the quantizer)
-        # leaves both sides exactly as they were before this call.
-        checkpoints = [(side, side.checkpoint()) for side in (self.k, self.v)]
-        try:
-            views = self._append_sides(key_states, value_states, valid, n)
-        except BaseException:
-            for side, cp in checkpoints:
-                side.rollback(cp)
-            raise
+        views = self._append_sides(key_states, value_states, valid, n)
         self.seen += n
         return views[0], views[1]
 
@@ -190,6 +225,11 @@ class KiviLayer(CacheLayerMixin):
 
             side.store.append_in_place(move, write)
         elif move:
+            if side.axis == "channel" and pvalid is not None and not bool(pvalid[:, :move].all()):
+                first = side.store.length  # absolute position of the first key stored now
+                old = side.stored_valid if side.stored_valid is not None else pvalid[:, :0]
+                gap = torch.ones(pvalid.shape[0], first - old.shape[1], dtype=torch.bool, device=pvalid.device)
+                side.stored_valid = torch.cat([old, gap, pvalid[:, :move]], dim=-1)
             seg = quantize_kv(
                 pending[:, :, :move],
                 side.axis,
@@ -274,8 +314,9 @@ class KiviLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ batch / beam operations
     def _map(self, fn) -> None:
-        self.k.map_tensors(fn)
-        self.v.map_tensors(fn)
+        with self.all_or_nothing():
+            self.k.map_tensors(fn)
+            self.v.map_tensors(fn)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
@@ -311,9 +352,10 @@ class KiviLayer(CacheLayerMixin):
             raise ValueError(
                 f"cannot crop to {new_seen} tokens: tokens before {self.kv_offset} were dropped by the sliding window"
             )
-        for side in (self.k, self.v):
-            self._crop_side(side, new_seen)
-        self.seen = new_seen
+        with self.all_or_nothing():
+            for side in (self.k, self.v):
+                self._crop_side(side, new_seen)
+            self.seen = new_seen
 
     def _crop_side(self, side: _Side, new_seen: int) -> None:
         store = side.store
@@ -322,7 +364,7 @@ class KiviLayer(CacheLayerMixin):
             side.sink = side.sink[:, :, :new_seen].clone() if new_seen else None
             side.store = BlockStore(self.config.block_size)
             side.store.start = side.store.length = side.sink_len
-            side.window = side.window_valid = None
+            side.window = side.window_valid = side.stored_valid = None
             return
         if new_seen >= store.length:  # only the window shrinks
             keep = new_seen - store.length
@@ -344,6 +386,13 @@ class KiviLayer(CacheLayerMixin):
             tail = tail[:, :, : new_seen - g0].clone()
         store.truncate(g0)
         side.window = tail
+        if side.stored_valid is not None:  # the survivors keep their padding marks
+            marks = side.stored_valid[:, g0:new_seen]
+            if tail is not None and not bool(marks.all()):
+                side.window_valid = torch.cat(
+                    [marks, marks.new_ones(marks.shape[0], new_seen - g0 - marks.shape[1])], dim=-1)
+            if g0 < side.stored_valid.shape[1]:
+                side.stored_valid = side.stored_valid[:, :g0].clone()
 
     # ------------------------------------------------------------------ accounting
     def memory_breakdown(self) -> dict[str, int]:
@@ -359,8 +408,9 @@ class KiviLayer(CacheLayerMixin):
                 out["fp_window"] += side.window.numel() * side.window.element_size()
             if side.sink is not None:
                 out["fp_sink"] += side.sink.numel() * side.sink.element_size()
-            if side.window_valid is not None:
-                out["padding_masks"] += side.window_valid.numel()
+            for mask in (side.window_valid, side.stored_valid):
+                if mask is not None:
+                    out["padding_masks"] += mask.numel()
         return out
 
     @property

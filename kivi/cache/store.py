@@ -126,13 +126,18 @@ class BlockStore:
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self) -> tuple:
-        """What :meth:`rollback` needs to undo every append made after this call."""
-        return self.length, self.start, len(self.blocks), self.template
+        """What :meth:`rollback` needs to undo every change made after this call.
+
+        References to the blocks (shallow copies of the block lists): appends never write a row
+        below ``length``, and evictions, truncations and :meth:`map_tensors` drop or replace whole
+        blocks, so holding the old ones is enough to restore them.
+        """
+        return self.length, self.start, list(self.blocks), list(self.starts), list(self.caps), self.template
 
     def rollback(self, checkpoint: tuple) -> None:
-        """Forget every append made since ``checkpoint`` (blocks added since then are freed)."""
-        self.length, self.start, nblocks, self.template = checkpoint
-        del self.blocks[nblocks:], self.starts[nblocks:], self.caps[nblocks:]
+        """Undo every append, eviction, truncation and tensor map made since ``checkpoint``."""
+        self.length, self.start, blocks, starts, caps, self.template = checkpoint
+        self.blocks[:], self.starts[:], self.caps[:] = blocks, starts, caps
         self.derived.clear()
 
     # ------------------------------------------------------------------ reading

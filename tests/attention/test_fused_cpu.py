@@ -253,3 +253,62 @@ def test_task_count_divides_evenly(tasks_bh, threads):
         if ntok >= 8192:  # long enough that the chunk floor does not decide
             assert (tasks_bh * nch) % threads == 0 and tasks_bh * nch >= 2 * threads, (ntok, chunk, nch)
 
+
+
+# --------------------------------------------------------------------------- Python threads × numba layers
+
+_THREADS_SCRIPT = r"""
+import sys, threading, torch
+from kivi import KiviConfig, quantize_model
+from kivi.attention.fused_cpu import dispatch
+from tests.helpers import tiny_model
+import numba
+
+dispatch.SERIAL_BELOW = 0  # every decode call takes the threaded entry (numba's pool)
+torch.set_num_threads(1)
+model = quantize_model(tiny_model("llama"), KiviConfig(group_size=8, residual_length=16, block_size=32,
+                                                         attention_backend="cpu"))
+prompts = [torch.randint(1, 128, (1, 40 + 7 * i), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+def gen(i, out):  # generate() builds its own KiviCache: one cache per thread, the model shared
+    with torch.no_grad():
+        out[i] = model.generate(prompts[i], max_new_tokens=40, do_sample=False)
+
+seq, par = {}, {}
+for i in range(3):
+    gen(i, seq)
+for _ in range(2):
+    threads = [threading.Thread(target=gen, args=(i, par)) for i in range(3)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    assert all(torch.equal(seq[i], par[i]) for i in range(3)), "threads differ from the sequential run"
+print(numba.threading_layer(), dispatch._pool_thread_safe)
+"""
+
+
+def _layer_available(layer: str) -> bool:
+    if layer == "tbb":
+        import importlib.util
+
+        return importlib.util.find_spec("tbb") is not None
+    return True
+
+
+@pytest.mark.parametrize("layer", ["workqueue", "omp", "tbb"])
+def test_threads_generate_what_sequential_runs_generate(layer):
+    """Three threads, one KiviCache each, on numba's `layer`: exit 0 and the sequential tokens.
+
+    workqueue aborted the process without the lock in dispatch._run_threaded (exit 134).
+    """
+    if not _layer_available(layer):
+        pytest.skip(f"numba's {layer} threading layer is not installed")
+    import os
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "NUMBA_THREADING_LAYER": layer, "PYTHONPATH": root, "OMP_NUM_THREADS": "2",
+           "NUMBA_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT], capture_output=True, text=True, env=env,
+                         cwd=root, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [layer, str(layer != "workqueue")]

@@ -13,11 +13,21 @@ order: tbb, omp, workqueue). Measured on the 2-core development machine with tor
 calls (as in a decoder): the ``omp`` pool 1.15-1.9x faster than serial from 3K units, the
 ``workqueue`` pool slower than serial at every size (0.68-0.94x). With other processes busy on the
 cores, ``omp``'s spinning threads can lose; set the variable then.
+
+Python threads (e.g. one ``generate()`` per thread, one ``KiviCache`` each): numba's ``tbb`` and
+``omp`` layers accept parallel calls from several threads at once, ``workqueue`` does not (it aborts
+the process: "Concurrent access has been detected", exit 134) and numba falls back to it where tbb
+and omp are missing. So :func:`_run_threaded`, the one place the threaded entry is called from,
+serialises it with a lock until the first call has told which layer numba chose
+(``numba.threading_layer()``, known only after a parallel launch), and for good if that layer is not
+in :data:`THREAD_SAFE_LAYERS`; calls on tbb / omp then run unlocked. The serial entry and the value
+quantizer (:mod:`kivi.quant.fused_cpu`) use no thread pool and never lock.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -124,6 +134,31 @@ def _chunk_tokens(ntok: int, tasks_bh: int, threads: int) -> int:
     return -(-chunk // 64) * 64
 
 
+#: numba threading layers that take parallel calls from several Python threads at once (numba's
+#: documentation: tbb and omp are thread-safe, workqueue is not).
+THREAD_SAFE_LAYERS = frozenset({"tbb", "omp"})
+_pool_lock = threading.Lock()
+_pool_thread_safe: bool | None = None  # None until a first threaded call has started numba's pool
+
+
+def _run_threaded(entry, args: tuple) -> None:
+    """Call the threaded entry ``entry(*args)``, under a lock unless numba's layer is thread-safe.
+
+    The layer is chosen at numba's first parallel launch, so the first call runs locked and then
+    records whether the layer is in :data:`THREAD_SAFE_LAYERS`.
+    """
+    global _pool_thread_safe
+    if _pool_thread_safe:
+        entry(*args)
+        return
+    with _pool_lock:
+        entry(*args)
+        if _pool_thread_safe is None:
+            import numba  # loaded with the kernel
+
+            _pool_thread_safe = numba.threading_layer() in THREAD_SAFE_LAYERS
+
+
 def fused_decode_attention(
     q: torch.Tensor,
     k_view: AttentionView,
@@ -149,7 +184,6 @@ def fused_decode_attention(
     if threaded is None:
         threaded = _use_threads(B, hkv, kv_len)
     kernel = _kernel()
-    entry = kernel.decode_threaded if threaded else kernel.decode_serial
     valid = valid_row(attention_mask, B, kv_len)
     has_mask = valid is not None
     valid_np = _np(valid) if has_mask else _ALL_VALID
@@ -166,9 +200,13 @@ def fused_decode_attention(
         chunk = _chunk_tokens(kv_len, B * hkv, numba.get_num_threads())
     else:
         chunk = kv_len
-    entry(q32, kd, vd, prm, valid_np, int(has_mask), np.float32(scaling), hkv, kv_len, chunk,
-           out.numpy().reshape(B, hq, dv))
+    args = (q32, kd, vd, prm, valid_np, int(has_mask), np.float32(scaling), hkv, kv_len, chunk,
+            out.numpy().reshape(B, hq, dv))
+    if threaded:
+        _run_threaded(kernel.decode_threaded, args)
+    else:
+        kernel.decode_serial(*args)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-__all__ = ["fused_decode_supported", "fused_decode_attention", "warmup", "SERIAL_BELOW"]
+__all__ = ["fused_decode_supported", "fused_decode_attention", "warmup", "SERIAL_BELOW", "THREAD_SAFE_LAYERS"]
