@@ -60,6 +60,18 @@ class BlockStore:
     #: into an existing block keep it, so memoised data must not assume a block's contents are final.
     derived: dict = field(default_factory=dict, repr=False, compare=False)
 
+    def __deepcopy__(self, memo: dict) -> "BlockStore":
+        """A copy with its own blocks and an empty ``derived``: memoised readers' data (e.g. the fused
+        kernel's tables of raw block addresses) points at *this* store's tensors, so a copy that kept
+        it would read the original's blocks."""
+        import copy
+
+        new = BlockStore.__new__(BlockStore)
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            setattr(new, name, {} if name == "derived" else copy.deepcopy(value, memo))
+        return new
+
     # ------------------------------------------------------------------ writing
     def _divisor(self, name: str) -> int:
         assert self.template is not None

@@ -87,3 +87,34 @@ def test_derived_memo_survives_in_block_appends_only():
         s.derived["reader"] = "memo"
         change()
         assert s.derived == {}
+
+
+def test_deepcopy_of_a_used_cache_reads_its_own_blocks():
+    """The fused kernel memoises raw block addresses in ``BlockStore.derived``; a deep copy must not
+    keep them (it read the original's blocks: overwriting them changed the copy's logits by up to 3.6)."""
+    import copy
+
+    from kivi import KiviCache, KiviConfig, quantize_model
+    from tests.helpers import tiny_model
+
+    model = tiny_model(weight_scale=2.0)
+    cfg = KiviConfig(k_bits=2, v_bits=2, group_size=8, residual_length=8)
+    quantize_model(model, cfg)
+    cache = KiviCache.from_model(model, cfg)
+    assert cache.attention_backend == "cpu"
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, 40))
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        for t in range(5):  # decode steps: the fused kernel memoises its tables in the stores
+            model(ids[:, t:t + 1], past_key_values=cache)
+        assert any(layer.k.store.derived for layer in cache.layers)
+        copied, twin = copy.deepcopy(cache), copy.deepcopy(cache)
+        expected = model(ids[:, :1], past_key_values=twin).logits
+        for layer in cache.layers:  # scribble over the original's stored blocks
+            for side in (layer.k, layer.v):
+                for blk in side.store.blocks:
+                    for t in (blk or {}).values():
+                        t.fill_(3 if t.dtype == torch.uint8 else 7)
+        got = model(ids[:, :1], past_key_values=copied).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
