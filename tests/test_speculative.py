@@ -25,6 +25,11 @@ CONFIGS = {
 }
 NEW = 200
 SCALE = 3.0
+# Each case generates 2 x 200 tokens (about 20-60 s on the shared 2-core box): the default suite runs
+# one case per kind of speculation, KIVI_SLOW=1 runs all of them.
+FAST = {("cpu", "2-2"), ("cpu", "balanced")}
+CASES = [pytest.param(b, c, id=f"{c}-{b}", marks=() if (b, c) in FAST else pytest.mark.slow)
+         for b in ("reference", "cpu") for c in CONFIGS]
 
 
 def _model(backend: str, config: dict, seed: int = 0, **kw):
@@ -48,8 +53,7 @@ def _speculative(model, prompt: torch.Tensor, **spec) -> torch.Tensor:
         return model.generate(prompt, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, **spec)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
-@pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
+@pytest.mark.parametrize("backend,config", CASES)
 def test_prompt_lookup_equals_greedy(backend, config):
     model = _model(backend, CONFIGS[config])
     prompt = _prompt()
@@ -59,8 +63,7 @@ def test_prompt_lookup_equals_greedy(backend, config):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
-@pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
+@pytest.mark.parametrize("backend,config", CASES)
 def test_assisted_generation_with_a_kivi_draft_equals_greedy(backend, config):
     model = _model(backend, CONFIGS[config])
     # A smaller draft (one layer), also on a KIVI cache (quantize_model makes generate build one).
