@@ -8,6 +8,9 @@ mask, ...)``. :func:`kivi_attention_forward` is that attention function for mode
   packed attention returned them): the views inside say what to read, the backend inside how
   (resolved once when the cache was built). A forward whose views hold nothing stored yet (a
   prefill) is exact attention and goes to transformers' SDPA over the full-precision tokens.
+  A ``"reference"`` cache returns ``PackedStates(view, "reference")`` for forwards whose queries
+  read tokens at different precisions (speculative verify forwards, chunks after the first:
+  :func:`kivi.cache.schedule.query_boundaries`); they run :func:`~kivi.attention.reference.reference_attention`.
 * anything else — plain tensors from a cache built with ``attention_backend="reference"``, a
   non-KIVI cache, no cache — is full precision: transformers' SDPA is the right path for it.
 

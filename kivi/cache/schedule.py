@@ -9,7 +9,9 @@ One side (keys or values) of a :class:`~kivi.cache.layer.KiviLayer` holds the to
 A flush (after every append) moves tokens out of the front of the window: the first ones fill the
 sink, then keys move in whole groups of ``G`` (aligned on ``s, s + G, ...``) once at least ``R``
 newer keys remain, values as soon as more than ``R`` newer values exist. These rules make the state
-depend on ``seen`` alone, not on how the tokens arrived (:func:`side_tokens`).
+depend on ``seen`` alone, not on how the tokens arrived (:func:`side_tokens`). A forward of several
+tokens gives each of its queries the state one-token decoding would have at that query's step
+(:func:`query_boundaries`; a prefill into an empty layer is exact: :func:`prefill_exact_queries`).
 
 :class:`~kivi.cache.layer.KiviLayer` moves tensors by these functions and the planner
 (:mod:`kivi.memory`) counts bytes with them; neither restates them. Pure functions of ints: no torch.
