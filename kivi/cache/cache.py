@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from ..backends import PACKED_BACKENDS, cache_attention_backend, resolve_attention_backend
+from ..backends import PACKED_BACKENDS, cache_attention_backend, model_attention_unsupported, resolve_attention_backend
 from ..config import KiviConfig
 from .layer import KiviLayer
 from .padding import install_padding_hook
@@ -50,6 +50,10 @@ class KiviCache(Cache):
         """A cache with one layer per decoder layer of ``model`` (HF ``PreTrainedModel``)."""
         config = config if config is not None else getattr(model, "kivi_config", None) or KiviConfig()
         cache = cls.from_model_config(model.config, config, attention_backend=cache_attention_backend(model, config))
+        if model_attention_unsupported(model.config) is not None:  # its attention cannot read per-query views
+            for layer in cache.layers:
+                if isinstance(layer, KiviLayer):
+                    layer.per_query_views = False
         install_padding_hook(model)
         return cache
 

@@ -115,6 +115,10 @@ class KiviLayer(CacheLayerMixin):
         # Queries of a forward into the empty layer that are the prompt (None: the whole forward); see
         # kivi.cache.schedule.prefill_exact_queries and KiviCache.set_prompt_length.
         self.prompt_length: int | None = None
+        # False for a model whose attention cannot read views (softcapping, e.g. Gemma2; set by
+        # KiviCache.from_model): `update` then materialises what the forward's FIRST query sees for
+        # every query (approximate for multi-token forwards after the prefill; docs/speculative.md).
+        self.per_query_views = True
 
     # ------------------------------------------------------------------ transformers API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -141,7 +145,7 @@ class KiviLayer(CacheLayerMixin):
         later queries full-precision tokens one-token decoding would not give them.
         """
         kv, vv = self.append(key_states, value_states, valid=valid)
-        if kv.per_query or vv.per_query:
+        if (kv.per_query or vv.per_query) and self.per_query_views:
             return PackedStates(kv, "reference"), PackedStates(vv, "reference")
         return materialize(kv, self.dtype), materialize(vv, self.dtype)
 
