@@ -7,9 +7,13 @@ After ``quantize_model(model, config)``:
 * every forward that receives a ``KiviCache`` tells it which tokens are padding (from the 2-D
   ``attention_mask``), so padding never enters a quantization statistic.
 
-* unless ``config.attention_backend`` resolves to ``"reference"``, the model's attention
-  implementation becomes ``"kivi"`` (attention reads the packed cache, see :mod:`kivi.attention`);
-  ``dequantize_model`` restores the previous one.
+* the model's attention implementation becomes ``"kivi"`` (attention reads the packed cache, see
+  :mod:`kivi.attention`) unless the backend is ``"reference"`` and the model's attention is one
+  the ``"kivi"`` attention does not implement (logit softcapping, attention sinks). With
+  ``"reference"`` the ``"kivi"`` attention hands the cache's dequantized tensors to SDPA, and reads
+  the views itself only for forwards whose queries need their own precision (chunked prefill or
+  evaluation, speculative verify forwards: see ``docs/speculative.md``); ``dequantize_model``
+  restores the previous one.
 
 Weights and ``generate`` arguments stay as they were; a model whose linear layers are quantized by
 optimum-quanto (:func:`kivi.models.quantize_weights`, before or after this call) works unchanged: nothing
@@ -23,7 +27,7 @@ import types
 from typing import Any
 
 from . import attention  # noqa: F401 - registers the "kivi" attention and mask functions with transformers
-from .backends import ATTN_IMPLEMENTATION, PACKED_BACKENDS, resolve_attention_backend
+from .backends import ATTN_IMPLEMENTATION, PACKED_BACKENDS, model_attention_unsupported, resolve_attention_backend
 from .cache.cache import KiviCache
 from .cache.padding import install_padding_hook
 from .cache.support import check_head_dim, model_head_dim, model_layer_types, plan_layers
@@ -87,10 +91,13 @@ def quantize_model(model: Any, config: KiviConfig | None = None, *,
     model.kivi_config = config
     model.kivi_attention_backend = backend
     current = model.config._attn_implementation
-    if backend in PACKED_BACKENDS and current != ATTN_IMPLEMENTATION:
+    # "reference" runs "kivi" attention too where it can: per-query precision (multi-token forwards
+    # into a non-empty cache) cannot be expressed as the plain tensors SDPA reads.
+    runs_kivi = backend in PACKED_BACKENDS or model_attention_unsupported(model.config) is None
+    if runs_kivi and current != ATTN_IMPLEMENTATION:
         model._kivi_previous_attn_implementation = current
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    elif backend == "reference" and current == ATTN_IMPLEMENTATION:
+    elif not runs_kivi and current == ATTN_IMPLEMENTATION:
         model.set_attn_implementation(getattr(model, "_kivi_previous_attn_implementation", None) or "sdpa")
     install_padding_hook(model)
     gen = getattr(model, "generation_config", None)
@@ -112,8 +119,15 @@ def quantize_model(model: Any, config: KiviConfig | None = None, *,
             )
             if wants_default:
                 model_kwargs["cache"] = KiviCache.from_model(self, self.kivi_config)
-                return None
-            return original(generation_config, model_kwargs, *args, **kwargs)
+            else:
+                result = original(generation_config, model_kwargs, *args, **kwargs)
+            cache = model_kwargs.get("cache")
+            if isinstance(cache, KiviCache) and cache.get_seq_length() == 0:
+                # The prompt's queries are the exact prefill; speculative candidates that transformers
+                # runs in the same first forward must see what one-token decoding would (docs/speculative.md).
+                mask = model_kwargs.get("attention_mask")
+                cache.set_prompt_length(mask.shape[-1] if mask is not None and mask.dim() == 2 else None)
+            return None if wants_default else result
 
         model._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, model)
         model._kivi_patched_generate = True

@@ -23,8 +23,12 @@ Q8 = KiviConfig(k_bits=8, v_bits=8, residual_length=32, block_size=64)  # close 
 
 
 def _chunked_logits(model, ids, cache, step):
+    # Chunks after the first give each query its own precision: an unprepared model reads the KIVI
+    # cache's views through the "kivi" attention for them (docs/speculative.md).
+    from kivi.attention.interface import reading_views
+
     outs = []
-    with torch.no_grad():
+    with torch.no_grad(), reading_views(model, cache):
         for s in range(0, ids.shape[1], step):
             outs.append(model(ids[:, s : s + step], cache=cache).logits)
     return torch.cat(outs, 1)

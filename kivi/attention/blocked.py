@@ -22,6 +22,11 @@ accumulated with ``p @ v``.
 
 GQA: the query heads sharing a kv head are folded into the row axis (``[B, Hkv, g * n, D]``);
 the cache is never repeated. Masks: see :mod:`kivi.attention.reference`.
+
+Per-query precision (views with ``fp_from``, see :class:`~kivi.cache.view.AttentionView`): the
+tokens ``[split, split + M)`` are read twice, from ``left`` and from ``fp``, and each query row
+takes its own (a ``torch.where`` on the scores for keys, split weights for values). Only those at
+most ``n + G`` tokens cost double; the rest of the walk is unchanged.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 from ..cache.view import AttentionView
 from ..quant.kv import PackedKV, compensation_values
 from ..quant.packing import unpack_codes
-from .reference import NEG, grouped_mask, view_geometry
+from .reference import NEG, check_boundary, grouped_mask, view_geometry
 
 _LUTS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
@@ -95,7 +100,10 @@ def _key_chunks(view: AttentionView, block_tokens: int):
             for a in range(0, seg.num_tokens, block_tokens):
                 yield t0 + a, "fp", seg.data[:, :, a : a + block_tokens]
     fp = view.fp
-    for a in range(0, fp.shape[-2], block_tokens):
+    m = 0 if view.left is None else view.left.shape[-2]
+    for a in range(0, m, block_tokens):  # per-query precision: both versions of these tokens
+        yield view.split + a, "dual", (view.left[:, :, a : min(m, a + block_tokens)], fp[:, :, a : min(m, a + block_tokens)])
+    for a in range(m, fp.shape[-2], block_tokens):
         yield view.split + a, "fp", fp[:, :, a : a + block_tokens]
 
 
@@ -107,8 +115,11 @@ def _value_pieces(view: AttentionView):
             out.append((t0, t0 + seg.num_tokens, "q", seg))
         else:
             out.append((t0, t0 + seg.num_tokens, "fp", seg.data))
-    if view.fp.shape[-2]:
-        out.append((view.split, view.split + view.fp.shape[-2], "fp", view.fp))
+    m = 0 if view.left is None else view.left.shape[-2]
+    if m:
+        out.append((view.split, view.split + m, "dual", (view.left, view.fp[:, :, :m])))
+    if view.fp.shape[-2] > m:
+        out.append((view.split + m, view.split + view.fp.shape[-2], "fp", view.fp[:, :, m:]))
     return out
 
 
@@ -158,6 +169,9 @@ def blocked_attention(
     """
     B, hq, n, d = q.shape
     start, kv_len, hkv, dv = view_geometry(q, k_view, v_view)
+    for view in (k_view, v_view):
+        if view.per_query:
+            check_boundary(view, n)
     g = hq // hkv
     end = start + kv_len
     scaling = d**-0.5 if scaling is None else scaling
@@ -185,7 +199,16 @@ def blocked_attention(
         for a, kind, obj in _key_chunks(k_view, block_tokens):
             if causal and a > last_q:
                 break
-            s = _key_scores(qg, obj) if kind == "q" else qg @ obj.float().transpose(-1, -2)
+            if kind == "q":
+                s = _key_scores(qg, obj)
+            elif kind == "dual":  # each query row reads its own precision of these keys
+                T = obj[1].shape[-2]
+                use = k_view.query_reads_left(a, a + T, slice(q0, q1))  # [nc, T]
+                s_left = (qg @ obj[0].float().transpose(-1, -2)).view(B, hkv, g, nc, T)
+                s = torch.where(use, s_left, (qg @ obj[1].float().transpose(-1, -2)).view(B, hkv, g, nc, T))
+                s = s.view(B, hkv, M, T)
+            else:
+                s = qg @ obj.float().transpose(-1, -2)
             T = s.shape[-1]
             b = a + T
             if mask is not None or causal:
@@ -206,6 +229,12 @@ def blocked_attention(
             for va, vb, vkind, vobj in values:
                 lo, hi = max(a, va), min(b, vb)
                 if lo >= hi:
+                    continue
+                if vkind == "dual":  # split each query row's weights between the two precisions
+                    use = v_view.query_reads_left(lo, hi, slice(q0, q1))  # [nc, hi - lo]
+                    pp = p[..., lo - a : hi - a].reshape(B, hkv, g, nc, hi - lo)
+                    acc.add_((pp * use).view(B, hkv, M, hi - lo) @ vobj[0][:, :, lo - va : hi - va].float())
+                    acc.add_((pp * ~use).view(B, hkv, M, hi - lo) @ vobj[1][:, :, lo - va : hi - va].float())
                     continue
                 if vkind == "q":
                     vt = _value_block(_slice_value_seg(vobj, lo - va, hi - va))

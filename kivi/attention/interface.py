@@ -8,6 +8,9 @@ mask, ...)``. :func:`kivi_attention_forward` is that attention function for mode
   packed attention returned them): the views inside say what to read, the backend inside how
   (resolved once when the cache was built). A forward whose views hold nothing stored yet (a
   prefill) is exact attention and goes to transformers' SDPA over the full-precision tokens.
+  A ``"reference"`` cache returns ``PackedStates(view, "reference")`` for forwards whose queries
+  read tokens at different precisions (speculative verify forwards, chunks after the first:
+  :func:`kivi.cache.schedule.query_boundaries`); they run :func:`~kivi.attention.reference.reference_attention`.
 * anything else — plain tensors from a cache built with ``attention_backend="reference"``, a
   non-KIVI cache, no cache — is full precision: transformers' SDPA is the right path for it.
 
@@ -19,12 +22,15 @@ function transformers builds no mask at all for an unknown implementation.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Any, Iterator
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..backends import ATTN_IMPLEMENTATION
+from ..backends import ATTN_IMPLEMENTATION, model_attention_unsupported
 from ..cache.view import AttentionView, PackedStates
 
 
@@ -102,6 +108,31 @@ def kivi_attention_forward(
         )
     out = run_backend(key.backend, query, k_view, v_view, scaling=scaling, attention_mask=attention_mask)
     return out.transpose(1, 2).contiguous(), None
+
+
+@contextmanager
+def reading_views(model: Any, cache: Any) -> Iterator[None]:
+    """Run ``model`` with the ``"kivi"`` attention inside the block when ``cache`` is a KIVI cache and the
+    model runs another attention that ``"kivi"`` implements; restore it after.
+
+    For tools that feed a model not prepared by :func:`kivi.quantize_model` several tokens per forward
+    (chunked evaluation): such forwards give each query its own precision, which the cache can only
+    return as views (:class:`~kivi.cache.view.PackedStates`); ``"kivi"`` hands plain tensors to SDPA,
+    so nothing else changes. A model whose attention ``"kivi"`` does not implement is left as it is.
+    """
+    from ..cache.cache import KiviCache  # noqa: PLC0415 - cache sits below attention; lazy keeps imports light
+
+    config = getattr(model, "config", None)
+    current = getattr(config, "_attn_implementation", None)
+    if (not isinstance(cache, KiviCache) or current == ATTN_IMPLEMENTATION
+            or model_attention_unsupported(config) is not None):
+        yield
+        return
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(current)
 
 
 def register() -> None:

@@ -1,7 +1,9 @@
 """Ground-truth attention over a KIVI layer's views: dequantize everything, then plain softmax.
 
 Same semantics as :func:`kivi.cache.view.materialize` followed by an attention that
-groups query heads (GQA) instead of repeating the cache.
+groups query heads (GQA) instead of repeating the cache. A view with a per-query boundary
+(``fp_from``, see :class:`~kivi.cache.view.AttentionView`) is materialised twice, with and without
+its ``left`` copy, and each query reads its own mix of the two (scores for keys, weights for values).
 
 Masks, as transformers gives them, cover kv positions ``[kv_offset, kv_offset + kv_length)``
 where ``kv_offset`` is the views' ``start``: a boolean ``[B, 1|Hq, n, kv_length]`` mask (True =
@@ -35,8 +37,14 @@ def dense_attention(
     *,
     scaling: float | None = None,
     attention_mask: torch.Tensor | None = None,
+    k_alt: tuple[torch.Tensor, torch.Tensor] | None = None,
+    v_alt: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Softmax attention in float32. ``q [B, Hq, n, D]``, ``k/v [B, Hkv, T, D]`` -> ``[B, Hq, n, Dv]``."""
+    """Softmax attention in float32. ``q [B, Hq, n, D]``, ``k/v [B, Hkv, T, D]`` -> ``[B, Hq, n, Dv]``.
+
+    ``k_alt = (k2 [B, Hkv, T, D], use [n, T] bool)``: query ``i`` reads key ``j`` from ``k2`` where
+    ``use[i, j]`` (per-query precision); ``v_alt`` likewise for values.
+    """
     B, hq, n, d = q.shape
     hkv, T = k.shape[1], k.shape[2]
     if hq % hkv:
@@ -46,6 +54,9 @@ def dense_attention(
     qg = q.float().reshape(B, hkv, g * n, d)
     s = (qg @ k.float().transpose(-1, -2)) * scaling  # [B, Hkv, g*n, T]
     s = s.view(B, hkv, g, n, T)
+    if k_alt is not None:
+        s2 = ((qg @ k_alt[0].float().transpose(-1, -2)) * scaling).view(B, hkv, g, n, T)
+        s = torch.where(k_alt[1], s2, s)
     if attention_mask is not None:
         m = grouped_mask(attention_mask[..., :T], hkv, g)
         if m.dtype == torch.bool:
@@ -55,8 +66,12 @@ def dense_attention(
     elif n > 1:
         qpos = torch.arange(T - n, T, device=q.device)
         s = s.masked_fill(torch.arange(T, device=q.device)[None, :] > qpos[:, None], NEG)
-    p = torch.softmax(s, dim=-1).view(B, hkv, g * n, T)
-    out = p @ v.float()
+    p = torch.softmax(s, dim=-1)
+    if v_alt is not None:
+        use = v_alt[1]  # [n, T]
+        out = (p * use).view(B, hkv, g * n, T) @ v_alt[0].float() + (p * ~use).view(B, hkv, g * n, T) @ v.float()
+    else:
+        out = p.view(B, hkv, g * n, T) @ v.float()
     return out.view(B, hq, n, v.shape[-1]).to(q.dtype)
 
 
@@ -78,7 +93,20 @@ def reference_attention(
     v = materialize_view(v_view, dtype)
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"key view holds {k.shape[-2]} tokens but value view {v.shape[-2]}")
-    return dense_attention(q, k, v, scaling=scaling, attention_mask=attention_mask)
+    alts = []
+    for view in (k_view, v_view):
+        if view.per_query:
+            check_boundary(view, q.shape[2])
+            alts.append((materialize_view(view, dtype, left=True), view.query_reads_left(view.start, view.start + k.shape[-2])))
+        else:
+            alts.append(None)
+    return dense_attention(q, k, v, scaling=scaling, attention_mask=attention_mask, k_alt=alts[0], v_alt=alts[1])
+
+
+def check_boundary(view: AttentionView, n: int) -> None:
+    """A per-query boundary must name one position per query of the forward."""
+    if len(view.fp_from) != n:
+        raise ValueError(f"the view's per-query boundary covers {len(view.fp_from)} queries, the forward has {n}")
 
 
 def view_geometry(q: torch.Tensor, k_view, v_view) -> tuple[int, int, int, int]:

@@ -1,9 +1,12 @@
 """The ``"triton"`` attention backend: adapts a layer's views to the Triton decode kernel.
 
 Decode steps (one new token per sequence) run :func:`kivi.kernels.triton_attention.decode_attention`
-on the packed codes. Forwards of several tokens (prefill chunks) run the blocked torch path
-(:func:`kivi.attention.blocked.blocked_attention`) on the same device: the kernel is a decode
-kernel, and this split is the documented design of the backend, not a fallback.
+on the packed codes. Forwards of several tokens (prefill chunks, speculative verify forwards,
+chunked evaluation) run the blocked torch path (:func:`kivi.attention.blocked.blocked_attention`)
+on the same device: the kernel is a decode kernel, and this split is the documented design of the
+backend, not a fallback. In particular the per-query precision boundary of a multi-token forward
+(:class:`~kivi.cache.view.AttentionView` ``fp_from`` / ``left``) is read by the blocked path; a
+decode step never has one, and the kernel refuses a view that does.
 
 Known cost: the kernel takes one contiguous quantized segment per side, so the stored blocks are
 concatenated (``BlockStore.read``) each decode step; a long prefill is a single block, so this is a
@@ -48,6 +51,10 @@ def triton_view_attention(query, k_view: AttentionView, v_view: AttentionView, *
 
         return blocked_attention(query, k_view, v_view, scaling=scaling, attention_mask=attention_mask)
     from ..kernels.triton_attention import decode_attention_packed
+
+    if k_view.per_query or v_view.per_query:
+        raise ValueError("the Triton decode kernel reads one precision per token; a one-query forward has no "
+                         "per-query boundary (kivi.cache.schedule.query_boundaries)")
 
     k_seg, k_fp = _side(k_view)
     v_seg, v_fp = _side(v_view)

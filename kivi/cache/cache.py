@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from ..backends import PACKED_BACKENDS, cache_attention_backend, resolve_attention_backend
+from ..backends import PACKED_BACKENDS, cache_attention_backend, model_attention_unsupported, resolve_attention_backend
 from ..config import KiviConfig
 from .layer import KiviLayer
 from .padding import install_padding_hook
@@ -39,6 +39,8 @@ class KiviCache(Cache):
                  attention_backend: str = "reference"):
         self.config = config if config is not None else KiviConfig()
         self._attention_mask: torch.Tensor | None = None
+        self._prompt_length: int | None = None  # see set_prompt_length
+        self._record_past = False  # see activate_past_recording
         # Fixed for the cache's life: "reference" materialises, "cpu"/"triton" return PackedStates.
         self.attention_backend = resolve_attention_backend(attention_backend)
         super().__init__(layers=list(layers) if layers is not None else [])
@@ -49,6 +51,10 @@ class KiviCache(Cache):
         """A cache with one layer per decoder layer of ``model`` (HF ``PreTrainedModel``)."""
         config = config if config is not None else getattr(model, "kivi_config", None) or KiviConfig()
         cache = cls.from_model_config(model.config, config, attention_backend=cache_attention_backend(model, config))
+        if model_attention_unsupported(model.config) is not None:  # its attention cannot read per-query views
+            for layer in cache.layers:
+                if isinstance(layer, KiviLayer):
+                    layer.per_query_views = False
         install_padding_hook(model)
         return cache
 
@@ -57,6 +63,29 @@ class KiviCache(Cache):
                           attention_backend: str = "reference") -> "KiviCache":
         layers = [KiviLayer(lcfg, sliding_window=window) for lcfg, window in plan_layers(model_config, config)]
         return cls(config, layers=layers, attention_backend=attention_backend)
+
+    # ------------------------------------------------------------------ speculative decoding
+    def set_prompt_length(self, prompt_length: int | None) -> None:
+        """The prompt of the next prefill has ``prompt_length`` tokens (``None``: the whole first forward).
+
+        Only the prompt's queries of a forward into an empty cache read every token at full precision;
+        the rest read what one-token decoding would give them. transformers' assisted and prompt-lookup
+        decoding run the prompt and the first candidates in one forward, so :func:`kivi.quantize_model`'s
+        ``generate`` sets this from the prompt (see ``docs/speculative.md``).
+        """
+        if prompt_length is not None and (isinstance(prompt_length, bool) or not isinstance(prompt_length, int)
+                                          or prompt_length < 1):
+            raise ValueError(f"prompt_length={prompt_length!r} must be a positive int or None")
+        self._prompt_length = prompt_length
+        for layer in self.layers:
+            if isinstance(layer, KiviLayer):
+                layer.prompt_length = prompt_length
+
+    def activate_past_recording(self) -> None:
+        """Keep each forward's tokens at full precision until the next crop (exact crop; transformers calls
+        this before assisted and prompt-lookup decoding). Also for layers created later."""
+        self._record_past = True
+        super().activate_past_recording()
 
     # ------------------------------------------------------------------ padding
     def set_attention_mask(self, attention_mask: torch.Tensor | None) -> None:
@@ -84,11 +113,12 @@ class KiviCache(Cache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append to layer ``layer_idx``; all or nothing (a failure leaves the cache as it was)."""
         nlayers = len(self.layers)
         try:
             while len(self.layers) <= layer_idx:
-                self.layers.append(KiviLayer(self.config.for_layer(len(self.layers))))
+                new = KiviLayer(self.config.for_layer(len(self.layers)))
+                new.prompt_length, new.record_past = self._prompt_length, self._record_past
+                self.layers.append(new)
             layer = self.layers[layer_idx]
             if not isinstance(layer, KiviLayer):
                 return layer.update(key_states, value_states, *args, **kwargs)

@@ -15,9 +15,20 @@ Keys leave the window only in whole groups of ``G`` tokens aligned on absolute p
 
 An update with ``n`` new tokens first returns what attention must see — the stored history
 (quantized, or window) followed by the ``n`` new tokens at full precision — and only then moves
-tokens from the window into quantized storage. So a forward of ``n`` tokens sees exactly what ``n``
-single-token forwards would see of the tokens before it; chunked prefill, chunked evaluation and
-generation agree.
+tokens from the window into quantized storage. Each query of a forward of ``n > 1`` tokens into a
+layer that already holds tokens sees every earlier token at the precision one-token decoding would
+give it at that query's step (the views' per-query boundary, :func:`~kivi.cache.schedule.query_boundaries`):
+so verify forwards of speculative decoding, chunked evaluation and the chunks after the first of a
+chunked prefill equal one-token decoding. A forward into an empty layer (a prefill) is exact
+attention over full-precision tokens, as KIVI prescribes (its queries' history is the prompt itself);
+when ``prompt_length`` is set and the forward is longer (the prompt and the first speculative
+candidates in one forward), only the prompt's queries are.
+
+Crop: tokens still in the full-precision window come back bit-exact. With past recording active
+(:meth:`KiviLayer.activate_past_recording`, which transformers' assisted and prompt-lookup decoding
+call before their first forward), the move into quantized storage is deferred until the next
+``crop`` (or the next forward), so cropping rejected speculative tokens leaves the layer exactly as
+one-token decoding of the accepted tokens would.
 
 Sliding-window layers (``sliding_window=W``) stop exposing tokens that no future query can reach
 (older than ``W + R + G`` tokens, cut at a multiple of ``block_size``) and free the blocks that held
@@ -34,10 +45,11 @@ from transformers.cache_utils import CacheLayerMixin
 from ..config import KiviConfig
 from ..quant.fused_cpu import quantize_tokens_into, token_quantizer_supported
 from ..quant.kv import PackedKV, dequantize_kv, quantize_kv
-from .schedule import flush_count, key_group_start, layer_sink_tokens, sink_take, sliding_cut
+from .schedule import (key_group_start, layer_sink_tokens, prefill_exact_queries, query_boundaries, sliding_cut,
+                       window_exits)
 from .store import BlockStore, FpSegment
 from .support import check_head_dim
-from .view import AttentionView, materialize
+from .view import AttentionView, PackedStates, materialize
 
 _SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -106,6 +118,17 @@ class KiviLayer(CacheLayerMixin):
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
         self._fast: dict[torch.dtype, bool] = {}  # values quantized by the numba pass, per input dtype
+        # Past recording (transformers' name): the window keeps every token of the last forward at
+        # full precision until the next crop / forward moves what is due (`_due`), so crop is exact.
+        self.record_past = False
+        self._due = False
+        # Queries of a forward into the empty layer that are the prompt (None: the whole forward); see
+        # kivi.cache.schedule.prefill_exact_queries and KiviCache.set_prompt_length.
+        self.prompt_length: int | None = None
+        # False for a model whose attention cannot read views (softcapping, e.g. Gemma2; set by
+        # KiviCache.from_model): `update` then materialises what the forward's FIRST query sees for
+        # every query (approximate for multi-token forwards after the prefill; docs/speculative.md).
+        self.per_query_views = True
 
     # ------------------------------------------------------------------ transformers API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -117,12 +140,12 @@ class KiviLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ all or nothing
     def checkpoint(self) -> tuple:
         """What :meth:`rollback` needs to put the layer back as it is now (references, no copies)."""
-        return (self.seen, self.device, self.dtype, self.is_initialized, dict(self._fast),
-                self.k.checkpoint(), self.v.checkpoint())
+        return (self.seen, self.device, self.dtype, self.is_initialized, dict(self._fast), self._due,
+                self.prompt_length, self.k.checkpoint(), self.v.checkpoint())
 
     def rollback(self, checkpoint: tuple) -> None:
         """Undo every change made since :meth:`checkpoint` (appends, evictions, crops, batch edits)."""
-        self.seen, self.device, self.dtype, self.is_initialized, fast, k, v = checkpoint
+        self.seen, self.device, self.dtype, self.is_initialized, fast, self._due, self.prompt_length, k, v = checkpoint
         self._fast = fast
         self.k.rollback(k)
         self.v.rollback(v)
@@ -137,15 +160,27 @@ class KiviLayer(CacheLayerMixin):
             self.rollback(checkpoint)
             raise
 
+    def activate_past_recording(self) -> None:
+        """Defer moving tokens into quantized storage until the next ``crop`` or forward (transformers
+        calls this before assisted / prompt-lookup decoding), so that ``crop`` is exact."""
+        self.record_past = True
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, valid: torch.Tensor | None = None, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[PackedStates, PackedStates]:
         """Append ``[B, H, n, D]`` keys/values; return the keys/values attention sees (reference path).
 
-        ``valid [B, n]`` marks real (non-padding) tokens; ``None`` means all are real.
+        ``valid [B, n]`` marks real (non-padding) tokens; ``None`` means all are real. Plain tensors
+        cannot give each query its own precision, so a forward whose views carry a per-query boundary
+        returns ``PackedStates(view, "reference")`` instead: the ``"kivi"`` attention reads them with
+        :func:`kivi.attention.reference.reference_attention` (:func:`kivi.quantize_model` switches a
+        model with a ``"reference"`` cache to it); any other attention raises rather than give the
+        later queries full-precision tokens one-token decoding would not give them.
         """
         with self.all_or_nothing():  # a failed dequantization undoes the append too
             kv, vv = self._append(key_states, value_states, valid)
+            if (kv.per_query or vv.per_query) and self.per_query_views:
+                return PackedStates(kv, "reference"), PackedStates(vv, "reference")
             return materialize(kv, self.dtype), materialize(vv, self.dtype)
 
     def append(
@@ -165,12 +200,28 @@ class KiviLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if valid is not None and bool(valid.all()):
             valid = None
+        if self._due:
+            self._flush_due()  # what the last forward left in the window (past recording, no crop came)
         if self.sliding_window is not None:
             self._evict()  # before building the views: the mask of this forward already excludes them
         n = key_states.shape[-2]
         views = self._append_sides(key_states, value_states, valid, n)
         self.seen += n
+        self._due = self.record_past
         return views[0], views[1]
+
+    def _flush_due(self) -> None:
+        """Move what the window holds beyond the schedule (deferred by past recording); all or nothing."""
+        checkpoints = [(side, side.checkpoint()) for side in (self.k, self.v)]
+        try:
+            for side in (self.k, self.v):
+                if side.quantize and side.window is not None:
+                    self._flush(side, side.window, side.window_valid)
+        except BaseException:
+            for side, cp in checkpoints:
+                side.rollback(cp)
+            raise
+        self._due = False
 
     def _append_sides(self, key_states: torch.Tensor, value_states: torch.Tensor, valid: torch.Tensor | None,
                       n: int) -> list[AttentionView]:
@@ -186,9 +237,38 @@ class KiviLayer(CacheLayerMixin):
             pending = x if side.window is None else torch.cat([side.window, x], dim=-2)
             pvalid = self._pending_valid(side, valid, n)
             start = 0 if side.sink is not None else side.store.start
-            views.append(AttentionView(side.store, split, pending, quantized=True, sink=side.sink, start=start))
-            self._flush(side, pending, pvalid)
+            view = AttentionView(side.store, split, pending, quantized=True, sink=side.sink, start=start)
+            if n > 1:  # decode steps (n == 1) never carry a boundary: nothing to compute
+                self._set_boundary(view, side, pending, pvalid, n)
+            views.append(view)
+            if self.record_past:
+                # Deferred (see `_flush_due`): the window keeps all pending tokens, exact, until crop.
+                side.window = pending if pending is not x else x.clone()
+                side.window_valid = None if pvalid is None or bool(pvalid.all()) else pvalid
+            else:
+                self._flush(side, pending, pvalid)
         return views
+
+    def _set_boundary(self, view: AttentionView, side: _Side, pending: torch.Tensor, pvalid: torch.Tensor | None,
+                      n: int) -> None:
+        """Give ``view`` its per-query boundary and the ``left`` copy (see :class:`AttentionView`)."""
+        cfg = self.config
+        window = pending.shape[-2] - n
+        args = (cfg.residual_length, cfg.group_size, side.sink_len, self.sink_tokens)
+        exact = prefill_exact_queries(self.seen, n, self.prompt_length)
+        bounds = query_boundaries(side.axis, window, n, *args, exact=exact)
+        if bounds is None:
+            return
+        # The last query's exits: its first `take` pending tokens went to the sink (exact), the next
+        # `stored` into quantized storage, quantized here exactly as `_flush` will quantize them.
+        take, stored = window_exits(side.axis, window + n - 1, *args)
+        parts = [pending[:, :, :take]] if take else []
+        if stored:
+            seg = self._quantize(side, pending[:, :, take : take + stored],
+                                 None if pvalid is None else pvalid[:, take : take + stored])
+            parts.append(dequantize_kv(seg, pending.dtype))
+        view.left = torch.cat(parts, dim=-2) if len(parts) > 1 else parts[0]
+        view.fp_from = tuple(view.split + b for b in bounds)
 
     def _pending_valid(self, side: _Side, valid: torch.Tensor | None, n: int) -> torch.Tensor | None:
         if valid is None and side.window_valid is None:
@@ -205,7 +285,7 @@ class KiviLayer(CacheLayerMixin):
         """Move what is due from ``pending`` (old window + new tokens) into quantized storage."""
         cfg = self.config
         total = pending.shape[-2]
-        s = sink_take(total, cfg.residual_length, side.sink_len, self.sink_tokens)
+        s, move = window_exits(side.axis, total, cfg.residual_length, cfg.group_size, side.sink_len, self.sink_tokens)
         if s:
             # The first tokens to leave the window become sink tokens (kept exact, no statistics).
             part = pending[:, :, :s].clone()
@@ -214,7 +294,6 @@ class KiviLayer(CacheLayerMixin):
             pending = pending[:, :, s:]
             pvalid = None if pvalid is None else pvalid[:, s:]
             total -= s
-        move = flush_count(side.axis, total, cfg.residual_length, cfg.group_size)
         if move and side.axis == "token" and side.store.template is not None and self._fast_tokens(side, pending.dtype):
             # One compiled pass, written straight into the block storage (decode: one token per step).
             x = pending[:, :, :move]
@@ -230,23 +309,27 @@ class KiviLayer(CacheLayerMixin):
                 old = side.stored_valid if side.stored_valid is not None else pvalid[:, :0]
                 gap = torch.ones(pvalid.shape[0], first - old.shape[1], dtype=torch.bool, device=pvalid.device)
                 side.stored_valid = torch.cat([old, gap, pvalid[:, :move]], dim=-1)
-            seg = quantize_kv(
-                pending[:, :, :move],
-                side.axis,
-                side.bits,
-                cfg.group_size,
-                symmetric=cfg.symmetric,
-                residual_bits=cfg.residual_bits,
-                valid=None if pvalid is None or side.axis == "token" else pvalid[:, :move],
-                param_dtype=self._param_dtype(pending.dtype),
-                check_finite=cfg.check_finite,
-            )
-            side.store.append(seg)
+            side.store.append(self._quantize(side, pending[:, :, :move], None if pvalid is None else pvalid[:, :move]))
         # The window keeps exact copies of what it was given (clone: do not pin `pending`).
         side.window = pending[:, :, move:].clone() if move < total else None
         side.window_valid = None
         if pvalid is not None and side.window is not None and not bool(pvalid[:, move:].all()):
             side.window_valid = pvalid[:, move:].clone()
+
+    def _quantize(self, side: _Side, x: torch.Tensor, valid: torch.Tensor | None) -> PackedKV:
+        """``x [B, H, T, D]`` (tokens leaving the window, T a multiple of G for keys) quantized as stored."""
+        cfg = self.config
+        return quantize_kv(
+            x,
+            side.axis,
+            side.bits,
+            cfg.group_size,
+            symmetric=cfg.symmetric,
+            residual_bits=cfg.residual_bits,
+            valid=None if valid is None or side.axis == "token" else valid,
+            param_dtype=self._param_dtype(x.dtype),
+            check_finite=cfg.check_finite,
+        )
 
     def _fast_tokens(self, side: _Side, dtype: torch.dtype) -> bool:
         """Whether values leave the window through :func:`kivi.quant.fused_cpu.quantize_tokens_into`.
@@ -304,6 +387,7 @@ class KiviLayer(CacheLayerMixin):
         self.seen = 0
         self.k = _Side("channel", cfg.quantize_key, cfg.k_bits, cfg.block_size)
         self.v = _Side("token", cfg.quantize_value, cfg.v_bits, cfg.block_size)
+        self._due = False
         self.is_initialized = False
 
     def offload(self):  # pragma: no cover - not supported
@@ -333,15 +417,22 @@ class KiviLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens (transformers 5 convention: a negative count).
 
-        Tokens still in the full-precision windows come back bit-exact. Cropping further than the
-        key window dequantizes the surviving part of the last key group back into the window (those
-        tokens then hold their quantized approximations).
+        Tokens still in the full-precision windows come back bit-exact; then what is due moves into
+        storage, so with past recording active a crop into the last forward's tokens leaves the layer
+        exactly as one-token decoding of the kept tokens would. Cropping further than the key window
+        dequantizes the surviving part of the last key group back into the window (those tokens then
+        hold their quantized approximations): exact crops need past recording, or a crop that stays
+        within the window.
         """
         if tokens_to_remove > 0:
             raise ValueError(
                 f"crop({tokens_to_remove}): pass a negative number of tokens to remove (transformers 5 convention)"
             )
-        if tokens_to_remove == 0 or not self.is_initialized:
+        if not self.is_initialized:
+            return
+        if tokens_to_remove == 0:
+            if self._due:
+                self._flush_due()
             return
         new_seen = self.seen + tokens_to_remove
         if new_seen < 0:
@@ -356,6 +447,8 @@ class KiviLayer(CacheLayerMixin):
             for side in (self.k, self.v):
                 self._crop_side(side, new_seen)
             self.seen = new_seen
+            if self._due:
+                self._flush_due()
 
     def _crop_side(self, side: _Side, new_seen: int) -> None:
         store = side.store

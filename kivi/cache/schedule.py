@@ -9,7 +9,9 @@ One side (keys or values) of a :class:`~kivi.cache.layer.KiviLayer` holds the to
 A flush (after every append) moves tokens out of the front of the window: the first ones fill the
 sink, then keys move in whole groups of ``G`` (aligned on ``s, s + G, ...``) once at least ``R``
 newer keys remain, values as soon as more than ``R`` newer values exist. These rules make the state
-depend on ``seen`` alone, not on how the tokens arrived (:func:`side_tokens`).
+depend on ``seen`` alone, not on how the tokens arrived (:func:`side_tokens`). A forward of several
+tokens gives each of its queries the state one-token decoding would have at that query's step
+(:func:`query_boundaries`; a prefill into an empty layer is exact: :func:`prefill_exact_queries`).
 
 :class:`~kivi.cache.layer.KiviLayer` moves tensors by these functions and the planner
 (:mod:`kivi.memory`) counts bytes with them; neither restates them. Pure functions of ints: no torch.
@@ -57,6 +59,56 @@ def flush_count(axis: str, pending: int, residual_length: int, group_size: int) 
     return excess // group_size * group_size if axis == KEY_AXIS else excess
 
 
+def window_exits(axis: str, pending: int, residual_length: int, group_size: int, sink_len: int,
+                 sink_tokens: int) -> tuple[int, int]:
+    """``(to_sink, to_store)``: how many of the first ``pending`` tokens a flush moves into the sink,
+    then into the store (the sink, already ``sink_len`` of ``sink_tokens``, fills first).
+
+    What :meth:`~kivi.cache.layer.KiviLayer.append` moves after each forward, and what
+    :func:`query_boundaries` counts for each query of a forward.
+    """
+    take = sink_take(pending, residual_length, sink_len, sink_tokens)
+    return take, flush_count(axis, pending - take, residual_length, group_size)
+
+
+def query_boundaries(axis: str, window: int, n: int, residual_length: int, group_size: int, sink_len: int,
+                     sink_tokens: int, exact: int = 0) -> tuple[int, ...] | None:
+    """The per-query precision boundary of a forward of ``n`` tokens, or ``None`` when it is trivial.
+
+    The side's full-precision window holds ``window`` tokens; the forward's ``pending`` tokens are
+    that window followed by the ``n`` new ones. One-token decoding would run query ``i`` after
+    flushing the first ``window + i`` pending tokens, so query ``i`` must read the first ``e_i``
+    pending tokens as they are once they left the window (sink tokens exact, stored tokens
+    quantized) and the rest at full precision: ``e_i = sum(window_exits(..., window + i, ...))``.
+    The first ``exact`` queries are a prefill's prompt queries: they read every token at full
+    precision (``e_i = 0``; the caller passes ``exact > 0`` only for a forward into an empty side).
+    Returns ``(e_0, ..., e_{n-1})`` (non-decreasing after the first ``exact``), or ``None`` when
+    every ``e_i`` is 0 -- always for ``n == 1``: a flush leaves nothing due, so decode steps never
+    carry a boundary.
+    """
+    if n <= 1 or exact >= n:
+        return None
+    bounds = tuple(0 if i < exact else sum(window_exits(axis, window + i, residual_length, group_size, sink_len,
+                                                        sink_tokens))
+                   for i in range(n))
+    return bounds if bounds[-1] else None
+
+
+def prefill_exact_queries(seen: int, n: int, prompt_length: int | None) -> int:
+    """How many of a forward's ``n`` queries read every token at full precision (KIVI's exact prefill).
+
+    Only a forward into an empty layer (``seen == 0``) is a prefill: all its queries by default, or
+    the first ``prompt_length`` when the prompt is known to be shorter than the forward (transformers'
+    assisted / prompt-lookup decoding runs the prompt and the first candidates in one forward; the
+    candidates' queries must see what one-token decoding after the prompt would). Every later forward
+    follows the one-token rule, so the chunks after the first of a chunked prefill equal one-token
+    decoding of those tokens.
+    """
+    if seen:
+        return 0
+    return n if prompt_length is None else min(n, prompt_length)
+
+
 def side_tokens(axis: str, seen: int, residual_length: int, group_size: int, sink_tokens: int = 0,
                 quantized: bool = True) -> tuple[int, int, int]:
     """``(sink, stored, window)`` token counts of one side after ``seen`` tokens.
@@ -67,8 +119,7 @@ def side_tokens(axis: str, seen: int, residual_length: int, group_size: int, sin
     _check_axis(axis)
     if not quantized:
         return 0, seen, 0
-    sink = sink_take(seen, residual_length, 0, sink_tokens)
-    stored = flush_count(axis, seen - sink, residual_length, group_size)
+    sink, stored = window_exits(axis, seen, residual_length, group_size, 0, sink_tokens)
     return sink, stored, seen - sink - stored
 
 
@@ -123,6 +174,6 @@ def freed_tokens(start: int, first_append: int, block_size: int) -> int:
 
 
 __all__ = [
-    "KEY_AXIS", "VALUE_AXIS", "layer_sink_tokens", "sink_take", "flush_count", "side_tokens", "key_group_start",
+    "KEY_AXIS", "VALUE_AXIS", "layer_sink_tokens", "sink_take", "flush_count", "window_exits", "query_boundaries", "prefill_exact_queries", "side_tokens", "key_group_start",
     "sliding_cut", "first_block_tokens", "allocated_tokens", "freed_tokens",
 ]

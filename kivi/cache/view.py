@@ -31,6 +31,19 @@ class AttentionView:
     False); ``fp [B, H, T_fp, D]`` holds the tokens ``[split, split + T_fp)`` at full precision
     (the old window followed by the new tokens). ``sink [B, H, S, D]`` (or ``None``) holds the
     tokens ``[0, S)`` at full precision; the store then starts at ``S``.
+
+    Per-query precision (a forward of ``n > 1`` tokens into a layer that already holds tokens:
+    a speculative verify forward, a chunk of chunked evaluation or prefill): one-token decoding
+    would have moved some of the ``fp`` tokens out of the window before the later queries run.
+    ``fp_from[i]`` (``n`` non-decreasing absolute positions, or ``None`` for "every query reads
+    ``fp``") is the first token query ``i`` reads from ``fp``; it reads the tokens
+    ``[split, fp_from[i])`` from ``left [B, H, M, D]``, which holds the tokens
+    ``[split, split + M)`` (``M = fp_from[-1] - split``) as they are once they left the window:
+    sink tokens exact, stored tokens quantized and dequantized (bit-identical to what the store
+    will hold: key groups are fixed aligned groups and values are quantized per token, so a
+    token's quantized value does not depend on when it is quantized). The rule is
+    :func:`kivi.cache.schedule.query_boundaries`; ``None`` for every decode step (``n = 1``) and
+    for a prefill into an empty layer.
     """
 
     store: "BlockStore"
@@ -39,25 +52,51 @@ class AttentionView:
     quantized: bool
     sink: torch.Tensor | None = None
     start: int = 0  # first token position covered, fixed when the view is made (the store moves on)
+    fp_from: tuple[int, ...] | None = None  # per query: first token read from ``fp`` (None: all of them)
+    left: torch.Tensor | None = None  # [B, H, M, D]: tokens [split, split + M) once out of the window
 
     @property
     def only_full_precision(self) -> bool:
-        """Nothing stored is visible (no sink, no stored token): all of it is the ``fp`` tensor."""
-        return self.quantized and self.sink is None and self.split == self.start
+        """Every query reads every token at full precision from ``fp`` (no sink, nothing stored, no
+        token leaving the window during the forward)."""
+        return self.quantized and self.sink is None and self.split == self.start and self.fp_from is None
+
+    @property
+    def per_query(self) -> bool:
+        """Whether queries of this forward read some tokens at different precisions (``fp_from`` set)."""
+        return self.fp_from is not None
+
+    def query_reads_left(self, first: int, end: int, queries: slice = slice(None)) -> torch.Tensor:
+        """``[n_q, end - first]`` bool: where query ``i`` (of ``queries``) reads kv position ``first + j``
+        from ``left`` rather than from ``fp``/store (the positions ``[split, fp_from[i])``)."""
+        if self.fp_from is None:
+            raise ValueError("query_reads_left: this view has no per-query boundary (fp_from is None)")
+        dev = self.fp.device
+        bound = torch.tensor(self.fp_from[queries], dtype=torch.long, device=dev)  # [n_q]
+        pos = torch.arange(first, end, device=dev)  # [T]
+        return (pos[None, :] >= self.split) & (pos[None, :] < bound[:, None])
 
 
-def materialize(view: AttentionView, dtype: torch.dtype | None = None) -> torch.Tensor:
+def materialize(view: AttentionView, dtype: torch.dtype | None = None, *, left: bool = False) -> torch.Tensor:
     """``[B, H, T, D]``: the view's sink, its stored tokens dequantized, then its full-precision part.
 
     The reference path (what ``KiviCache.update`` returns for ``attention_backend="reference"``,
     and what every attention backend is tested against). ``dtype`` defaults to ``view.fp``'s.
+    ``left=True`` (views with a per-query boundary): the tokens ``[split, split + M)`` come from
+    ``view.left`` instead, i.e. what the forward's last query reads; query ``i`` reads this tensor
+    where :meth:`AttentionView.query_reads_left` is True and the ``left=False`` one elsewhere.
     """
     dtype = dtype or view.fp.dtype
     parts = [] if view.sink is None else [view.sink.to(dtype)]
     for _, seg in view.store.iter_blocks(view.split):
         parts.append(dequantize_kv(seg, dtype) if view.quantized else seg.data.to(dtype))
-    if view.fp.shape[-2] or not parts:
-        parts.append(view.fp.to(dtype))
+    fp = view.fp
+    if left:
+        if view.left is None:
+            raise ValueError("materialize(left=True): this view has no per-query boundary (left is None)")
+        fp = torch.cat([view.left.to(fp.dtype), fp[:, :, view.left.shape[-2]:]], dim=-2)
+    if fp.shape[-2] or not parts:
+        parts.append(fp.to(dtype))
     return torch.cat(parts, dim=-2) if len(parts) > 1 else parts[0]
 
 
@@ -66,7 +105,9 @@ class PackedStates:
     """The keys or values ``KiviCache.update`` returns when attention reads packed storage.
 
     ``view``: what attention must see of this side; ``backend``: the attention backend the cache
-    was built for (``"cpu"`` or ``"triton"``, resolved once when the cache was built). Not a
+    was built for (``"cpu"`` or ``"triton"``, resolved once when the cache was built), or
+    ``"reference"``: a materialising cache returns these instead of tensors for a forward whose
+    queries read tokens at different precisions (plain tensors cannot say that). Not a
     tensor: any torch function that receives one (e.g. SDPA, because the model's attention is
     not ``"kivi"``) raises instead of computing over the wrong tokens.
     """
@@ -77,6 +118,14 @@ class PackedStates:
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", repr(func))
+        if any(isinstance(a, PackedStates) and a.backend == "reference" for a in (*args, *(kwargs or {}).values())):
+            raise TypeError(
+                f"{name} received kivi PackedStates from a 'reference' KiviCache: this forward of several tokens "
+                "into a non-empty cache (chunked prefill or evaluation, a speculative verify forward) gives each "
+                "query its own precision, which plain tensors cannot express. Run the model with the 'kivi' "
+                "attention (kivi.quantize_model does so unless the model's attention needs softcapping or sinks), "
+                "or feed such models one token per forward"
+            )
         raise TypeError(
             f"{name} received kivi PackedStates: this KiviCache was built for the 'kivi' attention "
             "implementation (attention reads the packed cache), but the model's attention is another one. "

@@ -3,12 +3,14 @@
 Protocol, per window of ``L`` tokens: prefill ``prefix`` tokens into a fresh cache, then feed the
 remaining tokens ``chunk`` at a time through that cache. Every token after the prefix is scored:
 the logit at position ``i`` predicts token ``i + 1`` (the first scored token is predicted by the
-prefill's last logit). A chunk's tokens see the history cached *before the chunk* exactly as
-generation would (for a :class:`~kivi.KiviCache`: quantized history + full-precision recent window).
-Inside a chunk, the tokens that token-by-token decoding would already have moved into quantized
-storage (at most ``chunk - 1`` tokens past the residual window) are still seen at full precision, so
-for quantized caches ``chunk=16`` is very slightly optimistic vs ``chunk=1`` (FP caches: identical up
-to float noise). ``chunk=1`` is the exact generation semantics; it is ~10x slower on CPU.
+prefill's last logit). Each token of a chunk sees the history
+exactly as token-by-token generation would: a :class:`~kivi.KiviCache` gives every query of a
+multi-token forward the precision one-token decoding gives it (tokens that would have left the
+full-precision window by that query's step are read quantized; :func:`kivi.cache.schedule.query_boundaries`),
+so ``chunk=16`` equals ``chunk=1`` up to float noise (``chunk=1`` is ~10x slower on CPU). Such
+forwards need the ``"kivi"`` attention to read the cache's views; a model not prepared by
+:func:`kivi.quantize_model` runs it for the continuation (:func:`kivi.attention.interface.reading_views`),
+and a model whose attention ``"kivi"`` does not implement (logit softcapping) needs ``chunk=1``.
 
 :func:`score_continuation` applies the same protocol after a prefill the caller ran itself (``kivi
 demo`` times its prefill and decodes from the same cache).
@@ -23,6 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from ..attention.interface import reading_views
 from .caches import CacheSpec, bits_per_element, cache_nbytes, check_spec, make_cache, spec_name, spec_to_json
 from .progress import progress_bar
 
@@ -61,7 +64,7 @@ def stream_continuation(model: Any, ids: torch.Tensor, cache: Any, chunk: int) -
     position ``i`` predicts ``ids[:, i + 1]``. The last token predicts nothing here but is fed all the
     same (the cache ends up holding every token, as after generation)."""
     L = ids.shape[1]
-    with torch.inference_mode():
+    with torch.inference_mode(), reading_views(model, cache):
         for s in range(0, L, chunk):
             e = min(s + chunk, L)
             out = model(input_ids=ids[:, s:e], cache=cache, use_cache=True)

@@ -46,7 +46,11 @@ def test_quantize_model_switches_and_restores_attention():
     assert cache.attention_backend == "cpu" and "attention_backend='cpu'" in repr(cache)
     dequantize_model(model)
     assert model.config._attn_implementation == "sdpa"
+    # "reference" runs the "kivi" attention too (per-query precision of multi-token forwards needs the
+    # views); it hands the cache's dequantized tensors to SDPA otherwise.
     ref = quantize_model(tiny_model(**GQA3), KiviConfig(**CFG, attention_backend="reference"))
+    assert ref.config._attn_implementation == "kivi"
+    dequantize_model(ref)
     assert ref.config._attn_implementation == "sdpa"
 
 
@@ -162,6 +166,7 @@ def test_chunked_prefill_matches_reference_and_plain_forward():
 def test_softcapping_resolves_auto_to_reference_and_rejects_explicit_cpu():
     model = quantize_model(tiny_model("gemma2", **GQA3, sliding_window=32), KiviConfig(**CFG))
     assert model.kivi_attention_backend == "reference"
+    assert model.config._attn_implementation != "kivi"  # "kivi" does not implement softcapping
     with torch.no_grad():
         out = model(torch.randint(1, 128, (1, 10)), cache=KiviCache.from_model(model)).logits
     assert torch.isfinite(out).all()

@@ -312,3 +312,14 @@ def test_threads_generate_what_sequential_runs_generate(layer):
                          cwd=root, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == [layer, str(layer != "workqueue")]
+
+
+def test_a_view_with_a_per_query_boundary_never_reaches_the_kernel():
+    """The kernel reads one precision per token; only n > 1 forwards carry a boundary, and a view that
+    carries one anyway is refused by the dispatch (the blocked path reads it)."""
+    cfg = KiviConfig(group_size=8, residual_length=16, block_size=32)
+    views = _fill(cfg, 1, 2, 32, [70, 1], torch.float32)
+    q = torch.randn(1, 4, 1, 32)
+    assert fused_decode_supported(q, *views)
+    views[1].fp_from, views[1].left = (views[1].split + 1,), views[1].fp[:, :, :1]
+    assert not fused_decode_supported(q, *views)

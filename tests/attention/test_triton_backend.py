@@ -49,3 +49,19 @@ def test_resolution_rules():
         resolve_attention_backend("cpu", "cpu", model_config=Softcapped())
     with pytest.raises(RuntimeError, match="triton"):
         resolve_attention_backend("triton", "cpu")
+
+
+def test_multi_token_forward_with_a_boundary_runs_the_blocked_path():
+    """Verify forwards / chunks (n > 1) carry a per-query boundary: the triton backend runs them on the
+    blocked torch path (no triton needed for that), which reads it like the reference."""
+    from kivi.attention.triton_backend import triton_view_attention
+
+    torch.manual_seed(0)
+    layer = KiviLayer(KiviConfig(residual_length=32, group_size=32, block_size=64))
+    k, v = torch.randn(1, 2, 120, 64), torch.randn(1, 2, 120, 64)
+    layer.append(k[:, :, :80], v[:, :, :80])
+    kv, vv = layer.append(k[:, :, 80:], v[:, :, 80:])
+    assert kv.per_query and vv.per_query
+    q = torch.randn(1, 4, 40, 64)
+    out = triton_view_attention(q, kv, vv, scaling=None, attention_mask=None)
+    torch.testing.assert_close(out, reference_attention(q, kv, vv), atol=1e-4, rtol=1e-4)

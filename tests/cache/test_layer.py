@@ -12,10 +12,17 @@ def _kv(b=2, h=2, t=1, d=64, seed=0, dtype=torch.float32):
     return torch.randn(b, h, t, d, generator=g).to(dtype), torch.randn(b, h, t, d, generator=g).to(dtype)
 
 
+def _seen(layer, k, v, valid=None):
+    """Append; return the keys/values the forward's FIRST query sees (the pre-move history + the new
+    tokens, no per-query boundary applied): what these tests check about storage."""
+    kv, vv = layer.append(k, v, valid=valid)
+    return materialize(kv, layer.dtype), materialize(vv, layer.dtype)
+
+
 def _feed(layer, k, v, chunks):
     outs, s = [], 0
     for c in chunks:
-        outs.append(layer.update(k[:, :, s : s + c], v[:, :, s : s + c]))
+        outs.append(_seen(layer, k[:, :, s : s + c], v[:, :, s : s + c]))
         s += c
     return outs
 
@@ -47,9 +54,9 @@ def test_window_is_bit_exact():
 def test_new_tokens_are_seen_at_full_precision_and_history_as_stored():
     layer = KiviLayer(KiviConfig(residual_length=32))
     k, v = _kv(t=200)
-    keys, values = layer.update(k[:, :, :150], v[:, :, :150])
+    keys, values = _seen(layer, k[:, :, :150], v[:, :, :150])
     assert torch.equal(keys, k[:, :, :150]) and torch.equal(values, v[:, :, :150])  # prefill: own tokens FP
-    keys, values = layer.update(k[:, :, 150:160], v[:, :, 150:160])
+    keys, values = _seen(layer, k[:, :, 150:160], v[:, :, 150:160])
     assert torch.equal(keys[:, :, 150:], k[:, :, 150:160])
     stored_k = dequantize_kv(layer.k.store.read(96))
     assert torch.equal(keys[:, :, :96], stored_k)
@@ -59,11 +66,11 @@ def test_new_tokens_are_seen_at_full_precision_and_history_as_stored():
 def test_history_is_never_requantized():
     layer = KiviLayer(KiviConfig(residual_length=32, block_size=64))
     k, v = _kv(t=400)
-    layer.update(k[:, :, :100], v[:, :, :100])
+    _seen(layer, k[:, :, :100], v[:, :, :100])
     before_k = layer.k.store.read().packed.clone()
     before_v = layer.v.store.read().scale.clone()
     for t in range(100, 400):
-        layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        _seen(layer, k[:, :, t : t + 1], v[:, :, t : t + 1])
     assert torch.equal(layer.k.store.read(before_k.shape[2]).packed, before_k)
     assert torch.equal(layer.v.store.read(before_v.shape[2]).scale, before_v)
 
@@ -73,9 +80,9 @@ def test_chunk_sees_history_exactly_as_a_single_token_step_would():
     k, v = _kv(t=300)
     a, b = KiviLayer(KiviConfig(residual_length=64)), KiviLayer(KiviConfig(residual_length=64))
     _feed(a, k, v, [128] + [1] * 160)  # a is now at 288 tokens
-    ka, va = a.update(k[:, :, 288:289], v[:, :, 288:289])
+    ka, va = _seen(a, k[:, :, 288:289], v[:, :, 288:289])
     _feed(b, k, v, [128] + [16] * 10)
-    kb, vb = b.update(k[:, :, 288:300], v[:, :, 288:300])
+    kb, vb = _seen(b, k[:, :, 288:300], v[:, :, 288:300])
     assert torch.equal(ka[:, :, :289], kb[:, :, :289]) and torch.equal(va[:, :, :289], vb[:, :, :289])
     assert torch.equal(kb[:, :, 288:], k[:, :, 288:300])  # the chunk's own tokens at full precision
     # and both hold the same quantized history afterwards
@@ -98,13 +105,13 @@ def test_crop_within_window_is_exact_and_beyond_window_keeps_group_alignment():
     _feed(layer, k, v, [200, 10])
     layer.crop(-5)
     assert layer.get_seq_length() == 205
-    keys, values = layer.update(k[:, :, 205:206], v[:, :, 205:206])
+    keys, values = _seen(layer, k[:, :, 205:206], v[:, :, 205:206])
     assert keys.shape[2] == 206 and torch.equal(keys[:, :, 173:], k[:, :, 173:206])
     layer.crop(-100)  # reaches into quantized keys: partial group comes back dequantized
     assert layer.get_seq_length() == 106
     assert layer.k.store.length % 32 == 0
     assert layer.k.store.length + layer.k.window_len == 106 == layer.v.store.length + layer.v.window_len
-    keys, _ = layer.update(k[:, :, 106:107], v[:, :, 106:107])
+    keys, _ = _seen(layer, k[:, :, 106:107], v[:, :, 106:107])
     assert keys.shape[2] == 107
     with pytest.raises(ValueError, match="negative"):
         layer.crop(3)
@@ -113,11 +120,11 @@ def test_crop_within_window_is_exact_and_beyond_window_keeps_group_alignment():
 def test_reorder_and_batch_ops():
     layer = KiviLayer(KiviConfig(residual_length=32))
     k, v = _kv(b=3, t=150)
-    layer.update(k, v)
+    _seen(layer, k, v)
     ref = [materialize(x) for x in layer.append(k[:, :, :1], v[:, :, :1])]
     idx = torch.tensor([2, 0, 0])
     layer2 = KiviLayer(KiviConfig(residual_length=32))
-    layer2.update(k, v)
+    _seen(layer2, k, v)
     layer2.reorder_cache(idx)
     got = [materialize(x) for x in layer2.append(k[idx, :, :1], v[idx, :, :1])]
     assert torch.equal(got[0], ref[0][idx]) and torch.equal(got[1], ref[1][idx])
@@ -137,9 +144,9 @@ def test_padding_does_not_change_real_tokens():
         kk[1, :, :45] = fill
         vv[1, :, :45] = fill
         layer = KiviLayer(cfg)
-        layer.update(kk[:, :, :120], vv[:, :, :120], valid=valid[:, :120])
-        out = layer.update(kk[:, :, 120:], vv[:, :, 120:], valid=valid[:, 120:])
-        out = layer.update(kk[:, :, -1:], vv[:, :, -1:], valid=valid[:, -1:])
+        _seen(layer, kk[:, :, :120], vv[:, :, :120], valid=valid[:, :120])
+        out = _seen(layer, kk[:, :, 120:], vv[:, :, 120:], valid=valid[:, 120:])
+        out = _seen(layer, kk[:, :, -1:], vv[:, :, -1:], valid=valid[:, -1:])
         res.append(out)
     assert torch.equal(res[0][0][1, :, 45:], res[1][0][1, :, 45:])
     assert torch.equal(res[0][1][1, :, 45:], res[1][1][1, :, 45:])
@@ -151,24 +158,24 @@ def test_nan_input_raises():
     k, v = _kv(t=64)
     k[0, 0, 3, 5] = float("nan")
     with pytest.raises(ValueError, match="NaN or Inf"):
-        layer.update(k, v)
+        _seen(layer, k, v)
 
 
 def test_group_size_must_divide_head_dim():
     layer = KiviLayer(KiviConfig(group_size=48, residual_length=48, block_size=96))
     with pytest.raises(ValueError, match="head_dim=64"):
-        layer.update(*_kv(t=4))
+        _seen(layer, *_kv(t=4))
 
 
 def test_sliding_layer_frees_blocks_and_reports_offset():
     layer = KiviLayer(KiviConfig(residual_length=32, block_size=64), sliding_window=64)
     k, v = _kv(t=1000)
     for s in range(0, 1000, 50):
-        layer.update(k[:, :, s : s + 50], v[:, :, s : s + 50])
+        _seen(layer, k[:, :, s : s + 50], v[:, :, s : s + 50])
     kv_len, off = layer.get_mask_sizes(1)
     assert off > 0 and off % 64 == 0 and off <= 1000 - 64
     assert kv_len == 1000 - off + 1
-    keys, _ = layer.update(k[:, :, :1], v[:, :, :1])
+    keys, _ = _seen(layer, k[:, :, :1], v[:, :, :1])
     assert keys.shape[2] == kv_len
     assert sum(b is not None for b in layer.k.store.blocks) < 1000 // 64
 
@@ -193,12 +200,12 @@ def test_sink_tokens_exact_and_out_of_statistics(sink, chunks):
     assert layer.k.store.length + layer.k.window_len == T == layer.v.store.length + layer.v.window_len
     # the group right after the sink is quantized as if the outlier never existed
     ref = KiviLayer(KiviConfig(residual_length=32))
-    ref.update(k[:, :, sink:], v[:, :, sink:])
+    _seen(ref, k[:, :, sink:], v[:, :, sink:])
     assert ref.k.store.length == layer.k.store.length - sink > 0
     assert torch.equal(dequantize_kv(layer.k.store.read()), dequantize_kv(ref.k.store.read()))
     assert torch.equal(dequantize_kv(layer.v.store.read()), dequantize_kv(ref.v.store.read()))
     # what the next forward sees: sink exact, then the stored history, then the window
-    keys, values = layer.update(k[:, :, :1], v[:, :, :1])
+    keys, values = _seen(layer, k[:, :, :1], v[:, :, :1])
     assert torch.equal(keys[:, :, :sink], k[:, :, :sink]) and torch.equal(values[:, :, :sink], v[:, :, :sink])
     assert torch.equal(keys[:, :, sink : layer.k.store.start + ref.k.store.length], dequantize_kv(ref.k.store.read()))
     bd = layer.memory_breakdown()
@@ -209,7 +216,7 @@ def test_sink_with_short_sequence_and_crop():
     cfg = KiviConfig(residual_length=32, sink_tokens=4)
     k, v = _kv(t=200)
     layer = KiviLayer(cfg)
-    keys, _ = layer.update(k[:, :, :20], v[:, :, :20])  # nothing leaves the window yet: no sink
+    keys, _ = _seen(layer, k[:, :, :20], v[:, :, :20])  # nothing leaves the window yet: no sink
     assert layer.k.sink_len == 0 and torch.equal(keys, k[:, :, :20])
     _feed(layer, k[:, :, 20:], v[:, :, 20:], [1] * 14)  # 34 tokens: 2 sink tokens so far
     assert layer.k.sink_len == layer.v.sink_len == 2
@@ -217,7 +224,7 @@ def test_sink_with_short_sequence_and_crop():
     assert layer.k.sink_len == 4
     layer.crop(-(184 - 3))  # into the sink
     assert layer.get_seq_length() == 3 and layer.k.sink_len == 3 and layer.k.window_len == 0
-    keys, values = layer.update(k[:, :, 3:200], v[:, :, 3:200])
+    keys, values = _seen(layer, k[:, :, 3:200], v[:, :, 3:200])
     assert keys.shape[2] == 200 and torch.equal(keys[:, :, :4], k[:, :, :4])
     assert layer.k.sink_len == 4 and (layer.k.store.length - 4) % 32 == 0
     layer.crop(-40)  # beyond the window: keeps group alignment relative to the sink
@@ -227,12 +234,12 @@ def test_sink_with_short_sequence_and_crop():
 def test_sink_reorder_and_sliding_layers_have_none():
     layer = KiviLayer(KiviConfig(residual_length=32, sink_tokens=2))
     k, v = _kv(t=100)  # batch of 2
-    layer.update(k, v)
+    _seen(layer, k, v)
     layer.reorder_cache(torch.tensor([1, 0]))
-    keys, _ = layer.update(k[:, :, :1], v[:, :, :1])
+    keys, _ = _seen(layer, k[:, :, :1], v[:, :, :1])
     assert torch.equal(keys[:, :, :2], k.flip(0)[:, :, :2])
     sliding = KiviLayer(KiviConfig(residual_length=32, sink_tokens=2), sliding_window=64)
-    sliding.update(k, v)
+    _seen(sliding, k, v)
     assert sliding.k.sink_len == 0 and sliding.kv_offset == 0
 
 
@@ -247,9 +254,9 @@ def test_value_fast_path_stores_what_the_torch_path_stores(monkeypatch, bits):
         layer = KiviLayer(cfg)
         if not fast:
             monkeypatch.setattr(layer, "_fast_tokens", lambda side, dtype: False)
-        layer.update(k[:, :, :50], v[:, :, :50])
+        _seen(layer, k[:, :, :50], v[:, :, :50])
         for t in range(50, 120):  # crosses several 32-token blocks
-            layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
+            _seen(layer, k[:, :, t : t + 1], v[:, :, t : t + 1])
         layers.append(layer)
     fast, slow = layers
     assert fast._fast_tokens(fast.v, torch.float32)
@@ -263,13 +270,13 @@ def test_value_fast_path_stores_what_the_torch_path_stores(monkeypatch, bits):
 def test_nan_in_a_decode_value_raises_and_leaves_the_store_as_it_was():
     layer = KiviLayer(KiviConfig(residual_length=32, group_size=32, block_size=64))
     k, v = _kv(t=40)
-    layer.update(k, v)
+    _seen(layer, k, v)
     before = layer.v.store.length
     assert before == 8
     k1, v1 = _kv(t=33, seed=1)
     v1[0, 0, 0, 3] = float("nan")  # leaves the 32-token window at once (33 new tokens)
     with pytest.raises(ValueError, match="NaN or Inf"):
-        layer.update(k1, v1)
+        _seen(layer, k1, v1)
     assert layer.v.store.length == before
 
 
@@ -317,7 +324,7 @@ def test_failed_update_leaves_the_cache_as_it_was(fail_at, sink, monkeypatch):
 def test_crop_beyond_the_cache_names_the_cache_length():
     layer = KiviLayer(KiviConfig(group_size=8, residual_length=16, block_size=32))
     k = torch.randn(1, 2, 150, 16)
-    layer.update(k, k)
+    _seen(layer, k, k)
     with pytest.raises(ValueError, match=r"crop\(-151\): the cache holds 150 tokens, so at most 150"):
         layer.crop(-151)
     assert layer.get_seq_length() == 150

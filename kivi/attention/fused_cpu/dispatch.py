@@ -78,8 +78,15 @@ def _np(t: torch.Tensor):
 
 def fused_decode_supported(q: torch.Tensor, k_view: AttentionView, v_view: AttentionView,
                            attention_mask: torch.Tensor | None = None) -> bool:
-    """Whether :func:`fused_decode_attention` handles this call (numba present, n == 1, formats)."""
+    """Whether :func:`fused_decode_attention` handles this call (numba present, n == 1, formats).
+
+    One query reads every token at one precision: a per-query boundary (``fp_from``) exists only for
+    ``n > 1`` (:func:`kivi.cache.schedule.query_boundaries`), so it never reaches the kernel; a view
+    that carries one anyway is refused here rather than read at the wrong precision.
+    """
     if not numba_available() or q.dim() != 4 or q.shape[2] != 1 or q.device.type != "cpu":
+        return False
+    if k_view.fp_from is not None or v_view.fp_from is not None:
         return False
     for view in (k_view, v_view):
         if view.quantized and view.store.template is not None:
