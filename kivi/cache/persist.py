@@ -134,7 +134,8 @@ def save_cache(cache: Any, path: str | os.PathLike, *, fingerprint: dict[str, An
 def _layer_meta(layer: KiviLayer, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     sides = {}
     for label, side in (("k", layer.k), ("v", layer.v)):
-        for field, t in (("window", side.window), ("window_valid", side.window_valid), ("sink", side.sink)):
+        for field, t in (("window", side.window), ("window_valid", side.window_valid), ("sink", side.sink),
+                         ("stored_valid", side.stored_valid)):
             if t is not None:
                 tensors[f"{name}.{label}.{field}"] = _cpu(t)
         store = side.store
@@ -149,12 +150,13 @@ def _layer_meta(layer: KiviLayer, name: str, tensors: dict[str, torch.Tensor]) -
                 tensors[f"{name}.{label}.block{j}.{field}"] = _cpu(t[:, :, :rows])
         sides[label] = {
             "window": side.window is not None, "window_valid": side.window_valid is not None,
-            "sink": side.sink is not None,
+            "sink": side.sink is not None, "stored_valid": side.stored_valid is not None,
             "store": {"block_size": store.block_size, "length": store.length, "start": store.start,
                       "starts": list(store.starts), "caps": list(store.caps), "present": present,
                       "template": _template_meta(store.template)},
         }
     return {"seen": layer.seen, "initialized": bool(layer.is_initialized), "sliding_window": layer.sliding_window,
+            "due": bool(layer._due),  # past recording: the window still holds tokens due to move (next forward/crop)
             "dtype": None if layer.dtype is None else _dtype_name(layer.dtype), "k": sides["k"], "v": sides["v"]}
 
 
@@ -346,13 +348,14 @@ def _build_layer(lm: dict[str, Any], config: KiviConfig, name: str, tensors: dic
                  device: str | torch.device, path: Path) -> KiviLayer:
     layer = KiviLayer(config, sliding_window=lm["sliding_window"])
     layer.seen = lm["seen"]
+    layer._due = bool(lm["due"])
     layer.dtype = None if lm["dtype"] is None else _DTYPES[lm["dtype"]]
     if lm["initialized"]:
         layer.device = torch.device(device)
         layer.is_initialized = True
     for label, side in (("k", layer.k), ("v", layer.v)):
         sm = lm[label]
-        for field in ("window", "window_valid", "sink"):
+        for field in ("window", "window_valid", "sink", "stored_valid"):
             if sm[field]:
                 setattr(side, field, tensors[f"{name}.{label}.{field}"].to(device))
         side.store = _build_store(sm["store"], f"{name}.{label}", tensors, device, path)
