@@ -64,8 +64,9 @@ class _TorchProxy:
 
 
 MODULE_FUNCTIONS = {
-    layer_mod: ("quantize_kv", "quantize_tokens_into", "token_quantizer_supported", "dequantize_kv", "sink_take",
-                "flush_count", "key_group_start", "sliding_cut", "materialize", "check_head_dim", "FpSegment",
+    layer_mod: ("quantize_kv", "quantize_tokens_into", "token_quantizer_supported", "dequantize_kv", "window_exits",
+                "query_boundaries", "prefill_exact_queries", "key_group_start", "sliding_cut", "materialize",
+                "check_head_dim", "FpSegment",
                 "AttentionView", "BlockStore", "_slice_tokens"),
     store_mod: ("new_block_tokens", "token_divisor"),
     view_mod: ("dequantize_kv",),
@@ -282,7 +283,7 @@ def test_the_injector_reaches_the_quantizers_and_the_store():
         if inj.fired is None:
             break
         names.add(inj.fired)
-    assert {"quantize_kv", "BlockStore.append_in_place", "torch.cat", "sink_take", "flush_count",
+    assert {"quantize_kv", "BlockStore.append_in_place", "torch.cat", "window_exits",
             "KiviLayer._flush", "Tensor.clone"} <= names, names
 
 
