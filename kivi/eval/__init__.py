@@ -7,18 +7,16 @@ themselves are built by :func:`make_cache` and measured by :func:`cache_nbytes`,
 demo`` and the benchmarks use too.
 """
 
-from .caches import (
-    BASELINES,
-    BaselineUnavailable,
-    baseline_unavailable_reason,
-    bits_per_element,
-    cache_nbytes,
-    make_cache,
-    spec_kind,
-    spec_name,
-    synthetic_bits,
-)
-from .stream import compare, kl_divergence, perplexity, score_continuation, token_agreement
+# Names load on first use (PEP 562): importing a light submodule (e.g. ``kivi.eval.caches`` for the CLI's
+# list of baselines) must not import the evaluation loop and, with it, the attention stack.
+_LAZY = {
+    "caches": ("BASELINES", "BaselineUnavailable", "baseline_unavailable_reason", "bits_per_element", "cache_nbytes",
+               "make_cache", "spec_kind", "spec_name", "synthetic_bits"),
+    "stream": ("compare", "kl_divergence", "perplexity", "score_continuation", "token_agreement"),
+    "passkey": ("passkey", "passkey_prompt"),
+    "profile": ("layer_profile", "recommend_layer_config"),
+    "sweep": ("sweep", "select_config", "tune", "default_grid", "candidate_grid", "pareto_plot", "write_rows"),
+}
 
 __all__ = [
     "BASELINES",
@@ -38,17 +36,10 @@ __all__ = [
 ]
 
 
-def __getattr__(name):  # lazy: passkey / profile / sweep pull in more
-    if name in ("passkey", "passkey_prompt"):
-        from . import passkey as _m
+def __getattr__(name):
+    import importlib
 
-        return getattr(_m, name)
-    if name in ("layer_profile", "recommend_layer_config"):
-        from . import profile as _m
-
-        return getattr(_m, name)
-    if name in ("sweep", "select_config", "tune", "default_grid", "candidate_grid", "pareto_plot", "write_rows"):
-        from . import sweep as _m
-
-        return getattr(_m, name)
+    for module, names in _LAZY.items():
+        if name in names:
+            return getattr(importlib.import_module(f"{__name__}.{module}"), name)
     raise AttributeError(f"module 'kivi.eval' has no attribute {name!r}")
