@@ -81,6 +81,17 @@ def _quiet_stdout() -> None:
         pass
 
 
+def _caused_by_interrupt(e: BaseException) -> bool:
+    """Whether ``e`` was raised while handling a Ctrl-C (a ``KeyboardInterrupt`` in its cause/context chain)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status.
 
@@ -124,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - user-facing errors become one line, others re-raise
+        if _caused_by_interrupt(e):  # e.g. transformers' lazy import turns a Ctrl-C into a RuntimeError
+            print(f"{command}: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
         if not _is_user_error(e) or os.environ.get("KIVI_DEBUG"):
             raise
         print(f"{getattr(e, 'prog', None) or command}: error: {_one_line(e)}", file=sys.stderr)
