@@ -294,7 +294,7 @@ def _layer_available(layer: str) -> bool:
     return True
 
 
-@pytest.mark.parametrize("layer", ["workqueue", "omp", "tbb"])
+@pytest.mark.parametrize("layer", ["workqueue", pytest.param("omp", marks=pytest.mark.slow), "tbb"])  # omp: ~25 s
 def test_threads_generate_what_sequential_runs_generate(layer):
     """Three threads, one KiviCache each, on numba's `layer`: exit 0 and the sequential tokens.
 

@@ -28,6 +28,7 @@ def test_summary_band_and_slope():
     assert s["band"] == 200 and 900 < s["slope_bytes_per_1k_tokens"] < 1100 and s["tok_per_s"] == 10.0
 
 
+@pytest.mark.slow  # ~35 s: a real (tiny) soak end to end in subprocesses
 def test_tiny_soak_writes_results(tmp_path):
     out, tout, table = tmp_path / "m.json", tmp_path / "t.json", tmp_path / "t.txt"
     cmd = [sys.executable, str(_PATH), "--tokens", "40", "--every", "20", "--warmup", "0", "--prompt", "1600",

@@ -44,9 +44,12 @@ def test_noise_injected_cache_is_detected(peaked_model, windows, monkeypatch):
     assert r["kl"] > 1e-2 and r["top1_agreement"] < 0.99
 
 
-@pytest.mark.parametrize("cfg, rel", [(None, 1e-5), (EXACT, 1e-5), (KiviConfig(residual_length=32), 1e-5),
-                                      (KiviConfig(k_bits=4, v_bits=2, residual_length=0), 1e-5),
-                                      (KiviConfig.preset("balanced", residual_length=32), 1e-5)],
+# ~20 s each on the 2-core box: the quantized K2V2 case runs by default, the others with KIVI_SLOW=1.
+_SLOW = pytest.mark.slow
+@pytest.mark.parametrize("cfg, rel", [pytest.param(None, 1e-5, marks=_SLOW), pytest.param(EXACT, 1e-5, marks=_SLOW),
+                                      (KiviConfig(residual_length=32), 1e-5),
+                                      pytest.param(KiviConfig(k_bits=4, v_bits=2, residual_length=0), 1e-5, marks=_SLOW),
+                                      pytest.param(KiviConfig.preset("balanced", residual_length=32), 1e-5, marks=_SLOW)],
                          ids=["fp", "exact", "k2v2-R32", "k4v2-R0", "balanced-R32"])
 def test_chunk_1_and_16_agree(peaked_model, windows, cfg, rel):
     # Every query of a chunk sees each earlier token at the precision token-by-token decoding gives it
