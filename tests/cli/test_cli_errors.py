@@ -128,11 +128,18 @@ def test_closed_stdout_is_one_line():
     one_line(p.returncode, p.stderr, "standard output is closed")
 
 
+def _default_sigint() -> None:
+    """The child gets Ctrl-C as a terminal user does: a test runner started in the background (``cmd &``
+    in a non-interactive shell) ignores SIGINT, and an ignored signal is inherited across exec."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("delay", [1.0, 2.5])
 def test_ctrl_c_during_the_imports_is_one_line_exit_130(delay):
     """A SIGINT while torch/transformers load (they are imported inside main's guard now) -> exit 130."""
     p = subprocess.Popen([sys.executable, "-m", "kivi", "generate", "--prompt-file", "-"], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env())
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env(),
+                         preexec_fn=_default_sigint)
     time.sleep(delay)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=300)
@@ -147,7 +154,8 @@ def test_ctrl_c_during_the_imports_is_one_line_exit_130(delay):
 def test_ctrl_c_during_the_work_is_one_line_exit_130():
     """SIGINT while the command waits for its prompt on stdin."""
     p = subprocess.Popen([sys.executable, "-m", "kivi", "generate", "--prompt-file", "-"], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env())
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env(),
+                         preexec_fn=_default_sigint)
     p.stdin.write(b"partial prompt")
     p.stdin.flush()
     wchan = Path(f"/proc/{p.pid}/wchan")
