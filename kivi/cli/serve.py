@@ -45,7 +45,8 @@ def register(sub: Any) -> None:
                    help="transformers' float paged cache instead of KIVI pages (the baseline)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug", "trace"), help="uvicorn log level (default warning)")
     add_config_args(p)
-    p.set_defaults(func=run)
+    # a server's process ends right after a clean shutdown: see kivi.cli._exit_now
+    p.set_defaults(func=run, exit_without_finalizing=True)
 
 
 def _check_args(args: argparse.Namespace) -> tuple[Any, int]:
