@@ -218,6 +218,10 @@ def add_window_args(p: argparse.ArgumentParser, *, windows: int = 20) -> None:
     g.add_argument("--chunk", type=positive_int, default=16, help="tokens per forward after the prefix (default: 16)")
     g.add_argument("--windows", type=positive_int, default=windows, help=f"number of windows (default: {windows})")
     g.add_argument("--batch-size", type=positive_int, default=1, help="windows per forward (same numbers; default: 1)")
+    g.add_argument("--reference-eval", action="store_true",
+                   help="slow reference protocol: every cache runs its own prefill and --chunk tokens per forward, "
+                   "KIVI read through the reference attention (default: shared FP prefill, packed attention, "
+                   "512-token forwards for FP/KIVI; same numbers up to float rounding, docs/evaluation.md)")
 
 
 def add_output_args(p: argparse.ArgumentParser) -> None:

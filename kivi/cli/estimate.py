@@ -11,6 +11,7 @@ from .common import (
     byte_size,
     config_from_args,
     non_negative_float,
+    output_path,
     positive_int,
     print_json,
     print_rich,
@@ -22,6 +23,8 @@ EPILOG = """examples:
   kivi estimate --model smollm2 --context 8k --preset balanced --device-memory 24GiB
   kivi estimate --model meta-llama/Llama-3.1-8B --context 128k --batch 4 --device-memory 80GB --json
   kivi estimate --model smollm2 --context 8k --preset balanced --weight-bits 4   (weights + cache)
+  kivi estimate --model smollm2 --context 8k --cache-budget 100MiB --write-config picked.json
+      (the best-quality config whose cache fits 100 MiB at 8K tokens; docs/budget.md)
 
 Sizes: GB/MB are decimal (10^9/10^6), GiB/MiB and a bare G/M are binary. Contexts: 32768, 32k, 128K, 1m
 (k = 1024 tokens)."""
@@ -66,6 +69,13 @@ def register(sub: Any) -> None:
     w.add_argument("--device-memory", default=None, type=byte_size, help="accelerator memory, e.g. 80GB, 80GiB, 24G, 16000MB")
     w.add_argument("--ignore-max-context", action="store_true",
                    help="plan a context longer than the model's max_position_embeddings anyway")
+    b = p.add_argument_group("precision from a budget (docs/budget.md)")
+    b.add_argument("--cache-budget", default=None, type=byte_size,
+                   help="bytes for the KV cache alone (e.g. 2GiB): pick the best-quality config whose cache fits at "
+                   "--context x --batch (presets high > balanced > K2V2+4 sinks > extreme > K2V2 G64, measured order), "
+                   "then show its estimate")
+    b.add_argument("--write-config", default=None, type=output_path,
+                   help="with --cache-budget: write the picked KiviConfig JSON here (for --config of every command)")
     add_config_args(p)
     p.add_argument("--block-size", type=int, default=None, help="KiviConfig.block_size (tokens per storage block)")
     p.add_argument("--scale-dtype", default=None, help="KiviConfig.scale_dtype: auto | float16 | bfloat16 | float32")
@@ -243,6 +253,11 @@ def run(args: argparse.Namespace) -> int:
     from ..memory import estimate_kv_memory
 
     cfg = _config(args)  # options and files first: nothing is read before they are valid
+    if args.cache_budget is not None and config_from_args(args) is not None:
+        raise CliError("give either --cache-budget (kivi picks the config) or KIVI options (--preset/--config/"
+                       "--k-bits ...), not both")
+    if args.write_config and args.cache_budget is None:
+        raise CliError("--write-config goes with --cache-budget (it writes the picked config)")
     spec = build_spec(args)
     if args.context is None:
         if not spec.max_context:
@@ -257,13 +272,56 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.prefill is not None and args.prefill > context:
         raise CliError(f"--prefill {args.prefill:,} is longer than the context ({context:,} tokens)")
+    pick = None
+    if args.cache_budget is not None:
+        from ..config import KiviConfig
+        from ..memory.budget import config_for_budget
+
+        from ..memory.budget import default_candidates
+
+        extra = {k: v for k, v in (("block_size", args.block_size), ("scale_dtype", args.scale_dtype)) if v is not None}
+        cands = [(n, KiviConfig.from_dict({**c.to_dict(), **extra})) for n, c in default_candidates()]
+        pick = config_for_budget(spec, args.cache_budget, context, args.batch, cands, prefill=args.prefill)
+        cfg = pick.config
     est = estimate_kv_memory(spec, context, batch=args.batch, config=cfg,
                              device_memory=args.device_memory, prefill=args.prefill, weight_bits=args.weight_bits)
+    failed = []
+    if pick is not None and args.write_config:  # written first: the file exists whatever happens to stdout
+        from .common import write_outputs
+
+        failed = write_outputs([("--write-config", args.write_config, pick.config.to_json)])
     if args.json:
         d = est.to_dict()
         if not args.per_layer:
             d.pop("layers")
+        if pick is not None:
+            d["budget_pick"] = pick.to_dict()
         print_json(d)
     else:
+        if pick is not None:
+            render_pick(pick)
         render(est, per_layer=args.per_layer)
+    if pick is not None and args.write_config:
+        if failed:
+            raise CliError("; ".join(failed))
+        if not args.json:
+            print(f"wrote {args.write_config}")
     return 0
+
+
+def render_pick(pick: Any) -> None:
+    """What --cache-budget chose and why (every candidate with its need), before the estimate table."""
+    from ..memory import format_bytes
+
+    print(f"Budget {format_bytes(pick.budget_bytes)} for a {pick.context:,}-token cache x batch {pick.batch}: "
+          f"picked {pick.name} ({pick.config.describe()}), needs {format_bytes(pick.need_bytes)} "
+          f"({pick.need_bytes:,} B)")
+    for c in pick.considered:
+        if "invalid" in c:
+            print(f"  {c['name']:14s} not usable here: {c['invalid']}")
+        else:
+            mark = "fits" if c["fits"] else "too large"
+            print(f"  {c['name']:14s} {format_bytes(c['need_bytes']):>11s}  {mark}")
+    if pick.fp_fits:
+        print(f"note: the full-precision cache ({format_bytes(pick.fp_bytes)}) fits this budget too; "
+              "KIVI is not needed for memory here")

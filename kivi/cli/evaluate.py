@@ -53,7 +53,7 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     spec = spec_from_args(args, default_fp=True)
     model, tok, windows = load_model_and_windows(args)
     r = perplexity(model, tok, windows, spec, prefix=args.prefix, chunk=args.chunk, progress=not args.no_progress,
-                   batch_size=args.batch_size)
+                   batch_size=args.batch_size, fast=not args.reference_eval)
     emit(args, r, f"{r['name']}: ppl {r['ppl']:.4f} over {r['tokens_scored']} tokens ({r['windows']} windows); "
                   f"{r['bits_per_element']:.3f} bits/element, {r['cache_bytes']} cache bytes per window")
     return 0
@@ -65,7 +65,7 @@ def cmd_kld(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     model, tok, windows = load_model_and_windows(args)
     r = kl_divergence(model, tok, windows, spec, prefix=args.prefix, chunk=args.chunk, progress=not args.no_progress,
-                      batch_size=args.batch_size)
+                      batch_size=args.batch_size, fast=not args.reference_eval)
     emit(args, r, f"{r['name']}: KL {r['kl']:.5f} nats/token, top-1 agreement {100 * r['top1_agreement']:.2f}%, "
                   f"ppl {r['ppl']:.4f} vs FP {r['ppl_fp']:.4f} ({r['delta_ppl_pct']:+.2f}%), "
                   f"{r['bits_per_element']:.3f} bits/element")
@@ -135,7 +135,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
     model, tok, windows = load_model_and_windows(args)
     rows = sweep(model, tok, windows, specs, prefix=args.prefix, chunk=args.chunk, batch_size=args.batch_size,
-                 passkey_lengths=args.passkey or (), progress=not args.no_progress)
+                 passkey_lengths=args.passkey or (), progress=not args.no_progress, fast=not args.reference_eval)
     title = f"{args.model}: {windows.shape[0]} x {args.context} tokens, prefix {args.prefix}, chunk {args.chunk}"
     writes = [("--csv", args.csv, lambda p: write_rows(rows, p)),
               ("--plot", args.plot, lambda p: pareto_plot(rows, p, title=title))]

@@ -74,7 +74,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise CliError(f"--upgrade-layers {args.upgrade_layers} is more than the model's {num_layers} layers")
     base.validate(num_layers=num_layers)
     prof = layer_profile(model, windows, base, prefix=args.prefix, chunk=args.chunk, batch_size=args.batch_size,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, fast=not args.reference_eval)
     n = args.upgrade_layers if args.max_bits is None else None
     if n is None and args.max_bits is None:
         n = max(1, len(prof["ranking"]) // 10)
@@ -92,6 +92,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
     lines.append(f"recommended: {rec.describe()}; layer_specific_config={rec.layer_specific_config}")
     emit(args, prof, "\n".join(lines), writes=[("--write-config", args.write_config, rec.to_json)])
     return 0
+
+
+def early_stop_factor(text: str) -> float:
+    """``--early-stop``: 0 (off) or a factor >= 1."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not (v == 0 or v >= 1) or v != v or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not 0 (off) or a factor >= 1 of the budget")
+    return v
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -117,11 +128,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
     for c in cands:
         c.validate(num_layers=num_layers)  # a profile of another model names layers this one lacks
     r = tune(model, windows, cands, max_ppl_increase=mpi, max_bits=args.max_bits, profile=profile,
-             prefix=args.prefix, chunk=args.chunk, batch_size=args.batch_size, progress=not args.no_progress)
+             prefix=args.prefix, chunk=args.chunk, batch_size=args.batch_size, progress=not args.no_progress,
+             fast=not args.reference_eval, early_stop=args.early_stop or None)
     out = args.write_config
     chosen = KiviConfig.from_dict(r["config"])
+    stopped = sum(1 for x in r["evaluated"] if "stopped_early" in x)
     human = (f"chose {r['name']}: {r['bits_per_element']:.3f} bits/element, ppl {r['ppl']:.4f} vs FP {r['ppl_fp']:.4f} "
-             f"({r['delta_ppl_pct']:+.2f}%) after measuring {len(r['evaluated'])} candidates")
+             f"({r['delta_ppl_pct']:+.2f}%) after measuring {len(r['evaluated'])} candidates"
+             + (f" ({stopped} stopped early, over {args.early_stop:g} x the budget)" if stopped else ""))
     emit(args, r, human, writes=[("--write-config", out, chosen.to_json)])
     return 0
 
@@ -154,6 +168,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-bits", type=positive_float, default=None, help="bits per element budget")
     p.add_argument("--profile", default=None, help="`kivi profile --json` output: adds per-layer candidates")
     p.add_argument("--candidates", nargs="*", default=None, help="extra KiviConfig JSON files to consider")
+    p.add_argument("--early-stop", type=early_stop_factor, default=2.0,
+                   help="drop a candidate after a window once its Δppl so far exceeds this many times the "
+                   "--max-ppl-increase budget (default 2; 0 = measure every window)")
     p.add_argument("--write-config", "--out", dest="write_config", default=None, type=output_path,
                    help="write the chosen KiviConfig JSON here (loadable by KiviConfig.from_json)")
     add_output_args(p)

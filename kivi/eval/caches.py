@@ -10,7 +10,8 @@ elements.
 
 from __future__ import annotations
 
-from typing import Any, Union
+import contextlib
+from typing import Any, Iterator, Union
 
 import torch
 
@@ -78,13 +79,17 @@ def baseline_unavailable_reason(name: str) -> str | None:
     return None
 
 
-def make_cache(model: Any, spec: CacheSpec):
+def make_cache(model: Any, spec: CacheSpec, *, read_packed: bool = False):
     """A fresh, empty cache for ``model`` as described by ``spec``.
 
     * ``None`` / ``"fp"``: transformers' ``DynamicCache`` (full precision);
     * a :class:`KiviConfig`: ``KiviCache.from_model(model, spec)``. Its attention runs through kivi's
       kernels only on a model prepared with ``quantize_model(model, spec)``; on an unprepared model
-      the model's own attention reads the dequantized cache (same numbers, slower);
+      the model's own attention reads the dequantized cache (same numbers, slower). With
+      ``read_packed`` the config's ``attention_backend`` is resolved as :func:`kivi.quantize_model`
+      resolves it (``"auto"``: the packed ``"cpu"`` path on CPU) even on an unprepared model: the
+      caller must then run every forward into the cache under
+      :func:`kivi.attention.interface.reading_views` (the evaluation functions do);
     * a name from :data:`BASELINES`: transformers' ``QuantizedCache(backend="quanto", ...)``; raises
       :class:`BaselineUnavailable` when it cannot be built here (optimum-quanto missing).
     """
@@ -96,7 +101,10 @@ def make_cache(model: Any, spec: CacheSpec):
     if isinstance(spec, KiviConfig):
         from ..cache.cache import KiviCache  # noqa: PLC0415
 
-        return KiviCache.from_model(model, spec)
+        if not read_packed:
+            return KiviCache.from_model(model, spec)
+        with _runs_kivi_attention(model):
+            return KiviCache.from_model(model, spec)
     reason = baseline_unavailable_reason(spec)
     if reason:
         raise BaselineUnavailable(reason)
@@ -106,6 +114,29 @@ def make_cache(model: Any, spec: CacheSpec):
         return QuantizedCache(backend="quanto", config=model.config, **BASELINES[spec])
     except Exception as e:  # noqa: BLE001 - report any construction failure as unavailability
         raise BaselineUnavailable(f"QuantizedCache(backend='quanto') failed: {type(e).__name__}: {e}") from e
+
+
+@contextlib.contextmanager
+def _runs_kivi_attention(model: Any) -> Iterator[None]:
+    """``model`` runs the ``"kivi"`` attention inside the block (restored after), so that
+    ``KiviCache.from_model`` resolves the backend as for a prepared model (``cache_attention_backend``
+    gives an unprepared model ``"reference"`` because its own attention could not read packed views;
+    :func:`make_cache`'s caller promises to run the forwards under ``reading_views``, which can). A model
+    whose attention ``"kivi"`` does not implement is left as it is (it gets ``"reference"``)."""
+    from ..backends import ATTN_IMPLEMENTATION, model_attention_unsupported  # noqa: PLC0415
+
+    config = getattr(model, "config", None)
+    current = getattr(config, "_attn_implementation", None)
+    if current == ATTN_IMPLEMENTATION or model_attention_unsupported(config) is not None:
+        yield
+        return
+    import kivi.attention.interface  # noqa: F401,PLC0415 - registers "kivi" with transformers
+
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(current)
 
 
 def _tensor_bytes(t: Any) -> int:

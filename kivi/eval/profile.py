@@ -41,6 +41,7 @@ def layer_profile(
     chunk: int = 16,
     batch_size: int = 1,
     progress: bool = True,
+    fast: bool = True,
 ) -> dict[str, Any]:
     """Sensitivity of each layer to ``base`` (default ``KiviConfig.preset("extreme")``).
 
@@ -54,7 +55,8 @@ def layer_profile(
         if not 0 <= i < n_layers:
             raise ValueError(f"layer {i} is out of range: the model has {n_layers} layers (0..{n_layers - 1})")
     specs = [only_layer_config(base, i) for i in idx]
-    out = compare(model, windows, specs, prefix=prefix, chunk=chunk, batch_size=batch_size, progress=progress)
+    out = compare(model, windows, specs, prefix=prefix, chunk=chunk, batch_size=batch_size, progress=progress,
+                  fast=fast)
     rows = []
     for i, r in zip(idx, out["results"]):
         rows.append({"layer": i, "kl": r["kl"], "delta_ppl_pct": r["delta_ppl_pct"],

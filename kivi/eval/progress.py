@@ -22,17 +22,17 @@ class _NullBar:
         pass
 
 
-def progress_bar(total: int, desc: str, enabled: bool = True) -> Any:
+def progress_bar(total: int, desc: str, enabled: bool = True, unit: str = "it") -> Any:
     """A tqdm bar on stderr with ``total`` steps, or a no-op object (``enabled=False``, tqdm missing).
 
-    Either way the object has ``update(n=1)``, ``set_description(text)``, ``set_postfix_str(text)``
+    ``unit`` names what a step counts (e.g. ``"tok"``). Either way the object has ``update(n=1)``, ``set_description(text)``, ``set_postfix_str(text)``
     and ``close()``; progress never goes to stdout (``--json`` output stays parseable).
     """
     if enabled:
         try:
             from tqdm.auto import tqdm  # noqa: PLC0415
 
-            return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
+            return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True, unit=unit)
         except ImportError:
             pass
     return _NullBar()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -48,14 +49,78 @@ def check_windows(windows: torch.Tensor, prefix: int, chunk: int) -> torch.Tenso
     return windows.long()
 
 
-def stream_window(model: Any, ids: torch.Tensor, cache: Any, prefix: int, chunk: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Yield ``(logits [B, n, V] float32, targets [B, n])`` for every scored token of ``ids [B, L]``."""
+@dataclass
+class Prefill:
+    """The full-precision prefill of one batch of windows, shared by every cache evaluated on them.
+
+    A forward into an empty cache is exact attention for every cache :func:`stream_window` replays
+    into (``DynamicCache``: nothing is quantized; ``KiviCache``: the prompt's queries read every
+    token at full precision, ``kivi.cache.schedule.prefill_exact_queries``), so the keys/values each
+    layer hands its cache, and the last logit, do not depend on the cache: computed once, they are
+    replayed into each cache (``cache.update`` per layer, as the model's forward calls it) instead of
+    running the prefix through the model again per cache. Same numbers (tests compare the two).
+
+    Fields:
+        ids: ``LongTensor [B, L]``, the windows.
+        prefix: tokens prefilled.
+        states: per layer ``(keys, values)``, each ``[B, H_kv, prefix, D]`` in the model's dtype, as the
+            layer handed them to the cache (keys after RoPE).
+        logits: ``[B, 1, V]`` float32, the prefill's last logit (it predicts ``ids[:, prefix]``).
+    """
+
+    ids: torch.Tensor
+    prefix: int
+    states: list[tuple[torch.Tensor, torch.Tensor]]
+    logits: torch.Tensor
+
+
+def run_prefill(model: Any, ids: torch.Tensor, prefix: int) -> Prefill | None:
+    """The shared :class:`Prefill` of ``ids [B, L]``, or ``None`` when the model's cache layers do not
+    keep the whole prefix (sliding-window layers keep only their window, so it could not be replayed)."""
+    from transformers import DynamicCache  # noqa: PLC0415
+
     dev = next(model.parameters()).device
     ids = ids.to(dev)
+    cache = DynamicCache(config=model.config)
     with torch.inference_mode():
         out = model(input_ids=ids[:, :prefix], cache=cache, use_cache=True, logits_to_keep=1)
-        yield out.logits[:, -1:].float(), ids[:, prefix : prefix + 1]
-        yield from stream_continuation(model, ids[:, prefix:], cache, chunk)
+    states = [(layer.keys, layer.values) for layer in cache.layers]
+    if any(k is None or k.shape[-2] != prefix or v.shape[-2] != prefix for k, v in states):
+        return None
+    return Prefill(ids, prefix, states, out.logits[:, -1:].float())
+
+
+def replays_prefill(cache: Any) -> bool:
+    """Whether :func:`stream_window` replays a :class:`Prefill` into ``cache`` (a ``DynamicCache`` or a
+    ``KiviCache``, empty); any other cache (a quanto baseline) runs its own prefill."""
+    from transformers import DynamicCache  # noqa: PLC0415
+
+    from ..cache.cache import KiviCache  # noqa: PLC0415
+
+    return type(cache) is DynamicCache or isinstance(cache, KiviCache)
+
+
+def stream_window(model: Any, ids: torch.Tensor, cache: Any, prefix: int, chunk: int,
+                  prefill: Prefill | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Yield ``(logits [B, n, V] float32, targets [B, n])`` for every scored token of ``ids [B, L]``.
+
+    With ``prefill`` (of the same ``ids`` and ``prefix``) and a cache :func:`replays_prefill` accepts,
+    the prefix is replayed into ``cache`` instead of run through the model. Every forward runs under
+    :func:`~kivi.attention.interface.reading_views` (a cache from ``make_cache(..., read_packed=True)``
+    needs the ``"kivi"`` attention from the prefill on)."""
+    dev = next(model.parameters()).device
+    ids = ids.to(dev)
+    if prefill is not None and (prefill.prefix != prefix or not torch.equal(prefill.ids.to(dev), ids)):
+        raise ValueError("prefill was computed for other windows or another prefix")
+    with torch.inference_mode(), reading_views(model, cache):
+        if prefill is not None and replays_prefill(cache):
+            for i, (k, v) in enumerate(prefill.states):
+                cache.update(k.clone(), v.clone(), i)  # clones: no cache may alias the shared prefix
+            yield prefill.logits, ids[:, prefix : prefix + 1]
+        else:
+            out = model(input_ids=ids[:, :prefix], cache=cache, use_cache=True, logits_to_keep=1)
+            yield out.logits[:, -1:].float(), ids[:, prefix : prefix + 1]
+    yield from stream_continuation(model, ids[:, prefix:], cache, chunk)
 
 
 def stream_continuation(model: Any, ids: torch.Tensor, cache: Any, chunk: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -133,6 +198,7 @@ def compare(
     progress: bool = True,
     on_window: Any = None,
     batch_size: int = 1,
+    fast: bool = True,
 ) -> dict[str, Any]:
     """Evaluate several cache specs on the same windows in one streaming pass.
 
@@ -146,6 +212,17 @@ def compare(
     ``on_window(results_so_far)`` is called after each batch of windows (for incremental writing).
     ``batch_size`` windows go through the model together (same numbers, better CPU throughput:
     quantization groups never span batch rows).
+
+    ``fast`` (default): the prefix of each window runs through the model once, at full precision
+    (:class:`Prefill`), and is replayed into every ``DynamicCache`` / ``KiviCache``; KIVI configs
+    with ``attention_backend="auto"`` read the packed cache (the ``"cpu"`` backend on CPU: blocked
+    torch for multi-token forwards) instead of the reference attention; and the caches whose numbers
+    do not depend on the chunk (:func:`chunk_neutral`: FP, KIVI with per-query precision) get
+    :data:`FAST_CHUNK` tokens per forward instead of ``chunk`` (quanto baselines keep ``chunk``).
+    ``fast=False`` is the reference protocol: every cache runs its own prefill and ``chunk`` tokens
+    per forward, and an unprepared model reads a KIVI cache through the reference attention. Both
+    give the same numbers up to float rounding, amplified where a rounding flips a 2-bit code
+    (tests/eval/test_fast.py states the tolerance).
 
     Returns ``{"fp": {...} or None, "results": [{...} per spec], "protocol": {...}}``.
     """
@@ -167,56 +244,44 @@ def compare(
     n_tok = windows.shape[1]
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    bar = progress_bar(windows.shape[0] * (len(specs) + (1 if reference else 0)), "eval (windows x caches)", progress)
+    W = windows.shape[0]
+    bar = progress_bar(W * (len(specs) + (1 if reference else 0)) * (n_tok - prefix), "eval", progress, unit="tok")
     t_start = time.time()
 
     def snapshot() -> dict[str, Any]:
         return {
             "protocol": {"windows": int(fp.windows if fp else (accs[0].windows if accs else 0)),
-                         "windows_requested": int(windows.shape[0]), "context": int(n_tok), "prefix": prefix,
-                         "chunk": chunk, "seconds": round(time.time() - t_start, 1)},
+                         "windows_requested": int(W), "context": int(n_tok), "prefix": prefix,
+                         "chunk": chunk, "seconds": round(time.time() - t_start, 1), "fast": fast},
             "fp": fp.result() if fp else None,
             "results": [a.result(fp) for a in accs],
         }
 
     try:
-        for w in range(0, windows.shape[0], batch_size):
+        for w in range(0, W, batch_size):
             ids = windows[w : w + batch_size]
             nb = ids.shape[0]
-            ref: list[torch.Tensor] | None = None
+            where = f"window {w + 1}/{W}" if nb == 1 else f"windows {w + 1}-{w + nb}/{W}"
+            t0 = time.time()
+            pre = run_prefill(model, ids, prefix) if fast else None
+            ref: torch.Tensor | None = None
             if fp is not None:
-                ref = []
-                t0 = time.time()
-                cache = make_cache(model, None)
-                for logits, targets in stream_window(model, ids, cache, prefix, chunk):
-                    ref.append(_score(fp, logits, targets, None))
-                fp.bits.append(bits_per_element(model, cache, n_tok, nb))
-                fp.bytes.append(cache_nbytes(cache) // nb)
-                fp.windows += nb
-                fp.seconds += time.time() - t0
-                del cache
-                bar.update(nb)
+                fp.seconds += time.time() - t0  # the shared prefill is counted once, on the FP row
+                ref = measure_window(model, ids, fp, prefix=prefix, chunk=chunk, prefill=pre, keep=True, fast=fast,
+                                     bar=bar, where=where)
             for acc in accs:
                 if acc.error:
-                    bar.update(nb)
+                    bar.update(nb * (n_tok - prefix))
                     continue
-                t0 = time.time()
                 try:
-                    cache = make_cache(model, acc.spec)
-                    for i, (logits, targets) in enumerate(stream_window(model, ids, cache, prefix, chunk)):
-                        _score(acc, logits, targets, ref[i] if ref is not None else None)
+                    measure_window(model, ids, acc, prefix=prefix, chunk=chunk, prefill=pre, ref=ref, fast=fast,
+                                   bar=bar, where=where)
                 except Exception as e:  # noqa: BLE001
                     if isinstance(acc.spec, str):  # a baseline: report, do not crash the sweep
                         acc.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-                        bar.update(nb)
                         continue
                     raise
-                acc.bits.append(bits_per_element(model, cache, n_tok, nb))
-                acc.bytes.append(cache_nbytes(cache) // nb)
-                acc.windows += nb
-                acc.seconds += time.time() - t0
-                del cache
-                bar.update(nb)
+            del pre
             if fp is not None and accs:
                 bar.set_postfix_str(f"fp ppl {math.exp(fp.nll / fp.tokens):.3f}")
             if on_window is not None:
@@ -224,6 +289,83 @@ def compare(
     finally:
         bar.close()
     return snapshot()
+
+
+#: Tokens per forward :func:`measure_window` uses in fast mode for caches whose numbers do not depend on
+#: the chunk (:func:`chunk_neutral`): one forward for the whole continuation of a 1024-token window
+#: after a 512-token prefix, capped so that long windows do not hold [B, n, vocab] logits for all of it.
+FAST_CHUNK = 512
+
+
+def chunk_neutral(cache: Any) -> bool:
+    """Whether feeding ``cache`` ``n`` tokens per forward gives the same numbers for every ``n`` (up to
+    float rounding): a ``DynamicCache`` (exact attention) and a ``KiviCache`` whose layers give each
+    query of a multi-token forward its own precision (``per_query_views``; not on models whose
+    attention ``"kivi"`` does not implement). A quanto baseline is not: the queries of one forward read
+    each other's tokens at full precision, so it keeps the protocol's ``chunk``."""
+    from transformers import DynamicCache  # noqa: PLC0415
+
+    from ..cache.cache import KiviCache  # noqa: PLC0415
+
+    if type(cache) is DynamicCache:
+        return True
+    return isinstance(cache, KiviCache) and all(getattr(layer, "per_query_views", True) for layer in cache.layers)
+
+
+def measure_window(
+    model: Any,
+    ids: torch.Tensor,
+    acc: _Acc,
+    *,
+    prefix: int,
+    chunk: int,
+    prefill: Prefill | None = None,
+    ref: torch.Tensor | None = None,
+    keep: bool = False,
+    fast: bool = True,
+    bar: Any = None,
+    where: str = "",
+) -> torch.Tensor | None:
+    """Run ``acc.spec``'s cache over the windows ``ids [B, L]`` and add the scores to ``acc``.
+
+    ``ref``: the FP log-probabilities ``[B, L - prefix, V]`` of the same windows (as ``keep`` returns
+    them) for KL and top-1; ``prefill``: the shared :class:`Prefill`. ``fast``: build KIVI caches that
+    read the packed storage (``make_cache(..., read_packed=True)``) and feed a :func:`chunk_neutral`
+    cache ``max(chunk, FAST_CHUNK)`` tokens per forward. ``bar`` advances by the tokens scored and
+    names the cache and ``where`` (the window). A spec that fails leaves ``acc`` as it was.
+    """
+    nb = ids.shape[0]
+    name = spec_name(acc.spec)
+    if bar is not None:
+        bar.set_description(f"{name} · {where}" if where else name)
+    t0 = time.time()
+    cache = make_cache(model, acc.spec, read_packed=fast)
+    step = max(chunk, FAST_CHUNK) if fast and chunk_neutral(cache) else chunk
+    part = _Acc(acc.spec)
+    kept: list[torch.Tensor] = []
+    done = 0
+    try:
+        for logits, targets in stream_window(model, ids, cache, prefix, step, prefill):
+            m = targets.shape[1]
+            logp = _score(part, logits, targets, ref[:, done : done + m] if ref is not None else None)
+            if keep:
+                kept.append(logp)
+            done += m
+            if bar is not None:
+                bar.update(m * nb)
+    except BaseException:
+        if bar is not None:
+            bar.update(nb * (ids.shape[1] - prefix - done))
+        raise
+    acc.nll += part.nll
+    acc.tokens += part.tokens
+    acc.kl += part.kl
+    acc.top1 += part.top1
+    acc.bits.append(bits_per_element(model, cache, ids.shape[1], nb))
+    acc.bytes.append(cache_nbytes(cache) // nb)
+    acc.windows += nb
+    acc.seconds += time.time() - t0
+    return torch.cat(kept, dim=1) if keep else None
 
 
 def score_continuation(
@@ -312,6 +454,7 @@ def perplexity(
     chunk: int = 16,
     progress: bool = True,
     batch_size: int = 1,
+    fast: bool = True,
 ) -> dict[str, Any]:
     """Streaming perplexity of ``model`` with the cache ``config`` describes.
 
@@ -324,13 +467,14 @@ def perplexity(
         prefix: tokens prefilled into a fresh cache per window (not scored, except that the
             prefill's last logit scores the first token after it).
         chunk: tokens per forward after the prefix.
+        fast: share the prefill and read KIVI caches through the packed attention (:func:`compare`).
 
     Returns:
         ``{"ppl", "nll" (mean per token), "tokens_scored", "windows", "bits_per_element",
         "cache_bytes" (at the end of a window, averaged over windows), "seconds", "name", "config",
         "context", "prefix", "chunk"}``.
     """
-    return _single(model, windows, config, prefix, chunk, progress, batch_size, reference=False)
+    return _single(model, windows, config, prefix, chunk, progress, batch_size, reference=False, fast=fast)
 
 
 def kl_divergence(
@@ -343,6 +487,7 @@ def kl_divergence(
     chunk: int = 16,
     progress: bool = True,
     batch_size: int = 1,
+    fast: bool = True,
 ) -> dict[str, Any]:
     """KL(P_fp || P_config) and top-1 agreement of next-token distributions vs. the FP cache.
 
@@ -350,14 +495,15 @@ def kl_divergence(
     log-probabilities are held at a time). Returns the :func:`perplexity` fields for ``config`` plus
     ``kl`` (nats per scored token), ``top1_agreement`` (fraction), ``ppl_fp`` and ``delta_ppl_pct``.
     """
-    return _single(model, windows, config, prefix, chunk, progress, batch_size, reference=True)
+    return _single(model, windows, config, prefix, chunk, progress, batch_size, reference=True, fast=fast)
 
 
-def _single(model, windows, config, prefix, chunk, progress, batch_size, *, reference: bool) -> dict[str, Any]:
+def _single(model, windows, config, prefix, chunk, progress, batch_size, *, reference: bool,
+            fast: bool) -> dict[str, Any]:
     """:func:`compare` for one config; an unavailable baseline raises ``BaselineUnavailable``."""
     spec = check_spec(config)
     out = compare(model, windows, [spec], prefix=prefix, chunk=chunk, reference=reference, progress=progress,
-                  batch_size=batch_size)
+                  batch_size=batch_size, fast=fast)
     r = out["results"][0]
     if "unavailable" in r:
         from .caches import BaselineUnavailable  # noqa: PLC0415

@@ -45,6 +45,7 @@ def sweep(
     passkey_seeds: int = 2,
     progress: bool = True,
     on_window: Any = None,
+    fast: bool = True,
 ) -> list[dict[str, Any]]:
     """One row per spec (plus the ``fp`` row first): bits/element from the real cache, bytes, ppl,
     Δppl %, KL, top-1 agreement; passkey accuracy when ``passkey_lengths`` is given."""
@@ -52,7 +53,7 @@ def sweep(
     specs = [check_spec(s) for s in specs]
     specs = [s for s in specs if s is not None]  # fp is the reference row anyway
     out = compare(model, windows, specs, prefix=prefix, chunk=chunk, batch_size=batch_size, progress=progress,
-                  on_window=on_window)
+                  on_window=on_window, fast=fast)
     fp = dict(out["fp"])
     fp.update(kind="fp", delta_ppl_pct=0.0, kl=0.0, top1_agreement=1.0)
     rows = [fp] + [{**r, "kind": spec_kind(s)} for s, r in zip(specs, out["results"])]
@@ -170,6 +171,8 @@ def tune(
     chunk: int = 16,
     batch_size: int = 1,
     progress: bool = True,
+    fast: bool = True,
+    early_stop: float | None = 2.0,
 ) -> dict[str, Any]:
     """Cheapest candidate within a Δppl budget (or best within a bits budget), measured.
 
@@ -178,11 +181,26 @@ def tune(
     stopping at the first candidate within ``max_ppl_increase`` (with only ``max_bits``, every
     candidate under it is measured). The chosen config's reported numbers are measured ones.
 
+    The FP pass runs first, once: per window the full-precision prefill (kept, and replayed into
+    every candidate's cache, :class:`~kivi.eval.stream.Prefill`) and the FP perplexity. ``fast``:
+    :func:`~kivi.eval.stream.compare`'s fast mode (packed attention, one forward per continuation).
+    ``early_stop`` (with ``max_ppl_increase``): a candidate is dropped after a window when its Δppl
+    over the windows measured so far exceeds ``early_stop`` x the budget; it is listed with
+    ``"stopped_early"`` and never chosen (``None`` or 0: measure every window).
+
     Returns ``{"config": {...}, "name", "ppl", "ppl_fp", "delta_ppl_pct", "bits_per_element",
     "evaluated": [rows]}``.
     """
+    from .stream import _Acc, check_windows, measure_window, run_prefill  # noqa: PLC0415
+
     if max_ppl_increase is None and max_bits is None:
         raise ValueError("give a budget: max_ppl_increase (percent) and/or max_bits (bits per element)")
+    if early_stop is not None and (isinstance(early_stop, bool) or not isinstance(early_stop, (int, float))
+                                   or not math.isfinite(early_stop) or early_stop < 0 or 0 < early_stop < 1):
+        raise ValueError(f"early_stop={early_stop!r} must be None, 0 (off) or a factor >= 1 of the budget")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    windows = check_windows(windows, prefix, chunk)
     cands = list(candidates if candidates is not None else candidate_grid(profile))
     if not cands:
         raise ValueError("no candidate configs")
@@ -200,31 +218,66 @@ def tune(
         est = [t for t in est if t[0] <= max_bits]
         if not est:
             raise ValueError(f"no candidate fits max_bits={max_bits} bits/element")
-    fp = perplexity(model, None, windows, None, prefix=prefix, chunk=chunk, batch_size=batch_size, progress=progress)
+    batches = [windows[w : w + batch_size] for w in range(0, windows.shape[0], batch_size)]
+    per_window = len(batches)
+    scored = windows.shape[0] * (ctx - prefix)
+    bar = progress_bar(scored * (1 + len(est)), "tune", progress, unit="tok")
+    fp = _Acc(None)
+    fp_nll: list[tuple[float, int]] = []  # per batch: (nll sum, tokens), for the partial Δppl of early stopping
+    prefills = []
     rows = []
-    bar = progress_bar(len(est), "tune candidates", progress)
+    stop_at = early_stop * max_ppl_increase if early_stop and max_ppl_increase is not None else None
     try:
-        for bits_est, _, c in est:
-            r = perplexity(model, None, windows, c, prefix=prefix, chunk=chunk, batch_size=batch_size, progress=False)
-            r["delta_ppl_pct"] = 100.0 * (r["ppl"] / fp["ppl"] - 1.0)
+        for j, ids in enumerate(batches):
+            pre = run_prefill(model, ids, prefix) if fast else None
+            before = (fp.nll, fp.tokens)
+            measure_window(model, ids, fp, prefix=prefix, chunk=chunk, prefill=pre, fast=fast, bar=bar,
+                           where=f"FP reference, window {j + 1}/{per_window}")
+            fp_nll.append((fp.nll - before[0], fp.tokens - before[1]))
+            prefills.append(pre)
+        ppl_fp = math.exp(fp.nll / fp.tokens)
+        for k, (bits_est, _, c) in enumerate(est):
+            acc = _Acc(c)
+            stopped = None
+            for j, ids in enumerate(batches):
+                measure_window(model, ids, acc, prefix=prefix, chunk=chunk, prefill=prefills[j], fast=fast, bar=bar,
+                               where=f"window {j + 1}/{per_window}, candidate {k + 1}/{len(est)}")
+                ref_nll = sum(x[0] for x in fp_nll[: j + 1]) / sum(x[1] for x in fp_nll[: j + 1])
+                partial = 100.0 * (math.exp(acc.nll / acc.tokens - ref_nll) - 1.0)
+                if stop_at is not None and j + 1 < per_window and partial > stop_at:
+                    stopped = partial
+                    bar.update((per_window - j - 1) * batches[0].shape[0] * (ctx - prefix))
+                    break
+            r = acc.result()
+            done = fp_nll[: j + 1]  # the FP perplexity of the windows this candidate ran on
+            r["delta_ppl_pct"] = 100.0 * (r["ppl"] / math.exp(sum(x[0] for x in done) / sum(x[1] for x in done)) - 1.0)
             r["bits_estimated"] = bits_est
             r["_cfg"] = c
+            if stopped is not None:
+                r["stopped_early"] = (f"Δppl {stopped:+.2f}% after {r['windows']} of {windows.shape[0]} windows "
+                                      f"> {early_stop:g} x the {max_ppl_increase:g}% budget")
             rows.append(r)
-            bar.update(1)
-            bar.set_postfix_str(f"{r['name']}: {r['bits_per_element']:.2f} bits, {r['delta_ppl_pct']:+.2f}%")
-            if max_ppl_increase is not None and r["delta_ppl_pct"] <= max_ppl_increase and (
+            bar.set_postfix_str(f"{r['name']}: {r['bits_per_element']:.2f} bits, {r['delta_ppl_pct']:+.2f}%"
+                                + (" (stopped early)" if stopped is not None else ""))
+            if stopped is None and max_ppl_increase is not None and r["delta_ppl_pct"] <= max_ppl_increase and (
                     max_bits is None or r["bits_per_element"] <= max_bits):
                 break
     finally:
         bar.close()
-    best = select_config(rows, max_ppl_increase=max_ppl_increase, max_bits=max_bits)
+    complete = [r for r in rows if "stopped_early" not in r]
+    if not complete:
+        best_partial = min(rows, key=lambda r: r["delta_ppl_pct"])
+        raise ValueError(f"no candidate fits the budget max_ppl_increase={max_ppl_increase}%: every one was over "
+                         f"{early_stop:g} x the budget (best: {best_partial['name']}, {best_partial['stopped_early']})")
+    best = select_config(complete, max_ppl_increase=max_ppl_increase, max_bits=max_bits)
     cfg = best["_cfg"]
     for r in rows:
         r.pop("_cfg", None)
-    return {"config": cfg.to_dict(), "name": cfg.describe(), "ppl": best["ppl"], "ppl_fp": fp["ppl"],
+    return {"config": cfg.to_dict(), "name": cfg.describe(), "ppl": best["ppl"], "ppl_fp": ppl_fp,
             "delta_ppl_pct": best["delta_ppl_pct"], "bits_per_element": best["bits_per_element"],
             "cache_bytes": best["cache_bytes"], "budget": {"max_ppl_increase_pct": max_ppl_increase, "max_bits": max_bits},
-            "protocol": {"windows": int(windows.shape[0]), "context": int(ctx), "prefix": prefix, "chunk": chunk},
+            "protocol": {"windows": int(windows.shape[0]), "context": int(ctx), "prefix": prefix, "chunk": chunk,
+                         "fast": fast, "early_stop": early_stop},
             "evaluated": rows, "skipped": skipped}
 
 

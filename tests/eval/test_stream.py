@@ -40,7 +40,9 @@ def test_noise_injected_cache_is_detected(peaked_model, windows, monkeypatch):
         return t + 2.0 * torch.randn_like(t)
 
     monkeypatch.setattr(layer_mod, "materialize", noisy)
-    r = kl_divergence(peaked_model, None, windows, EXACT, prefix=64, chunk=16, progress=False)
+    # fast=False: the noise sits in the reference path's dequantization (the fast path reads the packed
+    # storage and never calls materialize; tests/eval/test_fast.py compares the two paths)
+    r = kl_divergence(peaked_model, None, windows, EXACT, prefix=64, chunk=16, progress=False, fast=False)
     assert r["kl"] > 1e-2 and r["top1_agreement"] < 0.99
 
 
@@ -54,8 +56,9 @@ _SLOW = pytest.mark.slow
 def test_chunk_1_and_16_agree(peaked_model, windows, cfg, rel):
     # Every query of a chunk sees each earlier token at the precision token-by-token decoding gives it
     # (the views' per-query boundary), so chunk 16 equals chunk 1 up to float noise for every config.
-    a = perplexity(peaked_model, None, windows, cfg, prefix=64, chunk=1, progress=False)
-    b = perplexity(peaked_model, None, windows, cfg, prefix=64, chunk=16, progress=False)
+    # fast=False: the fast mode would feed both one forward per continuation (tests/eval/test_fast.py)
+    a = perplexity(peaked_model, None, windows, cfg, prefix=64, chunk=1, progress=False, fast=False)
+    b = perplexity(peaked_model, None, windows, cfg, prefix=64, chunk=16, progress=False, fast=False)
     assert a["tokens_scored"] == b["tokens_scored"]
     assert a["nll"] == pytest.approx(b["nll"], rel=rel, abs=1e-6)
     assert a["bits_per_element"] == pytest.approx(b["bits_per_element"], rel=0.1)
