@@ -30,10 +30,11 @@ from kivi.cli.common import set_cpu_threads
 from kivi.data import load_text
 
 
-def document_prompt(tokenizer, doc_tokens: int) -> torch.Tensor:
+def document_prompt(tokenizer, doc_tokens: int, index: int = 0) -> torch.Tensor:
     """A WikiText-2 document (about ``doc_tokens`` tokens) followed by its opening again: the model
-    is asked to restate the document, which prompt lookup can copy from the prompt."""
-    text = load_text()
+    is asked to restate the document, which prompt lookup can copy from the prompt. ``index`` picks
+    another stretch of the text (20,000 characters further on per index)."""
+    text = load_text()[20000 * index:]
     ids = tokenizer(text[:20000], return_tensors="pt").input_ids[0, :doc_tokens]
     doc = tokenizer.decode(ids)
     opening = tokenizer.decode(ids[:24])
@@ -84,16 +85,20 @@ def generate(model, prompt, new, **spec):
         return out[0, prompt.shape[1]:], time.perf_counter() - t0
 
 
-def check(model, tokenizer, cfg_name, args) -> dict:
+def check(model, tokenizer, cfg_name, args) -> list[dict]:
+    return [check_prompt(model, tokenizer, cfg_name, args, i) for i in args.prompts]
+
+
+def check_prompt(model, tokenizer, cfg_name, args, index: int) -> dict:
     cfg = KiviConfig.preset(cfg_name, attention_backend=args.backend)
     quantize_model(model, cfg)
-    prompt = document_prompt(tokenizer, args.doc_tokens)
+    prompt = document_prompt(tokenizer, args.doc_tokens, index)
     plain, _ = generate(model, prompt, args.new)
     lookup, _ = generate(model, prompt, args.new, prompt_lookup_num_tokens=args.lookup)
     assisted, _ = generate(model, prompt, args.new, assistant_model=model, num_assistant_tokens=args.draft_tokens)
     return {
-        "config": cfg_name, "backend": args.backend, "prompt_tokens": prompt.shape[1], "new_tokens": args.new,
-        "prompt_lookup_equal": bool(torch.equal(plain, lookup)),
+        "config": cfg_name, "backend": args.backend, "prompt": index, "prompt_tokens": prompt.shape[1],
+        "new_tokens": args.new, "prompt_lookup_equal": bool(torch.equal(plain, lookup)),
         "assisted_self_draft_equal": bool(torch.equal(plain, assisted)),
         "first_difference": {
             "prompt_lookup": next((i for i, (a, b) in enumerate(zip(plain, lookup)) if a != b), None),
@@ -146,6 +151,8 @@ def main(argv=None) -> None:
     p.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens")
     p.add_argument("--draft-tokens", type=int, default=5, help="num_assistant_tokens of the self-draft")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--prompts", type=int, nargs="+", default=[0],
+                   help="--check: which documents to try (index i: WikiText-2 from character 20,000 * i on)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -153,9 +160,10 @@ def main(argv=None) -> None:
     model, tokenizer = load_model("smollm2")
     results = []
     for name in args.configs:
-        r = (check if args.check else speed)(model, tokenizer, name, args)
-        print(json.dumps(r))
-        results.append(r)
+        rows = check(model, tokenizer, name, args) if args.check else [speed(model, tokenizer, name, args)]
+        for r in rows:
+            print(json.dumps(r), flush=True)
+        results.extend(rows)
     out = {"command": "python benchmarks/bench_speculative.py " + " ".join(argv or __import__("sys").argv[1:]),
            "results": results}
     if args.out:

@@ -125,13 +125,29 @@ def quantize_model(model: Any, config: KiviConfig | None = None, *,
             if isinstance(cache, KiviCache) and cache.get_seq_length() == 0:
                 # The prompt's queries are the exact prefill; speculative candidates that transformers
                 # runs in the same first forward must see what one-token decoding would (docs/speculative.md).
-                mask = model_kwargs.get("attention_mask")
-                cache.set_prompt_length(mask.shape[-1] if mask is not None and mask.dim() == 2 else None)
+                cache.set_prompt_length(_prompt_length(generation_config, model_kwargs))
             return None if wants_default else result
 
         model._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, model)
         model._kivi_patched_generate = True
     return model
+
+
+def _prompt_length(generation_config: Any, model_kwargs: dict) -> int | None:
+    """The prompt's length as ``generate`` knows it when it prepares the cache (``None``: unknown).
+
+    From the 2-D attention mask; transformers 5 drops an all-ones mask before this point
+    (``model_kwargs["attention_mask"] = None``) and keeps its length in ``generation_config._mask_length``
+    (read by its own ``_prefill``), so that is the prompt length then. Without it every query of the first
+    forward would be exact, the speculative candidates' too (measured: the first forward of prompt-lookup
+    decoding on SmolLM2 ran as one 446-query prefill, so it was neither one-token decoding for the
+    candidates nor the plain prompt prefill for the prompt).
+    """
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None:
+        return mask.shape[-1] if mask.dim() == 2 else None
+    length = getattr(generation_config, "_mask_length", None)
+    return length if isinstance(length, int) and length > 0 else None
 
 
 def dequantize_model(model: Any) -> Any:

@@ -72,3 +72,85 @@ def test_assisted_generation_with_a_kivi_draft_equals_greedy(backend, config):
     want = _plain(model, prompt)
     got = _speculative(model, prompt, assistant_model=draft, num_assistant_tokens=6)
     assert torch.equal(got, want)
+
+
+# --------------------------------------------------------------------------- the first forward
+# transformers runs the prompt and the first candidates in one forward. Its prompt queries must go
+# through the same arithmetic as a plain prefill of the prompt: a last-bit difference in a layer's
+# attention output changes the next layers' keys/values of the prompt and flips some of their 2-bit
+# codes (on SmolLM2 K2V2 this made greedy speculative decoding diverge at new token 29 / 2). The tiny
+# model's tokens survive such differences, so these tests compare the prompt's keys and values as they
+# enter each layer's cache, bit for bit.
+
+
+def _prompt_kv(monkeypatch, model, prompt: torch.Tensor, **spec) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (in call order): the prompt's keys and values handed to the cache by generate's first forward."""
+    from kivi.cache.layer import KiviLayer
+
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    append = KiviLayer._append
+
+    def record(self, k, v, valid):
+        if self.seen == 0:
+            seen.append((k[:, :, : prompt.shape[1]].clone(), v[:, :, : prompt.shape[1]].clone()))
+        return append(self, k, v, valid)
+
+    with monkeypatch.context() as m:
+        m.setattr(KiviLayer, "_append", record)
+        with torch.no_grad():
+            model.generate(prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False, **spec)
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("kind", ["prompt_lookup", "assisted"])
+def test_the_prompt_enters_every_layer_as_in_plain_greedy(monkeypatch, backend, kind):
+    model = _model(backend, CONFIGS["2-2"], num_hidden_layers=4)
+    prompt = _prompt(200)
+    if kind == "prompt_lookup":
+        spec = dict(prompt_lookup_num_tokens=8, max_matching_ngram_size=2)
+    else:
+        spec = dict(assistant_model=_model(backend, CONFIGS["2-2"], seed=3, num_hidden_layers=1), num_assistant_tokens=6)
+    want = _prompt_kv(monkeypatch, model, prompt)
+    got = _prompt_kv(monkeypatch, model, prompt, **spec)
+    assert len(got) >= len(want) == 4  # the draft's layers come after (assisted)
+    for layer, ((k0, v0), (k1, v1)) in enumerate(zip(want, got[-4:] if kind == "assisted" else got)):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1), f"layer {layer}: the prompt's keys/values differ"
+
+
+@pytest.mark.parametrize("mask", ["none", "ones", "padded"])
+def test_generate_tells_the_cache_the_prompt_length(mask):
+    # transformers 5 drops an all-ones attention mask before it prepares the cache; the prompt length must
+    # still reach the cache, or the candidates of the first speculative forward get an exact prefill.
+    model = _model("cpu", CONFIGS["2-2"])
+    prompt = _prompt(30).repeat(2, 1)
+    kw = {}
+    if mask != "none":
+        kw["attention_mask"] = torch.ones_like(prompt)
+        if mask == "padded":
+            prompt[1, :3] = 0
+            kw["attention_mask"][1, :3] = 0
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=2, do_sample=False, return_dict_in_generate=True, **kw)
+    assert [layer.prompt_length for layer in out.past_key_values.layers] == [30, 30]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["extreme", "balanced"])
+def test_smollm2_speculative_equals_greedy(smollm2, preset):
+    """The embedded model, a WikiText document the model is asked to restate: greedy prompt lookup and assisted
+    generation (SmolLM2 as its own draft, with its own KIVI cache) give the tokens of plain greedy decoding."""
+    from kivi import dequantize_model
+    from kivi.data import load_text
+
+    model, tok = smollm2
+    ids = tok(load_text()[:20000], return_tensors="pt").input_ids[0, :400]
+    text = f"{tok.decode(ids)}\n\nThe same text again, word for word:\n\n{tok.decode(ids[:24])}"
+    prompt = tok(text, return_tensors="pt").input_ids
+    try:
+        quantize_model(model, KiviConfig.preset(preset, attention_backend="cpu"))
+        want = _plain(model, prompt)
+        assert torch.equal(_speculative(model, prompt, prompt_lookup_num_tokens=10), want)
+        assert torch.equal(_speculative(model, prompt, assistant_model=model, num_assistant_tokens=5), want)
+    finally:
+        dequantize_model(model)

@@ -23,6 +23,7 @@ function transformers builds no mask at all for an unknown implementation.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Iterator
 
 import torch
@@ -100,14 +101,48 @@ def kivi_attention_forward(
     if attention_mask is not None and attention_mask.dim() != 4:
         raise ValueError(f"kivi attention expects a 4-D mask, got shape {tuple(attention_mask.shape)}")
     k_view, v_view = key.view, value.view
-    if k_view.only_full_precision and v_view.only_full_precision:
+    n = query.shape[2]
+    exact = min(exact_queries(k_view, n), exact_queries(v_view, n))
+    if exact == n:
         # Nothing stored yet (e.g. a prefill): every token is exact, so this is plain attention;
         # torch's SDPA kernels do it faster and in O(chunk) memory.
         return sdpa_attention_forward(
             module, query, k_view.fp, v_view.fp, attention_mask, scaling=scaling, is_causal=is_causal, **kwargs
         )
+    if exact:
+        # A prefill whose last queries follow the one-token rule (the prompt and the first speculative
+        # candidates in one forward: KiviCache.set_prompt_length). The prompt's queries must go through
+        # the very SDPA call a plain prefill of the prompt makes (same shapes, same kernel): any other
+        # path rounds their outputs differently in the last bits, which changes the next layers' keys and
+        # values of the prompt and flips some of their 2-bit codes (measured on SmolLM2 K2V2: prompt keys
+        # differed from token 192 on in layer 1 and up, and greedy speculative decoding diverged).
+        mask = None if attention_mask is None else attention_mask[..., :exact, :exact]
+        head, _ = sdpa_attention_forward(
+            module, query[:, :, :exact], k_view.fp[:, :, :exact], v_view.fp[:, :, :exact], mask,
+            scaling=scaling, is_causal=is_causal, **kwargs,
+        )
+        tail = run_backend(key.backend, query[:, :, exact:], _later_queries(k_view, exact),
+                           _later_queries(v_view, exact), scaling=scaling,
+                           attention_mask=None if attention_mask is None else attention_mask[..., exact:, :])
+        return torch.cat([head, tail.transpose(1, 2)], dim=1).contiguous(), None
     out = run_backend(key.backend, query, k_view, v_view, scaling=scaling, attention_mask=attention_mask)
     return out.transpose(1, 2).contiguous(), None
+
+
+def exact_queries(view: AttentionView, n: int) -> int:
+    """How many leading queries of a forward of ``n`` read only this view's full-precision tokens, i.e.
+    compute exact attention over the tokens ``[0, i]`` (a prefill into an empty layer: no sink, nothing
+    stored; with a per-query boundary, the queries whose ``fp_from`` is still the first token)."""
+    if not view.quantized or view.sink is not None or view.split != view.start:
+        return 0
+    if view.fp_from is None:
+        return n
+    return next((i for i, b in enumerate(view.fp_from) if b != view.split), n)
+
+
+def _later_queries(view: AttentionView, exact: int) -> AttentionView:
+    """The view as the queries after the first ``exact`` see it (their part of the per-query boundary)."""
+    return view if view.fp_from is None else replace(view, fp_from=view.fp_from[exact:])
 
 
 @contextmanager

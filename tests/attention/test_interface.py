@@ -1,0 +1,61 @@
+"""The "kivi" attention's routing (kivi.attention.interface): which queries go to SDPA, which to the backend.
+
+The first forward of speculative decoding holds the prompt and the first candidates. Its prompt queries
+must get the very output a plain prefill of the prompt gets (transformers' SDPA over the prompt), bit for
+bit; the candidates read what one-token decoding gives them (the backend, per-query boundary).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from kivi.attention.interface import exact_queries, kivi_attention_forward
+from kivi.attention.reference import reference_attention
+from kivi.cache.layer import KiviLayer
+from kivi.cache.view import PackedStates
+from kivi.config import KiviConfig
+
+CFG = KiviConfig(group_size=8, residual_length=16, block_size=32, k_bits=2, v_bits=2)
+
+
+class _Attention(torch.nn.Module):
+    num_key_value_groups = 3
+    is_causal = True
+
+
+def _forward(prompt: int | None, n: int, backend: str, dtype=torch.float32, mask=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, h, n, 16, generator=gen).to(dtype) for h in (6, 2, 2))
+    layer = KiviLayer(CFG)
+    layer.prompt_length = prompt
+    kv, vv = layer.append(k, v)
+    attn_mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None] if mask else None
+    out, _ = kivi_attention_forward(_Attention(), q, PackedStates(kv, backend), PackedStates(vv, backend), attn_mask,
+                                    scaling=0.25)
+    return q, k, v, kv, vv, attn_mask, out
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("prompt,n,mask", [(50, 61, False), (37, 45, True), (200, 211, False)])
+def test_prompt_queries_get_the_plain_prefill_output_bit_for_bit(backend, dtype, prompt, n, mask):
+    q, k, v, kv, vv, attn_mask, out = _forward(prompt, n, backend, dtype, mask)
+    assert exact_queries(kv, n) == exact_queries(vv, n) == prompt  # the candidates carry a boundary
+    plain, _ = sdpa_attention_forward(_Attention(), q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt],
+                                      None if attn_mask is None else attn_mask[..., :prompt, :prompt], scaling=0.25)
+    assert torch.equal(out[:, :prompt], plain)
+    # the candidates: what the reference gives the same queries (one-token rule)
+    want = reference_attention(q, kv, vv, scaling=0.25, attention_mask=attn_mask).transpose(1, 2)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[:, prompt:], want[:, prompt:], atol=tol, rtol=tol)
+
+
+def test_exact_queries():
+    _, _, _, kv, vv, _, _ = _forward(None, 40, "cpu")
+    assert exact_queries(kv, 40) == exact_queries(vv, 40) == 40  # a plain prefill: all of them
+    layer = KiviLayer(CFG)
+    layer.append(*(torch.randn(1, 2, 30, 16) for _ in range(2)))
+    kv, vv = layer.append(*(torch.randn(1, 2, 5, 16) for _ in range(2)))
+    assert exact_queries(kv, 5) == exact_queries(vv, 5) == 0  # tokens are stored: nothing is exact
