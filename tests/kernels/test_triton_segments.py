@@ -92,7 +92,7 @@ def test_sink_and_several_blocks_match_reference(dtype, layout):
     # T = 203: odd, not a multiple of the group size; GQA 6 query heads over 2 kv heads
     q, k, v, ks, vs = _case(2, 6, 2, 32, 203, dtype, kb=4, vb=2, **layout, seed=1)
     assert ks.n_blocks == 3 and vs.n_blocks == 3
-    out = decode_attention_sides(q, ks, vs, scaling=32**-0.5, block_n=16, num_splits=3)
+    out = decode_attention_sides(q, ks, vs, scaling=32**-0.5, block_n=32, num_splits=3)
     ref = torch_decode_attention_sides(q, ks, vs, scaling=32**-0.5)
     _check(out, ref, dtype)
     # the sides' reference is the dense meaning of the pieces (sink exact, blocks dequantized, tail exact)
