@@ -235,7 +235,7 @@ def test_model_decode_through_the_kernel(model_type):
 
     kw = dict(hidden_size=192, head_dim=32, num_attention_heads=6, num_hidden_layers=2)
     if model_type == "mistral":
-        kw["sliding_window"] = 48
+        kw["sliding_window"] = 16
     cfg = KiviConfig.preset("balanced", group_size=8, residual_length=16, block_size=16, attention_backend="cpu")
     model = quantize_model(tiny_model(model_type, weight_scale=2.0, **kw), cfg)
     ids = torch.randint(0, model.config.vocab_size, (2, 70), generator=torch.Generator().manual_seed(0))
