@@ -63,9 +63,13 @@ def test_decode_step_matches_reference(prefill, hq):
     assert (got - ref).abs().max() < 1e-4
 
 
+FAST = [("high", torch.float32), ("balanced", torch.float16), ("balanced", torch.bfloat16)]
+ALL = [(p, d) for p in ("high", "balanced") for d in (torch.float32, torch.float16, torch.bfloat16)]
+
+
 @needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
-@pytest.mark.parametrize("preset", ["high", "balanced"])
+@pytest.mark.parametrize("preset,dtype", FAST + [pytest.param(*c, marks=pytest.mark.slow) for c in ALL if c not in FAST],
+                         ids=lambda x: x if isinstance(x, str) else str(x).split(".")[-1])
 def test_presets_with_sinks_and_several_blocks(preset, dtype, no_concatenation):
     """`high` / `balanced` (4 sink tokens, K4) after a 101-token prefill and 70 decode steps: a prefill
     block and two block_size blocks per side, read in place, against materialize + reference attention."""

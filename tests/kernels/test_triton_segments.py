@@ -86,8 +86,8 @@ S4 = dict(S=4, G=16, key_blocks=([4, 100, 164], [96, 64, 64], 180), val_blocks=(
 S0 = dict(S=0, G=16, key_blocks=([0, 96, 160], [96, 64, 64], 176), val_blocks=([0, 96, 160], [96, 64, 64], 190))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
-@pytest.mark.parametrize("layout", [S4, S0], ids=["sink4", "sink0"])
+@pytest.mark.parametrize("layout,dtype", [(S4, torch.float32), (S4, torch.float16), (S4, torch.bfloat16),
+                                          (S0, torch.float32)], ids=["sink4-fp32", "sink4-fp16", "sink4-bf16", "sink0-fp32"])
 def test_sink_and_several_blocks_match_reference(dtype, layout):
     # T = 203: odd, not a multiple of the group size; GQA 6 query heads over 2 kv heads
     q, k, v, ks, vs = _case(2, 6, 2, 32, 203, dtype, kb=4, vb=2, **layout, seed=1)
