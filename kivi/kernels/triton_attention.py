@@ -245,6 +245,18 @@ def _validate_sides(q, k: KernelSide, v: KernelSide, kv_valid):
     return B, Hq, Hkv, D, T
 
 
+_DUMMIES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _dummies(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One-element uint8 / ``dtype`` / int64 tensors passed for absent pieces (never read: their loads are
+    masked off or their loops empty); made once per device and dtype, not per decode step."""
+    key = (device, dtype)
+    if key not in _DUMMIES:
+        _DUMMIES[key] = tuple(torch.zeros(1, dtype=t, device=device) for t in (torch.uint8, dtype, torch.int64))
+    return _DUMMIES[key]
+
+
 def _lastc(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -311,8 +323,7 @@ def decode_attention_sides(
 
     from . import _attention_kernels as K
 
-    dummies = (torch.zeros(1, dtype=torch.uint8, device=device), torch.zeros(1, dtype=q.dtype, device=device),
-               torch.zeros(1, dtype=torch.int64, device=device))
+    dummies = _dummies(device, q.dtype)
     q3 = _lastc(q[:, :, 0, :])
     k_args, k_meta = _side_launch(k, device, dummies)
     v_args, v_meta = _side_launch(v, device, dummies)
