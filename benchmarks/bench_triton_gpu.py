@@ -11,7 +11,17 @@ key and value tails differ, as in the cache). Effective GB/s = bytes the step mu
 ``enable_gqa=True`` and SDPA with the query-head group folded into the query axis (flash kernel, no
 repeated cache); both times are in the JSON.
 
-Usage (H100/H200; about 2-4 minutes, stops starting new configurations after ``--max-seconds``)::
+Then the cache layouts the ``"triton"`` attention backend reads in a model (``--layouts``, default on): a
+real :class:`~kivi.cache.layer.KiviLayer` filled with a prefill of ``context - extra`` tokens and ``extra``
+more tokens in ``block_size`` chunks (so the store holds a prefill block plus several ``block_size``
+blocks), then one decode step, for the presets ``extreme`` (K2V2, no sink), ``balanced`` (K4V2 + 4 sinks)
+and ``high`` (K4V4 + 4 sinks). Per layout: the backend's kernel path (sink + blocks read in place, one
+launch; ``kivi_ms``), the blocked torch path that ``high`` / ``balanced`` ran on GPUs before the kernel
+read sinks (``blocked_ms``), for sink-free layouts the previous kernel path (stored blocks concatenated
+each step, then a one-segment launch; ``concat_ms``), and fp16 SDPA over the dequantized cache
+(``sdpa_ms``); plus the max abs error of the kernel path against ``reference_attention``.
+
+Usage (H100/H200; about 3-5 minutes, stops starting new configurations after ``--max-seconds``)::
 
     python benchmarks/bench_triton_gpu.py --out bench_triton.json
 
@@ -35,6 +45,12 @@ import time  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from kivi.attention.blocked import blocked_attention  # noqa: E402
+from kivi.attention.reference import reference_attention  # noqa: E402
+from kivi.attention.triton_backend import triton_view_attention  # noqa: E402
+from kivi.cache.layer import KiviLayer  # noqa: E402
+from kivi.cache.view import materialize  # noqa: E402
+from kivi.config import KiviConfig  # noqa: E402
 from kivi.kernels import (  # noqa: E402
     decode_attention_packed,
     quantize_pack_keys,
@@ -139,6 +155,92 @@ def correctness(models, device, dtype, T) -> list[dict]:
     return out
 
 
+LAYOUT_PRESETS = ("extreme", "balanced", "high")
+
+
+def layered_views(B, hkv, d, T, extra, preset, dtype, device, *, block_size, group_size, residual_length, seed=0):
+    """(layer, key view, value view) of one decode step of a KiviLayer holding ``T`` tokens: a prefill
+    of ``T - extra - 1`` tokens, ``extra`` tokens appended in ``block_size`` chunks (one new storage block
+    each), then the decode token."""
+    cfg = KiviConfig.preset(preset, block_size=block_size, group_size=group_size, residual_length=residual_length)
+    g = torch.Generator(device=device).manual_seed(seed)
+    k = torch.randn(B, hkv, T, d, generator=g, device=device, dtype=dtype)
+    k[..., : max(1, d // 16)] *= 8
+    v = torch.randn(B, hkv, T, d, generator=g, device=device, dtype=dtype)
+    layer = KiviLayer(cfg)
+    pos = T - extra - 1
+    layer.append(k[:, :, :pos], v[:, :, :pos])
+    while pos < T - 1:
+        n = min(block_size, T - 1 - pos)
+        layer.append(k[:, :, pos : pos + n], v[:, :, pos : pos + n])
+        pos += n
+    kv, vv = layer.append(k[:, :, -1:], v[:, :, -1:])
+    del k, v
+    return layer, kv, vv
+
+
+def concat_then_kernel(q, kv, vv, scaling):
+    """The previous backend path (sink-free views): stored blocks concatenated (BlockStore.read), one segment."""
+    ks, vs = kv.store.read(kv.split), vv.store.read(vv.split)
+    return decode_attention_packed(q, ks, kv.fp, vs, vv.fp, scaling=scaling)
+
+
+def layout_rows(models, device, dtype, contexts, batches, extra, geometry, warmup, iters, t_start, max_seconds):
+    rows, skipped = [], []
+    header = (f"{'model':>13} {'preset':>8} {'B':>3} {'ctx':>7} {'blocks':>6} | {'kivi ms':>8} {'blocked':>8} "
+              f"{'concat':>8} {'sdpa*':>8} | {'blk/kivi':>8} {'max|err|':>9}")
+    print("cache layouts (KiviLayer views, one decode step)")
+    print(header)
+    print("-" * len(header))
+    for name, m in models.items():
+        for preset in LAYOUT_PRESETS:
+            for B in batches:
+                for T in contexts:
+                    if time.time() - t_start > max_seconds:
+                        skipped.append(dict(model=name, preset=preset, batch=B, context=T))
+                        continue
+                    row = dict(model=name, preset=preset, batch=B, context=T, **m, **geometry)
+                    try:
+                        layer, kv, vv = layered_views(B, m["hkv"], m["d"], T, min(extra, T // 2), preset, dtype,
+                                                      device, **geometry)
+                        q = torch.randn(B, m["hq"], 1, m["d"], device=device, dtype=dtype)
+                        scaling = m["d"] ** -0.5
+                        blocks = sum(b is not None for b in layer.k.store.blocks)
+
+                        def kivi():
+                            return triton_view_attention(q, kv, vv, scaling=scaling, attention_mask=None)
+
+                        def blocked():
+                            return blocked_attention(q, kv, vv, scaling=scaling)
+
+                        got = kivi()
+                        ref = reference_attention(q, kv, vv, scaling=scaling)
+                        err = (got.float() - ref.float()).abs().max().item()
+                        t_kivi = timeit(kivi, warmup, iters, device)
+                        t_blocked = timeit(blocked, warmup, iters, device)
+                        t_concat = None
+                        if kv.sink is None:
+                            t_concat = timeit(lambda: concat_then_kernel(q, kv, vv, scaling), warmup, iters, device)
+                        kd, vd = materialize(kv, dtype), materialize(vv, dtype)
+                        qf = q.reshape(B, m["hkv"], m["hq"] // m["hkv"], m["d"])
+                        t_sdpa = timeit(lambda: F.scaled_dot_product_attention(qf, kd, vd, scale=scaling),
+                                        warmup, iters, device)
+                        row.update(blocks=blocks, kivi_ms=t_kivi, blocked_ms=t_blocked, concat_ms=t_concat,
+                                   sdpa_ms=t_sdpa, blocked_over_kivi=t_blocked / t_kivi, max_abs_err=err,
+                                   ref_max_abs=ref.float().abs().max().item(), ok=bool(err < 2e-2))
+                        cc = f"{t_concat:8.3f}" if t_concat is not None else f"{'-':>8}"
+                        print(f"{name:>13} {preset:>8} {B:>3} {T:>7} {blocks:>6} | {t_kivi:8.3f} {t_blocked:8.3f} "
+                              f"{cc} {t_sdpa:8.3f} | {t_blocked / t_kivi:7.2f}x {err:9.2e}", flush=True)
+                        del layer, kv, vv, q, kd, vd
+                    except torch.OutOfMemoryError as e:  # pragma: no cover - GPU only
+                        row["error"] = f"OOM: {e}"[:200]
+                        print(f"{name:>13} {preset:>8} {B:>3} {T:>7} | OOM", flush=True)
+                    rows.append(row)
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+    return rows, skipped
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench_triton_gpu.json", help="JSON results path")
@@ -149,6 +251,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--max-seconds", type=float, default=420.0, help="start no new configuration after this")
+    ap.add_argument("--no-layouts", action="store_true", help="skip the cache-layout table (sinks + several blocks)")
+    ap.add_argument("--layout-contexts", type=int, nargs="*", default=None)
+    ap.add_argument("--layout-batches", type=int, nargs="*", default=None)
     args = ap.parse_args(argv)
 
     t_start = time.time()
@@ -159,6 +264,10 @@ def main(argv=None) -> int:
         batches = args.batches or [1, 2]
         warmup, iters = args.warmup or 1, args.iters or 2
         check_T = 229
+        layout_contexts = args.layout_contexts or [229]
+        layout_batches = args.layout_batches or [2]
+        geometry = dict(block_size=32, group_size=16, residual_length=16)
+        extra = 96
     else:
         if not torch.cuda.is_available():
             print("no CUDA device; use --dry-run to check the script on CPU", file=sys.stderr)
@@ -169,6 +278,10 @@ def main(argv=None) -> int:
         batches = args.batches or [1, 4, 16]
         warmup, iters = args.warmup or 5, args.iters or 20
         check_T = 4096 + 37
+        layout_contexts = args.layout_contexts or [4096 + 37, 32768 + 37]
+        layout_batches = args.layout_batches or [1, 4]
+        geometry = dict(block_size=256, group_size=32, residual_length=128)
+        extra = 2048  # 8 block_size blocks after the prefill block
     dtype = torch.float16
     env = dict(torch=torch.__version__, python=platform.python_version(),
                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (TRITON_INTERPRET=1)")
@@ -182,9 +295,13 @@ def main(argv=None) -> int:
 
     checks = correctness(models, device, dtype, check_T)
 
-    rows, skipped = [], []
+    rows, skipped, layouts = [], [], []
+    if not args.no_layouts:  # first: the layouts the backend reads in a model (sinks, several blocks)
+        layouts, skipped = layout_rows(models, device, dtype, layout_contexts, layout_batches, extra, geometry,
+                                       warmup, iters, t_start, args.max_seconds)
     header = (f"{'model':>13} {'B':>3} {'ctx':>7} | {'kivi ms':>8} {'GB/s':>7} {'MB':>8} | "
               f"{'sdpa* ms':>8} {'GB/s':>7} {'MB':>8} | {'speedup':>7}")
+    print("\none segment per side (decode_attention_packed) vs fp16 SDPA")
     print(header)
     print("-" * len(header))
     for name, m in models.items():
@@ -232,12 +349,13 @@ def main(argv=None) -> int:
     if skipped:
         print(f"skipped {len(skipped)} configurations after --max-seconds={args.max_seconds}")
     result = dict(env=env, dtype=str(dtype), bits=BITS, group_size=GROUP, key_fp_tail=K_TAIL, value_fp_tail=V_TAIL,
-                  warmup=warmup, iters=iters, dry_run=args.dry_run, checks=checks, results=rows, skipped=skipped,
-                  wall_s=time.time() - t_start)
+                  warmup=warmup, iters=iters, dry_run=args.dry_run, checks=checks, results=rows, layouts=layouts,
+                  skipped=skipped, wall_s=time.time() - t_start)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {args.out} ({time.time() - t_start:.1f} s)")
-    return 0 if all(c["ok"] for c in checks) else 1
+    ok = all(c["ok"] for c in checks) and all(r.get("ok", True) for r in layouts)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@
 * ``"auto"`` — ``"reference"`` for models whose attention the packed paths do not implement
   (logit softcapping, e.g. Gemma2; attention sinks); else ``"triton"`` on a CUDA device when
   triton is installed and the config is one the kernel implements (asymmetric, 1/2/4/8 bits, no
-  compensation, no sink tokens); else ``"cpu"``.
+  compensation; sink tokens and any number of stored blocks are read in place); else ``"cpu"``.
 
 The decision is made once: :func:`kivi.quantize_model` resolves it for the model (and switches the
 model's attention to ``"kivi"`` unless it is ``"reference"``); :meth:`KiviCache.from_model` takes
@@ -62,8 +62,6 @@ def kernel_config_unsupported(config: Any) -> str | None:
     """Why the Triton kernel cannot read caches made with ``config`` (a KiviConfig), or ``None``."""
     if config is None:
         return None
-    if getattr(config, "sink_tokens", 0):
-        return "full-precision sink tokens (sink_tokens > 0)"
     cfgs = [config] + [config.for_layer(i) for i in config.layer_specific_config]
     for c in cfgs:
         if c.symmetric:

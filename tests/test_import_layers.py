@@ -28,7 +28,7 @@ LAYERS: dict[str, int] = {
     # 4 cache (schedule, layers, the transformers Cache, what update hands to attention)
     "kivi.cache": 4,
     # 5 attention over the cache's views, and its kernels
-    "kivi.attention": 5, "kivi.kernels": 5,
+    "kivi.attention": 5, "kivi.kernels": 5, "kivi.kernels.segments": 5,
     # 6 integration with a model
     "kivi.integration": 6, "kivi.prefix": 6,
     # KIVI pages in transformers' continuous batching (depends on cache, quant and integration's backends)

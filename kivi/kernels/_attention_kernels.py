@@ -1,19 +1,27 @@
-"""Triton split-K decode attention over a packed KIVI cache (imported lazily: imports triton).
+"""Triton split-K decode attention over a packed KIVI cache read in place (imported lazily: imports triton).
 
-Token axis (length T) = quantized segment ++ full-precision tail, separately per side:
-keys ``[0, TQK)`` packed, ``[TQK, T)`` from ``k_fp``; values ``[0, TQV)`` packed, ``[TQV, T)`` from ``v_fp``.
+Each side (keys, values) covers the kv positions ``[0, T)`` in three pieces
+(:mod:`kivi.kernels.segments`): a full-precision sink ``[0, S)``, stored blocks ``[S, SPLIT)`` walked
+through a small int64 descriptor table (one row per block: first / end position, element offsets and
+batch / head strides of its codes, scales and offsets, from the side's witness pointers), and the
+full-precision tail ``[SPLIT, T)``. Keys and values have their own pieces (their splits differ).
 
 Pass 1 (grid ``(B * HKV, NUM_SPLITS)``): a program owns one kv head, its ``QG = HQ // HKV`` query heads
-(padded to ``QG_P2 >= 16`` rows for ``tl.dot``) and one contiguous token range; it walks the range in
-``BLOCK_N`` blocks, unpacks codes, dequantizes (``code * scale + offset`` in float32), and keeps an
-online softmax (base 2). It writes partial ``m``, ``l`` and the unnormalised accumulator.
-Pass 2 (grid ``(B * HQ,)``) merges the splits.
+(padded to ``QG_P2 >= 16`` rows for ``tl.dot``) and one contiguous token range; it finds the first
+block of its range in each side's table, then walks the range in ``BLOCK_N`` tiles: a tile takes its
+tokens from the sink, from every block it overlaps (a cursor moves along the table) and from the
+tail, dequantizes (``code * scale + offset`` in float32) and updates an online softmax (base 2). It
+writes partial ``m``, ``l`` and the unnormalised accumulator. Pass 2 (grid ``(B * HQ,)``) merges the
+splits.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+#: Columns of a block row (kivi.kernels.segments: LO, HI, DATA, DATA_SB, DATA_SH, SCALE, OFFSET, PAR_SB, PAR_SH).
+NCOL: tl.constexpr = tl.constexpr(9)
 
 
 @triton.jit
@@ -30,20 +38,99 @@ def _unpack(bytes_, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexp
 
 
 @triton.jit
+def _first_block(tab_ptr, nblk, origin, start, SCAN: tl.constexpr):
+    """Index of the first table row whose block ends after relative position ``start``."""
+    idx0 = tl.arange(0, SCAN)
+    cur = tl.sum(tl.zeros((SCAN,), dtype=tl.int32), axis=0)
+    for c in range(0, nblk, SCAN):
+        idx = c + idx0
+        ok = idx < nblk
+        hi = tl.load(tab_ptr + idx.to(tl.int64) * NCOL + 1, mask=ok, other=0) - origin
+        cur += tl.sum((ok & (hi <= start)).to(tl.int32), axis=0)
+    return cur
+
+
+@triton.jit
+def _side_tile(
+    t, tmask, n0, cur, d, dmask, b64, h64,
+    sink_ptr, s_sb, s_sh, s_st, S,
+    tab_ptr, nblk, origin, split, data_ptr, data_st, par_ptr, par_st,
+    fp_ptr, f_sb, f_sh, f_st,
+    HAS_SINK: tl.constexpr, QUANT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, CHANNEL: tl.constexpr,
+    DATA_UNIT: tl.constexpr, PAR_UNIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+):
+    """float32 ``[BLOCK_N, BLOCK_D]`` of the side's tokens ``t`` (tile ``[n0, n0 + BLOCK_N)``), and the
+    table cursor for the next tile (the block holding position ``n0 + BLOCK_N``)."""
+    dm = dmask[None, :]
+    x = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    if HAS_SINK:
+        if n0 < S:
+            sm = tmask & (t < S)
+            x = tl.load(sink_ptr + b64 * s_sb + h64 * s_sh + t[:, None] * s_st + d[None, :],
+                        mask=sm[:, None] & dm, other=0.0).to(tl.float32)
+    tile_end = n0 + BLOCK_N
+    go = (cur < nblk) & (n0 < split)
+    while go:
+        row = tab_ptr + cur.to(tl.int64) * NCOL
+        lo = tl.load(row + 0) - origin
+        hi = tl.load(row + 1) - origin
+        m = tmask & (t >= tl.maximum(lo, S)) & (t < tl.minimum(hi, split))
+        r = t - lo  # row of each token in the block
+        doff = (tl.load(row + 2) + b64 * tl.load(row + 3) + h64 * tl.load(row + 4)) * DATA_UNIT
+        if QUANT:
+            PB: tl.constexpr = 8 // BITS
+            NB: tl.constexpr = BLOCK_D // PB
+            NB_REAL: tl.constexpr = (D * BITS + 7) // 8
+            cb = tl.arange(0, NB)
+            raw = tl.load(data_ptr + doff + r[:, None] * data_st + cb[None, :],
+                          mask=m[:, None] & (cb[None, :] < NB_REAL), other=0)
+            codes = _unpack(raw, BLOCK_N, BLOCK_D, BITS)
+            pbh = b64 * tl.load(row + 7) + h64 * tl.load(row + 8)
+            soff = (tl.load(row + 5) + pbh) * PAR_UNIT
+            ooff = (tl.load(row + 6) + pbh) * PAR_UNIT
+            if CHANNEL:  # keys: one parameter row per G tokens (blocks start on a group boundary)
+                pidx = (r // G)[:, None] * par_st + d[None, :]
+            else:  # values: one row per token, one parameter per G channels
+                pidx = r[:, None] * par_st + (d // G)[None, :]
+            pm = m[:, None] & dm
+            sc = tl.load(par_ptr + soff + pidx, mask=pm, other=0.0).to(tl.float32)
+            of = tl.load(par_ptr + ooff + pidx, mask=pm, other=0.0).to(tl.float32)
+            val = codes * sc + of
+        else:
+            val = tl.load(data_ptr + doff + r[:, None] * data_st + d[None, :],
+                          mask=m[:, None] & dm, other=0.0).to(tl.float32)
+        x = tl.where(m[:, None], val, x)
+        adv = hi <= tile_end  # the block ends inside this tile: the next one may start in it too
+        cur = cur + adv.to(tl.int32)
+        go = adv & (cur < nblk)
+    if tile_end > split:
+        fm = tmask & (t >= split)
+        f = tl.load(fp_ptr + b64 * f_sb + h64 * f_sh + (t - split)[:, None] * f_st + d[None, :],
+                    mask=fm[:, None] & dm, other=0.0).to(tl.float32)
+        x = tl.where(fm[:, None], f, x)
+    return x, cur
+
+
+@triton.jit
 def decode_split_kernel(
     q_ptr, sq_b, sq_h,
-    kp_ptr, skp_b, skp_h, skp_t,
-    ks_ptr, ko_ptr, sks_b, sks_h, sks_g,
+    ksink_ptr, ksk_b, ksk_h, ksk_t, k_S,
+    ktab_ptr, k_nblk, k_split, kdata_ptr, kdata_st, kpar_ptr, kpar_st,
     kf_ptr, skf_b, skf_h, skf_t,
-    vp_ptr, svp_b, svp_h, svp_t,
-    vs_ptr, vo_ptr, svs_b, svs_h, svs_t,
+    vsink_ptr, vsk_b, vsk_h, vsk_t, v_S,
+    vtab_ptr, v_nblk, v_split, vdata_ptr, vdata_st, vpar_ptr, vpar_st,
     vf_ptr, svf_b, svf_h, svf_t,
     valid_ptr, sval_b,
     m_ptr, l_ptr, acc_ptr,
-    qk_scale, T, TQK, TQV, TOK_PER_SPLIT, NUM_SPLITS,
+    qk_scale, T, origin, TOK_PER_SPLIT, NUM_SPLITS,
     HKV: tl.constexpr, QG: tl.constexpr, QG_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_G: tl.constexpr, V_G: tl.constexpr,
-    HAS_VALID: tl.constexpr, dot_t: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_SINK: tl.constexpr, K_QUANT: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr,
+    K_DATA_UNIT: tl.constexpr, K_PAR_UNIT: tl.constexpr,
+    V_SINK: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr,
+    V_DATA_UNIT: tl.constexpr, V_PAR_UNIT: tl.constexpr,
+    HAS_VALID: tl.constexpr, dot_t: tl.constexpr, PRECISION: tl.constexpr, SCAN: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -61,46 +148,25 @@ def decode_split_kernel(
     # fold softmax scale and log2(e) into q (scores are then in base 2)
     q = (q * qk_scale).to(dot_t)
 
-    K_PB: tl.constexpr = 8 // K_BITS
-    V_PB: tl.constexpr = 8 // V_BITS
-    K_NB: tl.constexpr = BLOCK_D // K_PB
-    V_NB: tl.constexpr = BLOCK_D // V_PB
-    KNB_REAL: tl.constexpr = (D * K_BITS + 7) // 8
-    VNB_REAL: tl.constexpr = (D * V_BITS + 7) // 8
-    kb = tl.arange(0, K_NB)
-    vb = tl.arange(0, V_NB)
-    vgrp = d // V_G
-
     m_i = tl.full((QG_P2,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((QG_P2,), dtype=tl.float32)
     acc = tl.zeros((QG_P2, BLOCK_D), dtype=tl.float32)
 
     start = pid_s * TOK_PER_SPLIT
     end = tl.minimum(start + TOK_PER_SPLIT, T)
-    kp_base = kp_ptr + b64 * skp_b + h64 * skp_h
-    ks_base = b64 * sks_b + h64 * sks_h
-    kf_base = kf_ptr + b64 * skf_b + h64 * skf_h
-    vp_base = vp_ptr + b64 * svp_b + h64 * svp_h
-    vs_base = b64 * svs_b + h64 * svs_h
-    vf_base = vf_ptr + b64 * svf_b + h64 * svf_h
+    kcur = _first_block(ktab_ptr, k_nblk, origin, start, SCAN)
+    vcur = _first_block(vtab_ptr, v_nblk, origin, start, SCAN)
 
     for n0 in range(start, end, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         tmask = t < end
-        # ---- keys: packed part (t < TQK) and full-precision tail (t >= TQK)
-        kq = tmask & (t < TQK)
-        kbytes = tl.load(kp_base + t[:, None] * skp_t + kb[None, :],
-                         mask=kq[:, None] & (kb[None, :] < KNB_REAL), other=0)
-        kcodes = _unpack(kbytes, BLOCK_N, BLOCK_D, K_BITS)
-        kpar = ks_base + (t // K_G)[:, None] * sks_g + d[None, :]
-        kqm = kq[:, None] & dmask[None, :]
-        k_s = tl.load(ks_ptr + kpar, mask=kqm, other=0.0).to(tl.float32)
-        k_o = tl.load(ko_ptr + kpar, mask=kqm, other=0.0).to(tl.float32)
-        kf = tmask & (t >= TQK)
-        k_f = tl.load(kf_base + (t - TQK)[:, None] * skf_t + d[None, :],
-                      mask=kf[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-        k = tl.where(kq[:, None], kcodes * k_s + k_o, k_f)
-
+        k, kcur = _side_tile(
+            t, tmask, n0, kcur, d, dmask, b64, h64,
+            ksink_ptr, ksk_b, ksk_h, ksk_t, k_S,
+            ktab_ptr, k_nblk, origin, k_split, kdata_ptr, kdata_st, kpar_ptr, kpar_st,
+            kf_ptr, skf_b, skf_h, skf_t,
+            K_SINK, K_QUANT, K_BITS, K_G, True, K_DATA_UNIT, K_PAR_UNIT, BLOCK_N, BLOCK_D, D,
+        )
         s = tl.dot(q, tl.trans(k.to(dot_t)), input_precision=PRECISION)  # [QG_P2, BLOCK_N], float32
         ok = tmask
         if HAS_VALID:
@@ -114,20 +180,13 @@ def decode_split_kernel(
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
-        # ---- values: packed part (t < TQV) and tail (t >= TQV)
-        vq = tmask & (t < TQV)
-        vbytes = tl.load(vp_base + t[:, None] * svp_t + vb[None, :],
-                         mask=vq[:, None] & (vb[None, :] < VNB_REAL), other=0)
-        vcodes = _unpack(vbytes, BLOCK_N, BLOCK_D, V_BITS)
-        vpar = vs_base + t[:, None] * svs_t + vgrp[None, :]
-        vqm = vq[:, None] & dmask[None, :]
-        v_s = tl.load(vs_ptr + vpar, mask=vqm, other=0.0).to(tl.float32)
-        v_o = tl.load(vo_ptr + vpar, mask=vqm, other=0.0).to(tl.float32)
-        vf = tmask & (t >= TQV)
-        v_f = tl.load(vf_base + (t - TQV)[:, None] * svf_t + d[None, :],
-                      mask=vf[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-        v = tl.where(vq[:, None], vcodes * v_s + v_o, v_f)
-
+        v, vcur = _side_tile(
+            t, tmask, n0, vcur, d, dmask, b64, h64,
+            vsink_ptr, vsk_b, vsk_h, vsk_t, v_S,
+            vtab_ptr, v_nblk, origin, v_split, vdata_ptr, vdata_st, vpar_ptr, vpar_st,
+            vf_ptr, svf_b, svf_h, svf_t,
+            V_SINK, V_QUANT, V_BITS, V_G, False, V_DATA_UNIT, V_PAR_UNIT, BLOCK_N, BLOCK_D, D,
+        )
         acc = acc * alpha[:, None] + tl.dot(p.to(dot_t), v.to(dot_t), input_precision=PRECISION)
         m_i = m_new
 

@@ -22,10 +22,29 @@ def test_bench_dry_run(tmp_path):
     spec.loader.exec_module(mod)
     out = tmp_path / "bench.json"
     rc = mod.main(["--dry-run", "--out", str(out), "--models", "smollm2-tiny", "--contexts", "160",
-                   "--batches", "1", "--warmup", "1", "--iters", "1"])
+                   "--batches", "1", "--warmup", "1", "--iters", "1", "--no-layouts"])
     assert rc == 0
     data = json.loads(out.read_text())
     assert data["dry_run"] and all(c["ok"] for c in data["checks"])
     (row,) = data["results"]
     assert row["kivi_ms"] > 0 and row["sdpa_ms"] > 0 and row["speedup"] > 0
     assert mod.split_counts(4096) == (3968, 3996)  # key tail 128 (whole groups), value tail 100
+    assert data["layouts"] == []
+
+
+@pytest.mark.slow  # ~20 s: a dozen kernel calls in the interpreter
+def test_bench_dry_run_cache_layouts(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_triton_gpu", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "bench.json"
+    rc = mod.main(["--dry-run", "--out", str(out), "--models", "smollm2-tiny", "--contexts", "160",
+                   "--batches", "1", "--warmup", "1", "--iters", "1", "--layout-contexts", "150",
+                   "--layout-batches", "1"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    # the cache layouts: one row per preset, a prefill block plus block_size blocks, checked against the reference
+    assert [r["preset"] for r in data["layouts"]] == ["extreme", "balanced", "high"]
+    for r in data["layouts"]:
+        assert r["ok"] and r["blocks"] >= 3 and r["kivi_ms"] > 0 and r["blocked_ms"] > 0
+    assert data["layouts"][0]["concat_ms"] > 0 and data["layouts"][1]["concat_ms"] is None  # no concat with sinks

@@ -1,0 +1,86 @@
+"""Compile the Triton decode kernels ahead of time for a CUDA target (sm_90) without a GPU.
+
+Run as a script in a process *without* ``TRITON_INTERPRET`` (the test suite sets it for everything it
+imports): ``python tests/kernels/aot_compile.py``. It catches what the interpreter lets through (types of
+loop-carried values, int64 / int32 mixes, constexpr use) and prints, per variant, the PTX's global loads
+and how many of them are vector loads. Arguments get the 16-divisibility that a JIT launch with
+aligned tensors gives them. Exit status 1 if a variant fails to compile.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kivi.kernels import _attention_kernels as K  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+DTYPES = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}
+# (name, keys quantized, values quantized, key sink, value sink, dtype, key bits, value bits, mask)
+VARIANTS = [
+    ("balanced", True, True, True, True, "fp16", 4, 2, True),
+    ("extreme-bf16", True, True, False, False, "bf16", 2, 2, False),
+    ("k8-fp-values-fp32", True, False, True, False, "fp32", 8, 8, True),
+    ("k1v4", True, True, True, True, "fp16", 1, 4, False),
+    ("fp-only", False, False, False, False, "fp16", 8, 8, False),
+]
+STRIDES_DIV16 = ["sq_b", "sq_h", "ksk_b", "ksk_h", "ksk_t", "kdata_st", "kpar_st", "skf_b", "skf_h", "skf_t",
+                 "vsk_b", "vsk_h", "vsk_t", "vdata_st", "svf_b", "svf_h", "svf_t"]
+
+
+def compile_variant(name, kq, vq, ksink, vsink, dt, kb, vb, valid):
+    fn = K.decode_split_kernel
+    pt = "*" + dt
+    types = {n: "i32" for n in fn.arg_names}
+    types.update(q_ptr=pt, ksink_ptr=pt, ktab_ptr="*i64", kdata_ptr="*u8" if kq else pt, kpar_ptr=pt, kf_ptr=pt,
+                 vsink_ptr=pt, vtab_ptr="*i64", vdata_ptr="*u8" if vq else pt, vpar_ptr=pt, vf_ptr=pt,
+                 valid_ptr="*u8", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", qk_scale="fp32")
+    consts = dict(HKV=3, QG=3, QG_P2=16, D=64, BLOCK_D=64, BLOCK_N=64,
+                  K_SINK=ksink, K_QUANT=kq, K_BITS=kb, K_G=32, K_DATA_UNIT=16 if kq else 8, K_PAR_UNIT=8,
+                  V_SINK=vsink, V_QUANT=vq, V_BITS=vb, V_G=32, V_DATA_UNIT=16 if vq else 8, V_PAR_UNIT=8,
+                  HAS_VALID=valid, dot_t=DTYPES[dt], PRECISION="ieee" if dt == "fp32" else "tf32", SCAN=32)
+    sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
+    div16 = [n for n, t in types.items() if t.startswith("*")] + STRIDES_DIV16
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    ptx = triton.compile(src, target=TARGET, options=dict(num_warps=4)).asm["ptx"]
+    return ptx.count("ld.global"), ptx.count("ld.global.v")
+
+
+def compile_reduce():
+    fn = K.decode_reduce_kernel
+    consts = dict(HQ=9, QG=3, QG_P2=16, D=64, BLOCK_D=64, S_P2=8)
+    types = dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*fp16", so_b="i32", so_h="i32", NUM_SPLITS="i32")
+    sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    triton.compile(src, target=TARGET, options=dict(num_warps=4))
+
+
+def main() -> int:
+    failed = 0
+    for v in VARIANTS:
+        try:
+            loads, vec = compile_variant(*v)
+            print(f"OK   {v[0]:<20} global loads {loads:4d}, vector loads {vec:3d}")
+        except Exception as e:  # report every variant, then fail
+            failed += 1
+            print(f"FAIL {v[0]:<20} {type(e).__name__}: {str(e)[:1500]}")
+    try:
+        compile_reduce()
+        print("OK   reduce")
+    except Exception as e:
+        failed += 1
+        print(f"FAIL reduce {type(e).__name__}: {str(e)[:1500]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
