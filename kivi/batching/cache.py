@@ -31,7 +31,7 @@ from transformers.generation.continuous_batching.cache_allocators import FULL_AT
 from transformers.generation.continuous_batching.requests import RequestState as HFRequestState
 from transformers.generation.continuous_batching.requests import RequestStatus
 
-from ..cache.schedule import flush_count, sink_take
+from ..cache.schedule import flush_count, prefill_exact_queries, query_boundaries, sink_take, window_exits
 from ..cache.view import AttentionView
 from ..quant.kv import dequantize_kv, quantize_kv
 from .allocator import KiviPageAllocator
@@ -217,8 +217,10 @@ class KiviPagedCache(PagedAttentionCache):
             if self.packed_backend is not None:
                 table = alloc.block_table[rid][: lay.token_blocks(stored)]
                 store = page_store(views, table, sink, stored, P, **meta)
-                attn_views.append(AttentionView(store, sink + stored, pending.unsqueeze(0), quantized=True,
-                                                sink=None if sink_t is None else sink_t.unsqueeze(0), start=0))
+                view = AttentionView(store, sink + stored, pending.unsqueeze(0), quantized=True,
+                                     sink=None if sink_t is None else sink_t.unsqueeze(0), start=0)
+                self._set_boundary(view, side, cfg, pending, wlen, q, past, sink)
+                attn_views.append(view)
                 continue
             if sink_t is not None:
                 parts.append(sink_t)
@@ -254,9 +256,7 @@ class KiviPagedCache(PagedAttentionCache):
             new_state.append((sink + take, stored + move))
         seg = None
         if moved:  # quantize before writing anything: a refused value leaves the cache as it was
-            seg = quantize_kv(torch.cat(moved, dim=1).unsqueeze(0), AXIS[side], bits, cfg.group_size,
-                              symmetric=cfg.symmetric, residual_bits=cfg.residual_bits,
-                              param_dtype=param_dtype(cfg, dtype), check_finite=cfg.check_finite)
+            seg = _quantize(cfg, side, torch.cat(moved, dim=1))
         rows = sink_rows + window_rows
 
         def commit() -> None:
@@ -275,6 +275,38 @@ class KiviPagedCache(PagedAttentionCache):
                 st.sink[layer][s], st.stored[layer][s] = sink, stored
 
         return seen, commit
+
+    @staticmethod
+    def _set_boundary(view: AttentionView, side: str, cfg: Any, pending: torch.Tensor, window: int, q: int,
+                      past: int, sink: int) -> None:
+        """Give one request's ``view`` the per-query boundary of its ``q`` new tokens, as
+        :class:`kivi.cache.KiviLayer` does (:func:`kivi.cache.schedule.query_boundaries`): query ``i`` reads
+        the tokens one-token decoding would have moved out of the window by its step as they are once
+        moved (``view.left``: sink tokens exact, stored tokens quantized and dequantized — bit-identical
+        to what the pages then hold). A forward into an empty request (``past == 0``: a prompt's first
+        chunk) is an exact prefill (no boundary). ``pending [H, window + q, D]``: window + new tokens."""
+        if q <= 1:
+            return
+        args = (cfg.residual_length, cfg.group_size, sink, cfg.sink_tokens)
+        bounds = query_boundaries(AXIS[side], window, q, *args, exact=prefill_exact_queries(past, q, None))
+        if bounds is None:
+            return
+        take, stored = window_exits(AXIS[side], window + q - 1, *args)  # the last query's exits
+        parts = [pending[:, :take]] if take else []
+        if stored:
+            seg = _quantize(cfg, side, pending[:, take: take + stored])
+            parts.append(dequantize_kv(seg, pending.dtype)[0])
+        view.left = (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).unsqueeze(0)  # [1, H, M, D]
+        view.fp_from = tuple(view.split + b for b in bounds)
+
+
+def _quantize(cfg: Any, side: str, x: torch.Tensor):
+    """``x [H, T, D]`` (tokens leaving windows; T a multiple of G for keys) quantized as the pages store
+    them: one :class:`~kivi.quant.kv.PackedKV` ``[1, H, T, ...]``. Key groups are aligned per request, so
+    quantizing a request's tokens alone or in a batch's concatenation gives the same codes."""
+    return quantize_kv(x.unsqueeze(0), AXIS[side], cfg.k_bits if side == "k" else cfg.v_bits, cfg.group_size,
+                       symmetric=cfg.symmetric, residual_bits=cfg.residual_bits,
+                       param_dtype=param_dtype(cfg, x.dtype), check_finite=cfg.check_finite)
 
 
 __all__ = ["KiviPagedCache", "DEFAULT_MAX_BATCH_TOKENS"]

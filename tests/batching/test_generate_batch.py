@@ -45,6 +45,32 @@ def test_greedy_tokens_equal_single_request_generate(backend):
         assert o.generated_tokens == _single({}, cfg, x, 24), len(x)
 
 
+def _single_scored(cfg: KiviConfig, prompt: list[int], new: int, **qkw) -> tuple[list[int], list[float]]:
+    """Greedy tokens of one generate() and the log-probability of each (what return_logprobs reports)."""
+    m = quantize_model(tiny_model(), cfg, **qkw)
+    r = m.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, output_scores=True,
+                   return_dict_in_generate=True)
+    tokens = r.sequences[0, len(prompt):].tolist()
+    return tokens, [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(r.scores, tokens)]
+
+
+@pytest.mark.parametrize("cfg", [CFG, dict(k_bits=4, v_bits=2, group_size=16, residual_length=32, sink_tokens=4)],
+                         ids=["K2V2", "K4V2-sink4"])
+def test_chunked_prompt_equals_kivi_cache_chunked_prefill(cfg):
+    """A prompt longer than max_batch_tokens is prefilled in chunks of 64: its later chunks' queries read the
+    tokens that left the window during the chunk as one-token decoding would (per-query boundary), as kivi's
+    own chunked prefill does: tokens and log-probabilities equal a KiviCache generate() with
+    prefill_chunk_size=64 (without the boundary the log-probabilities differ by ~0.03 on this model)."""
+    prompt = _inputs((200,))[0]
+    kivi_cfg = KiviConfig(**cfg)
+    out = generate_batch(tiny_model(), [prompt], kivi_cfg, cache_memory=MEM, max_new_tokens=12, page_size=64,
+                         max_batch_tokens=64, return_logprobs=True)
+    got = next(iter(out.values()))
+    tokens, logprobs = _single_scored(kivi_cfg, prompt, 12, prefill_chunk_size=64)
+    assert got.generated_tokens == tokens
+    torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(logprobs), atol=1e-5, rtol=0)
+
+
 def test_kivi_pages_are_not_float_pages():
     """The comparison above can fail: the float paged cache gives other tokens on this model."""
     inputs = _inputs()
