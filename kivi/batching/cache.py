@@ -74,7 +74,8 @@ class KiviPagedCache(PagedAttentionCache):
         self.pool = CachePool(self.num_sectors, 1, num_reserved_sectors=0)
         allocator.register_cache_tensor(self.bytes_per_sector, self.cache_tensor.numel(), self.cache_tensor, self.pool)
         self.allow_block_sharing = continuous_batching_config.allow_block_sharing
-        self.use_prefix_sharing = self.allow_block_sharing and not any(c.sink_tokens for c in layout.layer_configs)
+        # layers with different sink lengths would need different page boundaries for one shared prefix
+        self.use_prefix_sharing = self.allow_block_sharing and allocator.sink_tokens is not None
         self.num_blocks = self.num_sectors
         self.read_cache_limit = None
         self.max_decode_fast_path_length = 0
@@ -107,7 +108,13 @@ class KiviPagedCache(PagedAttentionCache):
     def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
         """transformers' prefix match (limited to pages the request's own schedule quantizes, see
         :func:`kivi.batching.allocator.shareable_tokens`); counts the tokens shared in :attr:`shared_tokens`."""
-        n = super().search_prefix_match(request_id, prompt_ids)
+        if not self.use_prefix_sharing:
+            return 0
+        alloc = self.allocator
+        blocks = alloc.match_prefix_blocks(prompt_ids)
+        n = alloc.shared_prefix_tokens(len(blocks))
+        if n:
+            alloc.acquire_prefix_blocks(request_id, n, blocks)
         self.shared_tokens += n
         return n
 

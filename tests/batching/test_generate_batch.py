@@ -187,9 +187,40 @@ def test_prefix_sharing_reuses_quantized_pages():
     assert out_b.generated_tokens == ref
 
 
-def test_no_prefix_sharing_with_sink_tokens():
-    manager = init_continuous_batching(tiny_model(), KiviConfig(**CFG, sink_tokens=4), cache_memory=MEM, **CB)
-    assert not manager._create_batch_processor().cache.use_prefix_sharing
+def test_prefix_sharing_with_sink_tokens():
+    """With 4 sink tokens page i holds tokens [4 + 64i, 4 + 64(i+1)): B (same 150-token prefix as A) takes the
+    sink and two pages (132 tokens); C, equal to A only up to token 130, takes the sink and one page (68):
+    page 1 depends on tokens up to 132, which transformers' block hash of [0, 128) does not cover. Each
+    gives the tokens of a single-request generate whose prefill is cut at its shared length; log-probs
+    differ by what sharing changes by design, with or without sinks (the suffix's first queries read the
+    prefix's last R tokens quantized; measured 0.003 here, 0.003-0.006 without sinks): a request given a
+    wrong sink (zeros) is off by 0.02-0.28."""
+    cfg = KiviConfig(k_bits=4, v_bits=2, group_size=16, residual_length=32, sink_tokens=4)
+    prefix = _inputs((150,), seed=1)[0]
+    a = prefix + _inputs((50,), seed=2)[0]
+    b = prefix + _inputs((60,), seed=3)[0]
+    c = prefix[:130] + [(t % 127) + 1 for t in prefix[130:]] + _inputs((60,), seed=4)[0]
+    manager = init_continuous_batching(tiny_model(), cfg, cache_memory=MEM, page_size=64, max_batch_tokens=512,
+                                       return_logprobs=True)
+    manager.start()
+    try:
+        manager.get_result(manager.add_request(a, max_new_tokens=8), timeout=60)
+        cache = manager.batch_processor.cache
+        assert cache.use_prefix_sharing
+        shared = []
+        outs = []
+        for prompt in (b, c):
+            before = cache.shared_tokens
+            outs.append(manager.get_result(manager.add_request(prompt, max_new_tokens=12), timeout=60))
+            shared.append(cache.shared_tokens - before)
+    finally:
+        manager.stop(block=True, timeout=30)
+        manager.destroy()
+    assert shared == [132, 68]
+    for prompt, out, n in zip((b, c), outs, shared):
+        tokens, logprobs = _single_scored(cfg, prompt, 12, prefill_chunk_size=n)
+        assert out.generated_tokens == tokens
+        torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(logprobs), atol=1e-2, rtol=0)
 
 
 def test_cancelled_request_gives_its_pages_back():
