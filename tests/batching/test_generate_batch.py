@@ -71,6 +71,25 @@ def test_chunked_prompt_equals_kivi_cache_chunked_prefill(cfg):
     torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(logprobs), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_sliding_window_model_equals_single_request_generate(backend):
+    """Mistral with a 48-token sliding window (prompts up to 200 tokens + 16 new): the "kivi_paged" attention
+    applies each request's window, the sliding layers keep no sink (sink_tokens=4 is ignored there, as in
+    KiviLayer); tokens and log-probs equal one generate() per request with a KiviCache (which evicts)."""
+    cfg = KiviConfig(k_bits=2, v_bits=2, group_size=16, residual_length=16, sink_tokens=4, attention_backend=backend)
+    inputs = _inputs((70, 150, 33, 200))
+    out = generate_batch(tiny_model("mistral", sliding_window=48), inputs, cfg, cache_memory=MEM, max_new_tokens=16,
+                         return_logprobs=True, **CB)
+    for x, o in zip(inputs, out.values()):
+        m = quantize_model(tiny_model("mistral", sliding_window=48), cfg)
+        r = m.generate(torch.tensor([x]), max_new_tokens=16, do_sample=False, output_scores=True,
+                       return_dict_in_generate=True)
+        tokens = r.sequences[0, len(x):].tolist()
+        logprobs = [torch.log_softmax(sc[0].float(), -1)[t].item() for sc, t in zip(r.scores, tokens)]
+        assert o.generated_tokens == tokens, len(x)
+        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(logprobs), atol=1e-5, rtol=0)
+
+
 def test_kivi_pages_are_not_float_pages():
     """The comparison above can fail: the float paged cache gives other tokens on this model."""
     inputs = _inputs()
@@ -140,8 +159,8 @@ def test_untested_version_is_refused_at_init(monkeypatch):
 
 
 def test_refusals_name_what_is_unsupported():
-    with pytest.raises(ValueError, match="sliding-window layers"):
-        init_continuous_batching(tiny_model("mistral", sliding_window=64), KiviConfig(**CFG), cache_memory=MEM, **CB)
+    with pytest.raises(ValueError, match="sliding-window layers .* logit softcapping"):  # Gemma 2: no kivi attention
+        init_continuous_batching(tiny_model("gemma2", sliding_window=64), KiviConfig(**CFG), cache_memory=MEM, **CB)
     with pytest.raises(ValueError, match="page_size=40 must be a multiple of group_size=16"):
         init_continuous_batching(tiny_model(), KiviConfig(**CFG), cache_memory=MEM, page_size=40)
     with pytest.raises(ValueError, match="quantize_key=False"):
