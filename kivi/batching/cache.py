@@ -1,15 +1,21 @@
 """`KiviPagedCache`: transformers' ``PagedAttentionCache`` whose blocks hold KIVI pages.
 
-What changes against the float paged cache (everything else — scheduling, block tables, prefix
-hashes, the batch's attention mask — is transformers' own):
+What changes against the float paged cache (everything else — scheduling, block tables, the ledger of
+shared blocks, the batch's attention mask — is transformers' own):
 
+* **prefix hashes** are kivi's (:meth:`KiviPageAllocator.page_hashes`: with sink tokens a page's
+  content depends on ``S`` tokens past transformers' block), and sharing counts the sink;
 * **size**: the number of blocks is ``cache_memory // layout.block_bytes`` (the packed block size),
   and no trash sectors are reserved (nothing reads or writes through indices);
 * **update** (one call per layer and forward): for every request of the batch, what attention sees
   is its sink, its pages dequantized (all requests' pages of this layer in one gather and one
   dequantization), its window and its new tokens, in full precision, concatenated in the batch's
   order (transformers' SDPA / eager attention then runs over it with its varlen mask: at most one
-  layer of the batch's context is dequantized at a time). Then, as in :class:`kivi.cache.KiviLayer`,
+  layer of the batch's context is dequantized at a time; a chunk's queries all see the cache as it was
+  before the chunk: tensors cannot carry a per-query boundary). In the packed mode it hands attention
+  each request's :class:`~kivi.cache.view.AttentionView` instead, with :class:`KiviLayer`'s per-query
+  boundary for a chunk into a request that holds tokens (:meth:`KiviPagedCache._set_boundary`).
+  Then, as in :class:`kivi.cache.KiviLayer`,
   tokens leave the window (keys in whole groups of ``G`` once ``R`` newer remain, values beyond
   ``R``), are quantized (one :func:`kivi.quant.kv.quantize_kv` per side for the whole batch) and
   written to their pages.
