@@ -49,6 +49,13 @@ class RequestState:
     window_index: torch.Tensor | None = None
     #: ``[layers, 2, S, H, D]`` sink rows of a shared prefix, written to the window blocks when they are taken
     shared_sink: torch.Tensor | None = None
+    #: leading tokens whose pages were freed (sliding-window models: out of every query's reach)
+    evicted: int = 0
+
+
+#: block-table entry of a page freed because it left the sliding window (the table keeps its length:
+#: transformers counts a request's allocated blocks by it)
+EVICTED = -1
 
 
 def prefix_sink_tokens(layout: PageLayout) -> int | None:
@@ -141,7 +148,24 @@ class KiviPageAllocator(FullAttentionCacheAllocator):
         st = self.requests.pop(request_id, None)
         if st is not None and st.window_blocks:
             self.pool.free_blocks(self.index, st.window_blocks)
+        if request_id in self.block_table:
+            self.block_table[request_id] = [b for b in self.block_table[request_id] if b != EVICTED]
         super().free_blocks(request_id, no_cache)
+
+    def evict_pages(self, request_id: str, past: int) -> None:
+        """Free the request's pages that left the sliding window (``layout.evicted_tokens(past)``)."""
+        cut = self.layout.evicted_tokens(past)
+        st = self.requests.get(request_id)
+        if st is None or cut <= st.evicted:
+            return
+        table = self.block_table.get(request_id, [])
+        freed = []
+        for i in range(st.evicted // self.tokens_per_page, min(cut // self.tokens_per_page, len(table))):
+            if table[i] != EVICTED and self.ledger.release(table[i], True):
+                freed.append(table[i])
+            table[i] = EVICTED
+        self.pool.free_blocks(self.index, freed)
+        st.evicted = cut
 
     def free_all_requests(self) -> None:
         for request_id in list(set(self.block_table) | set(self.requests)):
@@ -248,4 +272,4 @@ class KiviPageAllocator(FullAttentionCacheAllocator):
         raise NotImplementedError("KiviPageAllocator.update is not used: KiviPagedCache.update reads the pages")
 
 
-__all__ = ["KiviPageAllocator", "RequestState", "shareable_tokens", "prefix_sink_tokens"]
+__all__ = ["KiviPageAllocator", "RequestState", "shareable_tokens", "prefix_sink_tokens", "EVICTED"]

@@ -93,8 +93,10 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: P
         if kv.only_full_precision and vv.only_full_precision:
             outs.append(fp_attention(module, q, kv.fp, vv.fp, scaling, window))
         else:
-            t = kv.split + kv.fp.shape[-2]  # the request's tokens: the views start at position 0
-            mask = window_mask(q.shape[-2], t, window, q.device) if window is not None and t > window else None
+            t = kv.split + kv.fp.shape[-2]  # the request's tokens (the views start at kv.start: pages left the window)
+            mask = None
+            if window is not None and t > window:
+                mask = window_mask(q.shape[-2], t, window, q.device)[..., kv.start:]  # covers [start, t)
             outs.append(run_backend(key.backend, q, kv, vv, scaling=scaling, attention_mask=mask))
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     return out.transpose(1, 2).contiguous(), None

@@ -81,7 +81,9 @@ class KiviPagedCache(PagedAttentionCache):
         allocator.register_cache_tensor(self.bytes_per_sector, self.cache_tensor.numel(), self.cache_tensor, self.pool)
         self.allow_block_sharing = continuous_batching_config.allow_block_sharing
         # layers with different sink lengths would need different page boundaries for one shared prefix
-        self.use_prefix_sharing = self.allow_block_sharing and allocator.sink_tokens is not None
+        # pages freed by a sliding window cannot be shared
+        self.use_prefix_sharing = (self.allow_block_sharing and allocator.sink_tokens is not None
+                                   and layout.evicting_window is None)
         self.num_blocks = self.num_sectors
         self.read_cache_limit = None
         self.max_decode_fast_path_length = 0
@@ -154,6 +156,9 @@ class KiviPagedCache(PagedAttentionCache):
             raise NotImplementedError("KIVI pages cannot be read by a block-table (flash) kernel")
         if layer_idx == 0:
             self._batch, self._next_batch = self._next_batch, []
+            if self.layout.evicting_window is not None:  # before the views: as KiviLayer, at a forward's start
+                for rid, past, _ in self._batch:
+                    self.allocator.evict_pages(rid, past)
         n = key_states.shape[-2]
         if sum(q for _, _, q in self._batch) != n:
             raise RuntimeError(
@@ -228,10 +233,11 @@ class KiviPagedCache(PagedAttentionCache):
                 pending = new
             pendings.append(pending)
             if self.packed_backend is not None:
-                table = alloc.block_table[rid][: lay.token_blocks(stored)]
-                store = page_store(views, table, sink, stored, P, **meta)
+                evicted = min(st.evicted, stored)  # sliding-window models: pages freed (no sink there)
+                table = alloc.block_table[rid][evicted // P: lay.token_blocks(stored)]
+                store = page_store(views, table, sink, stored, P, **meta, evicted=evicted)
                 view = AttentionView(store, sink + stored, pending.unsqueeze(0), quantized=True,
-                                     sink=None if sink_t is None else sink_t.unsqueeze(0), start=0)
+                                     sink=None if sink_t is None else sink_t.unsqueeze(0), start=evicted)
                 self._set_boundary(view, side, cfg, pending, wlen, q, past, sink)
                 attn_views.append(view)
                 continue

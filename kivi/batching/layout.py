@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..cache.schedule import layer_sink_tokens
+from ..cache.schedule import layer_sink_tokens, sliding_cut
 from ..cache.support import check_head_dim, model_head_dim, model_layer_types, plan_layers, text_config
 from ..config import KiviConfig
 from ..quant.kv import quantize_kv, token_divisor
@@ -103,6 +103,23 @@ class PageLayout:
     window_rows: int
     rows_per_block: int
     window_blocks: int
+
+    @property
+    def evicting_window(self) -> int | None:
+        """The sliding window when every layer has the same one (a block then holds only sliding pages, and
+        pages older than the window can be freed: :meth:`evicted_tokens`); ``None`` otherwise."""
+        windows = set(self.sliding_windows)
+        return windows.pop() if len(windows) == 1 and None not in windows else None
+
+    def evicted_tokens(self, past: int) -> int:
+        """Leading tokens of a request no query can reach any more once it holds ``past`` tokens (whole pages;
+        0 unless :attr:`evicting_window`): :func:`kivi.cache.schedule.sliding_cut`, the rule KiviLayer evicts
+        by, with pages as its blocks. Every sliding layer shares ``R`` and ``G`` (``plan_layers``)."""
+        window = self.evicting_window
+        if window is None:
+            return 0
+        cfg = self.layer_configs[0]
+        return sliding_cut(past, window, cfg.residual_length, cfg.group_size, self.page_size)
 
     @property
     def row_bytes(self) -> int:

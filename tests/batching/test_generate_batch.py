@@ -72,14 +72,28 @@ def test_chunked_prompt_equals_kivi_cache_chunked_prefill(cfg):
 
 
 @pytest.mark.parametrize("backend", ["auto", "reference"])
-def test_sliding_window_model_equals_single_request_generate(backend):
-    """Mistral with a 48-token sliding window (prompts up to 200 tokens + 16 new): the "kivi_paged" attention
-    applies each request's window, the sliding layers keep no sink (sink_tokens=4 is ignored there, as in
-    KiviLayer); tokens and log-probs equal one generate() per request with a KiviCache (which evicts)."""
+def test_sliding_window_model_equals_single_request_generate(backend, monkeypatch):
+    """Mistral with a 48-token sliding window (prompts up to 200 tokens + 16 new, pages of 16): the "kivi_paged" attention applies each request's window, the sliding layers keep no sink
+    (sink_tokens=4 is ignored there, as in KiviLayer), and pages that left the window are freed (at 200
+    tokens, the first 112); tokens and log-probs equal one generate() per request with a KiviCache."""
+    from kivi.batching.allocator import KiviPageAllocator
+
+    evicted = []
+    evict = KiviPageAllocator.evict_pages
+
+    def spy(self, request_id, past):
+        free = self.pool.count_free_blocks(self.index)
+        evict(self, request_id, past)
+        if request_id in self.requests and self.requests[request_id].evicted:
+            evicted.append((self.requests[request_id].evicted, free, self.pool.count_free_blocks(self.index)))
+
+    monkeypatch.setattr(KiviPageAllocator, "evict_pages", spy)
     cfg = KiviConfig(k_bits=2, v_bits=2, group_size=16, residual_length=16, sink_tokens=4, attention_backend=backend)
     inputs = _inputs((70, 150, 33, 200))
     out = generate_batch(tiny_model("mistral", sliding_window=48), inputs, cfg, cache_memory=MEM, max_new_tokens=16,
-                         return_logprobs=True, **CB)
+                         return_logprobs=True, page_size=16, max_batch_tokens=512)
+    assert max(e for e, _, _ in evicted) >= 112
+    assert any(after > before for _, before, after in evicted)  # the freed pages went back to the pool
     for x, o in zip(inputs, out.values()):
         m = quantize_model(tiny_model("mistral", sliding_window=48), cfg)
         r = m.generate(torch.tensor([x]), max_new_tokens=16, do_sample=False, output_scores=True,
