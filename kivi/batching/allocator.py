@@ -12,6 +12,14 @@ hashes and the free pool stay transformers' own) and changes what a block is and
 * prefix matching only shares pages that are fully quantized in the source and that the new request's
   own schedule would have quantized too (:func:`shareable_tokens`), and a block is only hashed for
   sharing once every layer has quantized all its tokens (:meth:`quantized_blocks`).
+
+Prefix hashes with sink tokens (``S``): page ``i`` holds the tokens ``[S + iP, S + (i+1)P)`` (store
+positions count from the end of the sink), so its content depends on the prompt up to ``S + (i+1)P``,
+not ``(i+1)P`` as transformers' hash of block ``i`` assumes. The allocator therefore hashes page ``i``
+as the chain *sink tokens, page 0's tokens, ..., page i's tokens* (:meth:`page_hashes`; with ``S = 0``
+exactly transformers' chain), and keeps the sink's full-precision rows of every hashed first page
+(:attr:`prefix_sinks`): a request that shares ``k`` pages starts with ``S + kP`` tokens, its sink copied
+into its own window blocks.
 """
 
 from __future__ import annotations
@@ -20,9 +28,10 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
+from transformers.generation.continuous_batching.cache_allocators.cache_allocator import compute_block_hash
 
 from ..cache.schedule import KEY_AXIS, VALUE_AXIS, side_tokens
-from .layout import PageLayout
+from .layout import PageLayout, window_view
 
 
 @dataclass
@@ -38,22 +47,41 @@ class RequestState:
     stored: list[list[int]]
     window_blocks: list[int] = field(default_factory=list)
     window_index: torch.Tensor | None = None
+    #: ``[layers, 2, S, H, D]`` sink rows of a shared prefix, written to the window blocks when they are taken
+    shared_sink: torch.Tensor | None = None
+    #: leading tokens whose pages were freed (sliding-window models: out of every query's reach)
+    evicted: int = 0
+
+
+#: block-table entry of a page freed because it left the sliding window (the table keeps its length:
+#: transformers counts a request's allocated blocks by it)
+EVICTED = -1
+
+
+def prefix_sink_tokens(layout: PageLayout) -> int | None:
+    """The sink length every layer shares (``None`` when layers differ: prefix sharing is then off, a
+    prefix of ``n`` tokens would need different page boundaries per layer)."""
+    sinks = {cfg.sink_tokens for cfg in layout.layer_configs}
+    return sinks.pop() if len(sinks) == 1 else None
 
 
 def shareable_tokens(layout: PageLayout, prompt_len: int) -> int:
     """Prompt tokens another request's pages may give a new request of ``prompt_len`` prompt tokens.
 
-    Only tokens the new request's own schedule quantizes during its prefill (keys leave the window in
-    whole groups once ``R`` newer remain; so the window part is recomputed at full precision) and no
-    sink (a sink lives in the source's window blocks, which are not shared); floored to whole pages.
+    The sink (``S`` tokens, the same in every layer) plus the whole pages of tokens the new request's own
+    schedule quantizes during its prefill (keys leave the window in whole groups once ``R`` newer remain;
+    the window part is recomputed at full precision), and at least one prompt token left to compute (its
+    logits give the first new token). 0 when nothing can be shared (or layers have different sinks).
     """
+    sink = prefix_sink_tokens(layout)
+    if sink is None:
+        return 0
     n = prompt_len
     for cfg in layout.layer_configs:
-        if cfg.sink_tokens:
-            return 0
-        n = min(n, side_tokens(KEY_AXIS, prompt_len, cfg.residual_length, cfg.group_size)[1],
-                side_tokens(VALUE_AXIS, prompt_len, cfg.residual_length, cfg.group_size)[1])
-    return n // layout.page_size * layout.page_size
+        n = min(n, side_tokens(KEY_AXIS, prompt_len, cfg.residual_length, cfg.group_size, sink)[1],
+                side_tokens(VALUE_AXIS, prompt_len, cfg.residual_length, cfg.group_size, sink)[1])
+    pages = min(n // layout.page_size, max(0, prompt_len - 1 - sink) // layout.page_size)
+    return sink + pages * layout.page_size if pages else 0
 
 
 class KiviPageAllocator(FullAttentionCacheAllocator):
@@ -65,12 +93,18 @@ class KiviPageAllocator(FullAttentionCacheAllocator):
         self.num_key_value_heads = layout.num_kv_heads
         self.cache_dtype = layout.dtype
         self.requests: dict[str, RequestState] = {}
+        #: sink tokens of every layer (prefix hashes start after them); ``None``: layers differ, no sharing
+        self.sink_tokens = prefix_sink_tokens(layout)
+        #: first page's block id -> (its hash, the sink rows ``[layers, 2, S, H, D]`` of the request that
+        #: hashed it); an entry is valid while the ledger still maps the block to that hash
+        self.prefix_sinks: dict[int, tuple[int, torch.Tensor]] = {}
         self._before_cache_tensor_init(index=index, layer_indices=layer_indices, tokens_per_page=layout.page_size,
                                        bytes_per_page=layout.bytes_per_page, allow_block_sharing=allow_block_sharing)
 
     def register_cache_tensor(self, bytes_per_sector: int, non_trash_bytes: int, cache_tensor: torch.Tensor,
                               pool) -> None:
         self._copy_view = cache_tensor.view(-1, self.bytes_per_block)
+        self._rows = window_view(cache_tensor, self.layout)  # the full-precision rows (sinks travel through it)
         self._after_cache_tensor_init(non_trash_bytes, bytes_per_sector, cache_tensor, pool)
 
     # ------------------------------------------------------------------ per-request state
@@ -88,6 +122,10 @@ class KiviPageAllocator(FullAttentionCacheAllocator):
         lay = self.layout
         st.window_blocks = self.pool.get_free_blocks(self.index, lay.window_blocks)
         st.window_index = lay.window_index(st.window_blocks)
+        if st.shared_sink is not None:  # a shared prefix's sink: the request's own full-precision rows
+            idx = st.window_index[:, :, : st.shared_sink.shape[2]]  # [layers, 2, S, 2]
+            self._rows[idx[..., 0], idx[..., 1]] = st.shared_sink
+            st.shared_sink = None
 
     def quantized_blocks(self, request_id: str) -> int:
         """Leading blocks of the request whose tokens are quantized in every layer, on both sides."""
@@ -110,21 +148,109 @@ class KiviPageAllocator(FullAttentionCacheAllocator):
         st = self.requests.pop(request_id, None)
         if st is not None and st.window_blocks:
             self.pool.free_blocks(self.index, st.window_blocks)
+        if request_id in self.block_table:
+            self.block_table[request_id] = [b for b in self.block_table[request_id] if b != EVICTED]
         super().free_blocks(request_id, no_cache)
+
+    def evict_pages(self, request_id: str, past: int) -> None:
+        """Free the request's pages that left the sliding window (``layout.evicted_tokens(past)``)."""
+        cut = self.layout.evicted_tokens(past)
+        st = self.requests.get(request_id)
+        if st is None or cut <= st.evicted:
+            return
+        table = self.block_table.get(request_id, [])
+        freed = []
+        for i in range(st.evicted // self.tokens_per_page, min(cut // self.tokens_per_page, len(table))):
+            if table[i] != EVICTED and self.ledger.release(table[i], True):
+                freed.append(table[i])
+            table[i] = EVICTED
+        self.pool.free_blocks(self.index, freed)
+        st.evicted = cut
 
     def free_all_requests(self) -> None:
         for request_id in list(set(self.block_table) | set(self.requests)):
             self.free_blocks(request_id)
 
+    # ------------------------------------------------------------------ prefix hashes (see the module docstring)
+    def page_hashes(self, token_ids: list[int], pages: int):
+        """The hash of each of the first ``pages`` pages of a request of tokens ``token_ids``: page ``i``
+        chains the sink tokens and the tokens of pages ``0..i`` (``[0, S + (i+1)P)``, what its content
+        depends on). Yields fewer when ``token_ids`` ends before a page does."""
+        S, P = self.sink_tokens or 0, self.tokens_per_page
+        parent = compute_block_hash(None, token_ids[:S]) if S else None
+        for i in range(pages):
+            tokens = token_ids[S + i * P: S + (i + 1) * P]
+            if len(tokens) < P:
+                return
+            parent = compute_block_hash(parent, tokens)
+            yield parent
+
     def match_prefix_blocks(self, prompt_ids: list[int]) -> list[int]:
-        blocks = super().match_prefix_blocks(prompt_ids)
-        return blocks[: shareable_tokens(self.layout, len(prompt_ids)) // self.tokens_per_page]
+        """Pages of other requests the prompt can take: matching hashes, as many as :func:`shareable_tokens`
+        allows, and with sinks only while the first page's sink rows are kept."""
+        if self.sink_tokens is None:
+            return []
+        limit = max(0, shareable_tokens(self.layout, len(prompt_ids)) - self.sink_tokens) // self.tokens_per_page
+        blocks = []
+        for h in self.page_hashes(prompt_ids, limit):
+            block = self.ledger.hash_to_block.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        if blocks and self.sink_tokens and self._prefix_sink(blocks[0]) is None:
+            return []
+        return blocks
+
+    def _prefix_sink(self, block: int) -> torch.Tensor | None:
+        entry = self.prefix_sinks.get(block)
+        if entry is None or self.ledger.block_to_hash.get(block) != entry[0]:
+            return None
+        return entry[1]
+
+    def shared_prefix_tokens(self, pages: int) -> int:
+        """Prompt tokens a request taking ``pages`` shared pages starts with: the sink and the pages."""
+        return (self.sink_tokens or 0) + pages * self.tokens_per_page if pages else 0
 
     def acquire_prefix_blocks(self, request_id: str, prefix_len: int, block_ids: list[int]) -> None:
-        super().acquire_prefix_blocks(request_id, prefix_len, block_ids)
+        S = self.sink_tokens or 0
+        pages = (prefix_len - S) // self.tokens_per_page
+        if prefix_len != self.shared_prefix_tokens(pages) or pages > len(block_ids):
+            raise RuntimeError(f"prefix of {prefix_len} tokens is not the sink ({S}) plus whole shared pages")
+        self.block_table[request_id] = list(block_ids[:pages])
+        for block_id in block_ids[:pages]:
+            self.ledger.acquire(block_id)
         st = self.state(request_id)
         for layer in range(self.layout.num_layers):
-            st.stored[layer] = [prefix_len, prefix_len]  # the shared pages hold the prefix, quantized
+            st.sink[layer] = [S, S]
+            st.stored[layer] = [prefix_len - S, prefix_len - S]  # the shared pages hold the prefix, quantized
+        if S:
+            st.shared_sink = self._prefix_sink(block_ids[0]).clone()
+
+    def mark_complete_blocks(self, request_id: str, token_ids: list[int], new_new_blocks: int) -> None:
+        """transformers' hashing of completed blocks (with de-duplication), page hashes as :meth:`page_hashes`;
+        with sinks, keeps the sink rows of a newly hashed first page."""
+        table = self.block_table[request_id]
+        for i, block_hash in enumerate(self.page_hashes(token_ids, len(table))):
+            block_id = table[i]
+            if block_id in self.ledger.block_to_hash:
+                continue
+            if new_new_blocks == 0:
+                break
+            new_new_blocks -= 1
+            identical = self.ledger.register_new_hash(block_id, block_hash)
+            if identical is not None:  # the same content is already hashed: adopt it, free the duplicate
+                self.ledger.acquire(identical)
+                table[i] = identical
+                if self.ledger.release(block_id):
+                    self.pool.free_blocks(self.index, [block_id])
+            elif i == 0 and self.sink_tokens:
+                self._keep_prefix_sink(request_id, block_id, block_hash)
+
+    def _keep_prefix_sink(self, request_id: str, block: int, block_hash: int) -> None:
+        for b in [b for b in self.prefix_sinks if self._prefix_sink(b) is None]:  # drop stale entries
+            del self.prefix_sinks[b]
+        idx = self.requests[request_id].window_index[:, :, : self.sink_tokens]  # [layers, 2, S, 2]
+        self.prefix_sinks[block] = (block_hash, self._rows[idx[..., 0], idx[..., 1]].clone())
 
     def fork_blocks(self, source_request_id: str, dest_request_id: str, past_length: int):
         raise NotImplementedError("KIVI pages do not support forking requests (num_return_sequences > 1)")
@@ -146,4 +272,4 @@ class KiviPageAllocator(FullAttentionCacheAllocator):
         raise NotImplementedError("KiviPageAllocator.update is not used: KiviPagedCache.update reads the pages")
 
 
-__all__ = ["KiviPageAllocator", "RequestState", "shareable_tokens"]
+__all__ = ["KiviPageAllocator", "RequestState", "shareable_tokens", "prefix_sink_tokens", "EVICTED"]

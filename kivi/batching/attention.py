@@ -8,7 +8,8 @@ With a packed attention backend (``cpu``), :class:`~kivi.batching.cache.KiviPage
 and new tokens). :func:`paged_attention_forward` splits the batch's queries by request and runs kivi's
 backend on each (:func:`kivi.attention.interface.run_backend`: the fused numba decode kernel for one
 query token, the blocked online-softmax path otherwise). A request with nothing quantized yet attends
-in full precision with torch's SDPA (bottom-right causal). No attention mask is built for the batch.
+in full precision with torch's SDPA (bottom-right causal). No attention mask is built for the batch; a
+sliding layer (transformers passes ``sliding_window``) gets a per-request window mask (:func:`window_mask`).
 
 The plain reference beside it is the cache's materialized mode (``attention_backend="reference"``):
 the pages dequantized one layer at a time and transformers' SDPA with its varlen mask; tests compare
@@ -46,17 +47,31 @@ class PagedBatchViews:
                         f"{PAGED_ATTN_IMPLEMENTATION!r} (kivi.batching.init_continuous_batching sets it)")
 
 
+def window_mask(n: int, t: int, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Bool ``[1, 1, n, t]`` (True: attend) for the ``n`` newest of ``t`` positions, aligned bottom-right:
+    query ``i`` (position ``p = t - n + i``) sees keys ``k <= p`` and, with a sliding window ``W``,
+    ``k > p - W`` (transformers' ``sliding_window_overlay``). ``None`` when plain causality is all there is
+    to say and the callee applies it (``n == 1`` or ``n == t``, and no key out of the window)."""
+    out_of_window = sliding_window is not None and t > sliding_window
+    if not out_of_window and (n == 1 or n == t):
+        return None
+    ones = torch.ones(n, t, dtype=torch.bool, device=device)
+    mask = ones.tril(t - n)
+    if out_of_window:
+        mask &= ~ones.tril(t - n - sliding_window)
+    return mask[None, None]
+
+
 def fp_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 scaling: float | None) -> torch.Tensor:
+                 scaling: float | None, sliding_window: int | None = None) -> torch.Tensor:
     """``[1, Hq, n, D]`` attention of the ``n`` newest positions over ``key``/``value`` ``[1, Hkv, T, D]``
-    (full precision; causal, aligned bottom-right: query ``i`` sees keys ``< T - n + i + 1``).
+    (full precision; causal, aligned bottom-right: query ``i`` sees keys ``< T - n + i + 1``, and only the
+    last ``sliding_window`` of them when given: :func:`window_mask`).
 
     transformers' own SDPA function, called as kivi's ``"kivi"`` attention calls it for a forward with
     nothing quantized yet, so a request's prefill is computed exactly as one-request ``generate()`` does."""
     n, t = query.shape[-2], key.shape[-2]
-    mask = None
-    if 1 < n < t:
-        mask = torch.ones(n, t, dtype=torch.bool, device=query.device).tril(t - n)[None, None]
+    mask = window_mask(n, t, sliding_window, query.device)
     out, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling)
     return out.transpose(1, 2)  # sdpa_attention_forward returns [1, n, Hq, D]
 
@@ -72,12 +87,17 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: P
         raise NotImplementedError("KIVI paged attention does not implement attention dropout (training)")
     if getattr(module, "sinks", None) is not None or kwargs.get("softcap") is not None:
         raise NotImplementedError("KIVI paged attention does not support attention sinks or logit softcapping")
+    window = kwargs.get("sliding_window")  # a sliding layer's window (transformers passes it per layer)
     outs = []
     for q, kv, vv in zip(query.split(list(key.q_lens), dim=2), key.views, value.views):
         if kv.only_full_precision and vv.only_full_precision:
-            outs.append(fp_attention(module, q, kv.fp, vv.fp, scaling))
+            outs.append(fp_attention(module, q, kv.fp, vv.fp, scaling, window))
         else:
-            outs.append(run_backend(key.backend, q, kv, vv, scaling=scaling, attention_mask=None))
+            t = kv.split + kv.fp.shape[-2]  # the request's tokens (the views start at kv.start: pages left the window)
+            mask = None
+            if window is not None and t > window:
+                mask = window_mask(q.shape[-2], t, window, q.device)[..., kv.start:]  # covers [start, t)
+            outs.append(run_backend(key.backend, q, kv, vv, scaling=scaling, attention_mask=mask))
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     return out.transpose(1, 2).contiguous(), None
 
@@ -90,4 +110,5 @@ def register() -> None:
 
 register()
 
-__all__ = ["PAGED_ATTN_IMPLEMENTATION", "PagedBatchViews", "paged_attention_forward", "fp_attention", "register"]
+__all__ = ["PAGED_ATTN_IMPLEMENTATION", "PagedBatchViews", "paged_attention_forward", "fp_attention", "window_mask",
+           "register"]

@@ -1,15 +1,21 @@
 """`KiviPagedCache`: transformers' ``PagedAttentionCache`` whose blocks hold KIVI pages.
 
-What changes against the float paged cache (everything else — scheduling, block tables, prefix
-hashes, the batch's attention mask — is transformers' own):
+What changes against the float paged cache (everything else — scheduling, block tables, the ledger of
+shared blocks, the batch's attention mask — is transformers' own):
 
+* **prefix hashes** are kivi's (:meth:`KiviPageAllocator.page_hashes`: with sink tokens a page's
+  content depends on ``S`` tokens past transformers' block), and sharing counts the sink;
 * **size**: the number of blocks is ``cache_memory // layout.block_bytes`` (the packed block size),
   and no trash sectors are reserved (nothing reads or writes through indices);
 * **update** (one call per layer and forward): for every request of the batch, what attention sees
   is its sink, its pages dequantized (all requests' pages of this layer in one gather and one
   dequantization), its window and its new tokens, in full precision, concatenated in the batch's
   order (transformers' SDPA / eager attention then runs over it with its varlen mask: at most one
-  layer of the batch's context is dequantized at a time). Then, as in :class:`kivi.cache.KiviLayer`,
+  layer of the batch's context is dequantized at a time; a chunk's queries all see the cache as it was
+  before the chunk: tensors cannot carry a per-query boundary). In the packed mode it hands attention
+  each request's :class:`~kivi.cache.view.AttentionView` instead, with :class:`KiviLayer`'s per-query
+  boundary for a chunk into a request that holds tokens (:meth:`KiviPagedCache._set_boundary`).
+  Then, as in :class:`kivi.cache.KiviLayer`,
   tokens leave the window (keys in whole groups of ``G`` once ``R`` newer remain, values beyond
   ``R``), are quantized (one :func:`kivi.quant.kv.quantize_kv` per side for the whole batch) and
   written to their pages.
@@ -31,7 +37,7 @@ from transformers.generation.continuous_batching.cache_allocators import FULL_AT
 from transformers.generation.continuous_batching.requests import RequestState as HFRequestState
 from transformers.generation.continuous_batching.requests import RequestStatus
 
-from ..cache.schedule import flush_count, sink_take
+from ..cache.schedule import flush_count, prefill_exact_queries, query_boundaries, sink_take, window_exits
 from ..cache.view import AttentionView
 from ..quant.kv import dequantize_kv, quantize_kv
 from .allocator import KiviPageAllocator
@@ -74,7 +80,10 @@ class KiviPagedCache(PagedAttentionCache):
         self.pool = CachePool(self.num_sectors, 1, num_reserved_sectors=0)
         allocator.register_cache_tensor(self.bytes_per_sector, self.cache_tensor.numel(), self.cache_tensor, self.pool)
         self.allow_block_sharing = continuous_batching_config.allow_block_sharing
-        self.use_prefix_sharing = self.allow_block_sharing and not any(c.sink_tokens for c in layout.layer_configs)
+        # layers with different sink lengths would need different page boundaries for one shared prefix
+        # pages freed by a sliding window cannot be shared
+        self.use_prefix_sharing = (self.allow_block_sharing and allocator.sink_tokens is not None
+                                   and layout.evicting_window is None)
         self.num_blocks = self.num_sectors
         self.read_cache_limit = None
         self.max_decode_fast_path_length = 0
@@ -107,7 +116,13 @@ class KiviPagedCache(PagedAttentionCache):
     def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
         """transformers' prefix match (limited to pages the request's own schedule quantizes, see
         :func:`kivi.batching.allocator.shareable_tokens`); counts the tokens shared in :attr:`shared_tokens`."""
-        n = super().search_prefix_match(request_id, prompt_ids)
+        if not self.use_prefix_sharing:
+            return 0
+        alloc = self.allocator
+        blocks = alloc.match_prefix_blocks(prompt_ids)
+        n = alloc.shared_prefix_tokens(len(blocks))
+        if n:
+            alloc.acquire_prefix_blocks(request_id, n, blocks)
         self.shared_tokens += n
         return n
 
@@ -141,6 +156,9 @@ class KiviPagedCache(PagedAttentionCache):
             raise NotImplementedError("KIVI pages cannot be read by a block-table (flash) kernel")
         if layer_idx == 0:
             self._batch, self._next_batch = self._next_batch, []
+            if self.layout.evicting_window is not None:  # before the views: as KiviLayer, at a forward's start
+                for rid, past, _ in self._batch:
+                    self.allocator.evict_pages(rid, past)
         n = key_states.shape[-2]
         if sum(q for _, _, q in self._batch) != n:
             raise RuntimeError(
@@ -215,10 +233,13 @@ class KiviPagedCache(PagedAttentionCache):
                 pending = new
             pendings.append(pending)
             if self.packed_backend is not None:
-                table = alloc.block_table[rid][: lay.token_blocks(stored)]
-                store = page_store(views, table, sink, stored, P, **meta)
-                attn_views.append(AttentionView(store, sink + stored, pending.unsqueeze(0), quantized=True,
-                                                sink=None if sink_t is None else sink_t.unsqueeze(0), start=0))
+                evicted = min(st.evicted, stored)  # sliding-window models: pages freed (no sink there)
+                table = alloc.block_table[rid][evicted // P: lay.token_blocks(stored)]
+                store = page_store(views, table, sink, stored, P, **meta, evicted=evicted)
+                view = AttentionView(store, sink + stored, pending.unsqueeze(0), quantized=True,
+                                     sink=None if sink_t is None else sink_t.unsqueeze(0), start=evicted)
+                self._set_boundary(view, side, cfg, pending, wlen, q, past, sink)
+                attn_views.append(view)
                 continue
             if sink_t is not None:
                 parts.append(sink_t)
@@ -254,9 +275,7 @@ class KiviPagedCache(PagedAttentionCache):
             new_state.append((sink + take, stored + move))
         seg = None
         if moved:  # quantize before writing anything: a refused value leaves the cache as it was
-            seg = quantize_kv(torch.cat(moved, dim=1).unsqueeze(0), AXIS[side], bits, cfg.group_size,
-                              symmetric=cfg.symmetric, residual_bits=cfg.residual_bits,
-                              param_dtype=param_dtype(cfg, dtype), check_finite=cfg.check_finite)
+            seg = _quantize(cfg, side, torch.cat(moved, dim=1))
         rows = sink_rows + window_rows
 
         def commit() -> None:
@@ -275,6 +294,38 @@ class KiviPagedCache(PagedAttentionCache):
                 st.sink[layer][s], st.stored[layer][s] = sink, stored
 
         return seen, commit
+
+    @staticmethod
+    def _set_boundary(view: AttentionView, side: str, cfg: Any, pending: torch.Tensor, window: int, q: int,
+                      past: int, sink: int) -> None:
+        """Give one request's ``view`` the per-query boundary of its ``q`` new tokens, as
+        :class:`kivi.cache.KiviLayer` does (:func:`kivi.cache.schedule.query_boundaries`): query ``i`` reads
+        the tokens one-token decoding would have moved out of the window by its step as they are once
+        moved (``view.left``: sink tokens exact, stored tokens quantized and dequantized — bit-identical
+        to what the pages then hold). A forward into an empty request (``past == 0``: a prompt's first
+        chunk) is an exact prefill (no boundary). ``pending [H, window + q, D]``: window + new tokens."""
+        if q <= 1:
+            return
+        args = (cfg.residual_length, cfg.group_size, sink, cfg.sink_tokens)
+        bounds = query_boundaries(AXIS[side], window, q, *args, exact=prefill_exact_queries(past, q, None))
+        if bounds is None:
+            return
+        take, stored = window_exits(AXIS[side], window + q - 1, *args)  # the last query's exits
+        parts = [pending[:, :take]] if take else []
+        if stored:
+            seg = _quantize(cfg, side, pending[:, take: take + stored])
+            parts.append(dequantize_kv(seg, pending.dtype)[0])
+        view.left = (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).unsqueeze(0)  # [1, H, M, D]
+        view.fp_from = tuple(view.split + b for b in bounds)
+
+
+def _quantize(cfg: Any, side: str, x: torch.Tensor):
+    """``x [H, T, D]`` (tokens leaving windows; T a multiple of G for keys) quantized as the pages store
+    them: one :class:`~kivi.quant.kv.PackedKV` ``[1, H, T, ...]``. Key groups are aligned per request, so
+    quantizing a request's tokens alone or in a batch's concatenation gives the same codes."""
+    return quantize_kv(x.unsqueeze(0), AXIS[side], cfg.k_bits if side == "k" else cfg.v_bits, cfg.group_size,
+                       symmetric=cfg.symmetric, residual_bits=cfg.residual_bits,
+                       param_dtype=param_dtype(cfg, x.dtype), check_finite=cfg.check_finite)
 
 
 __all__ = ["KiviPagedCache", "DEFAULT_MAX_BATCH_TOKENS"]

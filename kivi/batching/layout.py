@@ -25,11 +25,13 @@ store position ``u`` lives in the request's ``u // P``-th block, row ``u % P``. 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..cache.schedule import layer_sink_tokens, sliding_cut
 from ..cache.support import check_head_dim, model_head_dim, model_layer_types, plan_layers, text_config
 from ..config import KiviConfig
 from ..quant.kv import quantize_kv, token_divisor
@@ -76,7 +78,8 @@ class PageLayout:
     Attributes:
         page_size: tokens per page (``P``), a multiple of every layer's ``group_size``.
         num_layers, num_kv_heads (``H``), head_dim (``D``), dtype: the model's.
-        layer_configs: the KIVI config of each layer (``layer_specific_config`` applied).
+        layer_configs: the KIVI config of each layer (``layer_specific_config`` applied; no sink on sliding layers).
+        sliding_windows: each layer's sliding window (``None``: full attention).
         fields: every page field of every layer, with its byte offset inside a block.
         page_bytes: bytes the fields take in one block (all layers).
         bytes_per_page: what transformers' allocator calls a page (``block_bytes // num_layers``).
@@ -92,6 +95,7 @@ class PageLayout:
     head_dim: int
     dtype: torch.dtype
     layer_configs: tuple[KiviConfig, ...]
+    sliding_windows: tuple[int | None, ...]
     fields: tuple[PageField, ...]
     page_bytes: int
     bytes_per_page: int
@@ -99,6 +103,23 @@ class PageLayout:
     window_rows: int
     rows_per_block: int
     window_blocks: int
+
+    @property
+    def evicting_window(self) -> int | None:
+        """The sliding window when every layer has the same one (a block then holds only sliding pages, and
+        pages older than the window can be freed: :meth:`evicted_tokens`); ``None`` otherwise."""
+        windows = set(self.sliding_windows)
+        return windows.pop() if len(windows) == 1 and None not in windows else None
+
+    def evicted_tokens(self, past: int) -> int:
+        """Leading tokens of a request no query can reach any more once it holds ``past`` tokens (whole pages;
+        0 unless :attr:`evicting_window`): :func:`kivi.cache.schedule.sliding_cut`, the rule KiviLayer evicts
+        by, with pages as its blocks. Every sliding layer shares ``R`` and ``G`` (``plan_layers``)."""
+        window = self.evicting_window
+        if window is None:
+            return 0
+        cfg = self.layer_configs[0]
+        return sliding_cut(past, window, cfg.residual_length, cfg.group_size, self.page_size)
 
     @property
     def row_bytes(self) -> int:
@@ -144,15 +165,10 @@ def build_layout(model_config: Any, config: KiviConfig, page_size: int, dtype: t
     """The :class:`PageLayout` of ``config`` on a model; ``ValueError`` naming what the paged cache cannot hold."""
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size={page_size!r} must be a positive integer")
-    types = model_layer_types(model_config)  # raises on unsupported layer types
-    sliding = [i for i, (_, w) in enumerate(types) if w is not None]
-    if sliding:
-        raise ValueError(
-            f"the model has sliding-window layers ({', '.join(map(str, sliding[:8]))}); KIVI pages in continuous "
-            "batching support full-attention layers only (use kivi_config=None for transformers' float paged cache, "
-            "or kivi's single-request generate())"
-        )
-    plan = plan_layers(model_config, config)
+    # Sliding-window layers keep no sink (kivi.cache.schedule.layer_sink_tokens, as KiviLayer); their window
+    # is applied by the "kivi_paged" attention (the pages keep every token: no eviction yet).
+    plan = [(dataclasses.replace(cfg, sink_tokens=layer_sink_tokens(cfg.sink_tokens, window)), window)
+            for cfg, window in plan_layers(model_config, config)]
     text = text_config(model_config)
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = model_head_dim(model_config)
@@ -194,7 +210,8 @@ def build_layout(model_config: Any, config: KiviConfig, page_size: int, dtype: t
         raise ValueError(f"page_size={page_size} is too small: one block ({block_bytes} bytes) cannot hold one "
                          f"full-precision token row ({row_bytes} bytes)")
     window_blocks = -(-(num_layers * 2 * window_rows) // rows_per_block)
-    return PageLayout(page_size, num_layers, heads, head_dim, dtype, tuple(c for c, _ in plan), tuple(fields),
+    return PageLayout(page_size, num_layers, heads, head_dim, dtype, tuple(c for c, _ in plan),
+                      tuple(w for _, w in plan), tuple(fields),
                       page_bytes, bytes_per_page, block_bytes, window_rows, rows_per_block, window_blocks)
 
 

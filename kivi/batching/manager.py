@@ -211,6 +211,19 @@ def init_continuous_batching(model: Any, kivi_config: KiviConfig | None, *, cach
         _check_kivi_cb_config(cb)
         layout = build_layout(model.config, kivi_config, cb.page_size, model.dtype)
         packed_backend = pages_attention_backend(kivi_config, model)
+        sliding = [i for i, w in enumerate(layout.sliding_windows) if w is not None]
+        if sliding and packed_backend is None:
+            if kivi_config.attention_backend == "reference" and not model_attention_unsupported(model.config):
+                packed_backend = "reference"  # kivi's reference attention over the page views, window per request
+            else:
+                raise ValueError(
+                    f"the model has sliding-window layers ({', '.join(map(str, sliding[:8]))}) and "
+                    f"attention_backend={kivi_config.attention_backend!r} resolves to transformers' attention over "
+                    "dequantized pages, whose batch mask has no sliding window for KIVI pages; use "
+                    "attention_backend='cpu' or 'reference' (kivi's attention applies the window per request)"
+                    + (f" — not possible here: {model_attention_unsupported(model.config)}"
+                       if model_attention_unsupported(model.config) else "")
+                )
     elif cache_memory is not None:
         cb.num_blocks = max(1, cache_memory // fp_block_bytes(text, model.dtype, cb.page_size))
     if gen.eos_token_id is None:

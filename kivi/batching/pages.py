@@ -29,11 +29,17 @@ def gather_pages(views: dict[str, torch.Tensor], blocks: torch.Tensor, *, bits: 
 
 
 def page_store(views: dict[str, torch.Tensor], blocks: list[int], first: int, stored: int, page_size: int, *,
-               bits: int, group_size: int, axis: str, head_dim: int, residual_bits: int) -> BlockStore:
+               bits: int, group_size: int, axis: str, head_dim: int, residual_bits: int,
+               evicted: int = 0) -> BlockStore:
     """A :class:`BlockStore` of tokens ``[first, first + stored)`` whose blocks are the pages ``blocks``
     themselves (views into the cache, no copy): what kivi's attention backends read. ``first`` is the
-    first stored token (the sink length)."""
-    store = BlockStore(page_size, start=first, length=first + stored)
+    first stored token (the sink length). ``evicted`` (a multiple of ``page_size``; sliding layers, no
+    sink): the first ``evicted`` tokens' pages are gone, ``blocks`` starts with the page of token ``evicted``."""
+    if evicted:
+        store = BlockStore(page_size, start=first + evicted, length=first + stored)
+        first, stored = first + evicted, stored - evicted
+    else:
+        store = BlockStore(page_size, start=first, length=first + stored)
     if stored == 0:
         return store
     page0 = {name: v[blocks[0]].unsqueeze(0) for name, v in views.items()}

@@ -28,10 +28,24 @@ def _single(model_kwargs: dict, cfg: KiviConfig, prompt: list[int], new: int, **
 
 
 @pytest.mark.parametrize("backend", ["reference", "auto"])
-def test_greedy_tokens_equal_single_request_generate(backend):
+def test_greedy_tokens_equal_single_request_generate(backend, monkeypatch):
     """Many requests of different lengths in one batch engine = one generate() each with a KiviCache, the
     same attention backend on both sides: "reference" = pages dequantized + SDPA, "auto" = packed pages
-    read by kivi's CPU kernels ("kivi_paged" attention)."""
+    read by kivi's CPU kernels ("kivi_paged" attention). The scheduler splits a prompt when the step's
+    token budget runs out (here the 70-token one, 26 + 44): with "auto" it equals a generate() whose
+    prefill's first chunk is the same (later chunks follow the one-token rule); the materialized mode has
+    no per-query boundary (docs/continuous-batching.md), so there a split prompt is not compared."""
+    from kivi.batching.cache import KiviPagedCache
+
+    first_chunk: dict[str, int] = {}
+    record = KiviPagedCache.extend_read_and_write_indices
+
+    def spy(self, request_id, past_length, query_length, read_index, write_index):
+        if past_length == 0:
+            first_chunk[request_id] = query_length
+        record(self, request_id, past_length, query_length, read_index, write_index)
+
+    monkeypatch.setattr(KiviPagedCache, "extend_read_and_write_indices", spy)
     inputs = _inputs()
     cfg = KiviConfig(**CFG, attention_backend=backend)
     model = tiny_model()
@@ -41,8 +55,72 @@ def test_greedy_tokens_equal_single_request_generate(backend):
     assert model.config._attn_implementation == "sdpa"
     out = generate_batch(model, inputs, cfg, cache_memory=MEM, max_new_tokens=24, **CB)
     assert list(out) == [f"req_{i}" for i in range(len(inputs))]
+    split = [rid for rid, x in zip(out, inputs) if first_chunk[rid] < len(x)]
+    assert split  # the comparison covers a split prompt
+    for (rid, o), x in zip(out.items(), inputs):
+        if rid not in split:
+            assert o.generated_tokens == _single({}, cfg, x, 24), len(x)
+        elif backend == "auto":
+            assert o.generated_tokens == _single({}, cfg, x, 24, prefill_chunk_size=first_chunk[rid]), len(x)
+
+
+def _single_scored(cfg: KiviConfig, prompt: list[int], new: int, **qkw) -> tuple[list[int], list[float]]:
+    """Greedy tokens of one generate() and the log-probability of each (what return_logprobs reports)."""
+    m = quantize_model(tiny_model(), cfg, **qkw)
+    r = m.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, output_scores=True,
+                   return_dict_in_generate=True)
+    tokens = r.sequences[0, len(prompt):].tolist()
+    return tokens, [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(r.scores, tokens)]
+
+
+@pytest.mark.parametrize("cfg", [CFG, dict(k_bits=4, v_bits=2, group_size=16, residual_length=32, sink_tokens=4)],
+                         ids=["K2V2", "K4V2-sink4"])
+def test_chunked_prompt_equals_kivi_cache_chunked_prefill(cfg):
+    """A prompt longer than max_batch_tokens is prefilled in chunks of 64: its later chunks' queries read the
+    tokens that left the window during the chunk as one-token decoding would (per-query boundary), as kivi's
+    own chunked prefill does: tokens and log-probabilities equal a KiviCache generate() with
+    prefill_chunk_size=64 (without the boundary the log-probabilities differ by ~0.03 on this model)."""
+    prompt = _inputs((200,))[0]
+    kivi_cfg = KiviConfig(**cfg)
+    out = generate_batch(tiny_model(), [prompt], kivi_cfg, cache_memory=MEM, max_new_tokens=12, page_size=64,
+                         max_batch_tokens=64, return_logprobs=True)
+    got = next(iter(out.values()))
+    tokens, logprobs = _single_scored(kivi_cfg, prompt, 12, prefill_chunk_size=64)
+    assert got.generated_tokens == tokens
+    torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_sliding_window_model_equals_single_request_generate(backend, monkeypatch):
+    """Mistral with a 48-token sliding window (prompts up to 200 tokens + 16 new, pages of 16): the "kivi_paged" attention applies each request's window, the sliding layers keep no sink
+    (sink_tokens=4 is ignored there, as in KiviLayer), and pages that left the window are freed (at 200
+    tokens, the first 112); tokens and log-probs equal one generate() per request with a KiviCache."""
+    from kivi.batching.allocator import KiviPageAllocator
+
+    evicted = []
+    evict = KiviPageAllocator.evict_pages
+
+    def spy(self, request_id, past):
+        free = self.pool.count_free_blocks(self.index)
+        evict(self, request_id, past)
+        if request_id in self.requests and self.requests[request_id].evicted:
+            evicted.append((self.requests[request_id].evicted, free, self.pool.count_free_blocks(self.index)))
+
+    monkeypatch.setattr(KiviPageAllocator, "evict_pages", spy)
+    cfg = KiviConfig(k_bits=2, v_bits=2, group_size=16, residual_length=16, sink_tokens=4, attention_backend=backend)
+    inputs = _inputs((70, 150, 33, 200))
+    out = generate_batch(tiny_model("mistral", sliding_window=48), inputs, cfg, cache_memory=MEM, max_new_tokens=16,
+                         return_logprobs=True, page_size=16, max_batch_tokens=512)
+    assert max(e for e, _, _ in evicted) >= 112
+    assert any(after > before for _, before, after in evicted)  # the freed pages went back to the pool
     for x, o in zip(inputs, out.values()):
-        assert o.generated_tokens == _single({}, cfg, x, 24), len(x)
+        m = quantize_model(tiny_model("mistral", sliding_window=48), cfg)
+        r = m.generate(torch.tensor([x]), max_new_tokens=16, do_sample=False, output_scores=True,
+                       return_dict_in_generate=True)
+        tokens = r.sequences[0, len(x):].tolist()
+        logprobs = [torch.log_softmax(sc[0].float(), -1)[t].item() for sc, t in zip(r.scores, tokens)]
+        assert o.generated_tokens == tokens, len(x)
+        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(logprobs), atol=1e-5, rtol=0)
 
 
 def test_kivi_pages_are_not_float_pages():
@@ -114,8 +192,8 @@ def test_untested_version_is_refused_at_init(monkeypatch):
 
 
 def test_refusals_name_what_is_unsupported():
-    with pytest.raises(ValueError, match="sliding-window layers"):
-        init_continuous_batching(tiny_model("mistral", sliding_window=64), KiviConfig(**CFG), cache_memory=MEM, **CB)
+    with pytest.raises(ValueError, match="sliding-window layers .* logit softcapping"):  # Gemma 2: no kivi attention
+        init_continuous_batching(tiny_model("gemma2", sliding_window=64), KiviConfig(**CFG), cache_memory=MEM, **CB)
     with pytest.raises(ValueError, match="page_size=40 must be a multiple of group_size=16"):
         init_continuous_batching(tiny_model(), KiviConfig(**CFG), cache_memory=MEM, page_size=40)
     with pytest.raises(ValueError, match="quantize_key=False"):
@@ -161,9 +239,40 @@ def test_prefix_sharing_reuses_quantized_pages():
     assert out_b.generated_tokens == ref
 
 
-def test_no_prefix_sharing_with_sink_tokens():
-    manager = init_continuous_batching(tiny_model(), KiviConfig(**CFG, sink_tokens=4), cache_memory=MEM, **CB)
-    assert not manager._create_batch_processor().cache.use_prefix_sharing
+def test_prefix_sharing_with_sink_tokens():
+    """With 4 sink tokens page i holds tokens [4 + 64i, 4 + 64(i+1)): B (same 150-token prefix as A) takes the
+    sink and two pages (132 tokens); C, equal to A only up to token 130, takes the sink and one page (68):
+    page 1 depends on tokens up to 132, which transformers' block hash of [0, 128) does not cover. Each
+    gives the tokens of a single-request generate whose prefill is cut at its shared length; log-probs
+    differ by what sharing changes by design, with or without sinks (the suffix's first queries read the
+    prefix's last R tokens quantized; measured 0.003 here, 0.003-0.006 without sinks): a request given a
+    wrong sink (zeros) is off by 0.02-0.28."""
+    cfg = KiviConfig(k_bits=4, v_bits=2, group_size=16, residual_length=32, sink_tokens=4)
+    prefix = _inputs((150,), seed=1)[0]
+    a = prefix + _inputs((50,), seed=2)[0]
+    b = prefix + _inputs((60,), seed=3)[0]
+    c = prefix[:130] + [(t % 127) + 1 for t in prefix[130:]] + _inputs((60,), seed=4)[0]
+    manager = init_continuous_batching(tiny_model(), cfg, cache_memory=MEM, page_size=64, max_batch_tokens=512,
+                                       return_logprobs=True)
+    manager.start()
+    try:
+        manager.get_result(manager.add_request(a, max_new_tokens=8), timeout=60)
+        cache = manager.batch_processor.cache
+        assert cache.use_prefix_sharing
+        shared = []
+        outs = []
+        for prompt in (b, c):
+            before = cache.shared_tokens
+            outs.append(manager.get_result(manager.add_request(prompt, max_new_tokens=12), timeout=60))
+            shared.append(cache.shared_tokens - before)
+    finally:
+        manager.stop(block=True, timeout=30)
+        manager.destroy()
+    assert shared == [132, 68]
+    for prompt, out, n in zip((b, c), outs, shared):
+        tokens, logprobs = _single_scored(cfg, prompt, 12, prefill_chunk_size=n)
+        assert out.generated_tokens == tokens
+        torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(logprobs), atol=1e-2, rtol=0)
 
 
 def test_cancelled_request_gives_its_pages_back():

@@ -50,9 +50,12 @@ def _cache(cfg: KiviConfig, dtype: torch.dtype, page_size: int = 32, memory: int
 
 
 def _run(cfg: KiviConfig, dtype: torch.dtype, schedule: list[list[tuple[str, int]]], seed: int = 0) -> None:
-    """``schedule``: steps, each a list of ``(request, new tokens)``; compares every layer of every step."""
+    """``schedule``: steps, each a list of ``(request, new tokens)``; compares every layer of every step:
+    the packed mode's views (per-query boundary included) and the materialized mode's tensors."""
     torch.manual_seed(seed)
     cache = _cache(cfg, dtype)
+    packed = _cache(cfg, dtype)
+    packed.packed_backend = "reference"
     reqs: dict[str, _Req] = {}
     refs: dict[str, list[KiviLayer]] = {}
     for step in schedule:
@@ -60,20 +63,27 @@ def _run(cfg: KiviConfig, dtype: torch.dtype, schedule: list[list[tuple[str, int
         for rid, q in step:
             r = reqs.setdefault(rid, _Req(rid))
             refs.setdefault(rid, [KiviLayer(cfg.for_layer(i)) for i in range(2)])
-            assert cache.can_store_request_tokens(r, q)
+            assert cache.can_store_request_tokens(r, q) and packed.can_store_request_tokens(r, q)
             batch.append((rid, r.position_offset, q))
         n = sum(q for _, q in step)
         for layer in range(2):
             k = (torch.randn(H, n, D) * 3 + torch.randn(1, 1, D)).to(dtype)  # channel offsets, as real keys
             v = torch.randn(H, n, D).to(dtype)
             ks, vs = cache.layer_forward(layer, k, v, batch)
+            pk, pv = packed.layer_forward(layer, k, v, batch)
             off_new = off_seen = 0
-            for rid, past, q in batch:
-                # The pages give every query of a chunk the view before the chunk (what KiviLayer's first
-                # query reads; KiviLayer gives later queries a per-query boundary: docs/speculative.md).
+            for i, (rid, past, q) in enumerate(batch):
+                # The materialized mode gives every query of a chunk what KiviLayer's first query reads; the
+                # packed mode's views carry KiviLayer's per-query boundary (docs/speculative.md) too.
                 ref_layer = refs[rid][layer]
                 kview, vview = ref_layer.append(k[None, :, off_new: off_new + q], v[None, :, off_new: off_new + q])
                 rk, rv = materialize(kview, ref_layer.dtype), materialize(vview, ref_layer.dtype)
+                for got_view, ref_view in ((pk.views[i], kview), (pv.views[i], vview)):
+                    assert got_view.fp_from == ref_view.fp_from, (rid, layer, past, q)
+                    assert torch.equal(materialize(got_view, dtype), materialize(ref_view, dtype))
+                    if ref_view.fp_from is not None:
+                        assert torch.equal(materialize(got_view, dtype, left=True),
+                                           materialize(ref_view, dtype, left=True)), (rid, layer, past, q)
                 got_k = ks[:, off_seen: off_seen + past + q]
                 got_v = vs[:, off_seen: off_seen + past + q]
                 assert torch.equal(got_k, rk[0]), (rid, layer, past, q, (got_k - rk[0]).abs().max())
@@ -148,7 +158,10 @@ def test_refused_value_leaves_pages_and_state_unchanged():
 @pytest.mark.parametrize("name", ["K2V2", "balanced-sink4"])
 def test_packed_attention_matches_materialized_pages(name, backend):
     """The packed path (kivi's backend over page views, no dequantized context) against the plain one
-    (pages dequantized, full-precision attention per request), on the same batch."""
+    (pages dequantized, full-precision attention per request), on the same batch. A chunk into a request
+    that holds tokens (b's 70, c's 30 while others decode) carries a per-query boundary: the plain side
+    then attends query by query over its own keys (the materialized tensor, with the tokens that left the
+    window by that query's step taken from the view's ``left``)."""
     from kivi.batching.attention import PagedBatchViews, fp_attention, paged_attention_forward
 
     cfg = CONFIGS[name]
@@ -173,9 +186,27 @@ def test_packed_attention_matches_materialized_pages(name, backend):
         assert isinstance(pk, PagedBatchViews)
         got, _ = paged_attention_forward(_ATTN, query, pk, pv, None, scaling=D**-0.5)
         off_q = off_k = 0
-        for rid, past, q in batch:
-            want = fp_attention(_ATTN, query[:, :, off_q: off_q + q], mk[None, :, off_k: off_k + past + q],
-                                mv[None, :, off_k: off_k + past + q], D**-0.5).transpose(1, 2)
+        for i, (rid, past, q) in enumerate(batch):
+            keys, vals = mk[None, :, off_k: off_k + past + q], mv[None, :, off_k: off_k + past + q]
+            qry = query[:, :, off_q: off_q + q]
+            if pk.views[i].fp_from is None and pv.views[i].fp_from is None:
+                want = fp_attention(_ATTN, qry, keys, vals, D**-0.5).transpose(1, 2)
+            else:
+                rows = []
+                for j in range(q):
+                    kv_j = []
+                    for view, plain_t in ((pk.views[i], keys), (pv.views[i], vals)):
+                        if view.fp_from is None:
+                            kv_j.append(plain_t)
+                            continue
+                        left = materialize(view, torch.float32, left=True)
+                        reads = view.query_reads_left(0, past + q, slice(j, j + 1))[0]  # [past + q]
+                        kv_j.append(torch.where(reads[None, None, :, None], left, plain_t))
+                    end = past + j + 1  # causal: query j sees the tokens up to itself
+                    rows.append(fp_attention(_ATTN, qry[:, :, j: j + 1], kv_j[0][:, :, :end], kv_j[1][:, :, :end],
+                                             D**-0.5))
+                assert q > 1 and past > 0
+                want = torch.cat(rows, dim=2).transpose(1, 2)
             torch.testing.assert_close(got[:, off_q: off_q + q], want, atol=2e-5, rtol=1e-4)
             off_q += q
             off_k += past + q
