@@ -37,6 +37,7 @@ LAYER_FIELDS = (
     "quantize_key",
     "quantize_value",
     "symmetric",
+    "clip",
 )
 
 
@@ -68,6 +69,9 @@ class KiviConfig:
             of the attention and its key is an outlier that widens its channel groups). Quantized
             key groups then start at position ``sink_tokens``. Not applied to sliding-window layers
             (their first tokens fall out of the window). 0 = off (KIVI as published).
+        clip: MSE-optimal clipping of every quantization group's range (a small grid of shrink
+            factors, the one with the lowest squared error; :mod:`kivi.quant.clipping`). Same stored
+            format and bytes, write path only; asymmetric only. Per layer via ``layer_specific_config``.
     """
 
     k_bits: int = 2
@@ -84,6 +88,7 @@ class KiviConfig:
     attention_backend: str = "auto"
     check_finite: bool = True
     sink_tokens: int = 0
+    clip: bool = False
 
     def __post_init__(self) -> None:
         # JSON turns int keys into strings; accept both.
@@ -222,6 +227,8 @@ class KiviConfig:
             parts.append(f"comp{self.residual_bits}")
         if self.symmetric:
             parts.append("sym")
+        if self.clip:
+            parts.append("clip")
         if self.sink_tokens:
             parts.append(f"sink{self.sink_tokens}")
         if self.layer_specific_config:
@@ -254,6 +261,8 @@ def _check_layer_fields(cfg: KiviConfig, *, where: str) -> None:
         raise ValueError(f"{where}residual_bits={rb!r} is not allowed; choose one of {list(RESIDUAL_BITS)} (0 = off)")
     if rb and cfg.symmetric:
         raise ValueError(f"{where}residual_bits={rb} is only implemented for asymmetric quantization (symmetric=False)")
-    for name in ("quantize_key", "quantize_value", "symmetric"):
+    for name in ("quantize_key", "quantize_value", "symmetric", "clip"):
         if not isinstance(getattr(cfg, name), bool):
             raise ValueError(f"{where}{name}={getattr(cfg, name)!r} must be true or false")
+    if cfg.clip and cfg.symmetric:
+        raise ValueError(f"{where}clip=True is only implemented for asymmetric quantization (symmetric=False)")
