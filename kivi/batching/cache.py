@@ -256,7 +256,7 @@ class KiviPagedCache(PagedAttentionCache):
         if moved:  # quantize before writing anything: a refused value leaves the cache as it was
             seg = quantize_kv(torch.cat(moved, dim=1).unsqueeze(0), AXIS[side], bits, cfg.group_size,
                               symmetric=cfg.symmetric, residual_bits=cfg.residual_bits,
-                              param_dtype=param_dtype(cfg, dtype), check_finite=cfg.check_finite, clip=cfg.clip)
+                              param_dtype=param_dtype(cfg, dtype), check_finite=cfg.check_finite, clip=cfg.clips(AXIS[side]))
         rows = sink_rows + window_rows
 
         def commit() -> None:

@@ -76,6 +76,17 @@ def test_clipping_changes_what_is_stored_not_its_size():
     assert not torch.equal(a["scale"], b["scale"])
 
 
+@pytest.mark.parametrize("side", ["keys", "values"])
+def test_one_side_only(side):
+    ids = torch.randint(1, 128, (1, 90), generator=torch.Generator().manual_seed(3))
+    _, one = _run(_model("cpu", clip=side), ids, [80, 1, 1])
+    _, off = _run(_model("cpu", clip=False), ids, [80, 1, 1])
+    a, b = one.layers[0], off.layers[0]
+    same_k = torch.equal(a.k.store.blocks[0]["scale"], b.k.store.blocks[0]["scale"])
+    same_v = torch.equal(a.v.store.blocks[0]["scale"], b.v.store.blocks[0]["scale"])
+    assert (same_k, same_v) == ((False, True) if side == "keys" else (True, False))
+
+
 @pytest.mark.parametrize("preset", ["extreme", "balanced"])
 def test_planner_is_byte_exact_with_clipping(preset):
     model = quantize_model(tiny_model(**GQA3), KiviConfig.preset(preset, **CFG))
