@@ -17,7 +17,7 @@ is on the write path only (``len(SHRINKS)`` candidate quantizations) and zero bi
 
 Because min/max is a candidate and the error is measured on the parameters as stored, clipping never
 increases a group's squared error over min/max. The error is accumulated element by element in group
-order (a loop over the ``G`` positions, vectorised over groups and candidates) so that the compiled
+order (``G - 1`` vectorised additions over all groups and candidates) so that the compiled
 per-token quantizer (:mod:`kivi.quant.fused_cpu`) reproduces the choice bit for bit.
 
 Measured on SmolLM2 (results/quality12_screen.md): K2V2 +97.5 % -> +80.9 / +84.1 % perplexity in the
@@ -61,20 +61,18 @@ def clipped_params(
     chi = torch.where(r == 1, hi, mid + half)
     offset = clo.to(param_dtype)
     scale = ((chi - offset.float()) / levels).to(param_dtype)
-    s, o = scale.float(), offset.float()
+    s, o = scale.float().unsqueeze(red + 1), offset.float().unsqueeze(red + 1)  # [R, ..., 1, ...]
     pos = s > 0
     safe = torch.where(pos, s, torch.ones_like(s))
-    vmask = None if valid is None else torch.broadcast_to(valid, xg.shape)
-    err = torch.zeros_like(s)
-    for i in range(xg.shape[red]):  # element order, as the compiled quantizer sums
-        xi = xg.select(red, i)  # [..., n_groups, ...]
-        q = torch.round((xi - o) / safe).clamp_(0, levels)
-        q = torch.where(pos, q, torch.zeros_like(q))
-        d = q * s + o - xi
-        dd = d * d
-        if vmask is not None:
-            dd = torch.where(vmask.select(red, i), dd, torch.zeros_like(dd))
-        err = err + dd
+    q = torch.round((xg - o) / safe).clamp_(0, levels)  # [R, ..., G, ...]
+    q = torch.where(pos, q, torch.zeros_like(q))
+    d = q * s + o - xg
+    dd = d * d
+    if valid is not None:
+        dd = torch.where(torch.broadcast_to(valid, xg.shape), dd, torch.zeros_like(dd))
+    err = dd.select(red + 1, 0)
+    for i in range(1, xg.shape[red]):  # summed in element order, as the compiled quantizer sums
+        err = err + dd.select(red + 1, i)
     best = err.argmin(dim=0, keepdim=True)  # first minimum: ties keep min/max
     return scale.gather(0, best).squeeze(0), offset.gather(0, best).squeeze(0)
 
