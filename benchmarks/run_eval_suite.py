@@ -59,6 +59,7 @@ def suites() -> dict[str, list]:
         # which side clipping helps or hurts, and plain KIVI-2 (no sinks: the screen's setting)
         "clipsides": [KiviConfig(sink_tokens=4, clip="keys"), KiviConfig(sink_tokens=4, clip="values"),
                       P("extreme"), P("extreme", clip=True)],
+        "clipbalanced": [P("balanced", clip="keys"), P("balanced", clip="values")],
         # With --weight-bits 16,8,4: KIVI 2/2 (plain KIVI-2) and balanced on weight-quantized models.
         "weights": [P("extreme"), P("balanced")],
     }

@@ -38,6 +38,7 @@ def test_clip_suites_pair_each_config_with_and_without():
     s = suite.suites()
     assert [c.clip for c in s["clip"]] == [False, True, False, True]
     assert {c.clip for c in s["clipsides"]} == {"keys", "values", False, True}
+    assert [c.clip for c in s["clipbalanced"]] == ["keys", "values"]
 
 
 def test_summary_table_and_plot_with_goals(tmp_path, capsys):
