@@ -6,6 +6,7 @@ Protocol (default): windows of 1024 tokens, prefix 512, chunk 16. Results are wr
 
     python benchmarks/run_eval_suite.py --suite main --windows 20 --out results/main.json
     python benchmarks/run_eval_suite.py --suite sensitivity --windows 4 --out results/sensitivity.json
+    python benchmarks/run_eval_suite.py --suite clip --windows 20 --threads 1 --out results/clip12_suite.json
     python benchmarks/run_eval_suite.py --summarize a.json b.json --csv table.csv --plot pareto.png
     python benchmarks/run_eval_suite.py --suite weights --weight-bits 16,8,4 --windows 20 --batch-size 1 \
         --threads 1 --out results/weights_ppl.json
@@ -51,6 +52,14 @@ def suites() -> dict[str, list]:
                         KiviConfig(residual_bits=2), KiviConfig(residual_bits=4),
                         KiviConfig(k_bits=4, v_bits=2), KiviConfig(k_bits=2, v_bits=4),
                         KiviConfig(k_bits=4, v_bits=4, residual_bits=4)],
+        # Issue 12 item 4: MSE-optimal clipping of group ranges (KiviConfig.clip) against the same configs
+        # without it, same windows in the same run (docs/quality.md).
+        "clip": [KiviConfig(sink_tokens=4), KiviConfig(sink_tokens=4, clip=True),
+                 P("balanced"), P("balanced", clip=True)],
+        # which side clipping helps or hurts, and plain KIVI-2 (no sinks: the screen's setting)
+        "clipsides": [KiviConfig(sink_tokens=4, clip="keys"), KiviConfig(sink_tokens=4, clip="values"),
+                      P("extreme"), P("extreme", clip=True)],
+        "clipbalanced": [P("balanced", clip="keys"), P("balanced", clip="values")],
         # With --weight-bits 16,8,4: KIVI 2/2 (plain KIVI-2) and balanced on weight-quantized models.
         "weights": [P("extreme"), P("balanced")],
     }
@@ -129,8 +138,34 @@ def run_weight_bits(a, specs: list, bits_list: list[int], tok_windows: torch.Ten
             for b, r in runs.items()), file=sys.stderr, flush=True)
 
 
-def summarize(paths: list[str], csv_path: str | None, plot: str | None) -> int:
-    """Table (+ CSV / Pareto plot) of one or more suite JSONs measured with the same protocol and windows."""
+#: Issue 12's targets: (bits per element, Δppl %) -- <= +5 % at <= 3.3 bits, <= +0.5 % at <= 4.3 bits.
+ISSUE12_GOALS = ((3.3, 5.0), (4.3, 0.5))
+
+
+def bits_at_32k(model: str, cfg: KiviConfig) -> float:
+    """Issue 12's bits per element: ``kivi estimate`` for a float16 model at 32K tokens, all bytes the
+    cache holds (codes, scales, offsets, sinks, the window) over 2 x layers x kv heads x head_dim x tokens."""
+    from kivi.memory.estimate import estimate_kv_memory
+
+    e = estimate_kv_memory(model, 32768, config=cfg, dtype="float16")  # ValueError: a config the model refuses
+    return 8 * e.kivi_total_bytes / (2 * e.num_layers * e.num_kv_heads * e.head_dim * e.context)
+
+
+def parse_goal(text: str) -> tuple[float, float]:
+    """``"3.3:5"`` -> (3.3 bits, 5.0 %)."""
+    try:
+        b, p = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--goal {text!r}: expected BITS:PCT, e.g. 3.3:5") from None
+    return b, p
+
+
+def summarize(paths: list[str], csv_path: str | None, plot: str | None,
+              goals: tuple[tuple[float, float], ...] = ISSUE12_GOALS) -> int:
+    """Table (+ CSV / Pareto plot) of one or more suite JSONs measured with the same protocol and windows.
+
+    Rows of later files with a name already seen are skipped; ``bits_32k`` is issue 12's convention
+    (:func:`bits_at_32k`), next to the harness's ``bits_per_element`` (real bytes of each 1K window)."""
     from kivi.eval import spec_kind
     from kivi.eval.sweep import pareto_plot, write_rows
 
@@ -139,7 +174,7 @@ def summarize(paths: list[str], csv_path: str | None, plot: str | None) -> int:
     for other, p in zip(runs[1:], paths[1:]):
         if other["protocol"]["windows"] != d["protocol"]["windows"] or abs(other["fp"]["ppl"] - d["fp"]["ppl"]) > 1e-9:
             raise SystemExit(f"{p}: different windows or FP perplexity than {paths[0]}; not comparable")
-    fp = dict(d["fp"], kind="fp", delta_ppl_pct=0.0, kl=0.0, top1_agreement=1.0)
+    fp = dict(d["fp"], kind="fp", delta_ppl_pct=0.0, kl=0.0, top1_agreement=1.0, bits_32k=16.0)  # a float16 model
     rows = [fp]
     seen = set()
     for r in (r for run in runs for r in run["results"]):
@@ -147,19 +182,26 @@ def summarize(paths: list[str], csv_path: str | None, plot: str | None) -> int:
             continue
         seen.add(r["name"])
         spec = r["config"] if isinstance(r["config"], str) else KiviConfig.from_dict(r["config"])
-        rows.append(dict(r, kind=spec_kind(spec)))
+        try:
+            b32 = None if isinstance(spec, str) else round(bits_at_32k(runs[0].get("model", "smollm2"), spec), 4)
+        except ValueError:  # e.g. group_size=128 on head_dim 64: the row says "unavailable" already
+            b32 = None
+        rows.append(dict(r, kind=spec_kind(spec), bits_32k=b32))
     if csv_path:
         write_rows(rows, csv_path)
     if plot:
         p = d["protocol"]
         pareto_plot(rows, plot, title=f"SmolLM2-135M-Instruct, WikiText-2: {p['windows']} windows x {p['context']} "
-                                      f"tokens (prefix {p['prefix']}, chunk {p['chunk']})")
-    print(f"{'name':28s} {'bits':>6s} {'bytes':>9s} {'ppl':>8s} {'dppl%':>7s} {'KL':>8s} {'top1%':>6s}")
+                                      f"tokens (prefix {p['prefix']}, chunk {p['chunk']})", goals=goals,
+                    x_key="bits_32k", x_label="bits/element, issue 12: kivi estimate, float16 model, 32K tokens "
+                                              "(quanto: the harness's bytes)")
+    print(f"{'name':28s} {'bits':>6s} {'b@32K':>6s} {'bytes':>9s} {'ppl':>8s} {'dppl%':>7s} {'KL':>8s} {'top1%':>6s}")
     for r in rows:
         if r.get("unavailable"):
             print(f"{r['name']:28s} unavailable: {r['unavailable']}")
             continue
-        print(f"{r['name']:28s} {r['bits_per_element']:6.2f} {r['cache_bytes']:9d} {r['ppl']:8.3f} "
+        b32 = "" if r.get("bits_32k") is None else f"{r['bits_32k']:.3f}"
+        print(f"{r['name']:28s} {r['bits_per_element']:6.2f} {b32:>6s} {r['cache_bytes']:9d} {r['ppl']:8.3f} "
               f"{r['delta_ppl_pct']:+7.2f} {r['kl']:8.4f} {100 * r['top1_agreement']:6.2f}")
     return 0
 
@@ -181,9 +223,11 @@ def main() -> int:
                     help="instead of measuring: turn these JSON files (same protocol) into a table, --csv, --plot")
     ap.add_argument("--csv", default=None)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--goal", type=parse_goal, action="append", default=None, metavar="BITS:PCT",
+                    help="a target drawn on --plot (repeatable; default: issue 12's 3.3:5 and 4.3:0.5)")
     a = ap.parse_args()
     if a.summarize:
-        return summarize(a.summarize, a.csv, a.plot)
+        return summarize(a.summarize, a.csv, a.plot, tuple(a.goal) if a.goal else ISSUE12_GOALS)
     if not a.out:
         ap.error("--out is required")
     try:

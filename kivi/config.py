@@ -26,6 +26,8 @@ ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
 MAX_SINK_TOKENS = 4096
 SCALE_DTYPES = ("auto", "float16", "bfloat16", "float32")
 RESIDUAL_BITS = (0, 1, 2, 3, 4, 8)
+#: ``clip`` values: off, both sides, or one side only.
+CLIP_VALUES = (False, True, "keys", "values")
 
 # Fields a `layer_specific_config` entry may override.
 LAYER_FIELDS = (
@@ -37,6 +39,7 @@ LAYER_FIELDS = (
     "quantize_key",
     "quantize_value",
     "symmetric",
+    "clip",
 )
 
 
@@ -68,6 +71,10 @@ class KiviConfig:
             of the attention and its key is an outlier that widens its channel groups). Quantized
             key groups then start at position ``sink_tokens``. Not applied to sliding-window layers
             (their first tokens fall out of the window). 0 = off (KIVI as published).
+        clip: MSE-optimal clipping of every quantization group's range (a small grid of shrink
+            factors, the one with the lowest squared error; :mod:`kivi.quant.clipping`): ``True`` (keys
+            and values), ``"keys"``, ``"values"`` or ``False``. Same stored format and bytes, write path
+            only; asymmetric only. Per layer via ``layer_specific_config``. Measured: docs/quality.md.
     """
 
     k_bits: int = 2
@@ -84,6 +91,7 @@ class KiviConfig:
     attention_backend: str = "auto"
     check_finite: bool = True
     sink_tokens: int = 0
+    clip: bool | str = False
 
     def __post_init__(self) -> None:
         # JSON turns int keys into strings; accept both.
@@ -147,6 +155,10 @@ class KiviConfig:
                     dataclasses.replace(self, layer_specific_config={}, **overrides)  # validates
                 except ValueError as e:
                     raise ValueError(f"layer_specific_config[{idx}].{e}") from None
+
+    def clips(self, axis: str) -> bool:
+        """Whether groups of ``axis`` (``"channel"``: keys, ``"token"``: values) are clipped."""
+        return self.clip is True or self.clip == ("keys" if axis == "channel" else "values")
 
     # ------------------------------------------------------------------ per layer
     def for_layer(self, layer_idx: int) -> "KiviConfig":
@@ -222,6 +234,8 @@ class KiviConfig:
             parts.append(f"comp{self.residual_bits}")
         if self.symmetric:
             parts.append("sym")
+        if self.clip:
+            parts.append("clip" if self.clip is True else f"clip-{self.clip}")
         if self.sink_tokens:
             parts.append(f"sink{self.sink_tokens}")
         if self.layer_specific_config:
@@ -257,3 +271,7 @@ def _check_layer_fields(cfg: KiviConfig, *, where: str) -> None:
     for name in ("quantize_key", "quantize_value", "symmetric"):
         if not isinstance(getattr(cfg, name), bool):
             raise ValueError(f"{where}{name}={getattr(cfg, name)!r} must be true or false")
+    if not any(cfg.clip is c or (isinstance(c, str) and cfg.clip == c) for c in CLIP_VALUES):
+        raise ValueError(f"{where}clip={cfg.clip!r} is not allowed; choose one of {list(CLIP_VALUES)}")
+    if cfg.clip and cfg.symmetric:
+        raise ValueError(f"{where}clip={cfg.clip!r} is only implemented for asymmetric quantization (symmetric=False)")

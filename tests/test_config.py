@@ -29,6 +29,18 @@ def test_json_round_trip(tmp_path):
     assert KiviConfig.from_json(json.dumps({"config": c.to_dict(), "ppl": 20.0})) == c  # `kivi tune --json` output
 
 
+def test_clip_round_trips_and_overrides_per_layer():
+    c = KiviConfig(clip=True, sink_tokens=4, layer_specific_config={1: {"clip": False}})
+    assert KiviConfig.from_json(c.to_json()) == c
+    assert json.loads(c.to_json())["clip"] is True
+    assert c.for_layer(0).clip and not c.for_layer(1).clip
+    assert "clip" in c.describe() and "clip" not in KiviConfig().describe()
+    assert KiviConfig.from_dict({"k_bits": 2}).clip is False  # configs saved before the field still load
+    v = KiviConfig(clip="values")
+    assert KiviConfig.from_json(v.to_json()) == v and v.clips("token") and not v.clips("channel")
+    assert KiviConfig(clip="keys").clips("channel") and "clip-keys" in KiviConfig(clip="keys").describe()
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [
@@ -53,6 +65,11 @@ def test_json_round_trip(tmp_path):
         (dict(layer_specific_config={"0": 4}), r"layer_specific_config\['0'\]=4 must be a mapping"),
         (dict(layer_specific_config=[1]), r"layer_specific_config=\[1\] must be a mapping"),
         (dict(sink_tokens=10**12), r"sink_tokens=1000000000000 is more than 4096"),
+        (dict(clip="mse"), r"clip='mse' is not allowed; choose one of \[False, True, 'keys', 'values'\]"),
+        (dict(clip=1), r"clip=1 is not allowed"),
+        (dict(clip=True, symmetric=True), r"clip=True is only implemented for asymmetric quantization"),
+        (dict(symmetric=True, layer_specific_config={2: {"clip": True}}),
+         r"layer_specific_config\[2\]\.clip=True is only implemented for asymmetric"),
     ],
 )
 def test_validation_names_field_value_and_allowed(kwargs, match):

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent / "kivi"
 #: Layer of each module, by longest matching name prefix (lower layers first).
 LAYERS: dict[str, int] = {
     # 0 primitives: pure quantize / pack, optional-dependency probes, allocator tuning
-    "kivi.quant.primitives": 0, "kivi.quant.packing": 0, "kivi.optional": 0, "kivi.allocator": 0,
+    "kivi.quant.primitives": 0, "kivi.quant.clipping": 0, "kivi.quant.packing": 0, "kivi.optional": 0, "kivi.allocator": 0,
     # 1 configuration: what to quantize and how; which attention backend reads it
     "kivi.config": 1, "kivi.backends": 1,
     # 2 formats: quantized segments and the kernels that write them

@@ -325,7 +325,8 @@ def _quantize(cfg: Any, side: str, x: torch.Tensor):
     quantizing a request's tokens alone or in a batch's concatenation gives the same codes."""
     return quantize_kv(x.unsqueeze(0), AXIS[side], cfg.k_bits if side == "k" else cfg.v_bits, cfg.group_size,
                        symmetric=cfg.symmetric, residual_bits=cfg.residual_bits,
-                       param_dtype=param_dtype(cfg, x.dtype), check_finite=cfg.check_finite)
+                       param_dtype=param_dtype(cfg, x.dtype), check_finite=cfg.check_finite,
+                       clip=cfg.clips(AXIS[side]))
 
 
 __all__ = ["KiviPagedCache", "DEFAULT_MAX_BATCH_TOKENS"]

@@ -300,7 +300,7 @@ class KiviLayer(CacheLayerMixin):
 
             def write(lo: int, hi: int, views: dict[str, torch.Tensor]) -> None:
                 quantize_tokens_into(x[:, :, lo:hi], side.bits, cfg.group_size, views["packed"], views["scale"],
-                                     views["offset"])
+                                     views["offset"], clip=cfg.clips(side.axis))
 
             side.store.append_in_place(move, write)
         elif move:
@@ -329,6 +329,7 @@ class KiviLayer(CacheLayerMixin):
             valid=None if valid is None or side.axis == "token" else valid,
             param_dtype=self._param_dtype(x.dtype),
             check_finite=cfg.check_finite,
+            clip=cfg.clips(side.axis),
         )
 
     def _fast_tokens(self, side: _Side, dtype: torch.dtype) -> bool:

@@ -245,6 +245,9 @@ def add_config_args(p: argparse.ArgumentParser, *, default_preset: str | None = 
     g.add_argument("--no-quantize-key", action="store_true", help="keep keys in full precision")
     g.add_argument("--no-quantize-value", action="store_true", help="keep values in full precision")
     g.add_argument("--symmetric", action="store_true", help="symmetric quantization (for comparison)")
+    g.add_argument("--clip", nargs="?", const="both", default=None, choices=["both", "keys", "values"],
+                   help="MSE-optimal clipping of group ranges, both sides (bare --clip) or one; same bytes "
+                        "(docs/quality.md)")
     g.add_argument("--attention-backend", default=None, help="auto | reference | cpu | triton")
 
 
@@ -289,6 +292,9 @@ def config_from_args(args: argparse.Namespace) -> KiviConfig | None:
         fields["quantize_value"] = False
     if getattr(args, "symmetric", False):
         fields["symmetric"] = True
+    clip = getattr(args, "clip", None)
+    if clip:
+        fields["clip"] = True if clip == "both" else clip
     preset = getattr(args, "preset", None)
     cfg_file = getattr(args, "config", None)
     if preset and cfg_file:

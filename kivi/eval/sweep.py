@@ -282,9 +282,13 @@ def tune(
 
 
 # ---------------------------------------------------------------------------- plot
-def pareto_plot(rows: Sequence[dict[str, Any]], path: str | Path, *, title: str | None = None) -> Path:
+def pareto_plot(rows: Sequence[dict[str, Any]], path: str | Path, *, title: str | None = None,
+                goals: Sequence[tuple[float, float]] = (), x_key: str = "bits_per_element",
+                x_label: str = "bits per cached element (real cache bytes, incl. scales and FP window)") -> Path:
     """Δppl % vs bits per element (PNG). Presets are stars, baselines squares, FP a diamond; the
-    Pareto front of the KIVI configs is drawn as a line. Needs matplotlib (imported here)."""
+    Pareto front of the KIVI configs is drawn as a line. ``goals``: ``(max bits, max Δppl %)`` targets,
+    each drawn as the corner of the region that meets it (below and left). ``x_key``: the row field on
+    the x axis (rows without it fall back to ``bits_per_element``). Needs matplotlib (imported here)."""
     try:
         import matplotlib  # noqa: PLC0415
 
@@ -293,6 +297,7 @@ def pareto_plot(rows: Sequence[dict[str, Any]], path: str | Path, *, title: str 
     except ImportError:
         raise ValueError("--plot needs matplotlib: pip install matplotlib (or 'kivi[plot]')") from None
     pts = [r for r in rows if not r.get("unavailable") and r.get("delta_ppl_pct") is not None]
+    pts = [dict(r, bits_per_element=r[x_key] if r.get(x_key) is not None else r["bits_per_element"]) for r in pts]
     fig, ax = plt.subplots(figsize=(8, 5.5))
     styles = {"fp": ("D", "black"), "baseline": ("s", "tab:red"), "kivi": ("o", "tab:blue")}
     for r in pts:
@@ -316,8 +321,14 @@ def pareto_plot(rows: Sequence[dict[str, Any]], path: str | Path, *, title: str 
     for k, (m, c) in (("KIVI config", ("o", "tab:blue")), ("preset", ("*", "tab:green")),
                       ("baseline (quanto)", ("s", "tab:red")), ("FP (DynamicCache)", ("D", "black"))):
         ax.scatter([], [], marker=m, color=c, label=k)
+    left = min([r["bits_per_element"] for r in pts] + [g[0] for g in goals] + [1.0]) / 1.3
+    for i, (gb, gp) in enumerate(goals):
+        ax.plot([left, gb, gb], [gp, gp, -0.5], ":", color="tab:purple", alpha=0.8,
+                label="goal" if i == 0 else None, zorder=2)
+        ax.annotate(f"goal: \u2264{gp:+g}% at \u2264{gb:g} b", (gb, gp), textcoords="offset points", xytext=(3, -10),
+                    fontsize=7, color="tab:purple")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("bits per cached element (real cache bytes, incl. scales and FP window)")
+    ax.set_xlabel(x_label)
     ax.set_ylabel("Δ perplexity vs FP (%)")
     ax.set_yscale("symlog", linthresh=1.0)
     lo = min([r["delta_ppl_pct"] for r in pts] + [0.0])

@@ -2,8 +2,8 @@
 
 The reference is :func:`kivi.quant.kv.quantize_kv` with ``axis="token"``; this computes the same
 codes, scales and offsets bit for bit, for the configurations it accepts
-(:func:`token_quantizer_supported`): float32 input and parameters, asymmetric min/max, no error
-compensation, 1, 2, 4 or 8 bits, finiteness checked. It exists for the decode step, where one value
+(:func:`token_quantizer_supported`): float32 input and parameters, asymmetric min/max (optionally
+clipped), no error compensation, 1, 2, 4 or 8 bits, finiteness checked. It exists for the decode step, where one value
 token leaves the full-precision window of every layer: the torch path spends ~15 small tensor ops
 (~300 us on the 2-core development machine) on those 64 numbers, this one call ~10-20 us, and it writes
 straight into the cache's block storage (:meth:`kivi.cache.store.BlockStore.append_in_place`).
@@ -11,6 +11,9 @@ straight into the cache's block storage (:meth:`kivi.cache.store.BlockStore.appe
 Numerics, kept identical to the torch reference (``fastmath`` off, float32 throughout):
 ``offset = min``, ``scale = (max - offset) / (2**bits - 1)``, ``code = clamp(rint((x - offset) /
 scale), 0, 2**bits - 1)`` (round half to even, like ``torch.round``), code 0 where ``scale == 0``.
+With ``clip=True`` the group's parameters are chosen as :mod:`kivi.quant.clipping` chooses them (same
+candidates, same float32 operations, the error summed in the same element order), so the codes stay
+bit-identical to the torch reference with clipping on.
 Codes are packed as in :mod:`kivi.quant.packing` (``8 // bits`` codes per byte, little-endian).
 numba is imported, and the kernel compiled or loaded from numba's on-disk cache, on first use
 (:func:`_kernel`): ``import kivi`` does not import it. :func:`kivi.optional.numba_available` is kivi's one check
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 
 from ..optional import numba_available
+from .clipping import shrink_factors
 from .packing import WORD_BITS, packed_size
 
 
@@ -44,16 +48,20 @@ def token_quantizer_supported(
     )
 
 
-def _quantize_tokens(x, bits, G, packed, scale, offset):
+def _quantize_tokens(x, bits, G, shrinks, packed, scale, offset):
     """Kernel: quantize every token row of ``x [B, H, n, D]`` in groups of ``G`` channels.
 
+    ``shrinks`` (float32): the clipping grid of :mod:`kivi.quant.clipping`, or ``[1.0]`` for min/max.
     Returns 0, or 1 when a non-finite value was met (nothing is guaranteed written then).
     """
     B, H, n, D = x.shape
     levels = (1 << bits) - 1
     flevels = np.float32(levels)
+    two = np.float32(2.0)
+    zero = np.float32(0.0)
     per = 8 // bits
     nb = packed.shape[3]
+    R = shrinks.shape[0]
     for b in range(B):
         for h in range(H):
             for t in range(n):
@@ -73,12 +81,40 @@ def _quantize_tokens(x, bits, G, packed, scale, offset):
                         lo = min(lo, v)
                         hi = max(hi, v)
                     sc = (hi - lo) / flevels
+                    if R > 1:  # clipping: the candidate with the smallest squared error, first on ties
+                        mid = (lo + hi) / two
+                        best_err = zero
+                        best_lo = lo
+                        best_sc = sc
+                        for ri in range(R):
+                            r = shrinks[ri]
+                            clo = lo
+                            chi = hi
+                            if r != np.float32(1.0):
+                                half = (hi - lo) / two * r
+                                clo = mid - half
+                                chi = mid + half
+                            csc = (chi - clo) / flevels
+                            err = zero
+                            for c in range(c0, c0 + G):
+                                q = zero
+                                if csc > zero:
+                                    q = np.rint((row[c] - clo) / csc)
+                                    q = min(max(q, zero), flevels)
+                                d = q * csc + clo - row[c]
+                                err += d * d
+                            if ri == 0 or err < best_err:
+                                best_err = err
+                                best_lo = clo
+                                best_sc = csc
+                        lo = best_lo
+                        sc = best_sc
                     scale[b, h, t, gi] = sc
                     offset[b, h, t, gi] = lo
-                    if sc > np.float32(0.0):
+                    if sc > zero:
                         for c in range(c0, c0 + G):
                             q = np.rint((row[c] - lo) / sc)
-                            q = min(max(q, np.float32(0.0)), flevels)
+                            q = min(max(q, zero), flevels)
                             out[c // per] |= np.uint8(np.int32(q) << ((c % per) * bits))
     return 0
 
@@ -89,15 +125,18 @@ def _kernel():
     import numba
 
     return numba.njit(
-        "int64(float32[:,:,:,:], int64, int64, uint8[:,:,:,:], float32[:,:,:,:], float32[:,:,:,:])",
+        "int64(float32[:,:,:,:], int64, int64, float32[:], uint8[:,:,:,:], float32[:,:,:,:], float32[:,:,:,:])",
         cache=True,
     )(_quantize_tokens)
 
 
 def quantize_tokens_into(
-    x: torch.Tensor, bits: int, group_size: int, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
+    x: torch.Tensor, bits: int, group_size: int, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+    *, clip: bool = False,
 ) -> None:
     """Quantize values ``x [B, H, n, D]`` (float32) per token into the given (possibly strided) views.
+
+    ``clip``: MSE-optimal group ranges, the same choice as :func:`kivi.quant.clipping.clipped_params`.
 
     ``packed [B, H, n, packed_size(D, bits)]`` uint8, ``scale`` / ``offset [B, H, n, D // G]`` float32.
     Raises ``ValueError`` (as :func:`kivi.quant.primitives.quantize_groups` does) on NaN / Inf.
@@ -111,7 +150,8 @@ def quantize_tokens_into(
         raise ValueError(f"group_size={group_size} must divide head_dim={D}")
     if tuple(packed.shape) != (B, H, n, packed_size(D, bits)) or tuple(scale.shape) != (B, H, n, D // group_size):
         raise ValueError(f"output views {tuple(packed.shape)} / {tuple(scale.shape)} do not match x {tuple(x.shape)}")
-    if _kernel()(x.detach().numpy(), bits, group_size, packed.numpy(), scale.numpy(), offset.numpy()):
+    shrinks = (shrink_factors() if clip else torch.ones(1)).numpy()
+    if _kernel()(x.detach().numpy(), bits, group_size, shrinks, packed.numpy(), scale.numpy(), offset.numpy()):
         raise ValueError(
             "x contains NaN or Inf; KV quantization needs finite values (pass check_finite=False to let a "
             "non-finite value poison its group instead)"

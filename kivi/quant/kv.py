@@ -81,10 +81,12 @@ def quantize_kv(
     valid: torch.Tensor | None = None,
     param_dtype: torch.dtype | None = None,
     check_finite: bool = True,
+    clip: bool = False,
 ) -> PackedKV:
     """Quantize ``x [B, H, T, D]`` as keys (``axis="channel"``) or values (``axis="token"``).
 
     ``valid [B, T]`` (bool) marks real tokens; padding is left out of every statistic.
+    ``clip``: MSE-optimal group ranges (:mod:`kivi.quant.clipping`), same stored format.
     """
     if x.dim() != 4:
         raise ValueError(f"x must be [batch, heads, tokens, head_dim], got shape {tuple(x.shape)}")
@@ -95,7 +97,8 @@ def quantize_kv(
     if valid is not None:
         vmask = valid[:, None, :, None].to(torch.bool)  # [B, 1, T, 1]
     codes, scale, offset = quantize_groups(
-        x, bits, group_size, dim, symmetric=symmetric, valid=vmask, param_dtype=param_dtype, check_finite=check_finite
+        x, bits, group_size, dim, symmetric=symmetric, valid=vmask, param_dtype=param_dtype, check_finite=check_finite,
+        clip=clip,
     )
     comp = None
     if residual_bits:

@@ -29,6 +29,10 @@ the computation dtype). Groups may be padded with positions excluded from the st
 (``valid`` mask): padded elements still get codes (clamped into range, always finite) but never
 move ``lo``/``hi``.
 
+With ``clip=True`` (asymmetric only) each group's ``[lo, hi]`` is shrunk around its middle by the
+factor of a small grid that minimises the group's squared error (:mod:`kivi.quant.clipping`); the
+stored format is unchanged and the error is never larger than min/max's.
+
 Non-finite input (NaN/Inf) raises ``ValueError`` when ``check_finite`` (default) is set; with it
 off, a group holding a NaN dequantizes to NaN for the whole group.
 """
@@ -36,6 +40,8 @@ off, a group holding a NaN dequantizes to NaN for the whole group.
 from __future__ import annotations
 
 import torch
+
+from .clipping import clipped_params
 
 SUPPORTED_BITS = (1, 2, 3, 4, 8)
 
@@ -74,6 +80,7 @@ def quantize_groups(
     valid: torch.Tensor | None = None,
     param_dtype: torch.dtype | None = None,
     check_finite: bool = True,
+    clip: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Quantize ``x`` in groups of ``group_size`` along ``axis``.
 
@@ -84,12 +91,16 @@ def quantize_groups(
             group statistics (padding). A group with no valid element gets scale 0 and offset 0.
         param_dtype: dtype in which scale/offset are stored (default ``x.dtype``). Codes are computed
             against the *stored* parameters so dequantization is consistent with what is kept.
+        clip: MSE-optimal shrink of each group's range (:func:`kivi.quant.clipping.clipped_params`);
+            asymmetric only.
 
     Returns:
         ``codes`` (uint8, same shape as ``x``), ``scale`` and ``offset`` (``None`` when symmetric),
         each of ``x``'s shape with ``axis`` reduced to ``x.shape[axis] // group_size``.
     """
     check_bits(bits, symmetric=symmetric)
+    if clip and symmetric:
+        raise ValueError("clip=True is only implemented for asymmetric quantization (symmetric=False)")
     if not x.is_floating_point():
         raise ValueError(f"x must be a floating-point tensor, got dtype {x.dtype}")
     if check_finite and not bool(torch.isfinite(x).all()):
@@ -127,8 +138,11 @@ def quantize_groups(
         empty = ~vg.any(dim=red)
         lo = lo.masked_fill(empty, 0.0)
         hi = hi.masked_fill(empty, 0.0)
-    offset = lo.to(param_dtype)
-    scale = ((hi - offset.float()) / levels).to(param_dtype)
+    if clip:
+        scale, offset = clipped_params(xg, lo, hi, red, levels, param_dtype, vg)
+    else:
+        offset = lo.to(param_dtype)
+        scale = ((hi - offset.float()) / levels).to(param_dtype)
     s = scale.float().unsqueeze(red)
     o = offset.float().unsqueeze(red)
     safe = torch.where(s > 0, s, torch.ones_like(s))

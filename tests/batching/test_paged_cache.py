@@ -109,6 +109,8 @@ SCHEDULE = (
 CONFIGS = {
     "K2V2": KiviConfig(k_bits=2, v_bits=2, group_size=16, residual_length=32),
     "balanced-sink4": KiviConfig(k_bits=4, v_bits=2, group_size=16, residual_length=32, sink_tokens=4),
+    "K2V2-clip-sink2": KiviConfig(k_bits=2, v_bits=2, group_size=16, residual_length=32, sink_tokens=2, clip=True),
+    "balanced-clip-keys": KiviConfig(k_bits=4, v_bits=2, group_size=16, residual_length=32, clip="keys"),
     "layer-override-comp": KiviConfig(k_bits=2, v_bits=2, group_size=16, residual_length=16, residual_bits=2,
                                       layer_specific_config={1: {"k_bits": 4, "residual_length": 48}}),
     "R0-sym-fp32-scales": KiviConfig(k_bits=4, v_bits=4, group_size=8, residual_length=0, symmetric=True,

@@ -1,0 +1,57 @@
+"""benchmarks/run_eval_suite.py --summarize: issue 12's bits convention, goal lines, new suites."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from kivi import KiviConfig
+from kivi.memory.estimate import estimate_kv_memory
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "run_eval_suite.py"
+spec = importlib.util.spec_from_file_location("run_eval_suite", _PATH)
+suite = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(suite)
+
+SPEC = dict(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float16")
+
+
+def test_bits_at_32k_is_kivi_estimate_over_the_elements():
+    cfg = KiviConfig(sink_tokens=4)
+    e = estimate_kv_memory(SPEC, 32768, config=cfg, dtype="float16")
+    want = 8 * e.kivi_total_bytes / (2 * 30 * 3 * 64 * 32768)
+    assert suite.bits_at_32k(SPEC, cfg) == pytest.approx(want, rel=1e-12)
+    assert 3.0 < want < 3.1  # K2V2 + sinks: codes 2 + fp16 scale/offset 1 + the window and sinks
+    assert suite.bits_at_32k(SPEC, KiviConfig(sink_tokens=4, clip=True)) == suite.bits_at_32k(SPEC, cfg)
+
+
+def test_goal_parsing():
+    assert suite.parse_goal("3.3:5") == (3.3, 5.0)
+    with pytest.raises(Exception, match="BITS:PCT"):
+        suite.parse_goal("3.3")
+
+
+def test_clip_suites_pair_each_config_with_and_without():
+    s = suite.suites()
+    assert [c.clip for c in s["clip"]] == [False, True, False, True]
+    assert {c.clip for c in s["clipsides"]} == {"keys", "values", False, True}
+    assert [c.clip for c in s["clipbalanced"]] == ["keys", "values"]
+
+
+def test_summary_table_and_plot_with_goals(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    row = dict(name="K2 V2 G32 R128 sink4", config=KiviConfig(sink_tokens=4).to_dict(), ppl=21.0, nll=3.0,
+               bits_per_element=8.0, cache_bytes=100, delta_ppl_pct=5.0, kl=0.1, top1_agreement=0.8,
+               tokens_scored=10, windows=1)
+    run = {"model": SPEC, "protocol": {"windows": 1, "context": 1024, "prefix": 512, "chunk": 16},
+           "fp": dict(name="fp", ppl=20.0, bits_per_element=32.0, cache_bytes=400), "results": [row]}
+    p = tmp_path / "a.json"
+    p.write_text(json.dumps(run))
+    png = tmp_path / "p.png"
+    assert suite.summarize([str(p)], None, str(png), ((3.3, 5.0), (4.3, 0.5))) == 0
+    out = capsys.readouterr().out
+    assert "b@32K" in out and f"{suite.bits_at_32k(SPEC, KiviConfig(sink_tokens=4)):.3f}" in out
+    assert png.stat().st_size > 1000
