@@ -16,8 +16,8 @@ HEADS = {0: {"k_bits": [4, 2, 2], "v_bits": [2, 2, 4]}, 1: {"k_bits": [2, 8, 8]}
 CFG = dict(group_size=8, residual_length=16, block_size=32, head_bits=HEADS)
 
 
-def _run(backend, chunks, ids, *, mask=None, sink=0, model_kw=None):
-    model = quantize_model(tiny_model(**MODEL, **(model_kw or {})),
+def _run(backend, chunks, ids, *, mask=None, sink=0, model_kw=None, model_type="llama", dtype=torch.float32):
+    model = quantize_model(tiny_model(model_type, **MODEL, **(model_kw or {})).to(dtype),
                            KiviConfig(**CFG, sink_tokens=sink, attention_backend=backend))
     cache = KiviCache.from_model(model)
     assert isinstance(cache.layers[0], HeadSplitLayer) and len(cache.layers[0].groups) == 3
@@ -78,3 +78,19 @@ def test_greedy_generate_identical_reference_and_cpu():
         with torch.no_grad():
             outs.append(model.generate(ids, **kw))
     assert torch.equal(outs[0], outs[1])
+
+
+def test_bf16_model_close_to_reference():
+    ids = torch.randint(1, 128, (1, 70))
+    lr, _ = _run("reference", [60, 1, 1, 8], ids, dtype=torch.bfloat16)
+    lf, _ = _run("cpu", [60, 1, 1, 8], ids, dtype=torch.bfloat16)
+    assert (lf.float() - lr.float()).abs().max() < 0.1
+
+
+def test_sliding_window_mistral_matches_reference():
+    ids = torch.randint(1, 128, (2, 110))
+    chunks = [70, 1, 1, 30, 1, 7]
+    lr, _ = _run("reference", chunks, ids, model_type="mistral", model_kw={"sliding_window": 24})
+    lf, cache = _run("cpu", chunks, ids, model_type="mistral", model_kw={"sliding_window": 24})
+    assert cache.layers[0].kv_offset > 0 and all(p.kv_offset == cache.layers[0].kv_offset for p in cache.layers[0].parts)
+    torch.testing.assert_close(lf, lr, atol=2e-4, rtol=2e-4)
