@@ -71,6 +71,10 @@ def kernel_config_unsupported(config: Any) -> str | None:
         odd = [b for b in (c.k_bits, c.v_bits) if b not in WORD_BITS]
         if odd:
             return f"{odd[0]}-bit codes"
+    for entry in getattr(config, "head_bits", {}).values():  # per-head widths
+        odd = [b for widths in entry.values() for b in widths if b not in WORD_BITS]
+        if odd:
+            return f"{odd[0]}-bit codes (head_bits)"
     return None
 
 

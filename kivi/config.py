@@ -75,6 +75,10 @@ class KiviConfig:
             factors, the one with the lowest squared error; :mod:`kivi.quant.clipping`): ``True`` (keys
             and values), ``"keys"``, ``"values"`` or ``False``. Same stored format and bytes, write path
             only; asymmetric only. Per layer via ``layer_specific_config``. Measured: docs/quality.md.
+        head_bits: per-head widths, ``{layer_idx: {"k_bits": [one per kv head], "v_bits": [...]}}``
+            (either list may be left out: that side keeps the layer's width for every head). Heads of
+            one layer may then hold different widths (docs/per-head.md); the lists' length must be the
+            model's number of kv heads.
     """
 
     k_bits: int = 2
@@ -92,6 +96,7 @@ class KiviConfig:
     check_finite: bool = True
     sink_tokens: int = 0
     clip: bool | str = False
+    head_bits: dict[int, dict[str, list[int]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # JSON turns int keys into strings; accept both.
@@ -112,6 +117,7 @@ class KiviConfig:
                 )
             lsc[int(k)] = dict(v)
         self.layer_specific_config = lsc
+        self.head_bits = _parse_head_bits(self.head_bits)
         self.validate()
 
     # ------------------------------------------------------------------ validation
@@ -152,9 +158,45 @@ class KiviConfig:
                 )
             if overrides:
                 try:
-                    dataclasses.replace(self, layer_specific_config={}, **overrides)  # validates
+                    dataclasses.replace(self, layer_specific_config={}, head_bits={}, **overrides)  # validates
                 except ValueError as e:
                     raise ValueError(f"layer_specific_config[{idx}].{e}") from None
+        for idx, entry in self.head_bits.items():
+            if num_layers is not None and idx >= num_layers:
+                raise ValueError(
+                    f"head_bits has layer index {idx}, but the model has {num_layers} layers "
+                    f"(valid indices 0..{num_layers - 1})"
+                )
+            lcfg = self.for_layer(idx)
+            for name, quant in (("k_bits", lcfg.quantize_key), ("v_bits", lcfg.quantize_value)):
+                if name in entry and not quant:
+                    side = "quantize_key" if name == "k_bits" else "quantize_value"
+                    raise ValueError(f"head_bits[{idx}].{name} is given but {side}=False for layer {idx}; "
+                                     "drop it or quantize that side")
+                for b in entry.get(name, ()):
+                    if lcfg.symmetric and b < 2:
+                        raise ValueError(f"head_bits[{idx}].{name} has {b}, not possible with symmetric=True "
+                                         "(no level besides 0); allowed: >= 2")
+
+    def check_kv_heads(self, num_kv_heads: int) -> None:
+        """Every ``head_bits`` list must have one width per kv head (``num_kv_heads``); ``ValueError`` otherwise."""
+        for idx, entry in self.head_bits.items():
+            for name, widths in entry.items():
+                if len(widths) != num_kv_heads:
+                    raise ValueError(f"head_bits[{idx}].{name} has {len(widths)} widths, but the layer has "
+                                     f"{num_kv_heads} kv heads; give exactly one width per kv head")
+
+    def layer_head_bits(self, layer_idx: int) -> tuple[list[int], list[int]] | None:
+        """``(k_bits per kv head, v_bits per kv head)`` of a layer with per-head widths, else ``None``.
+
+        A side ``head_bits`` leaves out has the layer's width (after ``layer_specific_config``) on every head.
+        """
+        entry = self.head_bits.get(layer_idx)
+        if entry is None:
+            return None
+        lcfg = self.for_layer(layer_idx)
+        n = len(next(iter(entry.values())))
+        return (list(entry.get("k_bits", [lcfg.k_bits] * n)), list(entry.get("v_bits", [lcfg.v_bits] * n)))
 
     def clips(self, axis: str) -> bool:
         """Whether groups of ``axis`` (``"channel"``: keys, ``"token"``: values) are clipped."""
@@ -164,7 +206,8 @@ class KiviConfig:
     def for_layer(self, layer_idx: int) -> "KiviConfig":
         """This config with ``layer_specific_config[layer_idx]`` applied (and no further overrides)."""
         overrides = self.layer_specific_config.get(layer_idx, {})
-        return dataclasses.replace(self, layer_specific_config={}, **overrides)
+        # Per-head widths are not a layer's config: `layer_head_bits` reads them (kivi/cache/heads.py).
+        return dataclasses.replace(self, layer_specific_config={}, head_bits={}, **overrides)
 
     # ------------------------------------------------------------------ presets / json
     @classmethod
@@ -178,6 +221,7 @@ class KiviConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["layer_specific_config"] = {str(k): v for k, v in self.layer_specific_config.items()}
+        d["head_bits"] = {str(k): {n: list(w) for n, w in v.items()} for k, v in self.head_bits.items()}
         return d
 
     def to_json(self, path: str | Path | None = None, *, indent: int = 2) -> str:
@@ -240,7 +284,44 @@ class KiviConfig:
             parts.append(f"sink{self.sink_tokens}")
         if self.layer_specific_config:
             parts.append(f"{len(self.layer_specific_config)} layer overrides")
+        if self.head_bits:
+            parts.append(f"{len(self.head_bits)} per-head layers")
         return " ".join(parts)
+
+
+HEAD_BITS_FIELDS = ("k_bits", "v_bits")
+
+
+def _parse_head_bits(head_bits: Any) -> dict[int, dict[str, list[int]]]:
+    """``head_bits`` with int layer keys (JSON gives strings), checked: widths supported, lists equal length."""
+    if not isinstance(head_bits or {}, dict):
+        raise ValueError(f"head_bits={head_bits!r} must be a mapping {{layer index: {{\"k_bits\": [per kv head], "
+                         "\"v_bits\": [...]}}")
+    out: dict[int, dict[str, list[int]]] = {}
+    for k, entry in dict(head_bits or {}).items():
+        digits = isinstance(k, str) and k.strip().isdigit()
+        if isinstance(k, bool) or not (isinstance(k, int) or digits) or int(k) < 0:
+            raise ValueError(f"head_bits key {k!r} is not a layer index; expected a non-negative integer")
+        idx = int(k)
+        if not isinstance(entry, dict) or not entry:
+            raise ValueError(f"head_bits[{idx}]={entry!r} must be a non-empty mapping like "
+                             "{\"k_bits\": [4, 2, 2], \"v_bits\": [2, 2, 2]} (one width per kv head)")
+        unknown = sorted(set(entry) - set(HEAD_BITS_FIELDS))
+        if unknown:
+            raise ValueError(f"head_bits[{idx}] has unknown field(s) {unknown}; allowed: {list(HEAD_BITS_FIELDS)}")
+        lists = {}
+        for name, widths in entry.items():
+            if not isinstance(widths, (list, tuple)) or not widths:
+                raise ValueError(f"head_bits[{idx}].{name}={widths!r} must be a non-empty list, one width per kv head")
+            for b in widths:
+                if isinstance(b, bool) or not isinstance(b, int) or b not in SUPPORTED_BITS:
+                    raise ValueError(f"head_bits[{idx}].{name} has {b!r}; allowed widths are {list(SUPPORTED_BITS)}")
+            lists[name] = [int(b) for b in widths]
+        if len({len(w) for w in lists.values()}) > 1:
+            raise ValueError(f"head_bits[{idx}]: k_bits has {len(lists['k_bits'])} widths but v_bits "
+                             f"{len(lists['v_bits'])}; both need one width per kv head")
+        out[idx] = lists
+    return out
 
 
 def _check_int(cfg: Any, name: str, *, minimum: int, where: str = "") -> None:

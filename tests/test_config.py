@@ -171,3 +171,46 @@ def test_fuzz_json_valid_config_or_value_error(kwargs, junk):
             assert _names_a_field(str(e)) or "must be a JSON object" in str(e), (text[:80], e)
             continue
         assert KiviConfig.from_json(cfg.to_json()) == cfg
+
+
+# ---------------------------------------------------------------- per-head widths (head_bits)
+def test_head_bits_round_trip_and_layer_widths(tmp_path):
+    cfg = KiviConfig(layer_specific_config={2: {"v_bits": 4}}, head_bits={2: {"k_bits": [4, 2, 2]}, "5": {"v_bits": [8, 2, 2]}})
+    assert cfg.head_bits == {2: {"k_bits": [4, 2, 2]}, 5: {"v_bits": [8, 2, 2]}}
+    assert KiviConfig.from_json(cfg.to_json()) == cfg
+    cfg.to_json(tmp_path / "c.json")
+    assert KiviConfig.from_json(str(tmp_path / "c.json")) == cfg
+    assert cfg.layer_head_bits(2) == ([4, 2, 2], [4, 4, 4])  # the layer's v_bits on every head
+    assert cfg.layer_head_bits(5) == ([2, 2, 2], [8, 2, 2])
+    assert cfg.layer_head_bits(0) is None
+    assert cfg.for_layer(2).head_bits == {}
+    assert "2 per-head layers" in cfg.describe()
+
+
+@pytest.mark.parametrize("head_bits, match", [
+    ({0: {"k_bits": [5, 2]}}, r"head_bits\[0\]\.k_bits has 5; allowed widths are \[1, 2, 3, 4, 8\]"),
+    ({0: {"k_bits": [2, True]}}, r"head_bits\[0\]\.k_bits has True"),
+    ({0: {"q_bits": [2]}}, r"head_bits\[0\] has unknown field\(s\) \['q_bits'\]; allowed: \['k_bits', 'v_bits'\]"),
+    ({0: {"k_bits": [2, 2], "v_bits": [2]}}, r"k_bits has 2 widths but v_bits 1"),
+    ({0: {"k_bits": []}}, r"head_bits\[0\]\.k_bits=\[\] must be a non-empty list"),
+    ({0: {"k_bits": 2}}, r"head_bits\[0\]\.k_bits=2 must be a non-empty list"),
+    ({0: {}}, r"head_bits\[0\]=\{\} must be a non-empty mapping"),
+    ({"x": {"k_bits": [2]}}, r"head_bits key 'x' is not a layer index"),
+    ([2, 2], r"head_bits=\[2, 2\] must be a mapping"),
+], ids=["width", "bool", "field", "lengths", "empty", "scalar", "empty-entry", "key", "list"])
+def test_head_bits_errors_name_field_value_and_allowed(head_bits, match):
+    with pytest.raises(ValueError, match=match):
+        KiviConfig(head_bits=head_bits)
+
+
+def test_head_bits_checked_against_the_layer_and_the_model():
+    with pytest.raises(ValueError, match=r"head_bits\[1\]\.k_bits is given but quantize_key=False for layer 1"):
+        KiviConfig(head_bits={1: {"k_bits": [2, 2]}}, layer_specific_config={1: {"quantize_key": False}})
+    with pytest.raises(ValueError, match=r"head_bits\[0\]\.v_bits has 1, not possible with symmetric=True"):
+        KiviConfig(symmetric=True, head_bits={0: {"v_bits": [2, 1]}})
+    cfg = KiviConfig(head_bits={7: {"k_bits": [2, 4]}})
+    with pytest.raises(ValueError, match=r"head_bits has layer index 7, but the model has 4 layers"):
+        cfg.validate(num_layers=4)
+    with pytest.raises(ValueError, match=r"head_bits\[7\]\.k_bits has 2 widths, but the layer has 3 kv heads"):
+        cfg.check_kv_heads(3)
+    cfg.check_kv_heads(2)

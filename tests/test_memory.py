@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pytest
 import torch
 
@@ -319,3 +320,30 @@ def test_weight_bits_totals_and_fits():
     assert e4.kivi_total_bytes == e16.kivi_total_bytes  # the cache does not depend on the weights
     assert e4.kivi_max_context > e16.kivi_max_context  # freed weight bytes go to the cache
     assert e4.to_dict()["weights_breakdown"]["codes"] > 0
+
+
+# --------------------------------------------------------------------------- per-head widths (head_bits)
+PER_HEAD = {0: {"k_bits": [4, 2], "v_bits": [2, 8]}, 2: {"k_bits": [3, 1]}}
+
+
+@pytest.mark.parametrize("cfg,prefill,total,batch", [
+    (KiviConfig(head_bits=PER_HEAD), 300, 300, 1),
+    # decode past a block boundary, lengths not multiples of G
+    (KiviConfig(head_bits=PER_HEAD, group_size=16, residual_length=32, block_size=64), 77, 151, 2),
+    (KiviConfig(head_bits=PER_HEAD, sink_tokens=4, group_size=16, residual_length=32, block_size=64), 150, 203, 1),
+    (KiviConfig(head_bits={1: {"v_bits": [8, 2]}}, layer_specific_config={1: {"k_bits": 4}}, scale_dtype="float32"),
+     523, 530, 1),
+], ids=["prefill", "decode-batch2", "sink", "scale-fp32"])
+def test_agrees_with_kivicache_per_head(cfg, prefill, total, batch):
+    model = tiny_model(num_hidden_layers=3)
+    cache = _run(model, cfg, prefill, total, batch)
+    e = estimate_kv_memory(model, total, batch=batch, config=cfg, prefill=prefill)
+    assert e.kivi_total_bytes == cache.nbytes
+    assert e.layers[0]["k_bits"] == cfg.layer_head_bits(0)[0] if 0 in cfg.head_bits else True
+    plain = estimate_kv_memory(model, total, batch=batch, config=dataclasses.replace(cfg, head_bits={}), prefill=prefill)
+    assert plain.kivi_total_bytes != e.kivi_total_bytes  # the widths are counted, not the layer's
+
+
+def test_per_head_head_count_checked():
+    with pytest.raises(ValueError, match=r"head_bits\[0\]\.k_bits has 3 widths, but the layer has 2 kv heads"):
+        estimate_kv_memory(tiny_model(), 100, config=KiviConfig(head_bits={0: {"k_bits": [2, 2, 4]}}))

@@ -32,6 +32,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..backends import ATTN_IMPLEMENTATION, model_attention_unsupported
+from ..cache.heads import HeadViews
 from ..cache.view import AttentionView, PackedStates
 
 
@@ -101,6 +102,9 @@ def kivi_attention_forward(
     if attention_mask is not None and attention_mask.dim() != 4:
         raise ValueError(f"kivi attention expects a 4-D mask, got shape {tuple(attention_mask.shape)}")
     k_view, v_view = key.view, value.view
+    if isinstance(k_view, HeadViews):  # per-head widths (kivi/cache/heads.py): one run per head group
+        return _head_groups_forward(module, query, k_view, v_view, attention_mask, key.backend, scaling=scaling,
+                                    is_causal=is_causal, **kwargs)
     n = query.shape[2]
     exact = min(exact_queries(k_view, n), exact_queries(v_view, n))
     if exact == n:
@@ -143,6 +147,30 @@ def exact_queries(view: AttentionView, n: int) -> int:
 def _later_queries(view: AttentionView, exact: int) -> AttentionView:
     """The view as the queries after the first ``exact`` see it (their part of the per-query boundary)."""
     return view if view.fp_from is None else replace(view, fp_from=view.fp_from[exact:])
+def _head_groups_forward(module: torch.nn.Module, query: torch.Tensor, k_views: HeadViews, v_views: HeadViews,
+                         attention_mask: torch.Tensor | None, backend: str, *, scaling: float | None,
+                         is_causal: bool | None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention over a layer with per-head widths: each head group's views with its own query heads.
+
+    Query head ``h`` reads kv head ``h // g`` (``g = Hq // Hkv``, transformers' GQA layout), so kv heads
+    ``[lo, hi)`` are read by query heads ``[lo * g, hi * g)``; the outputs are concatenated in head order.
+    """
+    hkv = k_views.groups[-1].stop
+    hq = query.shape[1]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} kv heads")
+    g = hq // hkv
+    if k_views.only_full_precision and v_views.only_full_precision:  # a prefill: exact attention over all heads
+        return sdpa_attention_forward(module, query, k_views.fp, v_views.fp, attention_mask, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    outs = []
+    for grp, kv, vv in zip(k_views.groups, k_views.views, v_views.views):
+        q = query[:, grp.start * g : grp.stop * g].contiguous()
+        mask = attention_mask
+        if mask is not None and mask.shape[1] != 1:
+            mask = mask[:, grp.start * g : grp.stop * g]
+        outs.append(run_backend(backend, q, kv, vv, scaling=scaling, attention_mask=mask))  # [B, hq_grp, n, D]
+    return torch.cat(outs, dim=1).transpose(1, 2).contiguous(), None
 
 
 @contextmanager

@@ -10,7 +10,7 @@ from transformers.cache_utils import Cache
 
 from ..backends import PACKED_BACKENDS, cache_attention_backend, model_attention_unsupported, resolve_attention_backend
 from ..config import KiviConfig
-from .layer import KiviLayer
+from .heads import KIVI_LAYERS, build_layer, kv_heads_of
 from .padding import install_padding_hook
 from .support import model_layer_types, plan_layers
 from .view import PackedStates
@@ -53,7 +53,7 @@ class KiviCache(Cache):
         cache = cls.from_model_config(model.config, config, attention_backend=cache_attention_backend(model, config))
         if model_attention_unsupported(model.config) is not None:  # its attention cannot read per-query views
             for layer in cache.layers:
-                if isinstance(layer, KiviLayer):
+                if isinstance(layer, KIVI_LAYERS):
                     layer.per_query_views = False
         install_padding_hook(model)
         return cache
@@ -61,7 +61,11 @@ class KiviCache(Cache):
     @classmethod
     def from_model_config(cls, model_config: Any, config: KiviConfig, *,
                           attention_backend: str = "reference") -> "KiviCache":
-        layers = [KiviLayer(lcfg, sliding_window=window) for lcfg, window in plan_layers(model_config, config)]
+        plan = plan_layers(model_config, config)
+        kv_heads = kv_heads_of(model_config)
+        if config.head_bits and kv_heads is not None:
+            config.check_kv_heads(kv_heads)
+        layers = [build_layer(config, i, window) for i, (_, window) in enumerate(plan)]
         return cls(config, layers=layers, attention_backend=attention_backend)
 
     # ------------------------------------------------------------------ speculative decoding
@@ -78,7 +82,7 @@ class KiviCache(Cache):
             raise ValueError(f"prompt_length={prompt_length!r} must be a positive int or None")
         self._prompt_length = prompt_length
         for layer in self.layers:
-            if isinstance(layer, KiviLayer):
+            if isinstance(layer, KIVI_LAYERS):
                 layer.prompt_length = prompt_length
 
     def activate_past_recording(self) -> None:
@@ -116,11 +120,11 @@ class KiviCache(Cache):
         nlayers = len(self.layers)
         try:
             while len(self.layers) <= layer_idx:
-                new = KiviLayer(self.config.for_layer(len(self.layers)))
+                new = build_layer(self.config, len(self.layers))
                 new.prompt_length, new.record_past = self._prompt_length, self._record_past
                 self.layers.append(new)
             layer = self.layers[layer_idx]
-            if not isinstance(layer, KiviLayer):
+            if not isinstance(layer, KIVI_LAYERS):
                 return layer.update(key_states, value_states, *args, **kwargs)
             valid = self._new_token_valid(key_states.shape[-2], key_states.shape[0])
             if self.attention_backend not in PACKED_BACKENDS:
@@ -139,7 +143,7 @@ class KiviCache(Cache):
         (A layer that is not a KiviLayer, passed in ``layers=``, has no checkpoint: it is edited as
         transformers does, one layer after the other.)
         """
-        checkpoints = [(layer, layer.checkpoint()) for layer in self.layers if isinstance(layer, KiviLayer)]
+        checkpoints = [(layer, layer.checkpoint()) for layer in self.layers if isinstance(layer, KIVI_LAYERS)]
         try:
             for layer in self.layers:
                 edit(layer)
@@ -166,7 +170,7 @@ class KiviCache(Cache):
         """Bytes of every tensor the cache holds, by kind (sums to :attr:`nbytes`)."""
         total: dict[str, int] = {}
         for layer in self.layers:
-            if isinstance(layer, KiviLayer):
+            if isinstance(layer, KIVI_LAYERS):
                 parts = layer.memory_breakdown()
             else:  # a full-precision transformers layer (e.g. sliding window kept in FP)
                 nb = 0

@@ -92,6 +92,9 @@ def save_cache(cache: Any, path: str | os.PathLike, *, fingerprint: dict[str, An
         json.dumps(fingerprint)
     except TypeError as e:
         raise ValueError(f"fingerprint must be JSON-serialisable: {e}") from None
+    if getattr(cache.config, "head_bits", None):
+        raise ValueError("saving a cache with per-head widths (head_bits) is not supported; save one without "
+                         "head_bits, or keep this cache in memory")
     tensors: dict[str, torch.Tensor] = {}
     layers = []
     for i, layer in enumerate(cache.layers):

@@ -22,6 +22,7 @@ from .common import (
     load_config_file,
     load_model_and_windows,
     non_negative_int,
+    positive_int,
     output_path,
     positive_float,
 )
@@ -62,6 +63,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from ..config import KiviConfig
     from ..eval.profile import layer_profile, recommend_layer_config
 
+    if args.per_head:
+        return cmd_head_profile(args)
     base = config_from_args(args) or KiviConfig.preset("extreme")
     upgrade = args.upgrade if args.upgrade is not None else {"k_bits": 4}
     upgrade_config(base, upgrade)
@@ -103,6 +106,39 @@ def early_stop_factor(text: str) -> float:
     if not (v == 0 or v >= 1) or v != v or v == float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} is not 0 (off) or a factor >= 1 of the budget")
     return v
+def cmd_head_profile(args: argparse.Namespace) -> int:
+    """`kivi profile --per-head`: every (layer, kv head, side) scored in one FP pass; a head_bits config within
+    --max-bits (the planner's bits per element, float16 model, 32K tokens)."""
+    from ..config import KiviConfig
+    from ..eval.head_profile import bits_per_element, head_profile, recommend_head_bits
+    from ..memory.sources import model_spec
+
+    if args.upgrade is not None or args.upgrade_layers is not None:
+        raise CliError("--per-head takes --head-upgrade-bits and --max-bits, not --upgrade / --upgrade-layers")
+    base = config_from_args(args) or KiviConfig.preset("extreme", sink_tokens=4)
+    if args.head_upgrade_bits <= max(base.k_bits, base.v_bits):
+        raise CliError(f"--head-upgrade-bits {args.head_upgrade_bits} must be wider than the base widths "
+                       f"(k_bits={base.k_bits}, v_bits={base.v_bits})")
+    check_window_args(args)
+    model, tok, windows = load_model_and_windows(args)
+    spec = model_spec(model)
+    base.validate(num_layers=spec.num_layers)
+    max_bits = args.max_bits if args.max_bits is not None else bits_per_element(spec, base) + 0.3
+    prof = head_profile(model, windows, base, bits=sorted({base.k_bits, base.v_bits, args.head_upgrade_bits}),
+                        prefix=args.prefix, progress=not args.no_progress)
+    rec, bits = recommend_head_bits(prof, spec, max_bits, base=base, upgrade=args.head_upgrade_bits)
+    prof.update(recommended=rec.to_dict(), recommended_name=rec.describe(), recommended_bits=bits, max_bits=max_bits,
+                base_bits=bits_per_element(spec, base))
+    up = str(args.head_upgrade_bits)
+    lines = [f"per-head sensitivity ({prof['metric']}) to {prof['base_name']}, {prof['protocol']['windows']} windows",
+             f"{'layer':>5s} {'head':>4s} {'side':>4s} " + " ".join(f"{b + '-bit':>10s}" for b in map(str, prof['bits']))]
+    for r in prof["heads"]:
+        lines.append(f"{r['layer']:5d} {r['head']:4d} {r['side']:>4s} "
+                     + " ".join(f"{r['score'][str(b)]:10.6f}" for b in prof["bits"]))
+    lines.append(f"recommended ({up}-bit where it pays most): {prof['base_bits']:.4f} -> {bits:.4f} bits/element "
+                 f"(budget {max_bits:.4f}; float16, 32K tokens); head_bits={rec.head_bits}")
+    emit(args, prof, "\n".join(lines), writes=[("--write-config", args.write_config, rec.to_json)])
+    return 0
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -153,6 +189,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="how many of the most sensitive layers to upgrade (default: a tenth of the layers)")
     p.add_argument("--max-bits", type=positive_float, default=None,
                    help="upgrade as many layers as fit in this many bits per element (instead of --upgrade-layers)")
+    p.add_argument("--per-head", action="store_true",
+                   help="score every (layer, kv head, side) in one FP pass and recommend per-head widths (head_bits) "
+                        "within --max-bits, counted by the planner for a float16 model at 32K tokens (default: the "
+                        "base + 0.3); docs/per-head.md")
+    p.add_argument("--head-upgrade-bits", type=positive_int, default=4,
+                   help="with --per-head: the width the most sensitive head-sides get (default 4)")
     p.add_argument("--write-config", default=None, type=output_path, help="write the recommended KiviConfig JSON here")
     add_output_args(p)
     p.set_defaults(func=cmd_profile)

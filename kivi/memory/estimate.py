@@ -15,7 +15,7 @@ from ..cache.schedule import KEY_AXIS, VALUE_AXIS
 from ..cache.support import check_head_dim
 from ..config import KiviConfig
 from .sources import ModelSpec, model_spec
-from .storage import FIELDS, layer_bytes, side_token_bytes
+from .storage import FIELDS, head_layer_bytes, side_token_bytes
 from .units import DTYPE_BYTES, parse_bytes, parse_context
 from .weights import check_weight_bits, weight_bytes_breakdown
 
@@ -86,13 +86,15 @@ def _resolve_config(config: KiviConfig | str | None) -> KiviConfig:
     raise TypeError(f"config must be a KiviConfig, a preset name or None, got {type(config).__name__}")
 
 
-def _layer_plan(cfg: KiviConfig, spec: ModelSpec) -> list[tuple[KiviConfig, int | None, str]]:
-    """Per layer: its config, its sliding window (or None) and a key shared by identical layers."""
+def _layer_plan(cfg: KiviConfig, spec: ModelSpec) -> list[tuple[KiviConfig, int | None, Any, str]]:
+    """Per layer: its config, its sliding window (or None), its per-head widths (or None) and a key shared by
+    identical layers."""
     plan = []
     for i, lt in enumerate(spec.layer_types):
         lcfg = cfg.for_layer(i)
         window = spec.sliding_window if lt == "sliding_attention" else None
-        plan.append((lcfg, window, json.dumps(lcfg.to_dict(), sort_keys=True) + f"|{window}"))
+        widths = cfg.layer_head_bits(i)
+        plan.append((lcfg, window, widths, json.dumps(lcfg.to_dict(), sort_keys=True) + f"|{window}|{widths}"))
     return plan
 
 
@@ -101,15 +103,16 @@ def _kivi_total(plan: list, spec: ModelSpec, T: int, P: int, batch: int, param_b
     total = dict.fromkeys(FIELDS, 0.0)
     layers = []
     memo: dict[Any, dict[str, float]] = {}
-    for i, (lcfg, window, key) in enumerate(plan):
+    for i, (lcfg, window, widths, key) in enumerate(plan):
         if key not in memo:
-            memo[key] = layer_bytes(lcfg, spec.head_dim, spec.num_kv_heads * batch, DTYPE_BYTES[spec.dtype], T, P,
-                                    window, param_bytes[i])
+            memo[key] = head_layer_bytes(lcfg, widths, spec.head_dim, spec.num_kv_heads, batch,
+                                         DTYPE_BYTES[spec.dtype], T, P, window, param_bytes[i])
         part = memo[key]
         for k, v in part.items():
             total[k] += v
-        layers.append({"layer": i, "type": spec.layer_types[i], "k_bits": lcfg.k_bits if lcfg.quantize_key else None,
-                       "v_bits": lcfg.v_bits if lcfg.quantize_value else None, "bytes": int(round(sum(part.values())))})
+        kb, vb = widths if widths is not None else (lcfg.k_bits, lcfg.v_bits)  # per kv head where head_bits says
+        layers.append({"layer": i, "type": spec.layer_types[i], "k_bits": kb if lcfg.quantize_key else None,
+                       "v_bits": vb if lcfg.quantize_value else None, "bytes": int(round(sum(part.values())))})
     return total, layers
 
 
@@ -187,6 +190,7 @@ def estimate_kv_memory(
         check_weight_bits(weight_bits)
     cfg = _resolve_config(config)
     cfg.validate(num_layers=spec.num_layers)
+    cfg.check_kv_heads(spec.num_kv_heads)
     sd = None if cfg.scale_dtype == "auto" else cfg.scale_dtype
     check_head_dim(cfg, spec.head_dim, spec.num_layers)
     param_bytes = {i: DTYPE_BYTES[sd or spec.dtype] for i in range(spec.num_layers)}
@@ -203,14 +207,15 @@ def estimate_kv_memory(
     per_tok = {"codes": 0.0, "scales_zero_points": 0.0, "compensation": 0.0, "fp_unquantized": 0.0}
     for i in range(spec.num_layers):
         lcfg = cfg.for_layer(i)
-        sides = ((KEY_AXIS, lcfg.quantize_key, lcfg.k_bits), (VALUE_AXIS, lcfg.quantize_value, lcfg.v_bits))
-        for axis, quant, bits in sides:
-            if quant:
-                for k, v in side_token_bytes(spec.head_dim, bits, lcfg.group_size, axis, param_bytes[i],
-                                             lcfg.symmetric, lcfg.residual_bits).items():
-                    per_tok[k] += spec.num_kv_heads * v
-            else:
-                per_tok["fp_unquantized"] += spec.num_kv_heads * spec.head_dim * b
+        kb, vb = cfg.layer_head_bits(i) or ([lcfg.k_bits] * spec.num_kv_heads, [lcfg.v_bits] * spec.num_kv_heads)
+        for axis, quant, widths in ((KEY_AXIS, lcfg.quantize_key, kb), (VALUE_AXIS, lcfg.quantize_value, vb)):
+            for bits in widths:  # one kv head each
+                if quant:
+                    for k, v in side_token_bytes(spec.head_dim, bits, lcfg.group_size, axis, param_bytes[i],
+                                                 lcfg.symmetric, lcfg.residual_bits).items():
+                        per_tok[k] += v
+                else:
+                    per_tok["fp_unquantized"] += spec.head_dim * b
     kivi_per_token = sum(per_tok.values())
 
     notes = [

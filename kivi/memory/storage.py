@@ -7,6 +7,9 @@ the bytes per stored token from :func:`kivi.quant.kv.kv_bytes_breakdown`, the fo
 
 from __future__ import annotations
 
+import dataclasses
+
+from ..cache.heads import head_groups
 from ..cache.schedule import (
     KEY_AXIS,
     VALUE_AXIS,
@@ -77,4 +80,20 @@ def layer_bytes(cfg: KiviConfig, head_dim: int, heads: int, dtype_bytes: int, T:
     return out
 
 
-__all__ = ["FIELDS", "side_token_bytes", "held_tokens", "layer_bytes"]
+def head_layer_bytes(cfg: KiviConfig, widths: tuple[list[int], list[int]] | None, head_dim: int, kv_heads: int,
+                     batch: int, dtype_bytes: int, T: int, P: int, window: int | None,
+                     param_bytes: int) -> dict[str, float]:
+    """Bytes of one layer with per-head widths (``widths`` = ``(k_bits, v_bits)`` per kv head, as
+    :meth:`KiviConfig.layer_head_bits` gives them; ``None``: the layer's own widths on all ``kv_heads``):
+    the sum over its head groups (:func:`kivi.cache.heads.head_groups`, each a layer of its own)."""
+    if widths is None:
+        return layer_bytes(cfg, head_dim, kv_heads * batch, dtype_bytes, T, P, window, param_bytes)
+    out = dict.fromkeys(FIELDS, 0.0)
+    for g in head_groups(*widths):
+        gcfg = dataclasses.replace(cfg, k_bits=g.k_bits, v_bits=g.v_bits)
+        for k, v in layer_bytes(gcfg, head_dim, g.heads * batch, dtype_bytes, T, P, window, param_bytes).items():
+            out[k] += v
+    return out
+
+
+__all__ = ["FIELDS", "side_token_bytes", "held_tokens", "layer_bytes", "head_layer_bytes"]

@@ -138,3 +138,18 @@ def test_eval_ppl_subprocess_smollm2():
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
     assert r["tokens_scored"] == 128 and 1 < r["ppl"] < 200 and 4 < r["bits_per_element"] < 32
+
+
+def test_profile_per_head_writes_a_head_bits_config(cli_on_tiny_model, capsys, tmp_path):
+    rec_path = tmp_path / "heads.json"
+    base = ["--k-bits", "2", "--v-bits", "2", "--group-size", "8", "--residual-length", "16", "--sink-tokens", "2"]
+    prof = run_json(capsys, ["profile", "--per-head", "--json", "--max-bits", "6.8", "--write-config", str(rec_path),
+                             *base, *PROTO])
+    assert len(prof["heads"]) == 2 * 2 * 2 and prof["bits"] == [2, 4]
+    assert prof["base_bits"] < prof["recommended_bits"] <= 6.8
+    cfg = KiviConfig.from_json(rec_path)
+    assert cfg.head_bits and cfg.to_dict() == prof["recommended"]
+    r = run_json(capsys, ["eval", "ppl", "--json", "--config", str(rec_path), *PROTO])  # the file reads back
+    assert r["config"]["head_bits"] == {str(k): v for k, v in cfg.head_bits.items()} and r["ppl"] > 0
+    assert main(["profile", "--per-head", "--upgrade-layers", "1", *PROTO]) == 2
+    assert "--per-head takes --head-upgrade-bits" in capsys.readouterr().err
