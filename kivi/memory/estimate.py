@@ -199,11 +199,13 @@ def estimate_kv_memory(
     kt, layers = _kivi_total(plan, spec, T, P, batch, param_bytes)
     kivi_total = int(round(sum(kt.values())))
 
-    # Asymptotic cost per token (quantized storage only, every layer holding every token).
+    # Asymptotic cost per token (quantized storage only, every layer holding every token; with position
+    # tiers, the oldest tier's widths: where all but a bounded number of tokens end up).
     per_tok = {"codes": 0.0, "scales_zero_points": 0.0, "compensation": 0.0, "fp_unquantized": 0.0}
     for i in range(spec.num_layers):
         lcfg = cfg.for_layer(i)
-        sides = ((KEY_AXIS, lcfg.quantize_key, lcfg.k_bits), (VALUE_AXIS, lcfg.quantize_value, lcfg.v_bits))
+        kb, vb = lcfg.tiers[-1][1] if lcfg.tiers else (lcfg.k_bits, lcfg.v_bits)
+        sides = ((KEY_AXIS, lcfg.quantize_key, kb), (VALUE_AXIS, lcfg.quantize_value, vb))
         for axis, quant, bits in sides:
             if quant:
                 for k, v in side_token_bytes(spec.head_dim, bits, lcfg.group_size, axis, param_bytes[i],
