@@ -168,6 +168,9 @@ class BlockStore:
         snap = BlockStore(self.block_size)
         snap.blocks, snap.starts, snap.caps = list(self.blocks), list(self.starts), list(self.caps)
         snap.start, snap.length, snap.template = self.start, self.length, self.template
+        # The readers' memo is shared: it is keyed by block index, and an index holds the same block
+        # in both (appends add blocks at the end; whatever replaces or drops blocks clears the memo).
+        snap.derived = self.derived
         return snap
 
     # ------------------------------------------------------------------ reading

@@ -6,9 +6,10 @@ where it ends. An :class:`~kivi.cache.view.AttentionView` of such a side carries
 snapshots (:meth:`BlockStore.frozen`, taken when the view is made: the demotions of the same
 forward come after it) as its ``store``: ``iter_blocks`` walks every tier's blocks in token order,
 each segment with its own ``bits``, so every reader that dequantizes segment by segment (the
-reference :func:`~kivi.cache.view.materialize`, :mod:`kivi.attention.blocked`) reads tiers as is.
-Readers that need one width per side (the fused numba kernel, Triton) refuse a ``TierChain``
-(``AttentionView.tiered``) and the backends route such views to the blocked path explicitly.
+reference :func:`~kivi.cache.view.materialize`, :mod:`kivi.attention.blocked`) reads tiers as is;
+the fused numba kernel's tables list every tier store's blocks, each row with its own width. Triton
+reads one width per side: :func:`kivi.attention.interface.run_backend` sends tiered views
+(``AttentionView.tiered``) to the blocked path explicitly.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def _np(t: torch.Tensor):
 
 def fused_decode_supported(q: torch.Tensor, k_view: AttentionView, v_view: AttentionView,
                            attention_mask: torch.Tensor | None = None) -> bool:
-    """Whether :func:`fused_decode_attention` handles this call (numba present, n == 1, formats, no tiers).
+    """Whether :func:`fused_decode_attention` handles this call (numba present, n == 1, formats).
 
     One query reads every token at one precision: a per-query boundary (``fp_from``) exists only for
     ``n > 1`` (:func:`kivi.cache.schedule.query_boundaries`), so it never reaches the kernel; a view
@@ -88,15 +88,14 @@ def fused_decode_supported(q: torch.Tensor, k_view: AttentionView, v_view: Atten
         return False
     if k_view.fp_from is not None or v_view.fp_from is not None:
         return False
-    if k_view.tiered or v_view.tiered:
-        return False  # one width per side in the kernel's tables: position tiers go to the blocked path
     for view in (k_view, v_view):
-        if view.quantized and view.store.template is not None:
-            t = view.store.template
-            if t.bits not in WORD_BITS:
-                return False
-            if t.axis == "token" and t.group_size % 4:
-                return False  # the kernel reads value channels 4 at a time, within one group
+        for store in (view.store.stores if view.tiered else (view.store,)):  # position tiers: every width
+            if view.quantized and store.template is not None:
+                t = store.template
+                if t.bits not in WORD_BITS:
+                    return False
+                if t.axis == "token" and t.group_size % 4:
+                    return False  # the kernel reads value channels 4 at a time, within one group
     if q.shape[1] % k_view.fp.shape[1]:
         return False
     if attention_mask is not None:
