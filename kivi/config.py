@@ -112,6 +112,8 @@ class KiviConfig:
                     f"layer_specific_config[{k!r}]={v!r} must be a mapping of fields, e.g. {{\"k_bits\": 4}}"
                 )
             lsc[int(k)] = dict(v)
+            if "tiers" in v:
+                lsc[int(k)]["tiers"] = _normalize_tiers(v["tiers"])
         self.layer_specific_config = lsc
         self.validate()
 
@@ -175,7 +177,10 @@ class KiviConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["tiers"] = None if self.tiers is None else [[n, None if b is None else list(b)] for n, b in self.tiers]
-        d["layer_specific_config"] = {str(k): v for k, v in self.layer_specific_config.items()}
+        d["layer_specific_config"] = {str(k): dict(v) for k, v in self.layer_specific_config.items()}
+        for v in d["layer_specific_config"].values():
+            if v.get("tiers") is not None:
+                v["tiers"] = [[n, None if b is None else list(b)] for n, b in v["tiers"]]
         return d
 
     def to_json(self, path: str | Path | None = None, *, indent: int = 2) -> str:

@@ -257,3 +257,16 @@ def test_planner_is_byte_exact(kw, P, T):
     k, v = _data(1, 2, T, 32)
     layer, _ = _fill(cfg, k, v, [P] + [1] * (T - P))
     assert sum(layer_bytes(cfg, 32, 2, 4, T, P, None, 4).values()) == layer.nbytes
+
+
+def test_continuous_batching_refuses_tiers():
+    from kivi.batching.layout import build_layout
+    from tests.helpers import tiny_model
+
+    with pytest.raises(ValueError, match="position tiers are not supported in continuous batching"):
+        build_layout(tiny_model().config, KiviConfig(**T3), 64, torch.float32)
+
+
+def test_per_layer_tiers_override():
+    cfg = KiviConfig(**{**T3, "layer_specific_config": {1: {"tiers": None}}})
+    assert KiviLayer(cfg.for_layer(0)).k.older and not KiviLayer(cfg.for_layer(1)).k.older
