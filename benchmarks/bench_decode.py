@@ -103,6 +103,11 @@ def _warm(model):
 def _prepare(model, name):
     """Set the model up for row ``name``; returns the cache spec for :func:`run_one`."""
     dequantize_model(model)
+    if name.startswith("kivitiers"):  # position tiers (docs/tiers.md): 128 FP, 1024 at 4 bits, the rest 2 bits
+        cfg = KiviConfig(k_bits=4, v_bits=4, sink_tokens=4, tiers=[(128, None), (1024, 4), (None, 2)],
+                         attention_backend=name.split("-")[1])
+        quantize_model(model, cfg)
+        return cfg
     if name.startswith("kivi"):
         bits, backend = int(name[4]), name.split("-")[1]
         cfg = KiviConfig(k_bits=bits, v_bits=bits, attention_backend=backend)
@@ -164,7 +169,8 @@ def main():
     ap.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps after the prefill")
     ap.add_argument("--configs", nargs="+",
                     default=["dynamic", "quanto2", "quanto4", "kivi2-reference", "kivi2-cpu", "kivi4-reference", "kivi4-cpu"],
-                    help="dynamic, floor, quanto2, quanto4, kivi{2,4}-{reference,cpu,triton}")
+                    help="dynamic, floor, quanto2, quanto4, kivi{2,4}-{reference,cpu,triton}, kivitiers-{cpu,...} "
+                         "(K4V4 + 4 sinks, tiers 128 FP / 1024 at 4 bits / the rest at 2 bits)")
     ap.add_argument("--threads", type=int, default=0, help="torch and numba threads (0 = their defaults)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every row, interleaved; the table shows medians")
     ap.add_argument("--isolate", action="store_true", help="run every row in a fresh process")
@@ -184,9 +190,9 @@ def main():
     import re
 
     for name in a.configs + ([a.one_row[0]] if a.one_row else []):
-        if not re.fullmatch(r"dynamic|floor|quanto[24]|kivi[12348]-(reference|cpu|triton)", name):
+        if not re.fullmatch(r"dynamic|floor|quanto[24]|kivi([12348]|tiers)-(reference|cpu|triton)", name):
             ap.error(f"--configs: {name!r} is not one of dynamic, floor, quanto2, quanto4, "
-                     "kivi<bits>-<backend> (bits 1/2/3/4/8, backend reference/cpu/triton)")
+                     "kivi<bits>-<backend> (bits 1/2/3/4/8 or 'tiers', backend reference/cpu/triton)")
     model = None
     if not a.isolate:
         model = load_model("smollm2")[0]

@@ -40,6 +40,7 @@ LAYER_FIELDS = (
     "quantize_value",
     "symmetric",
     "clip",
+    "tiers",
 )
 
 
@@ -79,6 +80,12 @@ class KiviConfig:
             (either list may be left out: that side keeps the layer's width for every head). Heads of
             one layer may then hold different widths (docs/per-head.md); the lists' length must be the
             model's number of kv heads.
+        tiers: position tiers, newest first, e.g. ``[(128, None), (1024, 4), (None, 2)]``: the
+            ``residual_length`` most recent tokens at full precision (``tiers[0]`` restates the window
+            and must be ``(residual_length, None)``), the next 1024 at 4 bits, every older token at
+            2 bits; tokens move down as they age by demotion of their codes (docs/tiers.md). A width is
+            an int (keys and values) or ``[k_bits, v_bits]``; the first quantized tier's widths must be
+            ``k_bits`` / ``v_bits`` (what tokens leaving the window get). ``None`` = no tiers.
     """
 
     k_bits: int = 2
@@ -97,8 +104,10 @@ class KiviConfig:
     sink_tokens: int = 0
     clip: bool | str = False
     head_bits: dict[int, dict[str, list[int]]] = field(default_factory=dict)
+    tiers: tuple | None = None
 
     def __post_init__(self) -> None:
+        self.tiers = _normalize_tiers(self.tiers)
         # JSON turns int keys into strings; accept both.
         lsc = {}
         if not isinstance(self.layer_specific_config or {}, dict):
@@ -116,6 +125,8 @@ class KiviConfig:
                     f"layer_specific_config[{k!r}]={v!r} must be a mapping of fields, e.g. {{\"k_bits\": 4}}"
                 )
             lsc[int(k)] = dict(v)
+            if "tiers" in v:
+                lsc[int(k)]["tiers"] = _normalize_tiers(v["tiers"])
         self.layer_specific_config = lsc
         self.head_bits = _parse_head_bits(self.head_bits)
         self.validate()
@@ -220,7 +231,11 @@ class KiviConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["layer_specific_config"] = {str(k): v for k, v in self.layer_specific_config.items()}
+        d["tiers"] = None if self.tiers is None else [[n, None if b is None else list(b)] for n, b in self.tiers]
+        d["layer_specific_config"] = {str(k): dict(v) for k, v in self.layer_specific_config.items()}
+        for v in d["layer_specific_config"].values():
+            if v.get("tiers") is not None:
+                v["tiers"] = [[n, None if b is None else list(b)] for n, b in v["tiers"]]
         d["head_bits"] = {str(k): {n: list(w) for n, w in v.items()} for k, v in self.head_bits.items()}
         return d
 
@@ -282,6 +297,10 @@ class KiviConfig:
             parts.append("clip" if self.clip is True else f"clip-{self.clip}")
         if self.sink_tokens:
             parts.append(f"sink{self.sink_tokens}")
+        if self.tiers:
+            parts.append("tiers " + "/".join(
+                f"{'rest' if n is None else n}@{'fp' if b is None else (b[0] if b[0] == b[1] else f'K{b[0]}V{b[1]}')}"
+                for n, b in self.tiers))
         if self.layer_specific_config:
             parts.append(f"{len(self.layer_specific_config)} layer overrides")
         if self.head_bits:
@@ -344,6 +363,7 @@ def _check_layer_fields(cfg: KiviConfig, *, where: str) -> None:
             f"{where}residual_length={cfg.residual_length} must be a multiple of group_size={cfg.group_size} "
             f"(e.g. {max(cfg.group_size, cfg.residual_length // cfg.group_size * cfg.group_size)})"
         )
+    _check_tiers(cfg, where)
     rb = cfg.residual_bits
     if isinstance(rb, bool) or rb not in RESIDUAL_BITS:
         raise ValueError(f"{where}residual_bits={rb!r} is not allowed; choose one of {list(RESIDUAL_BITS)} (0 = off)")
@@ -356,3 +376,73 @@ def _check_layer_fields(cfg: KiviConfig, *, where: str) -> None:
         raise ValueError(f"{where}clip={cfg.clip!r} is not allowed; choose one of {list(CLIP_VALUES)}")
     if cfg.clip and cfg.symmetric:
         raise ValueError(f"{where}clip={cfg.clip!r} is only implemented for asymmetric quantization (symmetric=False)")
+
+
+def _normalize_tiers(tiers: Any) -> tuple | None:
+    """``tiers`` as ``((count | None, (k_bits, v_bits) | None), ...)``; the shape is checked, the values by
+    :func:`_check_tiers`. JSON lists and ints are accepted (an int width applies to keys and values)."""
+    if tiers is None:
+        return None
+    if isinstance(tiers, (str, bytes, dict)) or not hasattr(tiers, "__iter__"):
+        raise ValueError(f"tiers={tiers!r} must be a list of (tokens, bits) pairs, e.g. [(128, None), (1024, 4), (None, 2)]")
+    out = []
+    for i, t in enumerate(tiers):
+        if isinstance(t, (str, bytes, dict)) or not hasattr(t, "__len__") or len(t) != 2:
+            raise ValueError(f"tiers[{i}]={t!r} must be a (tokens, bits) pair, e.g. (1024, 4) or (None, 2)")
+        n, b = t
+        if b is not None and not isinstance(b, (int, bool)):
+            if isinstance(b, (str, bytes, dict)) or not hasattr(b, "__len__") or len(b) != 2:
+                raise ValueError(f"tiers[{i}] width {b!r} must be an int, [k_bits, v_bits] or None (full precision)")
+            b = (b[0], b[1])
+        elif b is not None:
+            b = (b, b)
+        out.append((n, b))
+    return tuple(out)
+
+
+def _check_tiers(cfg: Any, where: str) -> None:
+    """Position tiers (see :class:`KiviConfig`): window first, widths that demote by grid containment."""
+    tiers = cfg.tiers
+    if tiers is None:
+        return
+    ex = "e.g. [(128, None), (1024, 4), (None, 2)]"
+    if len(tiers) < 2:
+        raise ValueError(f"{where}tiers={_show(tiers)} needs the window and at least one quantized tier ({ex})")
+    if tiers[0] != (cfg.residual_length, None):
+        raise ValueError(f"{where}tiers[0]={_show(tiers[0])} must be (residual_length, None) = "
+                         f"({cfg.residual_length}, None): the first tier is the full-precision window; "
+                         f"set residual_length to change it")
+    for i, (n, b) in enumerate(tiers[1:], start=1):
+        last = i == len(tiers) - 1
+        if last and n is not None:
+            raise ValueError(f"{where}tiers[{i}]=({n}, ...) is the last tier: its token count must be None "
+                             f"(every older token), {ex}")
+        if not last and (isinstance(n, bool) or not isinstance(n, int) or n < cfg.group_size or n % cfg.group_size):
+            raise ValueError(f"{where}tiers[{i}] token count {n!r} must be a positive multiple of "
+                             f"group_size={cfg.group_size} (keys demote in whole groups)")
+        if b is None:
+            raise ValueError(f"{where}tiers[{i}] width None: only tiers[0] (the window) is full precision")
+        for side, v in zip(("k_bits", "v_bits"), b):
+            if isinstance(v, bool) or not isinstance(v, int) or v not in SUPPORTED_BITS:
+                raise ValueError(f"{where}tiers[{i}] {side}={v!r} is not supported; allowed values are "
+                                 f"{list(SUPPORTED_BITS)}")
+    first = tiers[1][1]
+    if first != (cfg.k_bits, cfg.v_bits):
+        raise ValueError(f"{where}tiers[1] widths (k, v)={first} must equal (k_bits, v_bits)=({cfg.k_bits}, "
+                         f"{cfg.v_bits}): tokens leaving the window are quantized at k_bits / v_bits")
+    for i in range(2, len(tiers)):
+        for j, side in enumerate(("k_bits", "v_bits")):
+            wide, narrow = tiers[i - 1][1][j], tiers[i][1][j]
+            if wide % narrow:
+                raise ValueError(f"{where}tiers[{i}] {side}={narrow} cannot follow {wide}: a code demotes only to a "
+                                 f"width that divides its own (its grid must contain the narrower one: "
+                                 f"8->4/2/1, 4->2/1, 2->1, or the same width)")
+    if cfg.symmetric or cfg.residual_bits or not (cfg.quantize_key and cfg.quantize_value):
+        raise ValueError(f"{where}tiers need asymmetric quantization of keys and values without compensation "
+                         f"(symmetric=False, residual_bits=0, quantize_key=quantize_value=True); got "
+                         f"symmetric={cfg.symmetric}, residual_bits={cfg.residual_bits}, "
+                         f"quantize_key={cfg.quantize_key}, quantize_value={cfg.quantize_value}")
+
+
+def _show(t: Any) -> str:
+    return repr(t).replace("((", "[(").replace("))", ")]") if isinstance(t, tuple) and t and isinstance(t[0], tuple) else repr(t)

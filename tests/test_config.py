@@ -214,3 +214,41 @@ def test_head_bits_checked_against_the_layer_and_the_model():
     with pytest.raises(ValueError, match=r"head_bits\[7\]\.k_bits has 2 widths, but the layer has 3 kv heads"):
         cfg.check_kv_heads(3)
     cfg.check_kv_heads(2)
+# --------------------------------------------------------------------------- position tiers (docs/tiers.md)
+
+TIERS = [(128, None), (1024, 4), (None, 2)]
+
+
+def test_tiers_normalise_and_round_trip_through_json(tmp_path):
+    cfg = KiviConfig(k_bits=4, v_bits=2, sink_tokens=4, tiers=[[128, None], [1024, [4, 2]], [None, 2]],
+                     layer_specific_config={1: {"tiers": None}, 2: {"tiers": [(128, None), (64, [4, 2]), (None, 1)]}})
+    assert cfg.tiers == ((128, None), (1024, (4, 2)), (None, (2, 2)))
+    path = tmp_path / "c.json"
+    cfg.to_json(path)
+    again = KiviConfig.from_json(path)
+    assert again == cfg and again.to_dict() == cfg.to_dict()
+    assert again.for_layer(1).tiers is None and again.for_layer(2).tiers[-1] == (None, (1, 1))
+    assert "tiers 128@fp/1024@K4V2/rest@2" in cfg.describe()
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(tiers=TIERS), "tiers[1] widths (k, v)=(4, 4) must equal (k_bits, v_bits)=(2, 2)"),
+    (dict(k_bits=4, v_bits=4, tiers=[(64, None), (1024, 4), (None, 2)]), "tiers[0]=(64, None) must be (residual_length, None)"),
+    (dict(k_bits=4, v_bits=4, tiers=[(128, None), (1024, 4), (None, 3)]), "tiers[2] k_bits=3 cannot follow 4"),
+    (dict(k_bits=4, v_bits=4, tiers=[(128, None), (100, 4), (None, 2)]), "tiers[1] token count 100 must be a positive multiple of group_size=32"),
+    (dict(k_bits=4, v_bits=4, tiers=[(128, None), (1024, 4), (64, 2)]), "tiers[2]=(64, ...) is the last tier"),
+    (dict(k_bits=4, v_bits=4, tiers=[(128, None)]), "needs the window and at least one quantized tier"),
+    (dict(k_bits=4, v_bits=4, tiers=[(128, None), (1024, None), (None, 2)]), "tiers[1] width None"),
+    (dict(k_bits=4, v_bits=4, tiers=[(128, None), (1024, 5), (None, 2)]), "tiers[1] k_bits=5 is not supported"),
+    (dict(k_bits=4, v_bits=4, tiers=[(128, None), (1024, [4, 4, 4]), (None, 2)]), "must be an int, [k_bits, v_bits] or None"),
+    (dict(k_bits=4, v_bits=4, tiers="128:fp"), "tiers='128:fp' must be a list of (tokens, bits) pairs"),
+    (dict(k_bits=4, v_bits=4, tiers=[128, 4]), "tiers[0]=128 must be a (tokens, bits) pair"),
+    (dict(k_bits=4, v_bits=4, symmetric=True, tiers=TIERS), "tiers need asymmetric quantization"),
+    (dict(k_bits=4, v_bits=4, residual_bits=2, tiers=TIERS), "tiers need asymmetric quantization"),
+    (dict(k_bits=4, v_bits=4, tiers=TIERS, layer_specific_config={3: {"residual_length": 64}}),
+     "layer_specific_config[3].tiers[0]=(128, None) must be (residual_length, None) = (64, None)"),
+])
+def test_bad_tiers_are_one_line_errors(kwargs, needle):
+    with pytest.raises(ValueError) as e:
+        KiviConfig(**kwargs)
+    assert needle in str(e.value) and "\n" not in str(e.value)

@@ -210,6 +210,10 @@ def test_unknown_hub_model_offline(monkeypatch):
     (KiviConfig(sink_tokens=4), 300, 300, 1),
     (KiviConfig(sink_tokens=1, residual_length=32), 100, 420, 2),  # the sink fills during decode too
     (KiviConfig(sink_tokens=40, residual_length=32), 20, 90, 1),
+    # position tiers: a prefill longer than the 4-bit tier (tokens go straight to 2 bits), then decode
+    (KiviConfig(k_bits=4, v_bits=4, group_size=16, residual_length=32, block_size=64,
+                tiers=[(32, None), (48, 4), (None, 2)]), 301, 377, 2),
+    (KiviConfig(k_bits=4, v_bits=2, sink_tokens=4, tiers=[(128, None), (64, (4, 2)), (None, 2)]), 150, 421, 1),
 ])
 def test_agrees_with_kivicache_tiny_llama(cfg, prefill, total, batch):
     model = tiny_model(num_hidden_layers=3)

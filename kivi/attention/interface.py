@@ -60,6 +60,12 @@ def run_backend(
         from .reference import reference_attention
 
         return reference_attention(query, k_view, v_view, scaling=scaling, attention_mask=attention_mask)
+    if backend == "triton" and (k_view.tiered or v_view.tiered):
+        # The Triton kernels read one width per side; position tiers (docs/tiers.md) are read by the
+        # blocked torch path (any device), chosen here explicitly.
+        from .blocked import blocked_attention
+
+        return blocked_attention(query, k_view, v_view, scaling=scaling, attention_mask=attention_mask)
     if backend == "triton":
         from .triton_backend import triton_view_attention  # raises if triton is absent: explicit choice
 

@@ -183,6 +183,9 @@ def build_layout(model_config: Any, config: KiviConfig, page_size: int, dtype: t
                 f"{where}quantize_key={cfg.quantize_key}, quantize_value={cfg.quantize_value}: KIVI pages hold "
                 "quantized keys and values only; a full-precision side is not supported in continuous batching"
             )
+        if cfg.tiers:
+            raise ValueError(f"{where}tiers={[list(t) for t in cfg.tiers]}: position tiers are not supported in "
+                             "continuous batching (KIVI pages hold one width per side); use kivi's generate()")
         if page_size % cfg.group_size:
             raise ValueError(
                 f"page_size={page_size} must be a multiple of {where}group_size={cfg.group_size} (a page holds whole "

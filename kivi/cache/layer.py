@@ -44,10 +44,12 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..config import KiviConfig
 from ..quant.fused_cpu import quantize_tokens_into, token_quantizer_supported
-from ..quant.kv import PackedKV, dequantize_kv, quantize_kv
-from .schedule import (key_group_start, layer_sink_tokens, prefill_exact_queries, query_boundaries, sliding_cut,
-                       window_exits)
+from ..quant.demote import demote_kv
+from ..quant.kv import PackedKV, dequantize_kv, quantize_kv, token_divisor
+from .schedule import (flush_count, key_group_start, layer_sink_tokens, prefill_exact_queries, query_boundaries,
+                       sliding_cut, tier_keeps, window_exits)
 from .store import BlockStore, FpSegment
+from .tiers import TierChain
 from .support import check_head_dim
 from .view import AttentionView, PackedStates, materialize
 
@@ -57,11 +59,17 @@ _SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32"
 class _Side:
     """Storage of keys or of values for one layer."""
 
-    def __init__(self, axis: str, quantize: bool, bits: int, block_size: int):
+    def __init__(self, axis: str, quantize: bool, bits: int, block_size: int, tiers: tuple | None = None):
         self.axis = axis  # "channel" for keys, "token" for values
         self.quantize = quantize
         self.bits = bits
-        self.store = BlockStore(block_size)
+        self.store = BlockStore(block_size)  # the newest quantized tier (what leaves the window goes here)
+        # Position tiers (KiviConfig.tiers): the older tiers' stores, oldest first, their widths, and the
+        # token count of every tier of the chain but the oldest (`keeps[i]` for chain[i + 1]).
+        j = 0 if axis == "channel" else 1
+        self.older: list[BlockStore] = [BlockStore(block_size) for _ in (tiers or ())[2:]]
+        self.older_bits: list[int] = [b[j] for _, b in reversed((tiers or ())[2:])]
+        self.keeps: tuple[int, ...] = tuple(reversed(tier_keeps(tiers))) if tiers else ()
         self.window: torch.Tensor | None = None  # [B, H, W, D]
         self.window_valid: torch.Tensor | None = None  # [B, W] bool, None = all valid
         # [B, P] bool: which stored keys [0, P) were real tokens, kept up to the last padded one only
@@ -78,17 +86,27 @@ class _Side:
     def sink_len(self) -> int:
         return 0 if self.sink is None else self.sink.shape[-2]
 
+    @property
+    def chain(self) -> list[BlockStore]:
+        """Every store of the side, oldest tier first (just ``[store]`` without tiers)."""
+        return [*self.older, self.store]
+
     def checkpoint(self) -> tuple:
         """The side's state (tensors are replaced, never written in place, so references suffice;
-        the store object too: a crop into the sink replaces it)."""
-        return self.store, self.store.checkpoint(), self.window, self.window_valid, self.sink, self.stored_valid
+        the store objects too: a crop into the sink replaces them)."""
+        return (self.store, self.store.checkpoint(), self.window, self.window_valid, self.sink, self.stored_valid,
+                list(self.older), [o.checkpoint() for o in self.older])
 
     def rollback(self, checkpoint: tuple) -> None:
-        self.store, store, self.window, self.window_valid, self.sink, self.stored_valid = checkpoint
+        self.store, store, self.window, self.window_valid, self.sink, self.stored_valid, older, cps = checkpoint
         self.store.rollback(store)
+        self.older = older
+        for o, cp in zip(older, cps):
+            o.rollback(cp)
 
     def map_tensors(self, fn) -> None:
-        self.store.map_tensors(fn)
+        for store in self.chain:
+            store.map_tensors(fn)
         if self.sink is not None:
             self.sink = fn(self.sink)
         if self.window is not None:
@@ -113,8 +131,10 @@ class KiviLayer(CacheLayerMixin):
         # Sliding layers keep no sink: their first tokens leave the attention window anyway.
         self.sink_tokens = layer_sink_tokens(config.sink_tokens, sliding_window)
         self.seen = 0
-        self.k = _Side("channel", config.quantize_key, config.k_bits, config.block_size)
-        self.v = _Side("token", config.quantize_value, config.v_bits, config.block_size)
+        if config.tiers and sliding_window is not None:
+            raise ValueError(f"tiers={list(config.tiers)} are not supported on sliding-window layers (this layer has "
+                             f"sliding_window={sliding_window}); use a config without tiers for this model")
+        self.k, self.v = self._new_sides()
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
         self._fast: dict[torch.dtype, bool] = {}  # values quantized by the numba pass, per input dtype
@@ -129,6 +149,11 @@ class KiviLayer(CacheLayerMixin):
         # KiviCache.from_model): `update` then materialises what the forward's FIRST query sees for
         # every query (approximate for multi-token forwards after the prefill; docs/speculative.md).
         self.per_query_views = True
+
+    def _new_sides(self) -> tuple[_Side, _Side]:
+        cfg = self.config
+        return (_Side("channel", cfg.quantize_key, cfg.k_bits, cfg.block_size, cfg.tiers),
+                _Side("token", cfg.quantize_value, cfg.v_bits, cfg.block_size, cfg.tiers))
 
     # ------------------------------------------------------------------ transformers API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -236,8 +261,10 @@ class KiviLayer(CacheLayerMixin):
             split = side.store.length
             pending = x if side.window is None else torch.cat([side.window, x], dim=-2)
             pvalid = self._pending_valid(side, valid, n)
-            start = 0 if side.sink is not None else side.store.start
-            view = AttentionView(side.store, split, pending, quantized=True, sink=side.sink, start=start)
+            # Tiers: snapshots of the chain as it is now (this forward's demotions come after the view).
+            store = TierChain(tuple(s.frozen() for s in side.chain)) if side.older else side.store
+            start = 0 if side.sink is not None else store.start
+            view = AttentionView(store, split, pending, quantized=True, sink=side.sink, start=start)
             if n > 1:  # decode steps (n == 1) never carry a boundary: nothing to compute
                 self._set_boundary(view, side, pending, pvalid, n)
             views.append(view)
@@ -290,11 +317,16 @@ class KiviLayer(CacheLayerMixin):
             # The first tokens to leave the window become sink tokens (kept exact, no statistics).
             part = pending[:, :, :s].clone()
             side.sink = part if side.sink is None else torch.cat([side.sink, part], dim=-2)
-            side.store.start = side.store.length = side.sink_len  # nothing is stored before the sink is full
+            for store in side.chain:  # nothing is stored before the sink is full
+                store.start = store.length = side.sink_len
             pending = pending[:, :, s:]
             pvalid = None if pvalid is None else pvalid[:, s:]
             total -= s
-        if move and side.axis == "token" and side.store.template is not None and self._fast_tokens(side, pending.dtype):
+        if move and side.older:
+            self._store_valid(side, pvalid, move)
+            self._push(side, len(side.older), self._quantize(side, pending[:, :, :move],
+                                                             None if pvalid is None else pvalid[:, :move]))
+        elif move and side.axis == "token" and side.store.template is not None and self._fast_tokens(side, pending.dtype):
             # One compiled pass, written straight into the block storage (decode: one token per step).
             x = pending[:, :, :move]
 
@@ -304,17 +336,44 @@ class KiviLayer(CacheLayerMixin):
 
             side.store.append_in_place(move, write)
         elif move:
-            if side.axis == "channel" and pvalid is not None and not bool(pvalid[:, :move].all()):
-                first = side.store.length  # absolute position of the first key stored now
-                old = side.stored_valid if side.stored_valid is not None else pvalid[:, :0]
-                gap = torch.ones(pvalid.shape[0], first - old.shape[1], dtype=torch.bool, device=pvalid.device)
-                side.stored_valid = torch.cat([old, gap, pvalid[:, :move]], dim=-1)
+            self._store_valid(side, pvalid, move)
             side.store.append(self._quantize(side, pending[:, :, :move], None if pvalid is None else pvalid[:, :move]))
         # The window keeps exact copies of what it was given (clone: do not pin `pending`).
         side.window = pending[:, :, move:].clone() if move < total else None
         side.window_valid = None
         if pvalid is not None and side.window is not None and not bool(pvalid[:, move:].all()):
             side.window_valid = pvalid[:, move:].clone()
+
+    @staticmethod
+    def _store_valid(side: _Side, pvalid: torch.Tensor | None, move: int) -> None:
+        """Record the padding marks of keys about to be stored (see ``_Side.stored_valid``)."""
+        if side.axis == "channel" and pvalid is not None and not bool(pvalid[:, :move].all()):
+            first = side.store.length  # absolute position of the first key stored now
+            old = side.stored_valid if side.stored_valid is not None else pvalid[:, :0]
+            gap = torch.ones(pvalid.shape[0], first - old.shape[1], dtype=torch.bool, device=pvalid.device)
+            side.stored_valid = torch.cat([old, gap, pvalid[:, :move]], dim=-1)
+
+    def _push(self, side: _Side, i: int, seg: PackedKV) -> None:
+        """Append ``seg`` (the next tokens in age order) to tier store ``side.chain[i]``, first demoting
+        into tier ``i - 1`` what ages out of tier ``i`` (:func:`~kivi.cache.schedule.flush_count` with the
+        tier's token count: the window's own rule). Tokens of ``seg`` that would age out at once go
+        straight on, demoted, and never occupy tier ``i``."""
+        store = side.chain[i]
+        if i > 0:
+            held = store.length - store.start
+            due = flush_count(side.axis, held + seg.num_tokens, side.keeps[i - 1], self.config.group_size)
+            from_store = min(due, held)
+            from_seg = due - from_store
+            to_bits = side.older_bits[i - 1]
+            if from_store:
+                self._push(side, i - 1, demote_kv(store.read(store.start + from_store), to_bits))
+                store.evict(store.start + from_store)
+            if from_seg:
+                self._push(side, i - 1, demote_kv(_token_slice(seg, 0, from_seg), to_bits))
+                store.skip(from_seg)
+            seg = _token_slice(seg, from_seg, seg.num_tokens)
+        if seg.num_tokens:
+            store.append(seg)
 
     def _quantize(self, side: _Side, x: torch.Tensor, valid: torch.Tensor | None) -> PackedKV:
         """``x [B, H, T, D]`` (tokens leaving the window, T a multiple of G for keys) quantized as stored."""
@@ -384,10 +443,8 @@ class KiviLayer(CacheLayerMixin):
         return -1 if self.sliding_window is None else self.sliding_window
 
     def reset(self) -> None:
-        cfg = self.config
         self.seen = 0
-        self.k = _Side("channel", cfg.quantize_key, cfg.k_bits, cfg.block_size)
-        self.v = _Side("token", cfg.quantize_value, cfg.v_bits, cfg.block_size)
+        self.k, self.v = self._new_sides()
         self._due = False
         self.is_initialized = False
 
@@ -457,7 +514,9 @@ class KiviLayer(CacheLayerMixin):
             # Back into (or to the end of) the sink: everything after it goes.
             side.sink = side.sink[:, :, :new_seen].clone() if new_seen else None
             side.store = BlockStore(self.config.block_size)
-            side.store.start = side.store.length = side.sink_len
+            side.older = [BlockStore(self.config.block_size) for _ in side.older]
+            for s in side.chain:
+                s.start = s.length = side.sink_len
             side.window = side.window_valid = side.stored_valid = None
             return
         if new_seen >= store.length:  # only the window shrinks
@@ -467,6 +526,10 @@ class KiviLayer(CacheLayerMixin):
                 if side.window_valid is not None:
                     side.window_valid = side.window_valid[:, :keep].clone() if keep else None
             return
+        if side.older and new_seen < store.start:
+            raise ValueError(f"cannot crop to {new_seen} tokens: tokens before {store.start} were demoted to a narrower "
+                             f"position tier (tiers={list(self.config.tiers)}), which cannot restore their wider "
+                             f"codes; crop at most {self.seen - store.start} tokens")
         side.window = side.window_valid = None
         if not side.quantize or side.axis == "token":
             store.truncate(new_seen)
@@ -494,10 +557,11 @@ class KiviLayer(CacheLayerMixin):
         out = {"codes": 0, "scales_zero_points": 0, "compensation": 0, "fp_window": 0, "fp_sink": 0,
                "fp_unquantized": 0, "padding_masks": 0}
         for side in (self.k, self.v):
-            for name, nb in side.store.nbytes_by_field().items():
-                key = {"packed": "codes", "scale": "scales_zero_points", "offset": "scales_zero_points",
-                       "comp": "compensation", "data": "fp_unquantized"}[name]
-                out[key] += nb
+            for store in side.chain:
+                for name, nb in store.nbytes_by_field().items():
+                    key = {"packed": "codes", "scale": "scales_zero_points", "offset": "scales_zero_points",
+                           "comp": "compensation", "data": "fp_unquantized"}[name]
+                    out[key] += nb
             if side.window is not None:
                 out["fp_window"] += side.window.numel() * side.window.element_size()
             if side.sink is not None:
@@ -518,3 +582,12 @@ def _slice_tokens(seg: PackedKV, start: int) -> PackedKV:
     return seg.with_tensors(
         **{k: (v[:, :, start // g :] if k in ("scale", "offset", "comp") else v[:, :, start:]) for k, v in seg.tensors().items()}
     )
+
+
+def _token_slice(seg: PackedKV, a: int, b: int) -> PackedKV:
+    """Tokens ``[a, b)`` of a segment (views; key bounds on group boundaries)."""
+    if a == 0 and b == seg.num_tokens:
+        return seg
+    return seg.with_tensors(**{k: v[:, :, a // token_divisor(seg.axis, seg.group_size, k):
+                                      b // token_divisor(seg.axis, seg.group_size, k)]
+                               for k, v in seg.tensors().items()})

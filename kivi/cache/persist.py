@@ -100,6 +100,9 @@ def save_cache(cache: Any, path: str | os.PathLike, *, fingerprint: dict[str, An
     for i, layer in enumerate(cache.layers):
         if not isinstance(layer, KiviLayer):
             raise TypeError(f"layer {i} is a {type(layer).__name__}, not a KiviLayer; only KIVI layers can be saved")
+        if layer.k.older or layer.v.older:
+            raise ValueError(f"layer {i} has position tiers (tiers={[list(t) for t in layer.config.tiers]}): saving "
+                             "a tiered cache as a prefix is not supported yet; save a prefix built without tiers")
         layers.append(_layer_meta(layer, f"layer{i}", tensors))
     seq = cache.get_seq_length() if cache.layers else 0
     if input_ids is not None:

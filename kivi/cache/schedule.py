@@ -139,6 +139,40 @@ def sliding_cut(seen: int, sliding_window: int, residual_length: int, group_size
     return max(0, (seen - sliding_window - residual_length - group_size) // block_size * block_size)
 
 
+# --------------------------------------------------------------------------- position tiers
+# With ``KiviConfig.tiers`` a side's store is a chain of stores, oldest (narrowest) tier first. A tier
+# with a token count ``keep`` passes tokens on to the next older tier by the window's own rule
+# (flush_count with ``residual_length = keep``): keys in whole groups once ``keep`` newer ones remain,
+# values beyond the ``keep`` most recent. So every tier's count depends on the stored count alone.
+
+
+def tier_keeps(tiers) -> tuple[int, ...]:
+    """Token counts of the quantized tiers that have one (all but the last), newest first."""
+    return tuple(n for n, _ in tiers[1:-1])
+
+
+def tier_tokens(axis: str, stored: int, keeps: tuple[int, ...], group_size: int) -> tuple[int, ...]:
+    """Tokens each quantized tier holds when ``stored`` tokens left the window, newest tier first
+    (``len(keeps) + 1`` counts; the last, oldest tier holds the rest)."""
+    out = []
+    for keep in keeps:
+        passed = flush_count(axis, stored, keep, group_size)
+        out.append(stored - passed)
+        stored = passed
+    return (*out, stored)
+
+
+def tier_passed(axis: str, stored: int, keeps: tuple[int, ...], group_size: int) -> tuple[int, ...]:
+    """Tokens that entered each quantized tier (newest first) when ``stored`` tokens left the window:
+    ``stored`` for the newest, then what each tier passed on."""
+    held = tier_tokens(axis, stored, keeps, group_size)
+    out, entered = [], stored
+    for h in held:
+        out.append(entered)
+        entered -= h
+    return tuple(out)
+
+
 # --------------------------------------------------------------------------- block allocation
 # BlockStore allocates each new block with new_block_tokens: a long first append
 # (a prefill) is one exact-size block, later (short) appends go into blocks of block_size tokens.
@@ -175,5 +209,5 @@ def freed_tokens(start: int, first_append: int, block_size: int) -> int:
 
 __all__ = [
     "KEY_AXIS", "VALUE_AXIS", "layer_sink_tokens", "sink_take", "flush_count", "window_exits", "query_boundaries", "prefill_exact_queries", "side_tokens", "key_group_start",
-    "sliding_cut", "first_block_tokens", "allocated_tokens", "freed_tokens",
+    "sliding_cut", "first_block_tokens", "tier_keeps", "tier_tokens", "tier_passed", "allocated_tokens", "freed_tokens",
 ]

@@ -152,6 +152,27 @@ class BlockStore:
         self.blocks[:], self.starts[:], self.caps[:] = blocks, starts, caps
         self.derived.clear()
 
+    def skip(self, n: int) -> None:
+        """Advance an empty store (``start == length``) past ``n`` positions it never holds (tokens that
+        went straight on to an older position tier); blocks that end before the new start are freed."""
+        if self.start != self.length:
+            raise ValueError(f"skip({n}) needs an empty store; it holds tokens [{self.start}, {self.length})")
+        if n:
+            self.length += n
+            self.evict(self.length)
+
+    def frozen(self) -> "BlockStore":
+        """A read-only snapshot of the tokens ``[start, length)`` held now: shares the block tensors
+        (no copy), unaffected by later evictions or appends of this store (rows below ``length``
+        are never rewritten by either)."""
+        snap = BlockStore(self.block_size)
+        snap.blocks, snap.starts, snap.caps = list(self.blocks), list(self.starts), list(self.caps)
+        snap.start, snap.length, snap.template = self.start, self.length, self.template
+        # The readers' memo is shared: it is keyed by block index, and an index holds the same block
+        # in both (appends add blocks at the end; whatever replaces or drops blocks clears the memo).
+        snap.derived = self.derived
+        return snap
+
     # ------------------------------------------------------------------ reading
     def iter_blocks(self, end: int | None = None) -> Iterator[tuple[int, Segment]]:
         """Yield ``(first_token, segment)`` for the stored tokens ``[start, end)``, one block at a time.

@@ -76,6 +76,12 @@ def plan_layers(model_config: Any, config: KiviConfig) -> list[tuple[KiviConfig,
     layer_types = model_layer_types(model_config)  # raises on unsupported layer types
     config.validate(num_layers=len(layer_types))
     plan = [(config.for_layer(i), window) for i, (_, window) in enumerate(layer_types)]
+    tiered_sliding = [i for i, (c, window) in enumerate(plan) if c.tiers and window is not None]
+    if tiered_sliding:
+        raise ValueError(
+            f"tiers are not supported on sliding-window layers (layers {tiered_sliding[:8]} of this model); "
+            "use layer_specific_config to give them tiers=None"
+        )
     sliding = sorted({(c.residual_length, c.group_size) for c, window in plan if window is not None})
     if len(sliding) > 1:
         raise ValueError(

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..quant.kv import dequantize_kv
+from .tiers import TierChain
 
 if TYPE_CHECKING:
     from .store import BlockStore
@@ -60,6 +61,12 @@ class AttentionView:
         """Every query reads every token at full precision from ``fp`` (no sink, nothing stored, no
         token leaving the window during the forward)."""
         return self.quantized and self.sink is None and self.split == self.start and self.fp_from is None
+
+    @property
+    def tiered(self) -> bool:
+        """Whether the stored tokens come from position tiers of several widths (``store`` is a
+        :class:`~kivi.cache.tiers.TierChain`): readers that need one width per side refuse it."""
+        return isinstance(self.store, TierChain)
 
     @property
     def per_query(self) -> bool:

@@ -203,11 +203,16 @@ def estimate_kv_memory(
     kt, layers = _kivi_total(plan, spec, T, P, batch, param_bytes)
     kivi_total = int(round(sum(kt.values())))
 
-    # Asymptotic cost per token (quantized storage only, every layer holding every token).
+    # Asymptotic cost per token (quantized storage only, every layer holding every token; with position
+    # tiers, the oldest tier's widths: where all but a bounded number of tokens end up).
     per_tok = {"codes": 0.0, "scales_zero_points": 0.0, "compensation": 0.0, "fp_unquantized": 0.0}
     for i in range(spec.num_layers):
         lcfg = cfg.for_layer(i)
-        kb, vb = cfg.layer_head_bits(i) or ([lcfg.k_bits] * spec.num_kv_heads, [lcfg.v_bits] * spec.num_kv_heads)
+        if lcfg.tiers:  # the oldest tier's widths: what a long context holds per token
+            kt, vt = lcfg.tiers[-1][1]
+            kb, vb = [kt] * spec.num_kv_heads, [vt] * spec.num_kv_heads
+        else:
+            kb, vb = cfg.layer_head_bits(i) or ([lcfg.k_bits] * spec.num_kv_heads, [lcfg.v_bits] * spec.num_kv_heads)
         for axis, quant, widths in ((KEY_AXIS, lcfg.quantize_key, kb), (VALUE_AXIS, lcfg.quantize_value, vb)):
             for bits in widths:  # one kv head each
                 if quant:

@@ -18,6 +18,9 @@ from ..cache.schedule import (
     layer_sink_tokens,
     side_tokens,
     sliding_cut,
+    tier_keeps,
+    tier_passed,
+    tier_tokens,
 )
 from ..config import KiviConfig
 from ..quant.kv import kv_bytes_breakdown
@@ -58,6 +61,34 @@ def held_tokens(cfg: KiviConfig, axis: str, quantized: bool, T: int, P: int, win
     return allocated - freed, stored - freed
 
 
+def tier_held_tokens(cfg: KiviConfig, axis: str, T: int, P: int, sink: int) -> list[tuple[int, int, int]]:
+    """``[(bits, allocated tokens held, written tokens in them)]`` of each position-tier store of one side
+    (``cfg.tiers``), newest tier first; one prefill of ``P`` tokens then one-token decode steps up to ``T``.
+
+    At the prefill each tier keeps its share (one exact-size block) and what ages out of it at once
+    goes straight on (:meth:`BlockStore.skip`); every later append (one token, or a key group) enters
+    the newest tier, which passes its oldest tokens on, evicting them (blocks freed once wholly passed).
+    """
+    R, G, bs = cfg.residual_length, cfg.group_size, cfg.block_size
+    j = 0 if axis == KEY_AXIS else 1
+    keeps = tier_keeps(cfg.tiers)
+    stored_T = side_tokens(axis, T, R, G, sink)[1]
+    stored_P = side_tokens(axis, P, R, G, sink)[1]
+    held_T, held_P = tier_tokens(axis, stored_T, keeps, G), tier_tokens(axis, stored_P, keeps, G)
+    in_T, in_P = tier_passed(axis, stored_T, keeps, G), tier_passed(axis, stored_P, keeps, G)
+    out = []
+    for i, (_, widths) in enumerate(cfg.tiers[1:]):
+        passed_T, passed_P = in_T[i] - held_T[i], in_P[i] - held_P[i]
+        appended = in_T[i] - passed_P  # everything after what bypassed the tier at the prefill
+        if appended <= 0:
+            out.append((widths[j], 0, 0))
+            continue
+        allocated = allocated_tokens(appended, held_P[i], bs)
+        freed = freed_tokens(passed_T - passed_P, held_P[i], bs)
+        out.append((widths[j], allocated - freed, appended - freed))
+    return out
+
+
 def layer_bytes(cfg: KiviConfig, head_dim: int, heads: int, dtype_bytes: int, T: int, P: int,
                 window: int | None, param_bytes: int) -> dict[str, float]:
     """Bytes of one layer (config ``cfg``, ``heads`` = KV heads x batch), by field of :data:`FIELDS`."""
@@ -65,16 +96,20 @@ def layer_bytes(cfg: KiviConfig, head_dim: int, heads: int, dtype_bytes: int, T:
     sink = layer_sink_tokens(cfg.sink_tokens, window)
     out = dict.fromkeys(FIELDS, 0.0)
     for axis, quant, bits in ((KEY_AXIS, cfg.quantize_key, cfg.k_bits), (VALUE_AXIS, cfg.quantize_value, cfg.v_bits)):
-        held, used = held_tokens(cfg, axis, quant, T, P, window, sink)
         if quant:
-            per = side_token_bytes(D, bits, cfg.group_size, axis, param_bytes, cfg.symmetric, cfg.residual_bits)
-            for k, v in per.items():
-                out[k] += heads * used * v
-            out["block_reserve"] += heads * (held - used) * sum(per.values())
+            stores = (tier_held_tokens(cfg, axis, T, P, sink) if cfg.tiers
+                      else [(bits, *held_tokens(cfg, axis, quant, T, P, window, sink))])
+            for store_bits, held, used in stores:
+                per = side_token_bytes(D, store_bits, cfg.group_size, axis, param_bytes, cfg.symmetric,
+                                       cfg.residual_bits)
+                for k, v in per.items():
+                    out[k] += heads * used * v
+                out["block_reserve"] += heads * (held - used) * sum(per.values())
             s, _, in_window = side_tokens(axis, T, cfg.residual_length, cfg.group_size, sink)
             out["fp_sink"] += heads * s * D * dtype_bytes
             out["fp_window"] += heads * in_window * D * dtype_bytes
         else:
+            held, used = held_tokens(cfg, axis, quant, T, P, window, sink)
             out["fp_unquantized"] += heads * used * D * dtype_bytes
             out["block_reserve"] += heads * (held - used) * D * dtype_bytes
     return out
@@ -96,4 +131,4 @@ def head_layer_bytes(cfg: KiviConfig, widths: tuple[list[int], list[int]] | None
     return out
 
 
-__all__ = ["FIELDS", "side_token_bytes", "held_tokens", "layer_bytes", "head_layer_bytes"]
+__all__ = ["FIELDS", "side_token_bytes", "held_tokens", "tier_held_tokens", "layer_bytes", "head_layer_bytes"]

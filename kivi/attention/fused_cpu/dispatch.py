@@ -89,12 +89,13 @@ def fused_decode_supported(q: torch.Tensor, k_view: AttentionView, v_view: Atten
     if k_view.fp_from is not None or v_view.fp_from is not None:
         return False
     for view in (k_view, v_view):
-        if view.quantized and view.store.template is not None:
-            t = view.store.template
-            if t.bits not in WORD_BITS:
-                return False
-            if t.axis == "token" and t.group_size % 4:
-                return False  # the kernel reads value channels 4 at a time, within one group
+        for store in (view.store.stores if view.tiered else (view.store,)):  # position tiers: every width
+            if view.quantized and store.template is not None:
+                t = store.template
+                if t.bits not in WORD_BITS:
+                    return False
+                if t.axis == "token" and t.group_size % 4:
+                    return False  # the kernel reads value channels 4 at a time, within one group
     if q.shape[1] % k_view.fp.shape[1]:
         return False
     if attention_mask is not None:

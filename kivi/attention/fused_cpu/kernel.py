@@ -6,7 +6,8 @@ first use. Every function is decorated here at module level, so a name means one
 ``cache=True`` finds the compiled code again in the next process.
 
 Inputs: ``q [B, Hq, D]`` float32, the piece descriptor tables of keys and values (:mod:`.tables`),
-``prm = [key bits, key group, value bits, value group]``, a ``[B, kv_len]`` validity row, and the
+``prm = [key bits, key group, value bits, value group]`` (the widest piece of a side; each quantized
+piece's own width is its ``_BITS`` column), a ``[B, kv_len]`` validity row, and the
 output ``[B, Hq, Dv]``. Per ``(batch b, kv head h)`` and its ``g = Hq / Hkv`` query heads:
 
 * split-K: ``prange`` runs over ``(b, h, chunk of kv positions)`` tasks (both cores work even at
@@ -40,12 +41,12 @@ import numpy as np
 from numba import carray, prange, types
 from numba.extending import intrinsic
 
-from .tables import _BS, _BS0, _BS1, _BS2, _DATA, _DS0, _DS1, _DS2, _HI, _LO, _QUANT, _SC, _SS0, _SS1, _SS2, NCOL
+from .tables import _BITS, _BS, _BS0, _BS1, _BS2, _DATA, _DS0, _DS1, _DS2, _HI, _LO, _QUANT, _SC, _SS0, _SS1, _SS2, NCOL
 
 # The descriptor columns are compiled in as constants, but numba's on-disk cache is keyed on this
 # file only: a layout change in tables.py must change this file too, or a stale cache would read
 # the wrong columns. Hence this check.
-if (_LO, _HI, _QUANT, _DATA, _DS0, _DS1, _DS2, _SC, _SS0, _SS1, _SS2, _BS, _BS0, _BS1, _BS2, NCOL) != (*range(15), 15):
+if (_LO, _HI, _QUANT, _DATA, _DS0, _DS1, _DS2, _SC, _SS0, _SS1, _SS2, _BS, _BS0, _BS1, _BS2, _BITS, NCOL) != (*range(16), 16):
     raise ImportError("the descriptor layout of tables.py changed: update the check in kernel.py")
 
 _NEG32 = np.finfo(np.float32).min  # the score of a masked position
@@ -485,7 +486,7 @@ def _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, t1, om, ol, oacc):
         for p in range(kd.shape[0]):
             a, e = max(c0, kd[p, _LO]), min(c1, kd[p, _HI])
             if a < e:
-                _key_scores(kd, p, b, h, a, e, qsc, kbits, kG, c0, s, qp, tw)
+                _key_scores(kd, p, b, h, a, e, qsc, kd[p, _BITS], kG, c0, s, qp, tw)
         if has_mask:
             for t in range(c0, c1):
                 if not valid[b, t]:
@@ -507,7 +508,7 @@ def _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, t1, om, ol, oacc):
         for p in range(vd.shape[0]):
             a, e = max(c0, vd[p, _LO]), min(c1, vd[p, _HI])
             if a < e:
-                _value_accumulate(vd, p, b, h, a, e, vbits, vG, c0, s, accq, accf, accb, wt, sbt, tw)
+                _value_accumulate(vd, p, b, h, a, e, vd[p, _BITS], vG, c0, s, accq, accf, accb, wt, sbt, tw)
     for i in range(g):
         om[i] = m_run[i]
         ol[i] = l_run[i]

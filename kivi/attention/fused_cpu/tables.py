@@ -28,7 +28,8 @@ _LO, _HI, _QUANT = 0, 1, 2  # kv positions [lo, hi) (relative to the view start)
 _DATA, _DS0, _DS1, _DS2 = 3, 4, 5, 6  # codes (uint8) or full-precision data (float32): b, h, t strides
 _SC, _SS0, _SS1, _SS2 = 7, 8, 9, 10  # float32 scale (quantized pieces)
 _BS, _BS0, _BS1, _BS2 = 11, 12, 13, 14  # float32 base (quantized pieces)
-NCOL = 15
+_BITS = 15  # code width of a quantized piece (position tiers give a side pieces of several widths)
+NCOL = 16
 
 
 def _base(seg: PackedKV) -> torch.Tensor:
@@ -65,19 +66,20 @@ def _block_entry(store, blk: dict, quantized: bool) -> tuple[bool, tuple, tuple]
     if not quantized:
         data = blk["data"]
         direct = data.dtype == torch.float32 and data.stride(-1) == 1
-        cols = (0, *_addr(_rows_f32(data), keep)) + (0,) * 8
+        cols = (0, *_addr(_rows_f32(data), keep)) + (0,) * 9
     else:
         seg = store.template.with_tensors(**blk)
         packed = seg.packed if seg.packed.stride(-1) == 1 else seg.packed.contiguous()
         direct = (packed is seg.packed and seg.scale.dtype == torch.float32 and seg.scale.stride(-1) == 1
                   and seg.offset is not None and seg.offset.dtype == torch.float32 and seg.offset.stride(-1) == 1
                   and seg.comp is None)
-        cols = (1, *_addr(packed, keep), *_addr(_rows_f32(seg.scale), keep), *_addr(_rows_f32(_base(seg)), keep))
+        cols = (1, *_addr(packed, keep), *_addr(_rows_f32(seg.scale), keep), *_addr(_rows_f32(_base(seg)), keep),
+                seg.bits)
     return direct, cols, tuple(keep)
 
 
-def _store_rows(view: AttentionView, start: int, keep: list) -> list[tuple]:
-    """Descriptor rows of the store blocks holding tokens ``[store.start, view.split)``, in token order.
+def _store_rows(store, split: int, quantized: bool, start: int, keep: list) -> list[tuple]:
+    """Descriptor rows of the blocks of ``store`` holding tokens ``[store.start, split)``, in token order.
 
     Each row describes a whole block (``lo`` = its first token relative to ``start``, possibly
     negative after an eviction: the kernel only visits positions ``>= 0``) up to ``view.split``.
@@ -86,18 +88,17 @@ def _store_rows(view: AttentionView, start: int, keep: list) -> list[tuple]:
     float32 copies (bf16 / fp16 parameters, ...) are made per call and not kept: memoising them
     would hold a float32 copy of every scale and offset, as many bytes again as the 2-bit codes.
     """
-    store = view.store
     memo = store.derived.setdefault("fused_cpu", {})
     rows = []
     for i, (blk, b0, cap) in enumerate(zip(store.blocks, store.starts, store.caps)):
         if blk is None or b0 + cap <= store.start:
             continue
-        if b0 >= view.split:
+        if b0 >= split:
             break
-        hi = min(view.split, b0 + cap)
+        hi = min(split, b0 + cap)
         ent = memo.get(i)
         if ent is None:
-            ent = _block_entry(store, blk, view.quantized)
+            ent = _block_entry(store, blk, quantized)
             if ent[0]:
                 memo[i] = ent
         keep.append(ent[2])
@@ -108,6 +109,9 @@ def _store_rows(view: AttentionView, start: int, keep: list) -> list[tuple]:
 def side_table(view: AttentionView, start: int, keep: list) -> tuple[np.ndarray, int, int]:
     """``(descriptors [P, NCOL] int64, bits, group_size)`` of one side's pieces, in token order.
 
+    ``bits`` is the widest code of the side's pieces (each quantized row holds its own width in
+    ``_BITS``: a side with position tiers has pieces of several widths, a ``TierChain`` of stores).
+
     Pieces are the sink (if any), the store blocks (quantized or full precision) and the fp tail. Each descriptor
     row holds the piece's kv positions (relative to ``start``) and the address and strides of its
     codes / data, scale and base (float32; converted here when stored in another dtype). Nothing
@@ -116,20 +120,23 @@ def side_table(view: AttentionView, start: int, keep: list) -> tuple[np.ndarray,
     not quantized.
     """
     rows = []
-    bits, group = 8, 1
+    widths, group = [], 1
     if view.sink is not None:  # full-precision sink tokens [0, S)
         lo = 0 - start
-        rows.append((lo, lo + view.sink.shape[-2], 0, *_addr(_rows_f32(view.sink), keep)) + (0,) * 8)
-    if view.store.template is not None and view.split > view.store.start:
-        rows += _store_rows(view, start, keep)
-        if view.quantized:
-            bits, group = view.store.template.bits, view.store.template.group_size
+        rows.append((lo, lo + view.sink.shape[-2], 0, *_addr(_rows_f32(view.sink), keep)) + (0,) * 9)
+    for store in (view.store.stores if view.tiered else (view.store,)):
+        split = min(view.split, store.length)
+        if store.template is not None and split > store.start:
+            rows += _store_rows(store, split, view.quantized, start, keep)
+            if view.quantized:
+                widths.append(store.template.bits)
+                group = store.template.group_size
     nfp = view.fp.shape[-2]
     if nfp:
         lo = view.split - start
-        rows.append((lo, lo + nfp, 0, *_addr(_rows_f32(view.fp), keep)) + (0,) * 8)
+        rows.append((lo, lo + nfp, 0, *_addr(_rows_f32(view.fp), keep)) + (0,) * 9)
     table = np.array(rows, dtype=np.int64).reshape(len(rows), NCOL)
-    return table, bits, group
+    return table, max(widths, default=8), group
 
 
 def valid_row(attention_mask: torch.Tensor | None, batch: int, kv_len: int) -> torch.Tensor | None:
