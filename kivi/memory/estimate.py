@@ -209,8 +209,8 @@ def estimate_kv_memory(
     for i in range(spec.num_layers):
         lcfg = cfg.for_layer(i)
         if lcfg.tiers:  # the oldest tier's widths: what a long context holds per token
-            kt, vt = lcfg.tiers[-1][1]
-            kb, vb = [kt] * spec.num_kv_heads, [vt] * spec.num_kv_heads
+            k_old, v_old = lcfg.tiers[-1][1]
+            kb, vb = [k_old] * spec.num_kv_heads, [v_old] * spec.num_kv_heads
         else:
             kb, vb = cfg.layer_head_bits(i) or ([lcfg.k_bits] * spec.num_kv_heads, [lcfg.v_bits] * spec.num_kv_heads)
         for axis, quant, widths in ((KEY_AXIS, lcfg.quantize_key, kb), (VALUE_AXIS, lcfg.quantize_value, vb)):
