@@ -195,10 +195,20 @@ def reading_views(model: Any, cache: Any) -> Iterator[None]:
     """
     from ..cache.cache import KiviCache  # noqa: PLC0415 - cache sits below attention; lazy keeps imports light
 
+    if not isinstance(cache, KiviCache):
+        yield
+        return
+    with running_kivi_attention(model):
+        yield
+
+
+@contextmanager
+def running_kivi_attention(model: Any) -> Iterator[None]:
+    """``model`` runs the ``"kivi"`` attention inside the block (its own restored after); a model already on
+    it, or whose attention ``"kivi"`` does not implement, is left as it is."""
     config = getattr(model, "config", None)
     current = getattr(config, "_attn_implementation", None)
-    if (not isinstance(cache, KiviCache) or current == ATTN_IMPLEMENTATION
-            or model_attention_unsupported(config) is not None):
+    if current == ATTN_IMPLEMENTATION or model_attention_unsupported(config) is not None:
         yield
         return
     model.set_attn_implementation(ATTN_IMPLEMENTATION)

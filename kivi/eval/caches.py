@@ -123,20 +123,10 @@ def _runs_kivi_attention(model: Any) -> Iterator[None]:
     gives an unprepared model ``"reference"`` because its own attention could not read packed views;
     :func:`make_cache`'s caller promises to run the forwards under ``reading_views``, which can). A model
     whose attention ``"kivi"`` does not implement is left as it is (it gets ``"reference"``)."""
-    from ..backends import ATTN_IMPLEMENTATION, model_attention_unsupported  # noqa: PLC0415
+    from ..attention.interface import running_kivi_attention  # noqa: PLC0415 - registers "kivi" too
 
-    config = getattr(model, "config", None)
-    current = getattr(config, "_attn_implementation", None)
-    if current == ATTN_IMPLEMENTATION or model_attention_unsupported(config) is not None:
+    with running_kivi_attention(model):
         yield
-        return
-    import kivi.attention.interface  # noqa: F401,PLC0415 - registers "kivi" with transformers
-
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(current)
 
 
 def _tensor_bytes(t: Any) -> int:
