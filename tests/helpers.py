@@ -57,3 +57,20 @@ def triton_skip_reason() -> str | None:
     if not isinstance(tl.sum, InterpretedFunction):
         return "triton was imported before TRITON_INTERPRET=1 was set (run as: TRITON_INTERPRET=1 pytest ...)"
     return None
+
+
+def forward_in_steps(model, ids, chunks, mask=None):
+    """``model`` over ``ids`` in forwards of ``chunks`` tokens through one ``KiviCache.from_model(model)``
+    (``mask``: 2-D padding mask, positions from it); ``(logits of every token, the cache)``."""
+    from kivi import KiviCache
+
+    cache = KiviCache.from_model(model)
+    outs, pos = [], 0
+    with torch.no_grad():
+        for n in chunks:
+            kw = {} if mask is None else {"attention_mask": mask[:, : pos + n]}
+            if mask is not None:
+                kw["position_ids"] = (mask.long().cumsum(-1) - 1).clamp_min(0)[:, pos : pos + n]
+            outs.append(model(input_ids=ids[:, pos : pos + n], cache=cache, use_cache=True, **kw).logits)
+            pos += n
+    return torch.cat(outs, dim=1), cache

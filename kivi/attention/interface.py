@@ -113,10 +113,6 @@ def kivi_attention_forward(
                                     is_causal=is_causal, **kwargs)
     n = query.shape[2]
     exact = min(exact_queries(k_view, n), exact_queries(v_view, n))
-    if exact < n and k_view.fp.shape[-2] != n:
-        # the split below is for a forward into an empty layer (query i at position i); a later chunk's
-        # leading exact queries sit after the tokens held before it and go through the backend with the rest
-        exact = 0
     if exact == n:
         # Nothing stored yet (e.g. a prefill): every token is exact, so this is plain attention;
         # torch's SDPA kernels do it faster and in O(chunk) memory.
@@ -151,7 +147,13 @@ def exact_queries(view: AttentionView, n: int) -> int:
         return 0
     if view.fp_from is None:
         return n
-    return next((i for i, b in enumerate(view.fp_from) if b != view.split), n)
+    leading = next((i for i, b in enumerate(view.fp_from) if b != view.split), n)
+    if leading < n and view.fp.shape[-2] != n:
+        # a split of the forward is for one into an empty layer (query i at position i, what the SDPA
+        # call over fp[:exact] assumes); a later chunk's leading queries sit after the tokens held before
+        # it and go through the backend with the rest
+        return 0
+    return leading
 
 
 def _later_queries(view: AttentionView, exact: int) -> AttentionView:

@@ -20,7 +20,6 @@ by query heads ``[lo * g, hi * g)``, and the outputs are concatenated in head or
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -163,14 +162,7 @@ class HeadSplitLayer(CacheLayerMixin):
         for p, cp in zip(self.parts, checkpoint):
             p.rollback(cp)
 
-    @contextlib.contextmanager
-    def all_or_nothing(self):
-        checkpoint = self.checkpoint()
-        try:
-            yield
-        except BaseException:
-            self.rollback(checkpoint)
-            raise
+    all_or_nothing = KiviLayer.all_or_nothing  # the same rule over this layer's checkpoint / rollback
 
     def _each(self, fn) -> None:
         with self.all_or_nothing():

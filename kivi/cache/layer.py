@@ -539,7 +539,7 @@ class KiviLayer(CacheLayerMixin):
         tail = None
         if g0 < new_seen:
             seg = store.read(min(store.length, g0 + self.config.group_size))
-            tail = dequantize_kv(_slice_tokens(seg, seg.num_tokens - self.config.group_size), self.dtype)
+            tail = dequantize_kv(_token_slice(seg, seg.num_tokens - self.config.group_size, seg.num_tokens), self.dtype)
             tail = tail[:, :, : new_seen - g0].clone()
         store.truncate(g0)
         side.window = tail
@@ -574,14 +574,6 @@ class KiviLayer(CacheLayerMixin):
     @property
     def nbytes(self) -> int:
         return sum(self.memory_breakdown().values())
-
-
-def _slice_tokens(seg: PackedKV, start: int) -> PackedKV:
-    """Tokens ``[start, T)`` of a key segment (``start`` a multiple of the group size)."""
-    g = seg.group_size
-    return seg.with_tensors(
-        **{k: (v[:, :, start // g :] if k in ("scale", "offset", "comp") else v[:, :, start:]) for k, v in seg.tensors().items()}
-    )
 
 
 def _token_slice(seg: PackedKV, a: int, b: int) -> PackedKV:

@@ -9,7 +9,7 @@ import transformers
 from kivi import KiviCache, KiviConfig, dequantize_model, quantize_model
 from kivi.attention import chunked_prefill, resolve_attention_backend
 from kivi.cache.layer import KiviLayer
-from tests.helpers import tiny_model
+from tests.helpers import forward_in_steps, tiny_model
 
 # Tiny models here have 6 query heads over 2 KV heads (GQA ratio 3, not a power of two), head_dim 32.
 GQA3 = dict(hidden_size=192, head_dim=32, num_attention_heads=6)
@@ -24,17 +24,7 @@ def pair(model_type="llama", cfg=None, **kw):
     return ref, fast
 
 
-def _forward_steps(model, ids, chunks, mask=None):
-    cache = KiviCache.from_model(model)
-    outs, pos = [], 0
-    with torch.no_grad():
-        for n in chunks:
-            kw = {} if mask is None else {"attention_mask": mask[:, : pos + n]}
-            if mask is not None:
-                kw["position_ids"] = (mask.long().cumsum(-1) - 1).clamp_min(0)[:, pos : pos + n]
-            outs.append(model(input_ids=ids[:, pos : pos + n], cache=cache, use_cache=True, **kw).logits)
-            pos += n
-    return torch.cat(outs, dim=1), cache
+_forward_steps = forward_in_steps  # tests/helpers.py
 
 
 def test_quantize_model_switches_and_restores_attention():

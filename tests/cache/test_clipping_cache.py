@@ -10,7 +10,7 @@ import kivi.cache.layer as layer_mod
 from kivi import KiviCache, KiviConfig, quantize_model
 from kivi.backends import kernel_config_unsupported
 from kivi.memory.estimate import estimate_kv_memory
-from tests.helpers import tiny_model
+from tests.helpers import forward_in_steps, tiny_model
 
 GQA3 = dict(hidden_size=192, head_dim=32, num_attention_heads=6)
 CFG = dict(group_size=8, residual_length=16, block_size=32, clip=True)
@@ -20,17 +20,7 @@ def _model(backend, **cfg):
     return quantize_model(tiny_model(**GQA3, weight_scale=2.0), KiviConfig(**{**CFG, **cfg}, attention_backend=backend))
 
 
-def _run(model, ids, chunks, mask=None):
-    cache = KiviCache.from_model(model)
-    outs, pos = [], 0
-    with torch.no_grad():
-        for n in chunks:
-            kw = {} if mask is None else {"attention_mask": mask[:, : pos + n]}
-            if mask is not None:
-                kw["position_ids"] = (mask.long().cumsum(-1) - 1).clamp_min(0)[:, pos : pos + n]
-            outs.append(model(input_ids=ids[:, pos : pos + n], cache=cache, use_cache=True, **kw).logits)
-            pos += n
-    return torch.cat(outs, dim=1), cache
+_run = forward_in_steps  # tests/helpers.py
 
 
 @pytest.mark.parametrize("sink", [0, 3])
