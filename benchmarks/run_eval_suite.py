@@ -62,6 +62,11 @@ def suites() -> dict[str, list]:
         "clipbalanced": [P("balanced", clip="keys"), P("balanced", clip="values")],
         # With --weight-bits 16,8,4: KIVI 2/2 (plain KIVI-2) and balanced on weight-quantized models.
         "weights": [P("extreme"), P("balanced")],
+        # Issue 12's Pareto table: the references and the baselines; the new configurations come as
+        # --configs files (e.g. `kivi profile --per-head --first-window 20 --write-config ...`).
+        "pareto": [P("extreme"), KiviConfig(sink_tokens=4), P("balanced"), P("high"),
+                   "quanto-int4", "quanto-int2-perchannel"],
+        "none": [],
     }
 
 
@@ -215,6 +220,8 @@ def main() -> int:
     ap.add_argument("--prefix", type=int, default=512)
     ap.add_argument("--chunk", type=int, default=16)
     ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--configs", nargs="+", default=[], metavar="JSON",
+                    help="KiviConfig JSON files measured after the suite's rows, in the same run (--suite none: only these)")
     ap.add_argument("--weight-bits", default="16",
                     help="comma-separated weight widths, e.g. 16,8,4 (8/4: optimum-quanto qint8/qint4 weights)")
     ap.add_argument("--threads", type=int, default=None, help="torch and numba threads (1 is faster on a busy machine)")
@@ -234,6 +241,9 @@ def main() -> int:
         bits_list = [int(x) for x in a.weight_bits.split(",") if x.strip()]
     except ValueError:
         ap.error(f"--weight-bits {a.weight_bits!r}: expected comma-separated integers such as 16,8,4")
+    specs = suites()[a.suite] + [KiviConfig.from_json(f) for f in a.configs]
+    if not specs:
+        ap.error("nothing to measure: --suite none needs --configs")
     model, tok = load_model(a.model)
     if a.threads:
         from kivi.attention.fused_cpu import fused_decode_available, warmup
@@ -245,11 +255,11 @@ def main() -> int:
     windows = token_windows(tok, load_text(), a.context, a.windows)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"model": a.model, "text": "wikitext-2-raw-test (shipped)", "suite": a.suite,
+    meta = {"model": a.model, "text": "wikitext-2-raw-test (shipped)", "suite": a.suite, "configs": a.configs,
             "torch_threads": torch.get_num_threads(), "command": " ".join(sys.argv)}
     if bits_list != [16]:
         del model
-        run_weight_bits(a, suites()[a.suite], bits_list, windows, out, meta)
+        run_weight_bits(a, specs, bits_list, windows, out, meta)
         return 0
 
     def write(snap):
@@ -259,7 +269,7 @@ def main() -> int:
               f"{snap['fp']['ppl']:.3f}; " + "; ".join(
                   f"{x['name']}: {x.get('ppl', float('nan')):.3f}" for x in r), file=sys.stderr, flush=True)
 
-    compare(model, windows, suites()[a.suite], prefix=a.prefix, chunk=a.chunk, batch_size=a.batch_size,
+    compare(model, windows, specs, prefix=a.prefix, chunk=a.chunk, batch_size=a.batch_size,
             on_window=write)
     return 0
 

@@ -79,13 +79,15 @@ def token_windows(
     num_windows: int,
     *,
     stride: int | None = None,
+    first: int = 0,
 ) -> torch.LongTensor:
     """Cut ``text`` into ``num_windows`` token windows of length ``context``.
 
     The text is tokenized once without special tokens (cached in-process per tokenizer name and
-    text). Window ``i`` holds tokens ``[i * stride, i * stride + context)``, taken from the start of
-    the text; ``stride`` defaults to ``context`` (consecutive, non-overlapping windows). The result
-    is deterministic.
+    text). Window ``i`` holds tokens ``[(first + i) * stride, (first + i) * stride + context)``: the
+    windows after the first ``first`` ones (``first=20`` gives text that a 20-window evaluation never
+    saw, e.g. to profile or tune on); ``stride`` defaults to ``context`` (consecutive, non-overlapping
+    windows). The result is deterministic.
 
     Returns:
         ``torch.LongTensor`` of shape ``[num_windows, context]`` (a fresh tensor, safe to modify).
@@ -96,13 +98,16 @@ def token_windows(
     for arg, value in (("context", context), ("num_windows", num_windows), ("stride", stride)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             raise ValueError(f"{arg} must be a positive integer, got {value!r}")
+    if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+        raise ValueError(f"first must be a non-negative integer, got {first!r}")
     stride = context if stride is None else stride
 
     ids = token_ids(tokenizer, text)
-    needed = (num_windows - 1) * stride + context
+    needed = (first + num_windows - 1) * stride + context
     if ids.numel() < needed:
+        skip = f" after skipping {first} window(s)" if first else ""
         raise ValueError(
             f"text too short: it has {ids.numel()} tokens, but {num_windows} window(s) of {context} tokens "
-            f"with stride {stride} need {needed}; use fewer/shorter windows or a longer text"
+            f"with stride {stride}{skip} need {needed}; use fewer/shorter windows or a longer text"
         )
-    return ids.unfold(0, context, stride)[:num_windows].clone()
+    return ids.unfold(0, context, stride)[first : first + num_windows].clone()

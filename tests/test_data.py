@@ -96,6 +96,17 @@ def test_windows_deterministic_and_independent_of_cache():
     assert not torch.equal(token_windows(tok, words(300)[3:], context=16, num_windows=10), b)
 
 
+def test_windows_first_skips_whole_windows():
+    tok, text = word_tokenizer(), words(60)
+    all_ = token_windows(tok, text, context=8, num_windows=7)
+    later = token_windows(tok, text, context=8, num_windows=2, first=5)
+    assert torch.equal(later, all_[5:7])
+    with pytest.raises(ValueError, match="after skipping 6 window"):
+        token_windows(tok, text, context=8, num_windows=2, first=6)  # 6*8 + 2*8 = 64 > 60 tokens
+    with pytest.raises(ValueError, match="first must be a non-negative integer"):
+        token_windows(tok, text, context=8, num_windows=1, first=-1)
+
+
 def test_windows_too_short_says_counts():
     with pytest.raises(ValueError) as info:
         token_windows(word_tokenizer(), words(20), context=8, num_windows=3)

@@ -217,6 +217,9 @@ def add_window_args(p: argparse.ArgumentParser, *, windows: int = 20) -> None:
     g.add_argument("--prefix", type=positive_int, default=512, help="tokens prefilled per window, not scored (default: 512)")
     g.add_argument("--chunk", type=positive_int, default=16, help="tokens per forward after the prefix (default: 16)")
     g.add_argument("--windows", type=positive_int, default=windows, help=f"number of windows (default: {windows})")
+    g.add_argument("--first-window", type=non_negative_int, default=0,
+                   help="skip this many windows of the text first, e.g. 20 to profile or tune on text that the "
+                        "20-window evaluation never sees (default: 0)")
     g.add_argument("--batch-size", type=positive_int, default=1, help="windows per forward (same numbers; default: 1)")
     g.add_argument("--reference-eval", action="store_true",
                    help="slow reference protocol: every cache runs its own prefill and --chunk tokens per forward, "
@@ -398,7 +401,7 @@ def load_model_and_windows(args: argparse.Namespace):
     text = load_text(args.text)  # fail on a bad path before loading the model
     model, tok = load_model_from_args(args)
     check_context_fits(model, args.context, "--context")
-    return model, tok, token_windows(tok, text, args.context, args.windows)
+    return model, tok, token_windows(tok, text, args.context, args.windows, first=args.first_window)
 
 
 def check_window_args(args: argparse.Namespace) -> None:

@@ -116,9 +116,9 @@ def cmd_head_profile(args: argparse.Namespace) -> int:
     if args.upgrade is not None or args.upgrade_layers is not None:
         raise CliError("--per-head takes --head-upgrade-bits and --max-bits, not --upgrade / --upgrade-layers")
     base = config_from_args(args) or KiviConfig.preset("extreme", sink_tokens=4)
-    if args.head_upgrade_bits <= max(base.k_bits, base.v_bits):
-        raise CliError(f"--head-upgrade-bits {args.head_upgrade_bits} must be wider than the base widths "
-                       f"(k_bits={base.k_bits}, v_bits={base.v_bits})")
+    if args.head_upgrade_bits <= min(base.k_bits, base.v_bits):
+        raise CliError(f"--head-upgrade-bits {args.head_upgrade_bits} must be wider than a base width "
+                       f"(k_bits={base.k_bits}, v_bits={base.v_bits}); sides already that wide are left alone")
     check_window_args(args)
     model, tok, windows = load_model_and_windows(args)
     spec = model_spec(model)

@@ -153,3 +153,14 @@ def test_profile_per_head_writes_a_head_bits_config(cli_on_tiny_model, capsys, t
     assert r["config"]["head_bits"] == {str(k): v for k, v in cfg.head_bits.items()} and r["ppl"] > 0
     assert main(["profile", "--per-head", "--upgrade-layers", "1", *PROTO]) == 2
     assert "--per-head takes --head-upgrade-bits" in capsys.readouterr().err
+
+
+def test_profile_per_head_widens_only_the_narrow_side(cli_on_tiny_model, capsys):
+    """K4V2 + --head-upgrade-bits 4: the values are widened, the keys (already 4 bits) left alone."""
+    base = ["--k-bits", "4", "--v-bits", "2", "--group-size", "8", "--residual-length", "16"]
+    prof = run_json(capsys, ["profile", "--per-head", "--json", "--max-bits", "9", "--first-window", "1",
+                             *base, *PROTO])
+    cfg = KiviConfig.from_dict(prof["recommended"])
+    assert cfg.head_bits and all(set(sides) == {"v_bits"} for sides in cfg.head_bits.values())
+    assert main(["profile", "--per-head", "--k-bits", "4", "--v-bits", "4", *PROTO]) == 2
+    assert "must be wider than a base width" in capsys.readouterr().err
