@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -85,12 +86,19 @@ def generate(model, prompt, new, **spec):
         return out[0, prompt.shape[1]:], time.perf_counter() - t0
 
 
+def config_of(name: str, backend: str) -> KiviConfig:
+    """A preset name, or a KiviConfig JSON file (any name ending in .json), read through ``backend``."""
+    if name.endswith(".json"):
+        return dataclasses.replace(KiviConfig.from_json(name), attention_backend=backend)
+    return KiviConfig.preset(name, attention_backend=backend)
+
+
 def check(model, tokenizer, cfg_name, args) -> list[dict]:
     return [check_prompt(model, tokenizer, cfg_name, args, i) for i in args.prompts]
 
 
 def check_prompt(model, tokenizer, cfg_name, args, index: int) -> dict:
-    cfg = KiviConfig.preset(cfg_name, attention_backend=args.backend)
+    cfg = config_of(cfg_name, args.backend)
     quantize_model(model, cfg)
     prompt = document_prompt(tokenizer, args.doc_tokens, index)
     plain, _ = generate(model, prompt, args.new)
@@ -108,7 +116,7 @@ def check_prompt(model, tokenizer, cfg_name, args, index: int) -> dict:
 
 
 def speed(model, tokenizer, cfg_name, args) -> dict:
-    cfg = KiviConfig.preset(cfg_name, attention_backend=args.backend)
+    cfg = config_of(cfg_name, args.backend)
     quantize_model(model, cfg)
     prompt = document_prompt(tokenizer, args.doc_tokens)
     generate(model, prompt, 8)  # warm-up (numba kernels, allocator)
@@ -144,7 +152,7 @@ def main(argv=None) -> None:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--check", action="store_true", help="(a) greedy token equality, speculative vs plain")
     mode.add_argument("--speed", action="store_true", help="(b) prompt lookup vs plain: tokens/s, acceptance")
-    p.add_argument("--configs", nargs="+", default=["extreme", "balanced"], help="KiviConfig presets")
+    p.add_argument("--configs", nargs="+", default=["extreme", "balanced"], help="KiviConfig presets or JSON files (*.json)")
     p.add_argument("--backend", default="cpu", choices=["cpu", "reference"])
     p.add_argument("--new", type=int, default=200, help="new tokens per generate call")
     p.add_argument("--doc-tokens", type=int, default=400, help="tokens of the WikiText document in the prompt")
