@@ -166,10 +166,11 @@ def parse_goal(text: str) -> tuple[float, float]:
 
 
 def summarize(paths: list[str], csv_path: str | None, plot: str | None,
-              goals: tuple[tuple[float, float], ...] = ISSUE12_GOALS) -> int:
+              goals: tuple[tuple[float, float], ...] = ISSUE12_GOALS, extra_rows: list[str] | None = None) -> int:
     """Table (+ CSV / Pareto plot) of one or more suite JSONs measured with the same protocol and windows.
 
-    Rows of later files with a name already seen are skipped; ``bits_32k`` is issue 12's convention
+    Rows of later files with a name already seen are skipped, and with ``extra_rows`` only the rows of
+    later files named there are taken (e.g. quanto's rows of an older 20-window file); ``bits_32k`` is issue 12's convention
     (:func:`bits_at_32k`), next to the harness's ``bits_per_element`` (real bytes of each 1K window)."""
     from kivi.eval import spec_kind
     from kivi.eval.sweep import pareto_plot, write_rows
@@ -182,7 +183,8 @@ def summarize(paths: list[str], csv_path: str | None, plot: str | None,
     fp = dict(d["fp"], kind="fp", delta_ppl_pct=0.0, kl=0.0, top1_agreement=1.0, bits_32k=16.0)  # a float16 model
     rows = [fp]
     seen = set()
-    for r in (r for run in runs for r in run["results"]):
+    for r in (r for k, run in enumerate(runs) for r in run["results"]
+              if k == 0 or extra_rows is None or r["name"] in extra_rows):
         if r["name"] in seen:
             continue
         seen.add(r["name"])
@@ -228,13 +230,15 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="JSON written after every batch of windows")
     ap.add_argument("--summarize", nargs="+", default=None,
                     help="instead of measuring: turn these JSON files (same protocol) into a table, --csv, --plot")
+    ap.add_argument("--extra-rows", nargs="+", default=None, metavar="NAME",
+                    help="with --summarize: take only these rows from the files after the first")
     ap.add_argument("--csv", default=None)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--goal", type=parse_goal, action="append", default=None, metavar="BITS:PCT",
                     help="a target drawn on --plot (repeatable; default: issue 12's 3.3:5 and 4.3:0.5)")
     a = ap.parse_args()
     if a.summarize:
-        return summarize(a.summarize, a.csv, a.plot, tuple(a.goal) if a.goal else ISSUE12_GOALS)
+        return summarize(a.summarize, a.csv, a.plot, tuple(a.goal) if a.goal else ISSUE12_GOALS, a.extra_rows)
     if not a.out:
         ap.error("--out is required")
     try:

@@ -55,3 +55,27 @@ def test_summary_table_and_plot_with_goals(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "b@32K" in out and f"{suite.bits_at_32k(SPEC, KiviConfig(sink_tokens=4)):.3f}" in out
     assert png.stat().st_size > 1000
+
+
+def test_summary_takes_only_the_named_rows_of_later_files(tmp_path, capsys):
+    def row(name, **cfg):
+        return dict(name=name, config=KiviConfig(**cfg).to_dict(), ppl=21.0, nll=3.0, bits_per_element=8.0,
+                    cache_bytes=100, delta_ppl_pct=5.0, kl=0.1, top1_agreement=0.8, tokens_scored=10, windows=1)
+
+    def run(rows):
+        return {"model": SPEC, "protocol": {"windows": 1, "context": 1024, "prefix": 512, "chunk": 16},
+                "fp": dict(name="fp", ppl=20.0, bits_per_element=32.0, cache_bytes=400), "results": rows}
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(run([row("new", sink_tokens=4)])))
+    b.write_text(json.dumps(run([row("old-kept", k_bits=4), row("old-dropped", v_bits=4)])))
+    assert suite.summarize([str(a), str(b)], None, None, extra_rows=["old-kept"]) == 0
+    out = capsys.readouterr().out
+    assert "new" in out and "old-kept" in out and "old-dropped" not in out
+    assert suite.summarize([str(a), str(b)], None, None) == 0
+    assert "old-dropped" in capsys.readouterr().out
+
+
+def test_pareto_suite_and_config_files():
+    names = [c.describe() for c in suite.suites()["pareto"]]
+    assert names == ["K2 V2 G32 R128", "K2 V2 G32 R128 sink4", "K4 V2 G32 R128 sink4", "K4 V4 G32 R128 sink4"]
