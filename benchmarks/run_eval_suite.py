@@ -156,6 +156,26 @@ def bits_at_32k(model: str, cfg: KiviConfig) -> float:
     return 8 * e.kivi_total_bytes / (2 * e.num_layers * e.num_kv_heads * e.head_dim * e.context)
 
 
+_MODELS: dict[str, object] = {}
+
+
+def _nbytes_bits(model: str, spec, tokens: int | None) -> float | None:
+    """Issue 12's bits per element from ``cache.nbytes`` of a real float16 cache after ``tokens`` tokens."""
+    if not tokens or isinstance(spec, str):
+        return None
+    import dataclasses
+
+    from kivi.eval.caches import synthetic_bits
+
+    if model not in _MODELS:
+        _MODELS[model] = load_model(model)[0]
+    cfg = dataclasses.replace(spec, attention_backend="reference")
+    try:
+        return round(synthetic_bits(_MODELS[model], cfg, tokens, dtype=torch.float16), 4)
+    except ValueError:  # a config the model refuses: the row says "unavailable" already
+        return None
+
+
 def parse_goal(text: str) -> tuple[float, float]:
     """``"3.3:5"`` -> (3.3 bits, 5.0 %)."""
     try:
@@ -166,12 +186,15 @@ def parse_goal(text: str) -> tuple[float, float]:
 
 
 def summarize(paths: list[str], csv_path: str | None, plot: str | None,
-              goals: tuple[tuple[float, float], ...] = ISSUE12_GOALS, extra_rows: list[str] | None = None) -> int:
+              goals: tuple[tuple[float, float], ...] = ISSUE12_GOALS, extra_rows: list[str] | None = None,
+              nbytes_tokens: int | None = None) -> int:
     """Table (+ CSV / Pareto plot) of one or more suite JSONs measured with the same protocol and windows.
 
     Rows of later files with a name already seen are skipped, and with ``extra_rows`` only the rows of
     later files named there are taken (e.g. quanto's rows of an older 20-window file); ``bits_32k`` is issue 12's convention
-    (:func:`bits_at_32k`), next to the harness's ``bits_per_element`` (real bytes of each 1K window)."""
+    (:func:`bits_at_32k`), next to the harness's ``bits_per_element`` (real bytes of each 1K window); with
+    ``nbytes_tokens``, ``bits_nbytes`` is the same definition read from ``cache.nbytes`` of a real KIVI cache
+    after one float16 prefill of that many random tokens (kivi.eval.caches.synthetic_bits: no forward)."""
     from kivi.eval import spec_kind
     from kivi.eval.sweep import pareto_plot, write_rows
 
@@ -193,7 +216,8 @@ def summarize(paths: list[str], csv_path: str | None, plot: str | None,
             b32 = None if isinstance(spec, str) else round(bits_at_32k(runs[0].get("model", "smollm2"), spec), 4)
         except ValueError:  # e.g. group_size=128 on head_dim 64: the row says "unavailable" already
             b32 = None
-        rows.append(dict(r, kind=spec_kind(spec), bits_32k=b32))
+        rows.append(dict(r, kind=spec_kind(spec), bits_32k=b32,
+                         bits_nbytes=_nbytes_bits(runs[0].get("model", "smollm2"), spec, nbytes_tokens)))
     if csv_path:
         write_rows(rows, csv_path)
     if plot:
@@ -202,13 +226,16 @@ def summarize(paths: list[str], csv_path: str | None, plot: str | None,
                                       f"tokens (prefix {p['prefix']}, chunk {p['chunk']})", goals=goals,
                     x_key="bits_32k", x_label="bits/element, issue 12: kivi estimate, float16 model, 32K tokens "
                                               "(quanto: the harness's bytes)")
-    print(f"{'name':28s} {'bits':>6s} {'b@32K':>6s} {'bytes':>9s} {'ppl':>8s} {'dppl%':>7s} {'KL':>8s} {'top1%':>6s}")
+    print(f"{'name':28s} {'bits':>6s} {'b@32K':>6s} {'nbytes':>6s} {'bytes':>9s} {'ppl':>8s} {'dppl%':>7s} {'KL':>8s} "
+          f"{'top1%':>6s}" + (f"   (nbytes: cache.nbytes after a float16 prefill of {nbytes_tokens} tokens)"
+                              if nbytes_tokens else ""))
     for r in rows:
         if r.get("unavailable"):
             print(f"{r['name']:28s} unavailable: {r['unavailable']}")
             continue
         b32 = "" if r.get("bits_32k") is None else f"{r['bits_32k']:.3f}"
-        print(f"{r['name']:28s} {r['bits_per_element']:6.2f} {b32:>6s} {r['cache_bytes']:9d} {r['ppl']:8.3f} "
+        bnb = "" if r.get("bits_nbytes") is None else f"{r['bits_nbytes']:.3f}"
+        print(f"{r['name']:28s} {r['bits_per_element']:6.2f} {b32:>6s} {bnb:>6s} {r['cache_bytes']:9d} {r['ppl']:8.3f} "
               f"{r['delta_ppl_pct']:+7.2f} {r['kl']:8.4f} {100 * r['top1_agreement']:6.2f}")
     return 0
 
@@ -232,13 +259,16 @@ def main() -> int:
                     help="instead of measuring: turn these JSON files (same protocol) into a table, --csv, --plot")
     ap.add_argument("--extra-rows", nargs="+", default=None, metavar="NAME",
                     help="with --summarize: take only these rows from the files after the first")
+    ap.add_argument("--nbytes-tokens", type=int, default=None, metavar="TOKENS",
+                    help="with --summarize: also bits per element from cache.nbytes after a float16 prefill of this "
+                         "many tokens (e.g. 32768, issue 12's context)")
     ap.add_argument("--csv", default=None)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--goal", type=parse_goal, action="append", default=None, metavar="BITS:PCT",
                     help="a target drawn on --plot (repeatable; default: issue 12's 3.3:5 and 4.3:0.5)")
     a = ap.parse_args()
     if a.summarize:
-        return summarize(a.summarize, a.csv, a.plot, tuple(a.goal) if a.goal else ISSUE12_GOALS, a.extra_rows)
+        return summarize(a.summarize, a.csv, a.plot, tuple(a.goal) if a.goal else ISSUE12_GOALS, a.extra_rows, a.nbytes_tokens)
     if not a.out:
         ap.error("--out is required")
     try:

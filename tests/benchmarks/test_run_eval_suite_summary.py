@@ -79,3 +79,18 @@ def test_summary_takes_only_the_named_rows_of_later_files(tmp_path, capsys):
 def test_pareto_suite_and_config_files():
     names = [c.describe() for c in suite.suites()["pareto"]]
     assert names == ["K2 V2 G32 R128", "K2 V2 G32 R128 sink4", "K4 V2 G32 R128 sink4", "K4 V4 G32 R128 sink4"]
+
+
+def test_nbytes_bits_read_a_real_cache_and_equal_the_planner(monkeypatch):
+    from kivi.memory.sources import model_spec
+    from tests.helpers import tiny_model
+
+    model = tiny_model("llama")
+    monkeypatch.setitem(suite._MODELS, "tiny", model)
+    cfg = KiviConfig(sink_tokens=4, group_size=8, residual_length=16)
+    got = suite._nbytes_bits("tiny", cfg, 301)
+    spec = model_spec(model)
+    e = estimate_kv_memory(spec, 301, config=cfg, dtype="float16")
+    want = 8 * e.kivi_total_bytes / (2 * e.num_layers * e.num_kv_heads * e.head_dim * 301)
+    assert got == pytest.approx(want, abs=1e-4) and got < 8
+    assert suite._nbytes_bits("tiny", "quanto-int4", 301) is None and suite._nbytes_bits("tiny", cfg, None) is None
