@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..cache.schedule import KEY_AXIS, VALUE_AXIS
-from ..cache.support import check_head_dim
+from ..cache.support import check_head_dim, check_sliding_layers
 from ..config import KiviConfig
 from .sources import ModelSpec, model_spec
 from .storage import FIELDS, head_layer_bytes, side_token_bytes
@@ -95,6 +95,7 @@ def _layer_plan(cfg: KiviConfig, spec: ModelSpec) -> list[tuple[KiviConfig, int 
         window = spec.sliding_window if lt == "sliding_attention" else None
         widths = cfg.layer_head_bits(i)
         plan.append((lcfg, window, widths, json.dumps(lcfg.to_dict(), sort_keys=True) + f"|{window}|{widths}"))
+    check_sliding_layers([(lcfg, window) for lcfg, window, _, _ in plan])  # what the cache refuses, refused here
     return plan
 
 
