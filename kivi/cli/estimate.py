@@ -309,19 +309,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def render_pick(pick: Any) -> None:
-    """What --cache-budget chose and why (every candidate with its need), before the estimate table."""
+def render_pick(pick: Any, file: Any = None) -> None:
+    """What --cache-budget chose and why (every candidate with its need), before the estimate table
+    (``file``: stdout unless given; ``kivi generate`` prints it on stderr)."""
+    for line in pick_lines(pick):
+        print(line, file=file)
+
+
+def pick_lines(pick: Any) -> list[str]:
+    """The lines of :func:`render_pick`."""
     from ..memory import format_bytes
 
-    print(f"Budget {format_bytes(pick.budget_bytes)} for a {pick.context:,}-token cache x batch {pick.batch}: "
-          f"picked {pick.name} ({pick.config.describe()}), needs {format_bytes(pick.need_bytes)} "
-          f"({pick.need_bytes:,} B)")
+    lines = [f"Budget {format_bytes(pick.budget_bytes)} for a {pick.context:,}-token cache x batch {pick.batch}: "
+             f"picked {pick.name} ({pick.config.describe()}), needs {format_bytes(pick.need_bytes)} "
+             f"({pick.need_bytes:,} B)"]
     for c in pick.considered:
         if "invalid" in c:
-            print(f"  {c['name']:14s} not usable here: {c['invalid']}")
+            lines.append(f"  {c['name']:14s} not usable here: {c['invalid']}")
         else:
             mark = "fits" if c["fits"] else "too large"
-            print(f"  {c['name']:14s} {format_bytes(c['need_bytes']):>11s}  {mark}")
-    if pick.fp_fits:
-        print(f"note: the full-precision cache ({format_bytes(pick.fp_bytes)}) fits this budget too; "
-              "KIVI is not needed for memory here")
+            lines.append(f"  {c['name']:14s} {format_bytes(c['need_bytes']):>11s}  {mark}")
+    if pick.config.quantize_after:
+        n = pick.config.quantize_after
+        lines.append(f"full precision first: the cache stays in full precision up to {n:,} tokens "
+                     f"({'the whole request' if n >= pick.context else 'then KIVI'}), the most the budget allows")
+    elif pick.fp_fits:
+        lines.append(f"note: the full-precision cache ({format_bytes(pick.fp_bytes)}) fits this budget too; "
+                     "KIVI is not needed for memory here")
+    return lines

@@ -94,3 +94,39 @@ def test_planner_refuses_sliding_layers():
         estimate_kv_memory(spec, 1024, config=KiviConfig(quantize_after=512))
     ok = KiviConfig(quantize_after=512, layer_specific_config={0: {"quantize_after": 0}})
     assert estimate_kv_memory(spec, 1024, config=ok).kivi_total_bytes > 0
+
+
+# --------------------------------------------------------------------------- budgets
+
+
+def _tiny_spec():
+    from kivi.memory import ModelSpec
+    return ModelSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16", num_heads=4)
+
+
+@pytest.mark.parametrize("cfg", [
+    KiviConfig(**SMALL, quantize_after=150),
+    KiviConfig(**SMALL, quantize_after=150, sink_tokens=4, layer_specific_config={1: {"quantize_after": 90}}),
+], ids=["one-n", "per-layer-n"])
+def test_cache_need_is_the_peak_over_every_length(cfg):
+    """The cache is largest just before it quantizes (a full-precision cache of N tokens), not at the end."""
+    from kivi.memory.budget import cache_need
+    spec = _tiny_spec()
+    brute = max(estimate_kv_memory(spec, t, config=cfg, prefill=min(20, t)).kivi_total_bytes for t in range(1, 301))
+    assert cache_need(spec, cfg, 300, prefill=20) == brute
+    if not cfg.layer_specific_config:  # one N: the peak is the full-precision cache of N tokens
+        assert brute > estimate_kv_memory(spec, 300, config=cfg, prefill=20).kivi_total_bytes
+
+
+def test_full_precision_first_takes_the_most_fp_tokens_the_budget_holds():
+    from kivi.memory.budget import config_for_budget, full_precision_tokens
+    spec = _tiny_spec()
+    fp_tok = 2 * 2 * 2 * 32 * 2  # layers x sides x kv heads x head_dim x fp16, batch 2 below
+    plain = config_for_budget(spec, 700 * fp_tok, 1024, 2)
+    pick = config_for_budget(spec, 700 * fp_tok, 1024, 2, full_precision_first=True)
+    assert full_precision_tokens(spec, 700 * fp_tok, 2) == 350
+    assert pick.name == plain.name and pick.config.quantize_after == 350
+    assert plain.need_bytes <= pick.need_bytes <= 700 * fp_tok
+    # the budget is the plain pick's own need: whatever N it takes, the peak stays within it
+    tight = config_for_budget(spec, plain.need_bytes, 1024, 2, full_precision_first=True)
+    assert tight.name == plain.name and tight.need_bytes <= plain.need_bytes
