@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..config import KiviConfig
-from .estimate import _fp_total, estimate_kv_memory
+from .estimate import _fp_total, estimate_kv_memory, peak_lengths
 from .sources import model_spec
 from .units import format_bytes, parse_bytes, parse_context
 
@@ -89,9 +89,7 @@ def cache_need(spec: Any, config: KiviConfig, context: int, batch: int = 1, *, p
     is a full-precision cache of ``N`` tokens, and it shrinks at ``N + 1``; so the ``group_size`` lengths
     up to each layer's ``N`` count too (each layer only grows between those drops and its key groups')."""
     layers = [config.for_layer(i) for i in range(spec.num_layers)]
-    g = max(c.group_size for c in layers)
-    ends = {context} | {c.quantize_after for c in layers if 0 < c.quantize_after < context}
-    lengths = sorted({t for end in ends for t in range(max(1, end - g + 1), end + 1)})
+    lengths = peak_lengths(context, max(c.group_size for c in layers), {c.quantize_after for c in layers})
     return max(estimate_kv_memory(spec, t, batch=batch, config=config,
                                   prefill=None if prefill is None else min(prefill, t)).kivi_total_bytes
                for t in lengths)

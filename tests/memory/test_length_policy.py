@@ -130,3 +130,19 @@ def test_full_precision_first_takes_the_most_fp_tokens_the_budget_holds():
     # the budget is the plain pick's own need: whatever N it takes, the peak stays within it
     tight = config_for_budget(spec, plain.need_bytes, 1024, 2, full_precision_first=True)
     assert tight.name == plain.name and tight.need_bytes <= plain.need_bytes
+
+
+def test_largest_context_and_batch_count_the_full_precision_phase():
+    """With quantize_after = N the cache is largest at N tokens: a device that cannot hold N full-precision
+    tokens fits no context past them, however small the KIVI cache is later; batch likewise."""
+    from kivi.memory import ModelSpec
+    spec = ModelSpec(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", num_heads=8)
+    dev = 2 * 4 * 2 * 64 * 2 * 3000  # 3000 full-precision tokens
+    plain = estimate_kv_memory(spec, 8192, device_memory=dev)
+    assert plain.fp_max_context == 3000 and plain.kivi_max_context > 8192
+    late = estimate_kv_memory(spec, 8192, device_memory=dev, config=KiviConfig(quantize_after=4000))
+    assert late.kivi_max_context == 3000  # 3001..4000 tokens are full precision: they do not fit
+    assert late.kivi_max_batch == 0
+    early = estimate_kv_memory(spec, 8192, device_memory=dev, config=KiviConfig(quantize_after=2000))
+    assert early.kivi_max_context == plain.kivi_max_context
+    assert early.kivi_max_batch == 1  # the 2000-token full-precision peak fits once, not twice
