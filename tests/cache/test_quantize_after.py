@@ -298,3 +298,26 @@ def test_continuous_batching_pages_are_refused():
     model = tiny_model()
     with pytest.raises(ValueError, match=r"quantize_after=64: full precision before quantizing is not supported"):
         build_layout(model.config, KiviConfig(quantize_after=64), 32, torch.float32)
+
+
+@pytest.mark.parametrize("t0,n,keep", [(90, 20, 5), (90, 20, 15), (95, 30, 30), (120, 9, 2)],
+                         ids=["keep-below-n", "keep-past-n", "keep-all", "after-n"])
+def test_speculative_crop_across_n_equals_one_token_decoding(t0, n, keep):
+    """A recorded verify forward that crosses N, cropped back (to below or past N): the layer is what
+    one-token decoding of the kept tokens gives, and both go on alike."""
+    cfg = KiviConfig(**BASE, **CFGS["k4v2-sink"], quantize_after=N)
+    k, v = _data(t0 + n + 5, b=1)
+    plain, _ = _fill(cfg, k, v, [t0] + [1] * keep)
+    spec = KiviLayer(cfg)
+    spec.activate_past_recording()
+    spec.append(k[:, :, :t0], v[:, :, :t0])
+    spec.crop(0)
+    spec.append(k[:, :, t0:t0 + n], v[:, :, t0:t0 + n])
+    spec.crop(-(n - keep))
+    _assert_same(_held(spec), _held(plain))
+    assert spec.seen == plain.seen == t0 + keep
+    for t in range(t0 + keep, t0 + keep + 5):
+        a = plain.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        b = spec.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        for x, y in zip(a, b):
+            assert torch.equal(materialize(x, torch.float32), materialize(y, torch.float32))
