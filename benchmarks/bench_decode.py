@@ -108,6 +108,10 @@ def _prepare(model, name):
                          attention_backend=name.split("-")[1])
         quantize_model(model, cfg)
         return cfg
+    if name.startswith("kivifp"):  # quantize_after beyond any context: the full-precision phase (docs/length-policy.md)
+        cfg = KiviConfig(k_bits=2, v_bits=2, quantize_after=2**31, attention_backend=name.split("-")[1])
+        quantize_model(model, cfg)
+        return cfg
     if name.startswith("kivi"):
         bits, backend = int(name[4]), name.split("-")[1]
         cfg = KiviConfig(k_bits=bits, v_bits=bits, attention_backend=backend)
@@ -170,7 +174,8 @@ def main():
     ap.add_argument("--configs", nargs="+",
                     default=["dynamic", "quanto2", "quanto4", "kivi2-reference", "kivi2-cpu", "kivi4-reference", "kivi4-cpu"],
                     help="dynamic, floor, quanto2, quanto4, kivi{2,4}-{reference,cpu,triton}, kivitiers-{cpu,...} "
-                         "(K4V4 + 4 sinks, tiers 128 FP / 1024 at 4 bits / the rest at 2 bits)")
+                         "(K4V4 + 4 sinks, tiers 128 FP / 1024 at 4 bits / the rest at 2 bits), kivifp-{cpu,...} "
+                         "(K2V2 with quantize_after past the context: the full-precision phase)")
     ap.add_argument("--threads", type=int, default=0, help="torch and numba threads (0 = their defaults)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every row, interleaved; the table shows medians")
     ap.add_argument("--isolate", action="store_true", help="run every row in a fresh process")
@@ -190,9 +195,9 @@ def main():
     import re
 
     for name in a.configs + ([a.one_row[0]] if a.one_row else []):
-        if not re.fullmatch(r"dynamic|floor|quanto[24]|kivi([12348]|tiers)-(reference|cpu|triton)", name):
+        if not re.fullmatch(r"dynamic|floor|quanto[24]|kivi([12348]|tiers|fp)-(reference|cpu|triton)", name):
             ap.error(f"--configs: {name!r} is not one of dynamic, floor, quanto2, quanto4, "
-                     "kivi<bits>-<backend> (bits 1/2/3/4/8 or 'tiers', backend reference/cpu/triton)")
+                     "kivi<bits>-<backend> (bits 1/2/3/4/8, 'tiers' or 'fp', backend reference/cpu/triton)")
     model = None
     if not a.isolate:
         model = load_model("smollm2")[0]

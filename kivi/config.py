@@ -41,6 +41,7 @@ LAYER_FIELDS = (
     "symmetric",
     "clip",
     "tiers",
+    "quantize_after",
 )
 
 
@@ -86,6 +87,13 @@ class KiviConfig:
             2 bits; tokens move down as they age by demotion of their codes (docs/tiers.md). A width is
             an int (keys and values) or ``[k_bits, v_bits]``; the first quantized tier's widths must be
             ``k_bits`` / ``v_bits`` (what tokens leaving the window get). ``None`` = no tiers.
+        quantize_after: full precision until a layer holds more than this many tokens (0 = off, KIVI from
+            the first token). While a layer holds ``<= quantize_after`` tokens nothing is quantized
+            (attention is exact, memory that of a full-precision cache); the update that takes it past
+            that quantizes everything but the window (and sink tokens) at once, by the usual rules, so
+            from then on the layer holds what it would hold with ``quantize_after=0``
+            (:func:`kivi.cache.schedule.quantizing`; docs/length-policy.md). Per layer via
+            ``layer_specific_config``; not on sliding-window layers (override it to 0 there).
     """
 
     k_bits: int = 2
@@ -105,6 +113,7 @@ class KiviConfig:
     clip: bool | str = False
     head_bits: dict[int, dict[str, list[int]]] = field(default_factory=dict)
     tiers: tuple | None = None
+    quantize_after: int = 0
 
     def __post_init__(self) -> None:
         self.tiers = _normalize_tiers(self.tiers)
@@ -297,6 +306,8 @@ class KiviConfig:
             parts.append("clip" if self.clip is True else f"clip-{self.clip}")
         if self.sink_tokens:
             parts.append(f"sink{self.sink_tokens}")
+        if self.quantize_after:
+            parts.append(f"fp<={self.quantize_after}")
         if self.tiers:
             parts.append("tiers " + "/".join(
                 f"{'rest' if n is None else n}@{'fp' if b is None else (b[0] if b[0] == b[1] else f'K{b[0]}V{b[1]}')}"
@@ -358,6 +369,7 @@ def _check_layer_fields(cfg: KiviConfig, *, where: str) -> None:
             raise ValueError(f"{where}{name}={v} is not possible with symmetric=True (no level besides 0)")
     _check_int(cfg, "group_size", minimum=1, where=where)
     _check_int(cfg, "residual_length", minimum=0, where=where)
+    _check_int(cfg, "quantize_after", minimum=0, where=where)
     if cfg.residual_length % cfg.group_size:
         raise ValueError(
             f"{where}residual_length={cfg.residual_length} must be a multiple of group_size={cfg.group_size} "

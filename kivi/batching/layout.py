@@ -186,6 +186,10 @@ def build_layout(model_config: Any, config: KiviConfig, page_size: int, dtype: t
         if cfg.tiers:
             raise ValueError(f"{where}tiers={[list(t) for t in cfg.tiers]}: position tiers are not supported in "
                              "continuous batching (KIVI pages hold one width per side); use kivi's generate()")
+        if cfg.quantize_after:
+            raise ValueError(f"{where}quantize_after={cfg.quantize_after}: full precision before quantizing is not "
+                             "supported in continuous batching (a request's window blocks are sized for the window); "
+                             "use kivi's generate() or quantize_after=0")
         if page_size % cfg.group_size:
             raise ValueError(
                 f"page_size={page_size} must be a multiple of {where}group_size={cfg.group_size} (a page holds whole "

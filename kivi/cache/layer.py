@@ -134,6 +134,10 @@ class KiviLayer(CacheLayerMixin):
         if config.tiers and sliding_window is not None:
             raise ValueError(f"tiers={list(config.tiers)} are not supported on sliding-window layers (this layer has "
                              f"sliding_window={sliding_window}); use a config without tiers for this model")
+        if config.quantize_after and sliding_window is not None:
+            raise ValueError(f"quantize_after={config.quantize_after} is not supported on sliding-window layers (this "
+                             f"layer has sliding_window={sliding_window}: its window evicts stored blocks only); set "
+                             f"it to 0 for the sliding layers in layer_specific_config")
         self.k, self.v = self._new_sides()
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
@@ -281,9 +285,12 @@ class KiviLayer(CacheLayerMixin):
         """Give ``view`` its per-query boundary and the ``left`` copy (see :class:`AttentionView`)."""
         cfg = self.config
         window = pending.shape[-2] - n
-        args = (cfg.residual_length, cfg.group_size, side.sink_len, self.sink_tokens)
+        # `side.store.length`: tokens that left the window (sink + stored), for quantize_after
+        args = (cfg.residual_length, cfg.group_size, side.sink_len, self.sink_tokens, side.store.length,
+                cfg.quantize_after)
         exact = prefill_exact_queries(self.seen, n, self.prompt_length)
-        bounds = query_boundaries(side.axis, window, n, *args, exact=exact)
+        bounds = query_boundaries(side.axis, window, n, *args[:4], exact=exact, before=args[4],
+                                  quantize_after=args[5])
         if bounds is None:
             return
         # The last query's exits: its first `take` pending tokens went to the sink (exact), the next
@@ -312,7 +319,9 @@ class KiviLayer(CacheLayerMixin):
         """Move what is due from ``pending`` (old window + new tokens) into quantized storage."""
         cfg = self.config
         total = pending.shape[-2]
-        s, move = window_exits(side.axis, total, cfg.residual_length, cfg.group_size, side.sink_len, self.sink_tokens)
+        # `side.store.length` tokens already left the window (sink + stored): the held count quantize_after reads
+        s, move = window_exits(side.axis, total, cfg.residual_length, cfg.group_size, side.sink_len, self.sink_tokens,
+                               side.store.length, cfg.quantize_after)
         if s:
             # The first tokens to leave the window become sink tokens (kept exact, no statistics).
             part = pending[:, :, :s].clone()

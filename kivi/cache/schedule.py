@@ -6,8 +6,9 @@ One side (keys or values) of a :class:`~kivi.cache.layer.KiviLayer` holds the to
 * **store** ``[s, s + stored)`` — quantized, in blocks (:class:`~kivi.cache.store.BlockStore`);
 * **window** ``[s + stored, seen)`` — the most recent tokens, full precision.
 
-A flush (after every append) moves tokens out of the front of the window: the first ones fill the
-sink, then keys move in whole groups of ``G`` (aligned on ``s, s + G, ...``) once at least ``R``
+A flush (after every append) moves tokens out of the front of the window -- only once the side holds
+more than ``quantize_after`` tokens (:func:`quantizing`; until then every token stays in the window, full
+precision, and the first flush past it moves everything due at once) -- the first ones fill the sink, then keys move in whole groups of ``G`` (aligned on ``s, s + G, ...``) once at least ``R``
 newer keys remain, values as soon as more than ``R`` newer values exist. These rules make the state
 depend on ``seen`` alone, not on how the tokens arrived (:func:`side_tokens`). A forward of several
 tokens gives each of its queries the state one-token decoding would have at that query's step
@@ -59,20 +60,36 @@ def flush_count(axis: str, pending: int, residual_length: int, group_size: int) 
     return excess // group_size * group_size if axis == KEY_AXIS else excess
 
 
+def quantizing(held: int, quantize_after: int) -> bool:
+    """Whether a side that holds ``held`` tokens (sink + stored + window) quantizes anything at all:
+    only once it holds more than ``quantize_after`` (``KiviConfig.quantize_after``; 0 = from the start).
+
+    Until then a flush moves nothing (every token stays in the full-precision window, attention is
+    exact); the first flush past it moves everything the plain rules make due, so from then on the
+    side is where it would be with ``quantize_after = 0`` (a function of the token count alone).
+    """
+    return held > quantize_after
+
+
 def window_exits(axis: str, pending: int, residual_length: int, group_size: int, sink_len: int,
-                 sink_tokens: int) -> tuple[int, int]:
+                 sink_tokens: int, before: int = 0, quantize_after: int = 0) -> tuple[int, int]:
     """``(to_sink, to_store)``: how many of the first ``pending`` tokens a flush moves into the sink,
     then into the store (the sink, already ``sink_len`` of ``sink_tokens``, fills first).
 
+    ``before`` tokens of the side already left the window (sink + stored: the absolute position of the
+    first pending token); nothing moves while ``before + pending <= quantize_after`` (:func:`quantizing`).
     What :meth:`~kivi.cache.layer.KiviLayer.append` moves after each forward, and what
     :func:`query_boundaries` counts for each query of a forward.
     """
+    if not quantizing(before + pending, quantize_after):
+        return 0, 0
     take = sink_take(pending, residual_length, sink_len, sink_tokens)
     return take, flush_count(axis, pending - take, residual_length, group_size)
 
 
 def query_boundaries(axis: str, window: int, n: int, residual_length: int, group_size: int, sink_len: int,
-                     sink_tokens: int, exact: int = 0) -> tuple[int, ...] | None:
+                     sink_tokens: int, exact: int = 0, before: int = 0,
+                     quantize_after: int = 0) -> tuple[int, ...] | None:
     """The per-query precision boundary of a forward of ``n`` tokens, or ``None`` when it is trivial.
 
     The side's full-precision window holds ``window`` tokens; the forward's ``pending`` tokens are
@@ -82,6 +99,9 @@ def query_boundaries(axis: str, window: int, n: int, residual_length: int, group
     quantized) and the rest at full precision: ``e_i = sum(window_exits(..., window + i, ...))``.
     The first ``exact`` queries are a prefill's prompt queries: they read every token at full
     precision (``e_i = 0``; the caller passes ``exact > 0`` only for a forward into an empty side).
+    ``before`` / ``quantize_after``: as in :func:`window_exits` (query ``i`` follows a side holding
+    ``before + window + i`` tokens, so a forward that crosses ``quantize_after`` quantizes for its later
+    queries only).
     Returns ``(e_0, ..., e_{n-1})`` (non-decreasing after the first ``exact``), or ``None`` when
     every ``e_i`` is 0 -- always for ``n == 1``: a flush leaves nothing due, so decode steps never
     carry a boundary.
@@ -89,7 +109,7 @@ def query_boundaries(axis: str, window: int, n: int, residual_length: int, group
     if n <= 1 or exact >= n:
         return None
     bounds = tuple(0 if i < exact else sum(window_exits(axis, window + i, residual_length, group_size, sink_len,
-                                                        sink_tokens))
+                                                        sink_tokens, before, quantize_after))
                    for i in range(n))
     return bounds if bounds[-1] else None
 
@@ -110,16 +130,17 @@ def prefill_exact_queries(seen: int, n: int, prompt_length: int | None) -> int:
 
 
 def side_tokens(axis: str, seen: int, residual_length: int, group_size: int, sink_tokens: int = 0,
-                quantized: bool = True) -> tuple[int, int, int]:
+                quantized: bool = True, quantize_after: int = 0) -> tuple[int, int, int]:
     """``(sink, stored, window)`` token counts of one side after ``seen`` tokens.
 
     The same whatever the chunking of the appends, so it is one flush of ``seen`` tokens into an empty
-    side. An unquantized side stores every token (no sink, no window).
+    side (``(0, 0, seen)`` while ``seen <= quantize_after``). An unquantized side stores every token
+    (no sink, no window).
     """
     _check_axis(axis)
     if not quantized:
         return 0, seen, 0
-    sink, stored = window_exits(axis, seen, residual_length, group_size, 0, sink_tokens)
+    sink, stored = window_exits(axis, seen, residual_length, group_size, 0, sink_tokens, 0, quantize_after)
     return sink, stored, seen - sink - stored
 
 
@@ -189,6 +210,14 @@ def first_block_tokens(first_append: int, block_size: int) -> int:
     return new_block_tokens(first_append, block_size)
 
 
+def first_store_seen(prefill: int, seen: int, quantize_after: int) -> int:
+    """Tokens held at the first flush that may store anything, for one prefill of ``prefill`` tokens and
+    one-token steps up to ``seen``: the prefill itself, or the step that passes ``quantize_after``
+    (capped at ``seen``). What that flush stores is the first append of the block store
+    (:func:`allocated_tokens`' ``first_append``)."""
+    return min(seen, max(prefill, quantize_after + 1))
+
+
 def allocated_tokens(stored: int, first_append: int, block_size: int) -> int:
     """Token capacity allocated for ``stored`` tokens: a first append of ``first_append`` tokens,
     then appends of at most ``block_size`` tokens (decode)."""
@@ -208,6 +237,7 @@ def freed_tokens(start: int, first_append: int, block_size: int) -> int:
 
 
 __all__ = [
-    "KEY_AXIS", "VALUE_AXIS", "layer_sink_tokens", "sink_take", "flush_count", "window_exits", "query_boundaries", "prefill_exact_queries", "side_tokens", "key_group_start",
+    "KEY_AXIS", "VALUE_AXIS", "layer_sink_tokens", "sink_take", "flush_count", "window_exits", "query_boundaries", "prefill_exact_queries", "side_tokens", "quantizing",
+    "first_store_seen", "key_group_start",
     "sliding_cut", "first_block_tokens", "tier_keeps", "tier_tokens", "tier_passed", "allocated_tokens", "freed_tokens",
 ]

@@ -65,6 +65,16 @@ def check_head_dim(config: KiviConfig, head_dim: int, num_layers: int = 1) -> No
             )
 
 
+def check_sliding_layers(plan: list[tuple[KiviConfig, int | None]]) -> None:
+    """Refuse, in one ``ValueError``, a form a sliding-window layer cannot hold: position tiers, or
+    ``quantize_after`` (its eviction frees stored blocks only). ``plan``: ``[(layer config, window or None)]``."""
+    for name, off in (("tiers", "tiers=None"), ("quantize_after", "quantize_after=0")):
+        bad = [i for i, (c, window) in enumerate(plan) if getattr(c, name) and window is not None]
+        if bad:
+            raise ValueError(f"{name} is not supported on sliding-window layers (layers {bad[:8]} of this model); "
+                             f"use layer_specific_config to give them {off}")
+
+
 def plan_layers(model_config: Any, config: KiviConfig) -> list[tuple[KiviConfig, int | None]]:
     """Per decoder layer of ``model_config``: its KIVI config and its sliding window (``None``: full).
 
@@ -76,12 +86,7 @@ def plan_layers(model_config: Any, config: KiviConfig) -> list[tuple[KiviConfig,
     layer_types = model_layer_types(model_config)  # raises on unsupported layer types
     config.validate(num_layers=len(layer_types))
     plan = [(config.for_layer(i), window) for i, (_, window) in enumerate(layer_types)]
-    tiered_sliding = [i for i, (c, window) in enumerate(plan) if c.tiers and window is not None]
-    if tiered_sliding:
-        raise ValueError(
-            f"tiers are not supported on sliding-window layers (layers {tiered_sliding[:8]} of this model); "
-            "use layer_specific_config to give them tiers=None"
-        )
+    check_sliding_layers(plan)
     sliding = sorted({(c.residual_length, c.group_size) for c, window in plan if window is not None})
     if len(sliding) > 1:
         raise ValueError(
@@ -92,7 +97,7 @@ def plan_layers(model_config: Any, config: KiviConfig) -> list[tuple[KiviConfig,
 
 
 __all__ = [
-    "plan_layers",
+    "plan_layers", "check_sliding_layers",
     "SUPPORTED_LAYER_TYPES", "text_config", "check_layer_types", "model_layer_types", "model_head_dim",
     "check_head_dim",
 ]

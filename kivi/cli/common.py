@@ -245,6 +245,9 @@ def add_config_args(p: argparse.ArgumentParser, *, default_preset: str | None = 
     g.add_argument("--residual-length", type=int, default=None)
     g.add_argument("--residual-bits", type=int, default=None, help="the spec's per-group error compensation (0 = off)")
     g.add_argument("--sink-tokens", type=int, default=None, help="first tokens kept in full precision (0 = off)")
+    g.add_argument("--quantize-after", type=int, default=None, metavar="N",
+                   help="full precision until the cache holds more than N tokens, then KIVI (0 = off; "
+                        "docs/length-policy.md)")
     g.add_argument("--no-quantize-key", action="store_true", help="keep keys in full precision")
     g.add_argument("--no-quantize-value", action="store_true", help="keep values in full precision")
     g.add_argument("--symmetric", action="store_true", help="symmetric quantization (for comparison)")
@@ -285,7 +288,7 @@ def config_from_args(args: argparse.Namespace) -> KiviConfig | None:
     """The KiviConfig the options describe, or ``None`` when none was given."""
     fields: dict[str, Any] = {}
     for name in ("k_bits", "v_bits", "group_size", "residual_length", "residual_bits", "sink_tokens",
-                 "attention_backend"):
+                 "quantize_after", "attention_backend"):
         v = getattr(args, name, None)
         if v is not None:
             fields[name] = v

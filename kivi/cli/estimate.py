@@ -74,6 +74,9 @@ def register(sub: Any) -> None:
                    help="bytes for the KV cache alone (e.g. 2GiB): pick the best-quality config whose cache fits at "
                    "--context x --batch (presets high > balanced > K2V2+4 sinks > extreme > K2V2 G64, measured order), "
                    "then show its estimate")
+    b.add_argument("--full-precision-first", action="store_true",
+                   help="with --cache-budget: full precision as long as the budget allows (quantize_after = the most "
+                        "tokens a full-precision cache holds in it), the picked config after that")
     b.add_argument("--write-config", default=None, type=output_path,
                    help="with --cache-budget: write the picked KiviConfig JSON here (for --config of every command)")
     add_config_args(p)
@@ -194,8 +197,9 @@ def render(e: Any, *, per_layer: bool = False) -> None:
     pt = e.kivi_per_token_breakdown
     fp_name = {"float16": "FP16", "bfloat16": "BF16", "float32": "FP32"}[e.dtype]
     R, G = cfg["residual_length"], cfg["group_size"]
-    sink, _, key_window = side_tokens(KEY_AXIS, e.context, R, G, cfg.get("sink_tokens", 0))
-    value_window = side_tokens(VALUE_AXIS, e.context, R, G, cfg.get("sink_tokens", 0))[2]
+    S, Q = cfg.get("sink_tokens", 0), cfg.get("quantize_after", 0)
+    sink, _, key_window = side_tokens(KEY_AXIS, e.context, R, G, S, quantize_after=Q)
+    value_window = side_tokens(VALUE_AXIS, e.context, R, G, S, quantize_after=Q)[2]
     rows.append((f"{fp_name} cache (2 x layers x kv_heads x head_dim x {DTYPE_BYTES[e.dtype]} B)",
                  _per(e.fp_bytes_per_token) + " x batch", _fmt(e.fp_total_bytes)))
     rows.append(("KIVI codes (bit-packed)", _per(pt["codes"]), _fmt(b["codes"])))
@@ -258,6 +262,9 @@ def run(args: argparse.Namespace) -> int:
                        "--k-bits ...), not both")
     if args.write_config and args.cache_budget is None:
         raise CliError("--write-config goes with --cache-budget (it writes the picked config)")
+    if args.full_precision_first and args.cache_budget is None:
+        raise CliError("--full-precision-first goes with --cache-budget (it sets how long the budget allows "
+                       "full precision)")
     spec = build_spec(args)
     if args.context is None:
         if not spec.max_context:
@@ -281,7 +288,8 @@ def run(args: argparse.Namespace) -> int:
 
         extra = {k: v for k, v in (("block_size", args.block_size), ("scale_dtype", args.scale_dtype)) if v is not None}
         cands = [(n, KiviConfig.from_dict({**c.to_dict(), **extra})) for n, c in default_candidates()]
-        pick = config_for_budget(spec, args.cache_budget, context, args.batch, cands, prefill=args.prefill)
+        pick = config_for_budget(spec, args.cache_budget, context, args.batch, cands, prefill=args.prefill,
+                                 full_precision_first=args.full_precision_first)
         cfg = pick.config
     est = estimate_kv_memory(spec, context, batch=args.batch, config=cfg,
                              device_memory=args.device_memory, prefill=args.prefill, weight_bits=args.weight_bits)
@@ -309,19 +317,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def render_pick(pick: Any) -> None:
-    """What --cache-budget chose and why (every candidate with its need), before the estimate table."""
+def render_pick(pick: Any, file: Any = None) -> None:
+    """What --cache-budget chose and why (every candidate with its need), before the estimate table
+    (``file``: stdout unless given; ``kivi generate`` prints it on stderr)."""
+    for line in pick_lines(pick):
+        print(line, file=file)
+
+
+def pick_lines(pick: Any) -> list[str]:
+    """The lines of :func:`render_pick`."""
     from ..memory import format_bytes
 
-    print(f"Budget {format_bytes(pick.budget_bytes)} for a {pick.context:,}-token cache x batch {pick.batch}: "
-          f"picked {pick.name} ({pick.config.describe()}), needs {format_bytes(pick.need_bytes)} "
-          f"({pick.need_bytes:,} B)")
+    lines = [f"Budget {format_bytes(pick.budget_bytes)} for a {pick.context:,}-token cache x batch {pick.batch}: "
+             f"picked {pick.name} ({pick.config.describe()}), needs {format_bytes(pick.need_bytes)} "
+             f"({pick.need_bytes:,} B)"]
     for c in pick.considered:
         if "invalid" in c:
-            print(f"  {c['name']:14s} not usable here: {c['invalid']}")
+            lines.append(f"  {c['name']:14s} not usable here: {c['invalid']}")
         else:
             mark = "fits" if c["fits"] else "too large"
-            print(f"  {c['name']:14s} {format_bytes(c['need_bytes']):>11s}  {mark}")
-    if pick.fp_fits:
-        print(f"note: the full-precision cache ({format_bytes(pick.fp_bytes)}) fits this budget too; "
-              "KIVI is not needed for memory here")
+            lines.append(f"  {c['name']:14s} {format_bytes(c['need_bytes']):>11s}  {mark}")
+    if pick.config.quantize_after:
+        n = pick.config.quantize_after
+        lines.append(f"full precision first: the cache stays in full precision up to {n:,} tokens "
+                     f"({'the whole request' if n >= pick.context else 'then KIVI'}), the most the budget allows")
+    elif pick.fp_fits:
+        lines.append(f"note: the full-precision cache ({format_bytes(pick.fp_bytes)}) fits this budget too; "
+                     "KIVI is not needed for memory here")
+    return lines

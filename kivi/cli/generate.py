@@ -11,6 +11,7 @@ from . import CliError
 from .common import (
     add_config_args,
     add_model_args,
+    byte_size,
     check_context_fits,
     config_from_args,
     load_model_from_args,
@@ -33,7 +34,8 @@ def register(sub: Any) -> None:
         epilog="examples:\n"
         "  kivi generate --prompt 'Explain the KV cache in one paragraph.'\n"
         "  kivi generate --prompt-file article.txt --raw --preset extreme --max-new-tokens 100\n"
-        "  kivi generate --prompt 'Hi' --k-bits 4 --v-bits 2 --residual-length 64 --json",
+        "  kivi generate --prompt 'Hi' --k-bits 4 --v-bits 2 --residual-length 64 --json\n"
+        "  kivi generate --prompt-file article.txt --cache-budget 64MiB --max-new-tokens 500",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_args(p)
@@ -47,6 +49,13 @@ def register(sub: Any) -> None:
     p.add_argument("--temperature", type=positive_float, default=None, help="sampling temperature (with --do-sample)")
     p.add_argument("--seed", type=seed, default=0, help="random seed for sampling, 0 to 2**64-1 (default 0)")
     add_config_args(p, default_preset=None)
+    b = p.add_argument_group("precision from a budget (docs/budget.md, docs/length-policy.md)")
+    b.add_argument("--cache-budget", default=None, type=byte_size,
+                   help="bytes for the KV cache alone (e.g. 64MiB): pick the best-quality config whose cache fits the "
+                        "prompt + --max-new-tokens (kivi estimate --cache-budget's ladder), say which and why")
+    b.add_argument("--full-precision-first", action="store_true",
+                   help="with --cache-budget: keep the cache in full precision as long as the budget allows "
+                        "(quantize_after = the most tokens it holds at full precision), KIVI after that")
     add_prefix_args(p)
     p.add_argument("--json", action="store_true",
                    help="no streaming; print {text, tokens, cache_bytes, fp_cache_bytes, ...} as JSON")
@@ -82,11 +91,37 @@ def read_prompt(args: argparse.Namespace) -> str:
     return text
 
 
+def budget_pick(model: Any, budget: int, prompt_tokens: int, max_new_tokens: int, fp_first: bool) -> Any:
+    """:func:`kivi.memory.budget.config_for_budget` for this request (a cache of prompt + max new tokens, the
+    prompt one prefill); nothing fits: one line (exit 2) naming the budget and the smallest need."""
+    from ..memory.budget import BudgetError, config_for_budget
+
+    try:
+        return config_for_budget(model, budget, prompt_tokens + max_new_tokens, prefill=prompt_tokens,
+                                 full_precision_first=fp_first)
+    except BudgetError as e:
+        raise CliError(f"--cache-budget: {e}; raise the budget or lower --max-new-tokens") from None
+
+
+def render_budget_pick(pick: Any) -> None:
+    """What --cache-budget chose and why, on stderr (stdout is the generated text)."""
+    from .estimate import render_pick
+
+    render_pick(pick, file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..config import KiviConfig
 
     prefix_cfg = check_prefix_args(args)  # --save-prefix's folder, --load-prefix's file: before anything loads
-    cfg = config_from_args(args) or prefix_cfg or KiviConfig()  # validate options before loading anything
+    given = config_from_args(args)  # validate options before loading anything
+    cfg = given or prefix_cfg or KiviConfig()
+    if args.cache_budget is not None and (given is not None or args.load_prefix):
+        raise CliError("give either --cache-budget (kivi picks the config) or a config (--preset/--config/--k-bits "
+                       "... or --load-prefix's), not both")
+    if args.full_precision_first and args.cache_budget is None:
+        raise CliError("--full-precision-first goes with --cache-budget (it sets how long the budget allows "
+                       "full precision)")
     prompt = read_prompt(args)
 
     import torch
@@ -97,13 +132,22 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"loading {args.model!r} ...", file=sys.stderr, flush=True)
     model, tokenizer = load_model_from_args(args)  # --weight-bits 8 / 4: quanto weights
-    quantize_model(model, cfg)
 
     if not args.raw and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)["input_ids"]
     else:
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    pick = None
+    if args.cache_budget is not None:  # the request's length is known now: prompt + what may be generated
+        n = ids.shape[-1]
+        check_context_fits(model, n + args.max_new_tokens,
+                           f"the prompt ({n} tokens) + --max-new-tokens {args.max_new_tokens}")
+        pick = budget_pick(model, args.cache_budget, n, args.max_new_tokens, args.full_precision_first)
+        cfg = pick.config
+        if not args.json:
+            render_budget_pick(pick)
+    quantize_model(model, cfg)
     ids, prefix_kwargs, prefix_info = prefix_inputs(args, model, tokenizer, prompt, ids.to(model.device))
     n_prompt = ids.shape[-1]
     check_context_fits(model, n_prompt + args.max_new_tokens,
@@ -152,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
         "weight_bits": args.weight_bits,
         "weights_bytes": est.weights_bytes,  # measured: the tensors of the loaded (maybe quantized) model
         "compression_ratio": ratio,
+        "budget_pick": None if pick is None else pick.to_dict(),
         "generate_s": elapsed,
         "tokens_per_s": len(new_ids) / elapsed if elapsed > 0 else None,
         **prefix_info,
@@ -165,7 +210,10 @@ def run(args: argparse.Namespace) -> int:
     line = (f"cache: {format_bytes(cache_bytes)} ({cache_bytes:,} B) for {cache_tokens} tokens with KIVI {cfg.describe()}; "
             f"full precision ({dtype}) would hold {format_bytes(fp_bytes)} ({fp_bytes:,} B): ratio {ratio:.2f}x. "
             f"{len(new_ids)} tokens in {elapsed:.1f} s")
-    if cache_tokens <= cfg.residual_length + cfg.group_size:
+    if cfg.quantize_after and cache_tokens <= cfg.quantize_after:
+        line += (f" (only {cache_tokens} tokens: the cache stays in full precision up to quantize_after="
+                 f"{cfg.quantize_after} tokens)")
+    elif cache_tokens <= cfg.residual_length + cfg.group_size:
         line += (f" (only {cache_tokens} tokens: they are all still in the full-precision window of "
                  f"R={cfg.residual_length}, so nothing is quantized yet; try a longer prompt)")
     print(line, file=sys.stderr)

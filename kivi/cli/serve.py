@@ -60,6 +60,10 @@ def _check_args(args: argparse.Namespace) -> tuple[Any, int]:
             raise CliError("--float-cache serves transformers' float pages; it takes no KIVI options "
                            "(--preset, --config, --k-bits, ...)")
         return None, cache_memory
+    if cfg is not None and (cfg.quantize_after or any(o.get("quantize_after")
+                                                       for o in cfg.layer_specific_config.values())):
+        raise CliError("--quantize-after / quantize_after: KIVI pages in continuous batching quantize from the first "
+                       "token (their window blocks are sized for the window); serve with quantize_after=0")
     from ..batching import check_transformers_version  # KIVI pages hook into private transformers code
 
     try:

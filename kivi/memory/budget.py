@@ -16,11 +16,12 @@ the rule the planner's "largest context that fits" uses (``kivi estimate --devic
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..config import KiviConfig
-from .estimate import _fp_total, estimate_kv_memory
+from .estimate import _fp_total, estimate_kv_memory, peak_lengths
 from .sources import model_spec
 from .units import format_bytes, parse_bytes, parse_context
 
@@ -82,12 +83,22 @@ class BudgetError(ValueError):
 
 def cache_need(spec: Any, config: KiviConfig, context: int, batch: int = 1, *, prefill: int | None = None) -> int:
     """Peak bytes of ``config``'s cache while it grows to ``context`` tokens (see the module doc):
-    the largest ``estimate_kv_memory(...).kivi_total_bytes`` over the last ``group_size`` lengths."""
-    g = max(config.for_layer(i).group_size for i in range(spec.num_layers))
-    lengths = range(max(1, context - g + 1), context + 1)
+    the largest ``estimate_kv_memory(...).kivi_total_bytes`` over the last ``group_size`` lengths.
+
+    With ``quantize_after = N < context`` the cache also peaks just before it quantizes: at ``N`` tokens it
+    is a full-precision cache of ``N`` tokens, and it shrinks at ``N + 1``; so the ``group_size`` lengths
+    up to each layer's ``N`` count too (each layer only grows between those drops and its key groups')."""
+    layers = [config.for_layer(i) for i in range(spec.num_layers)]
+    lengths = peak_lengths(context, max(c.group_size for c in layers), {c.quantize_after for c in layers})
     return max(estimate_kv_memory(spec, t, batch=batch, config=config,
                                   prefill=None if prefill is None else min(prefill, t)).kivi_total_bytes
                for t in lengths)
+
+
+def full_precision_tokens(spec: Any, budget_bytes: int, batch: int = 1) -> int:
+    """The most tokens per sequence a full-precision cache of ``batch`` sequences holds within ``budget_bytes``
+    (what ``quantize_after`` may be so that the cache's full-precision phase fits the budget)."""
+    return budget_bytes // _fp_total(spec, 1, batch)
 
 
 def config_for_budget(
@@ -99,6 +110,7 @@ def config_for_budget(
     *,
     dtype: Any = None,
     prefill: int | None = None,
+    full_precision_first: bool = False,
 ) -> BudgetPick:
     """The highest-quality candidate whose KV cache fits ``budget_bytes`` at ``context`` x ``batch``.
 
@@ -114,6 +126,10 @@ def config_for_budget(
             skipped and listed with the reason.
         dtype: the cache dtype (default: the model's).
         prefill: tokens of the first forward (default: the whole context), as in the planner.
+        full_precision_first: also give the pick ``quantize_after`` = the most tokens a full-precision
+            cache of ``batch`` sequences holds within the budget (:func:`full_precision_tokens`): a request
+            shorter than that is never quantized, a longer one switches to the pick at that length. Kept
+            only when the peak with it (:func:`cache_need`) still fits; otherwise the plain pick.
 
     Returns:
         a :class:`BudgetPick`; ``need_bytes`` is the chosen cache's peak (module doc).
@@ -154,6 +170,16 @@ def config_for_budget(
             f"({low['need_bytes']:,} B)"
         )
     name, cfg, need = chosen
+    if full_precision_first:
+        if "sliding_attention" in (spec.layer_types or []):
+            raise ValueError(f"full_precision_first needs a model without sliding-window layers ({spec.name} has "
+                             "them; quantize_after is not supported there)")
+        n = full_precision_tokens(spec, budget, batch)
+        if n:
+            gated = dataclasses.replace(cfg, quantize_after=n)
+            gated_need = cache_need(spec, gated, T, batch, prefill=prefill)
+            if gated_need <= budget:
+                cfg, need = gated, gated_need
     return BudgetPick(name=name, config=cfg, need_bytes=need, budget_bytes=budget, context=T, batch=batch,
                       model=spec.name, fp_bytes=fp, considered=considered)
 
@@ -166,4 +192,5 @@ def _named(c: Any) -> tuple[str, KiviConfig]:
     raise ValueError(f"a candidate must be a KiviConfig or (name, KiviConfig), got {type(c).__name__}")
 
 
-__all__ = ["QUALITY_LADDER", "BudgetPick", "BudgetError", "default_candidates", "cache_need", "config_for_budget"]
+__all__ = ["QUALITY_LADDER", "BudgetPick", "BudgetError", "default_candidates", "cache_need", "config_for_budget",
+           "full_precision_tokens"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..cache.schedule import KEY_AXIS, VALUE_AXIS
-from ..cache.support import check_head_dim
+from ..cache.support import check_head_dim, check_sliding_layers
 from ..config import KiviConfig
 from .sources import ModelSpec, model_spec
 from .storage import FIELDS, head_layer_bytes, side_token_bytes
@@ -95,6 +95,7 @@ def _layer_plan(cfg: KiviConfig, spec: ModelSpec) -> list[tuple[KiviConfig, int 
         window = spec.sliding_window if lt == "sliding_attention" else None
         widths = cfg.layer_head_bits(i)
         plan.append((lcfg, window, widths, json.dumps(lcfg.to_dict(), sort_keys=True) + f"|{window}|{widths}"))
+    check_sliding_layers([(lcfg, window) for lcfg, window, _, _ in plan])  # what the cache refuses, refused here
     return plan
 
 
@@ -125,10 +126,19 @@ def _fp_total(spec: ModelSpec, T: int, batch: int) -> int:
     return total
 
 
-def _max_fitting(fn, budget: int, G: int, hi_limit: int = 2**40) -> int:
-    """Largest T such that fn(t) <= budget for every t <= T (fn is monotone up to a G-token ripple)."""
+def peak_lengths(T: int, G: int, drops: Any = ()) -> list[int]:
+    """The token counts ``<= T`` where a cache growing to ``T`` tokens can be largest: the last ``G`` (keys leave
+    the window a group at a time) and the last ``G`` before each ``N < T`` of ``drops`` (``quantize_after``
+    values: the cache shrinks at ``N + 1``). Between those drops it only grows, up to its key-group ripple."""
+    ends = {T} | {n for n in drops if 0 < n < T}
+    return sorted({t for end in ends for t in range(max(1, end - G + 1), end + 1)})
+
+
+def _max_fitting(fn, budget: int, G: int, hi_limit: int = 2**40, drops: Any = ()) -> int:
+    """Largest T such that fn(t) <= budget for every t <= T (fn is monotone up to a G-token ripple, except
+    where it drops: after each ``quantize_after`` of ``drops``, :func:`peak_lengths`)."""
     def fits(T: int) -> bool:
-        return all(fn(t) <= budget for t in range(max(1, T - G + 1), T + 1))
+        return all(fn(t) <= budget for t in peak_lengths(T, G, drops))
 
     if not fits(1):
         return 0
@@ -270,12 +280,16 @@ def estimate_kv_memory(
             notes.append("the weights alone do not fit in the device memory")
         else:
             est.fp_max_batch = budget // fp_total if fp_total else None
-            est.kivi_max_batch = budget // kivi_total if kivi_total else None
+            # quantize_after = N < T: the cache was larger at N tokens (full precision) than at T
+            drops = {cfg.for_layer(i).quantize_after for i in range(spec.num_layers)}
+            peak = max([kivi_total] + [int(round(sum(_kivi_total(plan, spec, n, min(P, n), batch, param_bytes)[0].values())))
+                                       for n in drops if 0 < n < T])
+            est.kivi_max_batch = budget // peak if peak else None
             est.fp_max_context = _max_fitting(lambda t: _fp_total(spec, t, batch), budget, 1)
             g = max(cfg.for_layer(i).group_size for i in range(spec.num_layers))
             est.kivi_max_context = _max_fitting(
                 lambda t: sum(_kivi_total(plan, spec, t, t if prefill is None else min(P, t), batch, param_bytes)[0].values()),
-                budget, g,
+                budget, g, drops=drops,
             )
     return est
 

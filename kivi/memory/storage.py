@@ -1,5 +1,9 @@
 """Bytes of one layer's KIVI cache after a prefill of ``P`` tokens and decode steps up to ``T``.
 
+With ``quantize_after = N`` nothing is stored until the layer holds more than ``N`` tokens; the first
+append of the stores is then the flush that passes ``N`` (the prefill, or the decode step to ``N + 1``:
+:func:`kivi.cache.schedule.first_store_seen`).
+
 Where the tokens are (sink, store, window), which blocks are allocated and which a sliding layer has
 freed all come from :mod:`kivi.cache.schedule`, the functions :class:`~kivi.cache.KiviLayer` runs;
 the bytes per stored token from :func:`kivi.quant.kv.kv_bytes_breakdown`, the format's own accounting.
@@ -14,6 +18,7 @@ from ..cache.schedule import (
     KEY_AXIS,
     VALUE_AXIS,
     allocated_tokens,
+    first_store_seen,
     freed_tokens,
     layer_sink_tokens,
     side_tokens,
@@ -44,16 +49,17 @@ def held_tokens(cfg: KiviConfig, axis: str, quantized: bool, T: int, P: int, win
     A sliding layer (``window``) evicts at the start of every decode step; the last one ran with
     ``T - 1`` tokens cached. After a single prefill nothing is evicted yet.
     """
-    R, G, bs = cfg.residual_length, cfg.group_size, cfg.block_size
-    stored = side_tokens(axis, T, R, G, sink, quantized)[1]
+    R, G, bs, Q = cfg.residual_length, cfg.group_size, cfg.block_size, cfg.quantize_after
+    stored = side_tokens(axis, T, R, G, sink, quantized, Q)[1]
     if stored == 0:
         return 0, 0
-    first = side_tokens(axis, P, R, G, sink, quantized)[1]
+    # the first append: the prefill's flush, or (quantize_after) the step that passes Q
+    first = side_tokens(axis, first_store_seen(P, T, Q) if quantized else P, R, G, sink, quantized, Q)[1]
     allocated = allocated_tokens(stored, first, bs)
     freed = 0
     if window is not None and T > P:
         seen_before = T - 1
-        stored_before = side_tokens(axis, seen_before, R, G, sink, quantized)[1]
+        stored_before = side_tokens(axis, seen_before, R, G, sink, quantized, Q)[1]
         # BlockStore.evict(cut) exposes from min(cut, length); sliding layers keep no sink, so store
         # positions are absolute positions.
         start = min(sliding_cut(seen_before, window, R, G, bs), stored_before)
@@ -69,11 +75,12 @@ def tier_held_tokens(cfg: KiviConfig, axis: str, T: int, P: int, sink: int) -> l
     goes straight on (:meth:`BlockStore.skip`); every later append (one token, or a key group) enters
     the newest tier, which passes its oldest tokens on, evicting them (blocks freed once wholly passed).
     """
-    R, G, bs = cfg.residual_length, cfg.group_size, cfg.block_size
+    R, G, bs, Q = cfg.residual_length, cfg.group_size, cfg.block_size, cfg.quantize_after
     j = 0 if axis == KEY_AXIS else 1
     keeps = tier_keeps(cfg.tiers)
-    stored_T = side_tokens(axis, T, R, G, sink)[1]
-    stored_P = side_tokens(axis, P, R, G, sink)[1]
+    stored_T = side_tokens(axis, T, R, G, sink, quantize_after=Q)[1]
+    # the first append (one exact-size block per tier): the prefill, or the step that passes quantize_after
+    stored_P = side_tokens(axis, first_store_seen(P, T, Q), R, G, sink, quantize_after=Q)[1]
     held_T, held_P = tier_tokens(axis, stored_T, keeps, G), tier_tokens(axis, stored_P, keeps, G)
     in_T, in_P = tier_passed(axis, stored_T, keeps, G), tier_passed(axis, stored_P, keeps, G)
     out = []
@@ -105,7 +112,8 @@ def layer_bytes(cfg: KiviConfig, head_dim: int, heads: int, dtype_bytes: int, T:
                 for k, v in per.items():
                     out[k] += heads * used * v
                 out["block_reserve"] += heads * (held - used) * sum(per.values())
-            s, _, in_window = side_tokens(axis, T, cfg.residual_length, cfg.group_size, sink)
+            s, _, in_window = side_tokens(axis, T, cfg.residual_length, cfg.group_size, sink,
+                                          quantize_after=cfg.quantize_after)
             out["fp_sink"] += heads * s * D * dtype_bytes
             out["fp_window"] += heads * in_window * D * dtype_bytes
         else:

@@ -257,3 +257,25 @@ def test_model_decode_through_the_kernel(model_type):
     if model_type == "mistral":
         assert layer.k.store.start > 0  # the sliding layer evicted its front
     torch.testing.assert_close(logits["triton"], logits["reference"], atol=2e-4, rtol=2e-4)
+
+
+@needs_triton
+def test_decode_steps_across_quantize_after_match_reference(no_concatenation):
+    """quantize_after: steps before N (nothing stored), the crossing (one exact-size block written at once,
+    then 64-token blocks) and after it, read in place by the kernel, equal the reference."""
+    from kivi.attention.triton_backend import triton_view_attention
+
+    cfg = KiviConfig(k_bits=4, v_bits=2, sink_tokens=3, residual_length=32, group_size=32, block_size=64,
+                     quantize_after=150)
+    g = torch.Generator().manual_seed(3)
+    n = 230
+    k, v = torch.randn(1, 2, n, 64, generator=g), torch.randn(1, 2, n, 64, generator=g)
+    q = torch.randn(1, 4, n, 64, generator=g)
+    layer = KiviLayer(cfg)
+    layer.append(k[:, :, :140], v[:, :, :140])
+    for t in range(140, n):
+        kv, vv = layer.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        if t in (145, 150, 151, 152, 200, n - 1):
+            got = triton_view_attention(q[:, :, t:t + 1], kv, vv, scaling=None, attention_mask=None)
+            _close(got, reference_attention(q[:, :, t:t + 1], kv, vv), torch.float32)
+    assert len(layer.k.store.blocks) >= 2  # the crossing's block, then decode blocks

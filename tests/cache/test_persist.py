@@ -413,3 +413,22 @@ def test_save_checks_its_arguments(saved, tmp_path):
     os.umask(umask)
     cache.save(tmp_path / "y", fingerprint={})
     assert (tmp_path / "y").stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's 0600
+
+
+def test_quantize_after_round_trip_below_n_continues_past_n(tmp_path):
+    """A prefix saved while the cache is still full precision (quantize_after) loads and crosses N exactly
+    as the saving process's cache does."""
+    cfg = _config(4, 2, 4, quantize_after=90)
+    model = _model("llama-gqa", cfg)
+    ids = _ids(70)
+    cache = prefill(model, ids)
+    assert cache.layers[0].k.store.length == 0 and cache.nbytes == 2 * 2 * 2 * 70 * 32 * 4
+    path = tmp_path / "p.safetensors"
+    save_prefix(path, cache, model, None, ids)
+    loaded = load_prefix(path, model, None)
+    _same_state(cache, loaded.cache)
+    q = _ids(3, seed=7)
+    want = _decode(model, cache, q, 40)
+    got = _decode(model, loaded.cache, q, 40)
+    assert torch.equal(got, want) and cache.layers[0].k.store.length > 0
+    _same_state(cache, loaded.cache)

@@ -40,3 +40,24 @@ def test_cache_budget_errors_are_one_line(capsys, extra, needles):
     assert len(err) == 1 and err[0].startswith("kivi estimate: error:"), err
     for n in needles:
         assert n in err[0]
+
+
+def test_full_precision_first_and_quantize_after(capsys):
+    spec = ModelSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16")
+    assert main(["estimate", *SHAPE, "--context", "32k", "--cache-budget", "1GiB", "--full-precision-first",
+                 "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    lib = config_for_budget(spec, "1GiB", "32k", full_precision_first=True)
+    assert d["budget_pick"]["config"]["quantize_after"] == lib.config.quantize_after == 2**30 // (2 * 32 * 8 * 128 * 2)
+    assert d["budget_pick"]["need_bytes"] == lib.need_bytes <= 2**30
+    assert main(["estimate", *SHAPE, "--context", "32k", "--cache-budget", "1GiB", "--full-precision-first"]) == 0
+    assert "full precision first: the cache stays in full precision up to 8,192 tokens (then KIVI)" in \
+        capsys.readouterr().out
+    # --quantize-after N: at N tokens a full-precision cache, past it the plain config's bytes (+ block reserve)
+    assert main(["estimate", *SHAPE, "--context", "4096", "--quantize-after", "4096", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["kivi_total_bytes"] == d["fp_total_bytes"] and d["config"]["quantize_after"] == 4096
+    assert main(["estimate", *SHAPE, "--context", "4096", "--quantize-after", "4096"]) == 0
+    assert "window (V 4096, K 4096 tokens)" in capsys.readouterr().out
+    assert main(["estimate", *SHAPE, "--context", "4096", "--full-precision-first"]) == 2
+    assert "--full-precision-first goes with --cache-budget" in capsys.readouterr().err

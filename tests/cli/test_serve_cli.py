@@ -20,8 +20,9 @@ from kivi.cli import main
     (["--float-cache", "--preset", "extreme"], "--float-cache"),
     (["--preset", "nope"], "preset='nope' is unknown"),
     (["--preset", "extreme", "--config", "x.json"], "either --preset or --config"),
+    (["--preset", "extreme", "--quantize-after", "512"], "KIVI pages in continuous batching quantize from the first"),
 ], ids=["cache-memory", "negative-cache", "max-new-tokens", "max-batch-tokens", "port", "threads",
-        "float-and-preset", "unknown-preset", "preset-and-config"])
+        "float-and-preset", "unknown-preset", "preset-and-config", "quantize-after"])
 def test_bad_options_fail_with_one_line(capsys, argv, message):
     rc = main(["serve", "--model", "/nonexistent/never-loaded", *argv])
     err = capsys.readouterr().err
