@@ -24,6 +24,8 @@ from .common import (
     non_negative_int,
     positive_int,
     token_count,
+    write_json_file,
+    write_outputs,
     output_path,
     positive_float,
 )
@@ -155,7 +157,7 @@ def bits_at_arg(text: str) -> int | None:
 def cmd_tune(args: argparse.Namespace) -> int:
     from ..config import KiviConfig
     from ..eval.candidates import candidate_grid, tiers_comparable
-    from ..eval.sweep import parse_percent, tune
+    from ..eval.sweep import NoCandidateFits, parse_percent, tune
 
     if args.max_ppl_increase is None and args.max_bits is None:
         raise ValueError("give a budget: --max-ppl-increase 5%% and/or --max-bits 4".replace("%%", "%"))
@@ -178,10 +180,18 @@ def cmd_tune(args: argparse.Namespace) -> int:
     num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
     for c in cands:
         c.validate(num_layers=num_layers)  # a profile of another model names layers this one lacks
-    r = tune(model, windows, cands, max_ppl_increase=mpi, max_bits=args.max_bits, profile=profile,
-             prefix=args.prefix, chunk=args.chunk, batch_size=args.batch_size, progress=not args.no_progress,
-             fast=not args.reference_eval, early_stop=args.early_stop or None, bits_at=args.bits_at,
-             profile_windows=profile_windows)
+    try:
+        r = tune(model, windows, cands, max_ppl_increase=mpi, max_bits=args.max_bits, profile=profile,
+                 prefix=args.prefix, chunk=args.chunk, batch_size=args.batch_size, progress=not args.no_progress,
+                 fast=not args.reference_eval, early_stop=args.early_stop or None, bits_at=args.bits_at,
+                 profile_windows=profile_windows)
+    except NoCandidateFits as e:  # the measurements are kept: -o gets them, with no chosen config
+        kept = ""
+        if args.output and not write_outputs([("-o/--output", args.output,
+                                               lambda p: write_json_file(p, {"config": None, "error": str(e),
+                                                                             **e.result}))]):
+            kept = f" (the {len(e.result['evaluated'])} measured candidates were written to {args.output})"
+        raise CliError(f"{e}{kept}") from None
     out = args.write_config
     chosen = KiviConfig.from_dict(r["config"])
     stopped = sum(1 for x in r["evaluated"] if "stopped_early" in x)
@@ -189,7 +199,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     lines = [f"{'candidate (in order of bits)':58s} {'bits':>6s} {'@eval':>6s} {'dppl%':>8s} {'windows':>7s}"]
     for x in r["evaluated"]:
         lines.append(f"{x['name'][:58]:58s} {x['bits_per_element']:6.3f} {x['bits_at_eval']:6.3f} "
-                     f"{x['delta_ppl_pct']:+8.2f} {x['windows']:7d}" + ("  stopped early" if "stopped_early" in x else ""))
+                     f"{x['delta_ppl_pct']:+8.2f} {x['windows']:7d}"
+                     + ("  stopped early" if "stopped_early" in x else ""))
     lines.append(
         f"chose {r['name']}: {r['bits_per_element']:.3f} bits/element ({r['bits_basis']}; {r['bits_at_eval']:.3f} held "
         f"at the end of a {args.context}-token window), ppl {r['ppl']:.4f} vs FP {r['ppl_fp']:.4f} "

@@ -114,6 +114,34 @@ def head_candidates(head_prof: dict[str, Any], spec: Any, bases: Sequence[KiviCo
     return out
 
 
+def profiled_head_candidates(model: Any, windows: Any, spec: Any, *, bases: Sequence[KiviConfig] | None = None,
+                             steps: Sequence[float] = HEAD_STEPS, budgets: Sequence[float] = (),
+                             context: int = PLANNER_TOKENS, prefix: int = 512,
+                             progress: bool = True) -> tuple[list[KiviConfig], list[dict[str, str]]]:
+    """``(per-head candidates, skipped)``: one :func:`~kivi.eval.head_profile.head_profile` pass over ``windows``
+    per (group size, window, sinks) of ``bases`` (default: :func:`head_bases` at each of ``HEAD_GROUP_SIZES``),
+    scoring the bases' widths and ``HEAD_UPGRADE``, then :func:`head_candidates`. A family whose group size does
+    not fit the model (head_dim) is skipped with the reason, before its profile pass."""
+    from .head_profile import bits_per_element, head_profile  # noqa: PLC0415
+
+    bases = list(bases) if bases is not None else [b for g in HEAD_GROUP_SIZES for b in head_bases(g)]
+    families: dict[tuple[int, int, int], list[KiviConfig]] = {}
+    for b in bases:
+        families.setdefault((b.group_size, b.residual_length, b.sink_tokens), []).append(b)
+    out: list[KiviConfig] = []
+    skipped: list[dict[str, str]] = []
+    for (g, res, sinks), fam in families.items():
+        try:
+            bits_per_element(spec, fam[0], context)
+        except ValueError as e:
+            skipped.append({"name": f"per-head mixes G{g} R{res} sink{sinks}", "reason": str(e)})
+            continue
+        widths = sorted({HEAD_UPGRADE} | {w for b in fam for w in (b.k_bits, b.v_bits)})
+        prof = head_profile(model, windows, fam[0], bits=widths, prefix=prefix, progress=progress)
+        out += head_candidates(prof, spec, fam, steps=steps, budgets=budgets, context=context)
+    return out, skipped
+
+
 def candidate_grid(profile: dict[str, Any] | None = None, num_layers: int | None = None, *,
                    sinks: Sequence[int] = SINKS, tiers: bool = False) -> list[KiviConfig]:
     """The static part of tune's search space: :func:`uniform_candidates`, :func:`layer_candidates` of a
@@ -128,5 +156,5 @@ def candidate_grid(profile: dict[str, Any] | None = None, num_layers: int | None
     return c
 
 
-__all__ = ["candidate_grid", "candidate_name", "has_tiers", "uniform_candidates", "layer_candidates", "tier_candidates", "tiers_comparable",
-           "head_bases", "head_candidates"]
+__all__ = ["candidate_grid", "candidate_name", "has_tiers", "head_bases", "head_candidates", "layer_candidates",
+           "profiled_head_candidates", "tier_candidates", "tiers_comparable", "uniform_candidates"]

@@ -12,9 +12,8 @@ import torch
 
 from ..config import KiviConfig
 from .caches import CacheSpec, check_spec, spec_kind, synthetic_bits
-from .candidates import (HEAD_GROUP_SIZES, HEAD_STEPS, HEAD_UPGRADE, PLANNER_TOKENS, candidate_grid, candidate_name,
-                         has_tiers, head_candidates, tiers_comparable)
-from .candidates import head_bases as default_bases
+from .candidates import (HEAD_STEPS, PLANNER_TOKENS, candidate_grid, candidate_name, has_tiers,
+                         profiled_head_candidates, tiers_comparable)
 from .progress import progress_bar
 from .stream import compare, perplexity
 
@@ -141,6 +140,15 @@ def select_config(
     return min(fits, key=lambda r: (r["delta_ppl_pct"], r["bits_per_element"]))
 
 
+class NoCandidateFits(ValueError):
+    """:func:`tune` measured its candidates and none fits the budget; ``result`` holds what it measured (the
+    keys of tune's result except the chosen config's)."""
+
+    def __init__(self, message: str, result: dict[str, Any]):
+        super().__init__(message)
+        self.result = result
+
+
 def tune(
     model: Any,
     windows: torch.Tensor,
@@ -174,10 +182,8 @@ def tune(
     group sizes x 0/4 sinks, per-layer upgrades of a layer ``profile``), position tiers only when
     :func:`~kivi.eval.candidates.tiers_comparable` (bits counted at no more than the windows' length: a
     tiered cache's mix of widths depends on the length), and, given ``profile_windows`` (token windows
-    disjoint from ``windows``), per-head mixes: one :func:`~kivi.eval.head_profile.head_profile` pass per
-    (group size, window, sinks) of ``head_bases`` (default: K2V2 and K4V2 + 4 sinks at each group size of
-    ``HEAD_GROUP_SIZES``), then :func:`~kivi.eval.candidates.head_candidates` at each base's bits +
-    ``head_steps`` (and at ``max_bits``), widening head-sides to ``HEAD_UPGRADE`` bits. Per-head candidates are added to given ``candidates`` too.
+    disjoint from ``windows``), per-head mixes of ``head_bases`` at their bits + ``head_steps`` and at
+    ``max_bits`` (:func:`~kivi.eval.candidates.profiled_head_candidates`), added to given ``candidates`` too.
     A candidate that does not fit the model, or a tiered one whose bits would be counted at a longer
     length than it is measured at, is listed in ``skipped`` with the reason.
 
@@ -192,13 +198,12 @@ def tune(
 
     Returns ``{"config": {...}, "name", "ppl", "ppl_fp", "delta_ppl_pct", "bits_per_element", "bits_basis",
     "bits_at_eval", "bits_planner", "seconds": {"profile", "fp", "candidates"}, "search", "evaluated": [rows],
-    "skipped"}``.
+    "skipped"}``. Raises :class:`NoCandidateFits` (a ``ValueError`` carrying the measured rows) when none fits.
     """
     import time  # noqa: PLC0415
 
     from ..memory.sources import model_spec  # noqa: PLC0415
     from .head_profile import bits_per_element as planner_bits  # noqa: PLC0415
-    from .head_profile import head_profile  # noqa: PLC0415
     from .stream import _Acc, check_windows, measure_window, run_prefill  # noqa: PLC0415
 
     if max_ppl_increase is None and max_bits is None:
@@ -226,20 +231,10 @@ def tune(
     per_head: list[KiviConfig] = []
     if profile_windows is not None:
         t0 = time.time()
-        bases = list(head_bases) if head_bases is not None else [b for g in HEAD_GROUP_SIZES for b in default_bases(g)]
-        families: dict[tuple[int, int, int], list[KiviConfig]] = {}  # one profile per (G, R, sinks)
-        for b in bases:
-            families.setdefault((b.group_size, b.residual_length, b.sink_tokens), []).append(b)
-        for (g, res, sinks), fam in families.items():
-            try:  # a group size that does not fit the model (head_dim) is skipped
-                planner_bits(spec, fam[0], planner_tokens)
-            except ValueError as e:
-                skipped.append({"name": f"per-head mixes G{g} R{res} sink{sinks}", "reason": str(e)})
-                continue
-            widths = sorted({HEAD_UPGRADE} | {w for b in fam for w in (b.k_bits, b.v_bits)})
-            hp = head_profile(model, profile_windows, fam[0], bits=widths, prefix=prefix, progress=progress)
-            per_head += head_candidates(hp, spec, fam, steps=head_steps,
-                                        budgets=[max_bits] if max_bits is not None else [], context=planner_tokens)
+        per_head, why = profiled_head_candidates(model, profile_windows, spec, bases=head_bases, steps=head_steps,
+                                                 budgets=[max_bits] if max_bits is not None else [],
+                                                 context=planner_tokens, prefix=prefix, progress=progress)
+        skipped += why
         seconds["profile"] = round(time.time() - t0, 1)
         cands += per_head
     est = []
@@ -317,29 +312,32 @@ def tune(
         seconds["candidates"] = round(time.time() - t0, 1)
     finally:
         bar.close()
+    cfgs = {id(r): r.pop("_cfg") for r in rows}
+    basis = (f"planner, float16 model, {bits_at} tokens" if bits_at is not None
+             else f"cache.nbytes at the end of a {ctx}-token evaluation window (model dtype)")
+    report = {"ppl_fp": ppl_fp, "bits_basis": basis, "bits_planner_tokens": planner_tokens,
+              "budget": {"max_ppl_increase_pct": max_ppl_increase, "max_bits": max_bits},
+              "protocol": {"windows": int(windows.shape[0]), "context": int(ctx), "prefix": prefix, "chunk": chunk,
+                           "fast": fast, "early_stop": early_stop, "bits_at": bits_at,
+                           "profile_windows": int(profile_windows.shape[0]) if profile_windows is not None else 0},
+              "search": {"candidates": len(cands), "ranked": len(est), "per_head": len(per_head),
+                         "tiers": "searched" if tiers_ok else
+                         f"not searched: bits counted at {bits_at} tokens, longer than the {ctx}-token windows"},
+              "seconds": seconds, "evaluated": rows, "skipped": skipped}
     complete = [r for r in rows if "stopped_early" not in r]
     if not complete:
         best_partial = min(rows, key=lambda r: r["delta_ppl_pct"])
-        raise ValueError(f"no candidate fits the budget max_ppl_increase={max_ppl_increase}%: every one was over "
-                         f"{early_stop:g} x the budget (best: {best_partial['name']}, {best_partial['stopped_early']})")
-    best = select_config(complete, max_ppl_increase=max_ppl_increase, max_bits=max_bits)
-    cfg = best["_cfg"]
-    for r in rows:
-        r.pop("_cfg", None)
-    basis = (f"planner, float16 model, {bits_at} tokens" if bits_at is not None
-             else f"cache.nbytes at the end of a {ctx}-token evaluation window (model dtype)")
-    return {"config": cfg.to_dict(), "name": best["name"], "ppl": best["ppl"], "ppl_fp": ppl_fp,
-            "delta_ppl_pct": best["delta_ppl_pct"], "bits_per_element": best["bits_per_element"], "bits_basis": basis,
-            "bits_at_eval": best["bits_at_eval"], "bits_planner": best["bits_planner"],
-            "bits_planner_tokens": planner_tokens, "cache_bytes": best["cache_bytes"],
-            "budget": {"max_ppl_increase_pct": max_ppl_increase, "max_bits": max_bits},
-            "protocol": {"windows": int(windows.shape[0]), "context": int(ctx), "prefix": prefix, "chunk": chunk,
-                         "fast": fast, "early_stop": early_stop, "bits_at": bits_at,
-                         "profile_windows": int(profile_windows.shape[0]) if profile_windows is not None else 0},
-            "search": {"candidates": len(cands), "ranked": len(est), "per_head": len(per_head),
-                       "tiers": "searched" if tiers_ok else
-                       f"not searched: bits counted at {bits_at} tokens, longer than the {ctx}-token windows"},
-            "seconds": seconds, "evaluated": rows, "skipped": skipped}
+        raise NoCandidateFits(
+            f"no candidate fits the budget max_ppl_increase={max_ppl_increase}%: every one was over {early_stop:g} x "
+            f"the budget (best: {best_partial['name']}, {best_partial['stopped_early']})", report)
+    try:
+        best = select_config(complete, max_ppl_increase=max_ppl_increase, max_bits=max_bits)
+    except ValueError as e:
+        raise NoCandidateFits(str(e), report) from None
+    cfg = cfgs[id(best)]
+    return {"config": cfg.to_dict(), "name": best["name"], "ppl": best["ppl"], "delta_ppl_pct": best["delta_ppl_pct"],
+            "bits_per_element": best["bits_per_element"], "bits_at_eval": best["bits_at_eval"],
+            "bits_planner": best["bits_planner"], "cache_bytes": best["cache_bytes"], **report}
 
 
 # ---------------------------------------------------------------------------- plot

@@ -63,3 +63,13 @@ def test_bad_bits_at_is_one_line(value, capsys):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and "--bits-at" in err and repr(value) in err
     assert "'eval' or a token count" in err
+
+
+def test_nothing_fits_still_writes_what_was_measured(tiny_cli, capsys, tmp_path):
+    out = tmp_path / "t.json"
+    rc = main(["tune", "--max-ppl-increase", "0%", "--max-bits", "2", "--head-profile-windows", "0", "--k-bits", "1",
+               "--v-bits", "1", "--residual-length", "0", "-o", str(out), *PROTO])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "no candidate fits" in err and str(out) in err
+    r = json.loads(out.read_text())
+    assert r["config"] is None and "no candidate fits" in r["error"] and len(r["evaluated"]) >= 1

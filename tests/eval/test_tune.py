@@ -100,5 +100,17 @@ def test_progress_names_the_fp_reference_and_each_candidate(peaked_model, window
     monkeypatch.setattr(sweep, "progress_bar", Bar)
     tune(peaked_model, windows, [A, B], max_bits=1e6, prefix=64, chunk=16)
     assert "fp · FP reference, window 2/2" in seen
-    assert f"{A.describe()} · candidate 1/2, window 1/2" in seen and f"{B.describe()} · candidate 2/2, window 2/2" in seen
+    assert f"{A.describe()} · candidate 1/2, window 1/2" in seen
+    assert f"{B.describe()} · candidate 2/2, window 2/2" in seen
     assert seen[-1] == ("done", 3 * 2 * 128, 3 * 2 * 128)
+
+
+def test_nothing_fits_raises_with_the_measured_rows(peaked_model, windows):
+    from kivi.eval.sweep import NoCandidateFits
+
+    one_bit = KiviConfig(k_bits=1, v_bits=1, residual_length=0)
+    with pytest.raises(NoCandidateFits, match="no candidate fits") as e:
+        tune(peaked_model, windows[:1], [one_bit], max_ppl_increase=0.0, **FAST)
+    rows = e.value.result["evaluated"]
+    assert [r["name"] for r in rows] == [one_bit.describe()] and rows[0]["delta_ppl_pct"] > 0
+    assert "config" not in e.value.result and e.value.result["ppl_fp"] > 0
