@@ -208,6 +208,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
         + (f" ({stopped} stopped early, over {args.early_stop:g} x the budget)" if stopped else "")
         + f"; {r['search']['per_head']} per-head candidates; tiers {r['search']['tiers']}; "
         f"seconds: profile {sec['profile']:.0f}, FP {sec['fp']:.0f}, candidates {sec['candidates']:.0f}")
+    by_reason: dict[str, list[str]] = {}
+    for x in r["skipped"]:
+        by_reason.setdefault(x["reason"], []).append(x["name"])
+    for reason, names in by_reason.items():
+        lines.append(f"skipped {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "") + f": {reason}")
     emit(args, r, "\n".join(lines), writes=[("--write-config", out, chosen.to_json)])
     return 0
 
@@ -236,8 +241,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_profile)
 
     p = subparsers.add_parser("tune", help="cheapest config within a quality (or bits) budget",
-                              description="Measure candidates in order of increasing bits per element and pick the "
-                                          "cheapest within --max-ppl-increase (or the best within --max-bits).")
+                              description="Measure candidates (uniform widths x group sizes x 0/4 sinks, per-head "
+                                          "mixes from a profile of the windows after the tuning ones, per-layer "
+                                          "mixes with --profile, position tiers with --bits-at eval) in order of "
+                                          "increasing bits per element (planner, float16, 32K tokens by default) "
+                                          "and pick the cheapest within --max-ppl-increase (or the best within "
+                                          "--max-bits). docs/evaluation.md")
     add_model_args(p)
     add_text_args(p)
     add_window_args(p, windows=4)

@@ -55,6 +55,9 @@ def test_human_output_lists_candidates_and_both_bits(tiny_cli, capsys):
     assert "candidate (in order of bits)" in out and "@eval" in out
     assert "planner, float16 model, 32768 tokens" in out and "held at the end of a 160-token window" in out
     assert "seconds: profile" in out
+    skipped = [line for line in out.splitlines() if line.startswith("skipped ")]
+    assert any("G64" in line and "and 10 more: group_size=64 must divide head_dim=32" in line for line in skipped)
+    assert any("and 9 more: group_size=128 must divide head_dim=32" in line for line in skipped)
 
 
 @pytest.mark.parametrize("value", ["soon", "0", "-5"])
