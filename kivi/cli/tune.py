@@ -23,6 +23,9 @@ from .common import (
     load_model_and_windows,
     non_negative_int,
     positive_int,
+    token_count,
+    write_json_file,
+    write_outputs,
     output_path,
     positive_float,
 )
@@ -141,9 +144,20 @@ def cmd_head_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def bits_at_arg(text: str) -> int | None:
+    """``--bits-at``: ``eval`` (None) or a token count (``32k``)."""
+    if str(text).strip().lower() == "eval":
+        return None
+    try:
+        return token_count(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not 'eval' or a token count (e.g. 32k, 32768)") from None
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     from ..config import KiviConfig
-    from ..eval.sweep import candidate_grid, parse_percent, tune
+    from ..eval.candidates import candidate_grid, tiers_comparable
+    from ..eval.sweep import NoCandidateFits, parse_percent, tune
 
     if args.max_ppl_increase is None and args.max_bits is None:
         raise ValueError("give a budget: --max-ppl-increase 5%% and/or --max-bits 4".replace("%%", "%"))
@@ -152,27 +166,54 @@ def cmd_tune(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CliError(f"--max-ppl-increase: {e}") from None
     profile = read_profile(args.profile) if args.profile else None
-    cands = candidate_grid(profile)
+    cands = candidate_grid(profile, tiers=tiers_comparable(args.bits_at, args.context))
     extra = config_from_args(args)
     if extra is not None:
         cands.append(extra)
     for f in args.candidates or []:
         cands.append(load_config_file(f, "--candidates"))
     check_window_args(args)
-    model, tok, windows = load_model_and_windows(args)
+    pw = args.head_profile_windows
+    # the head profile reads the windows right after the tuning ones: text the candidates are not scored on
+    model, tok, both = load_model_and_windows(argparse.Namespace(**{**vars(args), "windows": args.windows + pw}))
+    windows, profile_windows = both[: args.windows], (both[args.windows:] if pw else None)
     num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
     for c in cands:
         c.validate(num_layers=num_layers)  # a profile of another model names layers this one lacks
-    r = tune(model, windows, cands, max_ppl_increase=mpi, max_bits=args.max_bits, profile=profile,
-             prefix=args.prefix, chunk=args.chunk, batch_size=args.batch_size, progress=not args.no_progress,
-             fast=not args.reference_eval, early_stop=args.early_stop or None)
+    try:
+        r = tune(model, windows, cands, max_ppl_increase=mpi, max_bits=args.max_bits, profile=profile,
+                 prefix=args.prefix, chunk=args.chunk, batch_size=args.batch_size, progress=not args.no_progress,
+                 fast=not args.reference_eval, early_stop=args.early_stop or None, bits_at=args.bits_at,
+                 profile_windows=profile_windows)
+    except NoCandidateFits as e:  # the measurements are kept: -o gets them, with no chosen config
+        kept = ""
+        if args.output and not write_outputs([("-o/--output", args.output,
+                                               lambda p: write_json_file(p, {"config": None, "error": str(e),
+                                                                             **e.result}))]):
+            kept = f" (the {len(e.result['evaluated'])} measured candidates were written to {args.output})"
+        raise CliError(f"{e}{kept}") from None
     out = args.write_config
     chosen = KiviConfig.from_dict(r["config"])
     stopped = sum(1 for x in r["evaluated"] if "stopped_early" in x)
-    human = (f"chose {r['name']}: {r['bits_per_element']:.3f} bits/element, ppl {r['ppl']:.4f} vs FP {r['ppl_fp']:.4f} "
-             f"({r['delta_ppl_pct']:+.2f}%) after measuring {len(r['evaluated'])} candidates"
-             + (f" ({stopped} stopped early, over {args.early_stop:g} x the budget)" if stopped else ""))
-    emit(args, r, human, writes=[("--write-config", out, chosen.to_json)])
+    sec = r["seconds"]
+    lines = [f"{'candidate (in order of bits)':58s} {'bits':>6s} {'@eval':>6s} {'dppl%':>8s} {'windows':>7s}"]
+    for x in r["evaluated"]:
+        lines.append(f"{x['name'][:58]:58s} {x['bits_per_element']:6.3f} {x['bits_at_eval']:6.3f} "
+                     f"{x['delta_ppl_pct']:+8.2f} {x['windows']:7d}"
+                     + ("  stopped early" if "stopped_early" in x else ""))
+    lines.append(
+        f"chose {r['name']}: {r['bits_per_element']:.3f} bits/element ({r['bits_basis']}; {r['bits_at_eval']:.3f} held "
+        f"at the end of a {args.context}-token window), ppl {r['ppl']:.4f} vs FP {r['ppl_fp']:.4f} "
+        f"({r['delta_ppl_pct']:+.2f}%) after measuring {len(r['evaluated'])} of {r['search']['ranked']} candidates"
+        + (f" ({stopped} stopped early, over {args.early_stop:g} x the budget)" if stopped else "")
+        + f"; {r['search']['per_head']} per-head candidates; tiers {r['search']['tiers']}; "
+        f"seconds: profile {sec['profile']:.0f}, FP {sec['fp']:.0f}, candidates {sec['candidates']:.0f}")
+    by_reason: dict[str, list[str]] = {}
+    for x in r["skipped"]:
+        by_reason.setdefault(x["reason"], []).append(x["name"])
+    for reason, names in by_reason.items():
+        lines.append(f"skipped {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "") + f": {reason}")
+    emit(args, r, "\n".join(lines), writes=[("--write-config", out, chosen.to_json)])
     return 0
 
 
@@ -200,8 +241,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_profile)
 
     p = subparsers.add_parser("tune", help="cheapest config within a quality (or bits) budget",
-                              description="Measure candidates in order of increasing bits per element and pick the "
-                                          "cheapest within --max-ppl-increase (or the best within --max-bits).")
+                              description="Measure candidates (uniform widths x group sizes x 0/4 sinks, per-head "
+                                          "mixes from a profile of the windows after the tuning ones, per-layer "
+                                          "mixes with --profile, position tiers with --bits-at eval) in order of "
+                                          "increasing bits per element (planner, float16, 32K tokens by default) "
+                                          "and pick the cheapest within --max-ppl-increase (or the best within "
+                                          "--max-bits). docs/evaluation.md")
     add_model_args(p)
     add_text_args(p)
     add_window_args(p, windows=4)
@@ -210,6 +255,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-bits", type=positive_float, default=None, help="bits per element budget")
     p.add_argument("--profile", default=None, help="`kivi profile --json` output: adds per-layer candidates")
     p.add_argument("--candidates", nargs="*", default=None, help="extra KiviConfig JSON files to consider")
+    p.add_argument("--bits-at", type=bits_at_arg, default=32768,
+                   help="rank and budget candidates by bits per element as the planner counts them for a float16 "
+                   "model at this many tokens (default 32k, the issue's definition; byte-exact against cache.nbytes), "
+                   "or 'eval': what the cache held at the end of an evaluation window (model dtype; the FP window "
+                   "weighs a lot at 1K). Position tiers are searched only when bits are counted at no more than "
+                   "--context tokens (docs/evaluation.md)")
+    p.add_argument("--head-profile-windows", type=non_negative_int, default=2,
+                   help="windows (the ones right after the tuning windows) of the per-head profile pass that "
+                   "generates per-head candidates; 0 = no per-head candidates (default 2)")
     p.add_argument("--early-stop", type=early_stop_factor, default=2.0,
                    help="drop a candidate after a window once its Δppl so far exceeds this many times the "
                    "--max-ppl-increase budget (default 2; 0 = measure every window)")

@@ -15,7 +15,8 @@ _LAZY = {
     "stream": ("compare", "kl_divergence", "perplexity", "score_continuation", "token_agreement"),
     "passkey": ("passkey", "passkey_prompt"),
     "profile": ("layer_profile", "recommend_layer_config"),
-    "sweep": ("sweep", "select_config", "tune", "default_grid", "candidate_grid", "pareto_plot", "write_rows"),
+    "sweep": ("sweep", "select_config", "tune", "default_grid", "pareto_plot", "write_rows"),
+    "candidates": ("candidate_grid",),
 }
 
 __all__ = [

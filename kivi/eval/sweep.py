@@ -12,6 +12,8 @@ import torch
 
 from ..config import KiviConfig
 from .caches import CacheSpec, check_spec, spec_kind, synthetic_bits
+from .candidates import (HEAD_STEPS, PLANNER_TOKENS, candidate_grid, candidate_name, has_tiers,
+                         profiled_head_candidates, tiers_comparable)
 from .progress import progress_bar
 from .stream import compare, perplexity
 
@@ -138,25 +140,13 @@ def select_config(
     return min(fits, key=lambda r: (r["delta_ppl_pct"], r["bits_per_element"]))
 
 
-def candidate_grid(profile: dict[str, Any] | None = None, num_layers: int | None = None) -> list[KiviConfig]:
-    """Configs `kivi tune` chooses from: 4/4, 4/2, 2/4, 3/3, 2/2 at group sizes 32/64/128, and (given
-    a layer profile) 2/2 with the 2/4/8 most sensitive layers' keys at 4 bits; all with 4 sink
-    tokens (they cost 4 full-precision tokens and helped every config measured, results/README.md).
-    The spec's error compensation is not a candidate: measured, it does not pay for its bits."""
-    c: list[KiviConfig] = []
-    for g in (32, 64, 128):
-        for kb, vb in ((4, 4), (4, 2), (2, 4), (3, 3), (2, 2)):
-            c.append(KiviConfig(k_bits=kb, v_bits=vb, group_size=g, residual_length=128, sink_tokens=4))
-    if profile is not None:
-        from .profile import recommend_layer_config  # noqa: PLC0415
+class NoCandidateFits(ValueError):
+    """:func:`tune` measured its candidates and none fits the budget; ``result`` holds what it measured (the
+    keys of tune's result except the chosen config's)."""
 
-        ranking = profile["ranking"]
-        for n in (2, 4, 8):
-            if n <= len(ranking):
-                for g in (32, 64):
-                    base = KiviConfig(group_size=g, sink_tokens=4)
-                    c.append(recommend_layer_config(profile, base, num_layers=n))
-    return c
+    def __init__(self, message: str, result: dict[str, Any]):
+        super().__init__(message)
+        self.result = result
 
 
 def tune(
@@ -173,24 +163,47 @@ def tune(
     progress: bool = True,
     fast: bool = True,
     early_stop: float | None = 2.0,
+    bits_at: int | None = PLANNER_TOKENS,
+    profile_windows: torch.Tensor | None = None,
+    head_steps: Sequence[float] = HEAD_STEPS,
+    head_bases: Sequence[KiviConfig] | None = None,
 ) -> dict[str, Any]:
     """Cheapest candidate within a Δppl budget (or best within a bits budget), measured.
 
-    Bits per element of every candidate come first from a synthetic fill of a real cache (cheap,
-    exact for the storage layout); perplexities are then measured in order of increasing bits,
-    stopping at the first candidate within ``max_ppl_increase`` (with only ``max_bits``, every
-    candidate under it is measured). The chosen config's reported numbers are measured ones.
+    **Bits.** ``bits_at`` (default 32768): candidates are ranked and budgeted by the issue's bits per
+    element, the planner's cache bytes for a float16 model at ``bits_at`` tokens
+    (:func:`kivi.eval.head_profile.bits_per_element`, byte-exact against ``cache.nbytes``); ``None``: by
+    the bits the real cache holds at the end of an evaluation window (a synthetic fill in the model's
+    dtype, where the 128-token FP window weighs a lot at 1K tokens). Every row reports both:
+    ``bits_per_element`` (the ranking basis, ``bits_basis``), ``bits_at_eval`` (``cache.nbytes`` of the
+    measured cache at the window's end) and ``bits_planner`` (planner, float16, ``bits_at`` or 32768 tokens).
 
-    The FP pass runs first, once: per window the full-precision prefill (kept, and replayed into
-    every candidate's cache, :class:`~kivi.eval.stream.Prefill`) and the FP perplexity. ``fast``:
-    :func:`~kivi.eval.stream.compare`'s fast mode (packed attention, one forward per continuation).
-    ``early_stop`` (with ``max_ppl_increase``): a candidate is dropped after a window when its Δppl
-    over the windows measured so far exceeds ``early_stop`` x the budget; it is listed with
-    ``"stopped_early"`` and never chosen (``None`` or 0: measure every window).
+    **Search space** (``candidates`` ``None``): :func:`~kivi.eval.candidates.candidate_grid` (uniform widths x
+    group sizes x 0/4 sinks, per-layer upgrades of a layer ``profile``), position tiers only when
+    :func:`~kivi.eval.candidates.tiers_comparable` (bits counted at no more than the windows' length: a
+    tiered cache's mix of widths depends on the length), and, given ``profile_windows`` (token windows
+    disjoint from ``windows``), per-head mixes of ``head_bases`` at their bits + ``head_steps`` and at
+    ``max_bits`` (:func:`~kivi.eval.candidates.profiled_head_candidates`), added to given ``candidates`` too.
+    A candidate that does not fit the model, or a tiered one whose bits would be counted at a longer
+    length than it is measured at, is listed in ``skipped`` with the reason.
 
-    Returns ``{"config": {...}, "name", "ppl", "ppl_fp", "delta_ppl_pct", "bits_per_element",
-    "evaluated": [rows]}``.
+    Perplexities are measured in order of increasing bits, stopping at the first candidate within
+    ``max_ppl_increase`` (with only ``max_bits``, every candidate under it is measured). The FP pass runs
+    first, once: per window the full-precision prefill (kept, and replayed into every candidate's cache,
+    :class:`~kivi.eval.stream.Prefill`) and the FP perplexity. ``fast``: :func:`~kivi.eval.stream.compare`'s
+    fast mode (packed attention, one forward per continuation). ``early_stop`` (with ``max_ppl_increase``):
+    a candidate is dropped after a window when its Δppl over the windows measured so far exceeds
+    ``early_stop`` x the budget; it is listed with ``"stopped_early"`` and never chosen (``None`` or 0:
+    measure every window).
+
+    Returns ``{"config": {...}, "name", "ppl", "ppl_fp", "delta_ppl_pct", "bits_per_element", "bits_basis",
+    "bits_at_eval", "bits_planner", "seconds": {"profile", "fp", "candidates"}, "search", "evaluated": [rows],
+    "skipped"}``. Raises :class:`NoCandidateFits` (a ``ValueError`` carrying the measured rows) when none fits.
     """
+    import time  # noqa: PLC0415
+
+    from ..memory.sources import model_spec  # noqa: PLC0415
+    from .head_profile import bits_per_element as planner_bits  # noqa: PLC0415
     from .stream import _Acc, check_windows, measure_window, run_prefill  # noqa: PLC0415
 
     if max_ppl_increase is None and max_bits is None:
@@ -200,17 +213,44 @@ def tune(
         raise ValueError(f"early_stop={early_stop!r} must be None, 0 (off) or a factor >= 1 of the budget")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if bits_at is not None and (isinstance(bits_at, bool) or not isinstance(bits_at, int) or bits_at < 1):
+        raise ValueError(f"bits_at={bits_at!r} must be None (bits held at the evaluation context) or a positive "
+                         "number of tokens")
     windows = check_windows(windows, prefix, chunk)
-    cands = list(candidates if candidates is not None else candidate_grid(profile))
-    if not cands:
-        raise ValueError("no candidate configs")
     ctx = windows.shape[-1]
-    est, skipped = [], []
+    if profile_windows is not None:
+        profile_windows = check_windows(profile_windows, prefix, chunk)
+    tiers_ok = tiers_comparable(bits_at, ctx)
+    cands = list(candidates) if candidates is not None else candidate_grid(profile, tiers=tiers_ok)
+    if not cands and profile_windows is None:
+        raise ValueError("no candidate configs")
+    planner_tokens = bits_at if bits_at is not None else PLANNER_TOKENS
+    spec = model_spec(model, dtype="float16")
+    seconds = {"profile": 0.0, "fp": 0.0, "candidates": 0.0}
+    skipped: list[dict[str, str]] = []
+    per_head: list[KiviConfig] = []
+    if profile_windows is not None:
+        t0 = time.time()
+        per_head, why = profiled_head_candidates(model, profile_windows, spec, bases=head_bases, steps=head_steps,
+                                                 budgets=[max_bits] if max_bits is not None else [],
+                                                 context=planner_tokens, prefix=prefix, progress=progress)
+        skipped += why
+        seconds["profile"] = round(time.time() - t0, 1)
+        cands += per_head
+    est = []
     for i, c in enumerate(cands):
+        if has_tiers(c) and not tiers_ok:
+            skipped.append({"name": candidate_name(c), "reason": (
+                f"position tiers: measured on {ctx}-token windows but bits counted at {bits_at} tokens, where its "
+                "tokens sit in other tiers; count bits at the evaluation context (bits_at=None, --bits-at eval)")})
+            continue
         try:  # a candidate that does not fit this model (e.g. group_size vs head_dim) is skipped
-            est.append((synthetic_bits(model, c, ctx, prefix=prefix, chunk=chunk), i, c))
+            plan = planner_bits(spec, c, planner_tokens)
+            rank = plan if bits_at is not None else synthetic_bits(model, c, ctx, prefix=prefix, chunk=chunk)
         except ValueError as e:
-            skipped.append({"name": c.describe(), "reason": str(e)})
+            skipped.append({"name": candidate_name(c), "reason": str(e)})
+            continue
+        est.append((rank, i, c, plan))
     if not est:
         raise ValueError(f"no candidate config fits this model: {skipped[0]['reason'] if skipped else ''}")
     est.sort(key=lambda t: (t[0], t[1]))
@@ -228,6 +268,7 @@ def tune(
     rows = []
     stop_at = early_stop * max_ppl_increase if early_stop and max_ppl_increase is not None else None
     try:
+        t0 = time.time()
         for j, ids in enumerate(batches):
             pre = run_prefill(model, ids, prefix) if fast else None
             before = (fp.nll, fp.tokens)
@@ -236,12 +277,14 @@ def tune(
             fp_nll.append((fp.nll - before[0], fp.tokens - before[1]))
             prefills.append(pre)
         ppl_fp = math.exp(fp.nll / fp.tokens)
-        for k, (bits_est, _, c) in enumerate(est):
+        seconds["fp"] = round(time.time() - t0, 1)
+        t0 = time.time()
+        for k, (rank, _, c, plan) in enumerate(est):
             acc = _Acc(c)
             stopped = None
             for j, ids in enumerate(batches):
                 measure_window(model, ids, acc, prefix=prefix, chunk=chunk, prefill=prefills[j], fast=fast, bar=bar,
-                               where=f"window {j + 1}/{per_window}, candidate {k + 1}/{len(est)}")
+                               where=f"candidate {k + 1}/{len(est)}, window {j + 1}/{per_window}")
                 ref_nll = sum(x[0] for x in fp_nll[: j + 1]) / sum(x[1] for x in fp_nll[: j + 1])
                 partial = 100.0 * (math.exp(acc.nll / acc.tokens - ref_nll) - 1.0)
                 if stop_at is not None and j + 1 < per_window and partial > stop_at:
@@ -251,7 +294,11 @@ def tune(
             r = acc.result()
             done = fp_nll[: j + 1]  # the FP perplexity of the windows this candidate ran on
             r["delta_ppl_pct"] = 100.0 * (r["ppl"] / math.exp(sum(x[0] for x in done) / sum(x[1] for x in done)) - 1.0)
-            r["bits_estimated"] = bits_est
+            r["name"] = candidate_name(c)
+            r["bits_at_eval"] = r["bits_per_element"]
+            r["bits_planner"] = plan
+            r["bits_per_element"] = rank if bits_at is not None else r["bits_at_eval"]
+            r["bits_estimated"] = rank
             r["_cfg"] = c
             if stopped is not None:
                 r["stopped_early"] = (f"Δppl {stopped:+.2f}% after {r['windows']} of {windows.shape[0]} windows "
@@ -262,23 +309,35 @@ def tune(
             if stopped is None and max_ppl_increase is not None and r["delta_ppl_pct"] <= max_ppl_increase and (
                     max_bits is None or r["bits_per_element"] <= max_bits):
                 break
+        seconds["candidates"] = round(time.time() - t0, 1)
     finally:
         bar.close()
+    cfgs = {id(r): r.pop("_cfg") for r in rows}
+    basis = (f"planner, float16 model, {bits_at} tokens" if bits_at is not None
+             else f"cache.nbytes at the end of a {ctx}-token evaluation window (model dtype)")
+    report = {"ppl_fp": ppl_fp, "bits_basis": basis, "bits_planner_tokens": planner_tokens,
+              "budget": {"max_ppl_increase_pct": max_ppl_increase, "max_bits": max_bits},
+              "protocol": {"windows": int(windows.shape[0]), "context": int(ctx), "prefix": prefix, "chunk": chunk,
+                           "fast": fast, "early_stop": early_stop, "bits_at": bits_at,
+                           "profile_windows": int(profile_windows.shape[0]) if profile_windows is not None else 0},
+              "search": {"candidates": len(cands), "ranked": len(est), "per_head": len(per_head),
+                         "tiers": "searched" if tiers_ok else
+                         f"not searched: bits counted at {bits_at} tokens, longer than the {ctx}-token windows"},
+              "seconds": seconds, "evaluated": rows, "skipped": skipped}
     complete = [r for r in rows if "stopped_early" not in r]
     if not complete:
         best_partial = min(rows, key=lambda r: r["delta_ppl_pct"])
-        raise ValueError(f"no candidate fits the budget max_ppl_increase={max_ppl_increase}%: every one was over "
-                         f"{early_stop:g} x the budget (best: {best_partial['name']}, {best_partial['stopped_early']})")
-    best = select_config(complete, max_ppl_increase=max_ppl_increase, max_bits=max_bits)
-    cfg = best["_cfg"]
-    for r in rows:
-        r.pop("_cfg", None)
-    return {"config": cfg.to_dict(), "name": cfg.describe(), "ppl": best["ppl"], "ppl_fp": ppl_fp,
-            "delta_ppl_pct": best["delta_ppl_pct"], "bits_per_element": best["bits_per_element"],
-            "cache_bytes": best["cache_bytes"], "budget": {"max_ppl_increase_pct": max_ppl_increase, "max_bits": max_bits},
-            "protocol": {"windows": int(windows.shape[0]), "context": int(ctx), "prefix": prefix, "chunk": chunk,
-                         "fast": fast, "early_stop": early_stop},
-            "evaluated": rows, "skipped": skipped}
+        raise NoCandidateFits(
+            f"no candidate fits the budget max_ppl_increase={max_ppl_increase}%: every one was over {early_stop:g} x "
+            f"the budget (best: {best_partial['name']}, {best_partial['stopped_early']})", report)
+    try:
+        best = select_config(complete, max_ppl_increase=max_ppl_increase, max_bits=max_bits)
+    except ValueError as e:
+        raise NoCandidateFits(str(e), report) from None
+    cfg = cfgs[id(best)]
+    return {"config": cfg.to_dict(), "name": best["name"], "ppl": best["ppl"], "delta_ppl_pct": best["delta_ppl_pct"],
+            "bits_per_element": best["bits_per_element"], "bits_at_eval": best["bits_at_eval"],
+            "bits_planner": best["bits_planner"], "cache_bytes": best["cache_bytes"], **report}
 
 
 # ---------------------------------------------------------------------------- plot
