@@ -201,8 +201,15 @@ def summarize(paths: list[str], csv_path: str | None, plot: str | None,
     runs = [json.loads(Path(p).read_text()) for p in paths]
     d = runs[0]
     for other, p in zip(runs[1:], paths[1:]):
-        if other["protocol"]["windows"] != d["protocol"]["windows"] or abs(other["fp"]["ppl"] - d["fp"]["ppl"]) > 1e-9:
+        # The same windows give the same FP perplexity up to float rounding: the fast evaluation's FP runs
+        # 512-token forwards, the reference one 16-token chunks (19.651518 vs 19.651340 on the 20 windows).
+        # Every row keeps the delta it measured against its own run's FP.
+        rel = abs(other["fp"]["ppl"] / d["fp"]["ppl"] - 1.0)
+        if other["protocol"]["windows"] != d["protocol"]["windows"] or rel > 1e-4:
             raise SystemExit(f"{p}: different windows or FP perplexity than {paths[0]}; not comparable")
+        if rel > 1e-9:
+            print(f"note: {p}: FP perplexity {other['fp']['ppl']:.6f} vs {d['fp']['ppl']:.6f} (rounding of another "
+                  "evaluation path); its rows keep their own deltas")
     fp = dict(d["fp"], kind="fp", delta_ppl_pct=0.0, kl=0.0, top1_agreement=1.0, bits_32k=16.0)  # a float16 model
     rows = [fp]
     seen = set()

@@ -94,3 +94,22 @@ def test_nbytes_bits_read_a_real_cache_and_equal_the_planner(monkeypatch):
     want = 8 * e.kivi_total_bytes / (2 * e.num_layers * e.num_kv_heads * e.head_dim * 301)
     assert got == pytest.approx(want, abs=1e-4) and got < 8
     assert suite._nbytes_bits("tiny", "quanto-int4", 301) is None and suite._nbytes_bits("tiny", cfg, None) is None
+
+
+@pytest.mark.parametrize("fp_other, ok", [(20.0 * (1 + 5e-6), True), (20.0 * (1 + 1e-3), False)])
+def test_summary_accepts_fp_rounding_but_not_other_windows(tmp_path, capsys, fp_other, ok):
+    def run(fp):
+        row = dict(name="r", config=KiviConfig().to_dict(), ppl=21.0, nll=3.0, bits_per_element=8.0, cache_bytes=1,
+                   delta_ppl_pct=5.0, kl=0.1, top1_agreement=0.8, tokens_scored=10, windows=1)
+        return {"model": SPEC, "protocol": {"windows": 1, "context": 1024, "prefix": 512, "chunk": 16},
+                "fp": dict(name="fp", ppl=fp, bits_per_element=32.0, cache_bytes=4), "results": [row]}
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(run(20.0)))
+    b.write_text(json.dumps(run(fp_other)))
+    if ok:
+        assert suite.summarize([str(a), str(b)], None, None) == 0
+        assert "rounding of another evaluation path" in capsys.readouterr().out
+    else:
+        with pytest.raises(SystemExit, match="not comparable"):
+            suite.summarize([str(a), str(b)], None, None)
