@@ -44,7 +44,9 @@ class AttentionView:
     will hold: key groups are fixed aligned groups and values are quantized per token, so a
     token's quantized value does not depend on when it is quantized). The rule is
     :func:`kivi.cache.schedule.query_boundaries`; ``None`` for every decode step (``n = 1``) and
-    for a prefill into an empty layer.
+    for a prefill into an empty layer. A side with position tiers also moves stored tokens down the
+    tiers at each step: its view carries ``variants`` / ``choice`` (below) instead of ``left``.
+    Readers walk either form through :meth:`variant_region`.
     """
 
     store: "BlockStore"
