@@ -47,7 +47,7 @@ from ..quant.fused_cpu import quantize_tokens_into, token_quantizer_supported
 from ..quant.demote import demote_kv
 from ..quant.kv import PackedKV, dequantize_kv, quantize_kv, token_divisor
 from .schedule import (flush_count, key_group_start, layer_sink_tokens, prefill_exact_queries, query_boundaries,
-                       query_tier_ranges, sliding_cut, tier_keeps, window_exits)
+                       query_tier_ranges, sliding_cut, tier_keeps, tier_ranges, window_exits)
 from .store import BlockStore, FpSegment
 from .tiers import TierChain
 from .support import check_head_dim
@@ -319,10 +319,10 @@ class KiviLayer(CacheLayerMixin):
         tokens left the window, which ``left`` says.
         """
         cfg = self.config
-        rule = (side.axis, window, n, cfg.residual_length, cfg.group_size, side.sink_len, self.sink_tokens,
-                view.split - side.sink_len, tuple(reversed(side.keeps)))  # keeps: newest tier first
-        ranges = query_tier_ranges(*rule, exact=exact)
-        pre = query_tier_ranges(*rule[:2], 1, *rule[3:], exact=1)[0]  # the tiers before the forward's moves
+        stored, keeps = view.split - side.sink_len, tuple(reversed(side.keeps))  # keeps: newest tier first
+        ranges = query_tier_ranges(side.axis, window, n, cfg.residual_length, cfg.group_size, side.sink_len,
+                                   self.sink_tokens, stored, keeps, exact=exact)
+        pre = tier_ranges(side.axis, stored, keeps, cfg.group_size)  # the tiers before the forward
         stores = list(reversed(side.chain))  # newest tier first, as before this forward
         bits = [side.bits] + [side.older_bits[len(side.older) - j] for j in range(1, len(stores))]
         # Per query and tier: the tokens that query reads at that tier but the view's base does not.

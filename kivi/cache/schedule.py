@@ -213,13 +213,19 @@ def query_tier_ranges(axis: str, window: int, n: int, residual_length: int, grou
     for i in range(n):
         take, moved = (0, 0) if i < exact else window_exits(axis, window + i, residual_length, group_size,
                                                             sink_len, sink_tokens)
-        hi = take + moved
-        ranges = []
-        for count in tier_tokens(axis, stored + moved, keeps, group_size):
-            ranges.append((hi - count, hi))
-            hi -= count
-        out.append(tuple(ranges))
+        out.append(tier_ranges(axis, stored + moved, keeps, group_size, end=take + moved))
     return tuple(out)
+
+
+def tier_ranges(axis: str, stored: int, keeps: tuple[int, ...], group_size: int, end: int = 0
+                ) -> tuple[tuple[int, int], ...]:
+    """``(lo, hi)`` of each quantized tier, newest first, when ``stored`` tokens left the window and the
+    newest stored token ends at ``end`` (:func:`tier_tokens` laid out backwards from ``end``)."""
+    ranges, hi = [], end
+    for count in tier_tokens(axis, stored, keeps, group_size):
+        ranges.append((hi - count, hi))
+        hi -= count
+    return tuple(ranges)
 
 
 # --------------------------------------------------------------------------- block allocation
@@ -267,5 +273,5 @@ def freed_tokens(start: int, first_append: int, block_size: int) -> int:
 __all__ = [
     "KEY_AXIS", "VALUE_AXIS", "layer_sink_tokens", "sink_take", "flush_count", "window_exits", "query_boundaries", "prefill_exact_queries", "side_tokens", "quantizing",
     "first_store_seen", "key_group_start",
-    "sliding_cut", "first_block_tokens", "tier_keeps", "tier_tokens", "tier_passed", "query_tier_ranges", "allocated_tokens", "freed_tokens",
+    "sliding_cut", "first_block_tokens", "tier_keeps", "tier_tokens", "tier_passed", "query_tier_ranges", "tier_ranges", "allocated_tokens", "freed_tokens",
 ]
