@@ -321,7 +321,8 @@ class KiviLayer(CacheLayerMixin):
         cfg = self.config
         stored, keeps = view.split - side.sink_len, tuple(reversed(side.keeps))  # keeps: newest tier first
         ranges = query_tier_ranges(side.axis, window, n, cfg.residual_length, cfg.group_size, side.sink_len,
-                                   self.sink_tokens, stored, keeps, exact=exact)
+                                   self.sink_tokens, stored, keeps, exact=exact, before=side.store.length,
+                                   quantize_after=cfg.quantize_after)
         pre = tier_ranges(side.axis, stored, keeps, cfg.group_size)  # the tiers before the forward
         stores = list(reversed(side.chain))  # newest tier first, as before this forward
         bits = [side.bits] + [side.older_bits[len(side.older) - j] for j in range(1, len(stores))]

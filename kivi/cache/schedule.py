@@ -195,8 +195,8 @@ def tier_passed(axis: str, stored: int, keeps: tuple[int, ...], group_size: int)
 
 
 def query_tier_ranges(axis: str, window: int, n: int, residual_length: int, group_size: int, sink_len: int,
-                      sink_tokens: int, stored: int, keeps: tuple[int, ...], exact: int = 0
-                      ) -> tuple[tuple[tuple[int, int], ...], ...]:
+                      sink_tokens: int, stored: int, keeps: tuple[int, ...], exact: int = 0, before: int = 0,
+                      quantize_after: int = 0) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Which tokens each query of a forward of ``n`` reads at each quantized tier: the tier state one-token
     decoding would have at that query's step (the one rule for it; :func:`query_boundaries` is its window part).
 
@@ -207,12 +207,12 @@ def query_tier_ranges(axis: str, window: int, n: int, residual_length: int, grou
     hold :func:`tier_tokens` of that, newest at the end. Returns, per query, ``(lo, hi)`` per quantized
     tier, newest first, relative to ``split`` (negative: tokens stored before the forward); the oldest
     tier ends at the first stored token. The first ``exact`` queries (a prefill's prompt) see the tiers
-    as they were before the forward.
+    as they were before the forward. ``before`` / ``quantize_after``: as in :func:`query_boundaries`.
     """
     out = []
     for i in range(n):
         take, moved = (0, 0) if i < exact else window_exits(axis, window + i, residual_length, group_size,
-                                                            sink_len, sink_tokens)
+                                                            sink_len, sink_tokens, before, quantize_after)
         out.append(tier_ranges(axis, stored + moved, keeps, group_size, end=take + moved))
     return tuple(out)
 

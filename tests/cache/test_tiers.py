@@ -197,7 +197,7 @@ def _one_token_vs_forward(kw, P, n, dtype, backend, ratio=2, B=1, H=2, D=32, see
     return torch.cat(outs, dim=2), run_backend(backend, q, *views, scaling=None, attention_mask=None), views
 
 
-@pytest.mark.parametrize("kw", CONFIGS)
+@pytest.mark.parametrize("kw", [*CONFIGS, pytest.param({**T3, "quantize_after": 100}, id="K4-2-after100")])
 @pytest.mark.parametrize("P,n", [(150, 7), (97, 61), (5, 140), (203, 33)], ids=["verify", "chunk", "long", "odd"])
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
