@@ -22,12 +22,14 @@ CONFIGS = {
     "2-2": dict(k_bits=2, v_bits=2),
     "balanced": dict(k_bits=4, v_bits=2, sink_tokens=4),
     "4-4": dict(k_bits=4, v_bits=4),
+    # position tiers small enough that every verify forward demotes tokens (docs/tiers.md)
+    "tiers": dict(k_bits=4, v_bits=4, sink_tokens=4, tiers=[(16, None), (16, 4), (None, 2)]),
 }
 NEW = 200
 SCALE = 3.0
 # Each case generates 2 x 200 tokens (about 20-60 s on the shared 2-core box): the default suite runs
 # one case per kind of speculation, KIVI_SLOW=1 runs all of them.
-FAST = {("cpu", "2-2"), ("cpu", "balanced")}
+FAST = {("cpu", "2-2"), ("cpu", "balanced"), ("cpu", "tiers")}
 CASES = [pytest.param(b, c, id=f"{c}-{b}", marks=() if (b, c) in FAST else pytest.mark.slow)
          for b in ("reference", "cpu") for c in CONFIGS]
 

@@ -24,9 +24,11 @@ GQA: the query heads sharing a kv head are folded into the row axis (``[B, Hkv, 
 the cache is never repeated. Masks: see :mod:`kivi.attention.reference`.
 
 Per-query precision (views with ``fp_from``, see :class:`~kivi.cache.view.AttentionView`): the
-tokens ``[split, split + M)`` are read twice, from ``left`` and from ``fp``, and each query row
-takes its own (a ``torch.where`` on the scores for keys, split weights for values). Only those at
-most ``n + G`` tokens cost double; the rest of the walk is unchanged.
+tokens of the view's per-query region (``variant_region``: ``[split, split + M)`` read from ``left``
+or ``fp``; with position tiers also the stored tokens demoted during the forward, one version per
+tier) are read once per version, and each query row takes its own (a ``torch.where`` on the scores
+for keys, split weights for values). Only those tokens (at most about ``n + G`` per tier boundary)
+cost more; the rest of the walk is unchanged.
 """
 
 from __future__ import annotations
@@ -86,11 +88,13 @@ def _slice_value_seg(seg: PackedKV, a: int, b: int) -> PackedKV:
     return seg.with_tensors(**{k: v[:, :, a:b] for k, v in seg.tensors().items()})
 
 
-def _key_chunks(view: AttentionView, block_tokens: int):
-    """Yield ``(first_token, kind, obj)``: kind "q" (PackedKV) or "fp" (tensor), in token order."""
+def _key_chunks(view: AttentionView, block_tokens: int, region):
+    """Yield ``(first_token, kind, obj)`` in token order: kind "q" (PackedKV), "fp" (tensor) or "multi"
+    (``(offset in the per-query region, [version tensors])``, ``region = view.variant_region()``)."""
     if view.sink is not None:
         yield 0, "fp", view.sink
-    for t0, seg in view.store.iter_blocks(view.split):
+    store_end = view.split if region is None else min(view.split, region[0])
+    for t0, seg in view.store.iter_blocks(store_end):
         if view.quantized:
             bt = max(seg.group_size, block_tokens // seg.group_size * seg.group_size)
             for a in range(0, seg.num_tokens, bt):
@@ -100,24 +104,32 @@ def _key_chunks(view: AttentionView, block_tokens: int):
             for a in range(0, seg.num_tokens, block_tokens):
                 yield t0 + a, "fp", seg.data[:, :, a : a + block_tokens]
     fp = view.fp
-    m = 0 if view.left is None else view.left.shape[-2]
-    for a in range(0, m, block_tokens):  # per-query precision: both versions of these tokens
-        yield view.split + a, "dual", (view.left[:, :, a : min(m, a + block_tokens)], fp[:, :, a : min(m, a + block_tokens)])
+    m = 0
+    if region is not None:  # per-query precision: every version of these tokens
+        first, versions, _ = region
+        L = versions[0].shape[-2]
+        for a in range(0, L, block_tokens):
+            yield first + a, "multi", (a, [x[:, :, a : min(L, a + block_tokens)] for x in versions])
+        m = first + L - view.split
     for a in range(m, fp.shape[-2], block_tokens):
         yield view.split + a, "fp", fp[:, :, a : a + block_tokens]
 
 
-def _value_pieces(view: AttentionView):
-    """List of ``(first, end, kind, obj)`` covering the value tokens in order."""
+def _value_pieces(view: AttentionView, region):
+    """List of ``(first, end, kind, obj)`` covering the value tokens in order (see :func:`_key_chunks`)."""
     out = [] if view.sink is None else [(0, view.sink.shape[-2], "fp", view.sink)]
-    for t0, seg in view.store.iter_blocks(view.split):
+    store_end = view.split if region is None else min(view.split, region[0])
+    for t0, seg in view.store.iter_blocks(store_end):
         if view.quantized:
             out.append((t0, t0 + seg.num_tokens, "q", seg))
         else:
             out.append((t0, t0 + seg.num_tokens, "fp", seg.data))
-    m = 0 if view.left is None else view.left.shape[-2]
-    if m:
-        out.append((view.split, view.split + m, "dual", (view.left, view.fp[:, :, :m])))
+    m = 0
+    if region is not None:
+        first, versions, _ = region
+        L = versions[0].shape[-2]
+        out.append((first, first + L, "multi", versions))
+        m = first + L - view.split
     if view.fp.shape[-2] > m:
         out.append((view.split + m, view.split + view.fp.shape[-2], "fp", view.fp[:, :, m:]))
     return out
@@ -182,7 +194,9 @@ def blocked_attention(
                 f"attention_mask covers {attention_mask.shape[-1]} kv positions, the cache shows {kv_len}"
             )
         mask = grouped_mask(attention_mask, hkv, g)  # [B|1, 1|Hkv, 1|g, n, >=kv_len]
-    values = _value_pieces(v_view)
+    k_region = k_view.variant_region() if k_view.per_query else None
+    v_region = v_view.variant_region() if v_view.per_query else None
+    values = _value_pieces(v_view, v_region)
     out = torch.empty(B, hkv, g, n, dv, dtype=q.dtype, device=q.device)
     qpos_all = torch.arange(end - n, end, device=q.device)
     for q0 in range(0, n, query_chunk):
@@ -196,17 +210,21 @@ def blocked_attention(
         causal = mask is None and n > 1
         qpos = qpos_all[q0:q1]
         last_q = end - n + q1 - 1
-        for a, kind, obj in _key_chunks(k_view, block_tokens):
+        for a, kind, obj in _key_chunks(k_view, block_tokens, k_region):
             if causal and a > last_q:
                 break
             if kind == "q":
                 s = _key_scores(qg, obj)
-            elif kind == "dual":  # each query row reads its own precision of these keys
-                T = obj[1].shape[-2]
-                use = k_view.query_reads_left(a, a + T, slice(q0, q1))  # [nc, T]
-                s_left = (qg @ obj[0].float().transpose(-1, -2)).view(B, hkv, g, nc, T)
-                s = torch.where(use, s_left, (qg @ obj[1].float().transpose(-1, -2)).view(B, hkv, g, nc, T))
-                s = s.view(B, hkv, M, T)
+            elif kind == "multi":  # each query row reads its own version of these keys
+                off, versions = obj
+                T = versions[0].shape[-2]
+                sel = k_region[2][q0:q1, off : off + T]  # [nc, T]
+                s = (qg @ versions[0].float().transpose(-1, -2)).view(B, hkv, g, nc, T)
+                for idx in range(1, len(versions)):
+                    use = sel == idx
+                    if bool(use.any()):
+                        s = torch.where(use, (qg @ versions[idx].float().transpose(-1, -2)).view(B, hkv, g, nc, T), s)
+                s = s.reshape(B, hkv, M, T)
             else:
                 s = qg @ obj.float().transpose(-1, -2)
             T = s.shape[-1]
@@ -230,11 +248,13 @@ def blocked_attention(
                 lo, hi = max(a, va), min(b, vb)
                 if lo >= hi:
                     continue
-                if vkind == "dual":  # split each query row's weights between the two precisions
-                    use = v_view.query_reads_left(lo, hi, slice(q0, q1))  # [nc, hi - lo]
+                if vkind == "multi":  # split each query row's weights between the versions
+                    sel = v_region[2][q0:q1, lo - va : hi - va]  # [nc, hi - lo]
                     pp = p[..., lo - a : hi - a].reshape(B, hkv, g, nc, hi - lo)
-                    acc.add_((pp * use).view(B, hkv, M, hi - lo) @ vobj[0][:, :, lo - va : hi - va].float())
-                    acc.add_((pp * ~use).view(B, hkv, M, hi - lo) @ vobj[1][:, :, lo - va : hi - va].float())
+                    for idx, vers in enumerate(vobj):
+                        use = sel == idx
+                        if bool(use.any()):
+                            acc.add_((pp * use).view(B, hkv, M, hi - lo) @ vers[:, :, lo - va : hi - va].float())
                     continue
                 if vkind == "q":
                     vt = _value_block(_slice_value_seg(vobj, lo - va, hi - va))

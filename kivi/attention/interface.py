@@ -23,7 +23,6 @@ function transformers builds no mask at all for an unknown implementation.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Any, Iterator
 
 import torch
@@ -158,7 +157,7 @@ def exact_queries(view: AttentionView, n: int) -> int:
 
 def _later_queries(view: AttentionView, exact: int) -> AttentionView:
     """The view as the queries after the first ``exact`` see it (their part of the per-query boundary)."""
-    return view if view.fp_from is None else replace(view, fp_from=view.fp_from[exact:])
+    return view.for_queries(exact)
 def _head_groups_forward(module: torch.nn.Module, query: torch.Tensor, k_views: HeadViews, v_views: HeadViews,
                          attention_mask: torch.Tensor | None, backend: str, *, scaling: float | None,
                          is_causal: bool | None, **kwargs) -> tuple[torch.Tensor, None]:

@@ -2,8 +2,9 @@
 
 Same semantics as :func:`kivi.cache.view.materialize` followed by an attention that
 groups query heads (GQA) instead of repeating the cache. A view with a per-query boundary
-(``fp_from``, see :class:`~kivi.cache.view.AttentionView`) is materialised twice, with and without
-its ``left`` copy, and each query reads its own mix of the two (scores for keys, weights for values).
+(``fp_from``, see :class:`~kivi.cache.view.AttentionView`) is materialised once per version of its
+per-query region (``left``, or a tiered side's ``variants``), and each query reads its own mix of them
+(scores for keys, weights for values).
 
 Masks, as transformers gives them, cover kv positions ``[kv_offset, kv_offset + kv_length)``
 where ``kv_offset`` is the views' ``start``: a boolean ``[B, 1|Hq, n, kv_length]`` mask (True =
@@ -37,13 +38,13 @@ def dense_attention(
     *,
     scaling: float | None = None,
     attention_mask: torch.Tensor | None = None,
-    k_alt: tuple[torch.Tensor, torch.Tensor] | None = None,
-    v_alt: tuple[torch.Tensor, torch.Tensor] | None = None,
+    k_alts: tuple = (),
+    v_alts: tuple = (),
 ) -> torch.Tensor:
     """Softmax attention in float32. ``q [B, Hq, n, D]``, ``k/v [B, Hkv, T, D]`` -> ``[B, Hq, n, Dv]``.
 
-    ``k_alt = (k2 [B, Hkv, T, D], use [n, T] bool)``: query ``i`` reads key ``j`` from ``k2`` where
-    ``use[i, j]`` (per-query precision); ``v_alt`` likewise for values.
+    ``k_alts``: pairs ``(k2 [B, Hkv, T, D], use [n, T] bool)``: query ``i`` reads key ``j`` from ``k2``
+    where ``use[i, j]`` (per-query precision; a later pair wins where two say so); ``v_alts`` likewise.
     """
     B, hq, n, d = q.shape
     hkv, T = k.shape[1], k.shape[2]
@@ -54,9 +55,9 @@ def dense_attention(
     qg = q.float().reshape(B, hkv, g * n, d)
     s = (qg @ k.float().transpose(-1, -2)) * scaling  # [B, Hkv, g*n, T]
     s = s.view(B, hkv, g, n, T)
-    if k_alt is not None:
-        s2 = ((qg @ k_alt[0].float().transpose(-1, -2)) * scaling).view(B, hkv, g, n, T)
-        s = torch.where(k_alt[1], s2, s)
+    for k2, use in k_alts:
+        s2 = ((qg @ k2.float().transpose(-1, -2)) * scaling).view(B, hkv, g, n, T)
+        s = torch.where(use, s2, s)
     if attention_mask is not None:
         m = grouped_mask(attention_mask[..., :T], hkv, g)
         if m.dtype == torch.bool:
@@ -67,11 +68,16 @@ def dense_attention(
         qpos = torch.arange(T - n, T, device=q.device)
         s = s.masked_fill(torch.arange(T, device=q.device)[None, :] > qpos[:, None], NEG)
     p = torch.softmax(s, dim=-1)
-    if v_alt is not None:
-        use = v_alt[1]  # [n, T]
-        out = (p * use).view(B, hkv, g * n, T) @ v_alt[0].float() + (p * ~use).view(B, hkv, g * n, T) @ v.float()
-    else:
-        out = p.view(B, hkv, g * n, T) @ v.float()
+    if not v_alts:
+        return (p.view(B, hkv, g * n, T) @ v.float()).view(B, hq, n, v.shape[-1]).to(q.dtype)
+    base = torch.ones(n, T, dtype=torch.bool, device=q.device)
+    sources = []
+    for v2, use in reversed(v_alts):  # the last pair wins: each position counted once
+        sources.append((v2, use & base))
+        base = base & ~use
+    out = torch.zeros(B, hkv, g * n, v.shape[-1], dtype=torch.float32, device=q.device)
+    for vt, use in [(v, base), *sources]:
+        out += (p * use).view(B, hkv, g * n, T) @ vt.float()
     return out.view(B, hq, n, v.shape[-1]).to(q.dtype)
 
 
@@ -94,19 +100,34 @@ def reference_attention(
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"key view holds {k.shape[-2]} tokens but value view {v.shape[-2]}")
     alts = []
-    for view in (k_view, v_view):
-        if view.per_query:
-            check_boundary(view, q.shape[2])
-            alts.append((materialize_view(view, dtype, left=True), view.query_reads_left(view.start, view.start + k.shape[-2])))
-        else:
-            alts.append(None)
-    return dense_attention(q, k, v, scaling=scaling, attention_mask=attention_mask, k_alt=alts[0], v_alt=alts[1])
+    for view, full in ((k_view, k), (v_view, v)):
+        alts.append(variant_alternatives(view, full, q.shape[2]) if view.per_query else ())
+    return dense_attention(q, k, v, scaling=scaling, attention_mask=attention_mask, k_alts=alts[0], v_alts=alts[1])
+
+
+def variant_alternatives(view: AttentionView, full: torch.Tensor, n: int) -> tuple:
+    """``((x_k [B, H, T, D], use_k [n, T] bool), ...)``: ``full`` (the view materialised) with the per-query
+    region replaced by each of its versions, and where each query reads that version."""
+    check_boundary(view, n)
+    first, versions, choice = view.variant_region()
+    off, L, T = first - view.start, versions[0].shape[-2], full.shape[-2]
+    out = []
+    for idx in range(1, len(versions)):
+        use = torch.zeros(n, T, dtype=torch.bool, device=full.device)
+        use[:, off:off + L] = choice == idx
+        if bool(use.any()):
+            alt = full.clone()
+            alt[:, :, off:off + L] = versions[idx].to(full.dtype)
+            out.append((alt, use))
+    return tuple(out)
 
 
 def check_boundary(view: AttentionView, n: int) -> None:
     """A per-query boundary must name one position per query of the forward."""
     if len(view.fp_from) != n:
         raise ValueError(f"the view's per-query boundary covers {len(view.fp_from)} queries, the forward has {n}")
+    if view.choice is not None and view.choice.shape[0] != n:
+        raise ValueError(f"the view's per-query tiers cover {view.choice.shape[0]} queries, the forward has {n}")
 
 
 def view_geometry(q: torch.Tensor, k_view, v_view) -> tuple[int, int, int, int]:

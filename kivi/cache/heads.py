@@ -105,6 +105,10 @@ class HeadSplitLayer(CacheLayerMixin):
         if (self.groups[0].start != 0 or any(a.stop != b.start for a, b in zip(self.groups, self.groups[1:]))
                 or self.groups[-1].stop != len(k_bits)):
             raise ValueError(f"head groups {self.groups} must cover kv heads 0..{len(k_bits) - 1} in order")
+        if config.tiers and len(self.groups) > 1:
+            raise ValueError(f"head_bits with different widths per head (k_bits={list(k_bits)}, v_bits={list(v_bits)}) "
+                             f"cannot be combined with tiers={[list(t) for t in config.tiers]}: a tier has one width "
+                             "per side; use one of the two for this layer")
         self.config = config
         self.num_kv_heads = len(k_bits)
         self.parts = [KiviLayer(dataclasses.replace(config, k_bits=g.k_bits, v_bits=g.v_bits), sliding_window)

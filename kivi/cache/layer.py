@@ -47,7 +47,7 @@ from ..quant.fused_cpu import quantize_tokens_into, token_quantizer_supported
 from ..quant.demote import demote_kv
 from ..quant.kv import PackedKV, dequantize_kv, quantize_kv, token_divisor
 from .schedule import (flush_count, key_group_start, layer_sink_tokens, prefill_exact_queries, query_boundaries,
-                       sliding_cut, tier_keeps, window_exits)
+                       query_tier_ranges, sliding_cut, tier_keeps, tier_ranges, window_exits)
 from .store import BlockStore, FpSegment
 from .tiers import TierChain
 from .support import check_head_dim
@@ -296,13 +296,85 @@ class KiviLayer(CacheLayerMixin):
         # The last query's exits: its first `take` pending tokens went to the sink (exact), the next
         # `stored` into quantized storage, quantized here exactly as `_flush` will quantize them.
         take, stored = window_exits(side.axis, window + n - 1, *args)
-        parts = [pending[:, :, :take]] if take else []
+        seg = None
         if stored:
             seg = self._quantize(side, pending[:, :, take : take + stored],
                                  None if pvalid is None else pvalid[:, take : take + stored])
+        view.fp_from = tuple(view.split + b for b in bounds)
+        if side.older and self._set_tier_variants(view, side, pending, seg, take, window, n, exact):
+            return
+        parts = [pending[:, :, :take]] if take else []
+        if seg is not None:
             parts.append(dequantize_kv(seg, pending.dtype))
         view.left = torch.cat(parts, dim=-2) if len(parts) > 1 else parts[0]
-        view.fp_from = tuple(view.split + b for b in bounds)
+
+    def _set_tier_variants(self, view: AttentionView, side: _Side, pending: torch.Tensor, seg: PackedKV | None,
+                           take: int, window: int, n: int, exact: int) -> bool:
+        """A tiered side's per-query region (``AttentionView.variants``): each query reads every stored token
+        at the tier one-token decoding would give it at that query's step (:func:`query_tier_ranges`),
+        including tokens the forward's earlier steps demote and tokens leaving the window that are demoted
+        within the same forward. ``seg``: the tokens leaving the window by the last query's step (after
+        ``take`` sink tokens), quantized at the first tier's widths. Positions below are relative to ``split``.
+        False (nothing set) when no query reads a stored token differently from the view's base: only sink
+        tokens left the window, which ``left`` says.
+        """
+        cfg = self.config
+        stored, keeps = view.split - side.sink_len, tuple(reversed(side.keeps))  # keeps: newest tier first
+        ranges = query_tier_ranges(side.axis, window, n, cfg.residual_length, cfg.group_size, side.sink_len,
+                                   self.sink_tokens, stored, keeps, exact=exact, before=side.store.length,
+                                   quantize_after=cfg.quantize_after)
+        pre = tier_ranges(side.axis, stored, keeps, cfg.group_size)  # the tiers before the forward
+        stores = list(reversed(side.chain))  # newest tier first, as before this forward
+        bits = [side.bits] + [side.older_bits[len(side.older) - j] for j in range(1, len(stores))]
+        # Per query and tier: the tokens that query reads at that tier but the view's base does not.
+        moved = [[(max(lo, pre[j][1]), hi) for j, (lo, hi) in enumerate(r)] for r in ranges]
+        spans = [(a, b) for r in moved for a, b in r if a < b]
+        if not spans:
+            return False
+        first, end = min(0, *(a for a, _ in spans)), max(b for _, b in spans)  # from `split` on at least: readers
+        # walk the store up to the region, the region, then `fp` after it
+        L = end - first
+        choice = torch.zeros(n, L, dtype=torch.uint8, device=pending.device)
+        for i, r in enumerate(moved):
+            for j, (a, b) in enumerate(r):
+                if a < b:
+                    choice[i, a - first : b - first] = j + 1
+        dtype = pending.dtype
+
+        def tier_codes(j: int, a: int, b: int) -> torch.Tensor:
+            """Tokens [a, b) (relative) at tier j, dequantized: stored codes or `seg`, demoted tier by tier."""
+            parts = []
+            for s, (lo, hi) in enumerate(pre[:j + 1]):  # stored before the forward, at a newer tier s <= j
+                lo, hi = max(a, lo), min(b, hi, 0)
+                if lo < hi:
+                    parts.append((s, _store_range(stores[s], view.split + lo, view.split + hi)))
+            if b > max(a, 0):
+                lo = max(a, 0)
+                parts.append((0, _token_slice(seg, lo - take, b - take)))
+            out = []
+            for s, p in parts:
+                for t in range(s + 1, j + 1):
+                    p = demote_kv(p, bits[t])
+                out.append(dequantize_kv(p, dtype))
+            return torch.cat(out, dim=-2) if len(out) > 1 else out[0]
+
+        base = []
+        if first < 0:  # stored tokens the forward demotes, at their tier before it
+            base = [tier_codes(j, max(first, lo), hi) for j, (lo, hi) in enumerate(pre) if max(first, lo) < min(hi, 0)]
+            base.reverse()  # oldest tier first: token order
+        base.append(pending[:, :, max(first, 0):end])
+        versions = [torch.cat(base, dim=-2) if len(base) > 1 else base[0]]
+        for j in range(len(stores)):
+            x = torch.zeros_like(versions[0])
+            tj = [(a, b) for r in moved for a, b in [r[j]] if a < b]
+            if tj:
+                a, b = min(a for a, _ in tj), max(b for _, b in tj)
+                x[:, :, a - first : b - first] = tier_codes(j, a, b)
+            versions.append(x)
+        view.variant_from = view.split + first
+        view.variants = tuple(versions)
+        view.choice = choice
+        return True
 
     def _pending_valid(self, side: _Side, valid: torch.Tensor | None, n: int) -> torch.Tensor | None:
         if valid is None and side.window_valid is None:
@@ -583,6 +655,15 @@ class KiviLayer(CacheLayerMixin):
     @property
     def nbytes(self) -> int:
         return sum(self.memory_breakdown().values())
+
+
+def _store_range(store: BlockStore, a: int, b: int) -> PackedKV:
+    """Tokens ``[a, b)`` of a store as one segment (key bounds on group boundaries)."""
+    parts = [_token_slice(seg, max(a, t0) - t0, min(b, t0 + seg.num_tokens) - t0)
+             for t0, seg in store.iter_blocks(b) if t0 + seg.num_tokens > a]
+    if len(parts) == 1:
+        return parts[0]
+    return parts[0].with_tensors(**{k: torch.cat([p.tensors()[k] for p in parts], dim=2) for k in parts[0].tensors()})
 
 
 def _token_slice(seg: PackedKV, a: int, b: int) -> PackedKV:

@@ -194,6 +194,40 @@ def tier_passed(axis: str, stored: int, keeps: tuple[int, ...], group_size: int)
     return tuple(out)
 
 
+def query_tier_ranges(axis: str, window: int, n: int, residual_length: int, group_size: int, sink_len: int,
+                      sink_tokens: int, stored: int, keeps: tuple[int, ...], exact: int = 0, before: int = 0,
+                      quantize_after: int = 0) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Which tokens each query of a forward of ``n`` reads at each quantized tier: the tier state one-token
+    decoding would have at that query's step (the one rule for it; :func:`query_boundaries` is its window part).
+
+    Positions count from the first token of the window (``0`` = the side's ``split``: the first token not
+    stored before the forward, ``stored`` tokens being stored then, after ``sink_len`` sink tokens). Query
+    ``i``'s step has moved ``e_i`` pending tokens out of the window (``e_i`` as in :func:`query_boundaries`,
+    of which the first ``to_sink`` filled the sink), so ``stored + s_i`` tokens are stored and the tiers
+    hold :func:`tier_tokens` of that, newest at the end. Returns, per query, ``(lo, hi)`` per quantized
+    tier, newest first, relative to ``split`` (negative: tokens stored before the forward); the oldest
+    tier ends at the first stored token. The first ``exact`` queries (a prefill's prompt) see the tiers
+    as they were before the forward. ``before`` / ``quantize_after``: as in :func:`query_boundaries`.
+    """
+    out = []
+    for i in range(n):
+        take, moved = (0, 0) if i < exact else window_exits(axis, window + i, residual_length, group_size,
+                                                            sink_len, sink_tokens, before, quantize_after)
+        out.append(tier_ranges(axis, stored + moved, keeps, group_size, end=take + moved))
+    return tuple(out)
+
+
+def tier_ranges(axis: str, stored: int, keeps: tuple[int, ...], group_size: int, end: int = 0
+                ) -> tuple[tuple[int, int], ...]:
+    """``(lo, hi)`` of each quantized tier, newest first, when ``stored`` tokens left the window and the
+    newest stored token ends at ``end`` (:func:`tier_tokens` laid out backwards from ``end``)."""
+    ranges, hi = [], end
+    for count in tier_tokens(axis, stored, keeps, group_size):
+        ranges.append((hi - count, hi))
+        hi -= count
+    return tuple(ranges)
+
+
 # --------------------------------------------------------------------------- block allocation
 # BlockStore allocates each new block with new_block_tokens: a long first append
 # (a prefill) is one exact-size block, later (short) appends go into blocks of block_size tokens.
@@ -239,5 +273,5 @@ def freed_tokens(start: int, first_append: int, block_size: int) -> int:
 __all__ = [
     "KEY_AXIS", "VALUE_AXIS", "layer_sink_tokens", "sink_take", "flush_count", "window_exits", "query_boundaries", "prefill_exact_queries", "side_tokens", "quantizing",
     "first_store_seen", "key_group_start",
-    "sliding_cut", "first_block_tokens", "tier_keeps", "tier_tokens", "tier_passed", "allocated_tokens", "freed_tokens",
+    "sliding_cut", "first_block_tokens", "tier_keeps", "tier_tokens", "tier_passed", "query_tier_ranges", "tier_ranges", "allocated_tokens", "freed_tokens",
 ]

@@ -3,8 +3,9 @@
 With ``KiviConfig.tiers`` a side keeps one :class:`~kivi.cache.store.BlockStore` per quantized tier;
 tier ``i`` holds tokens ``[stores[i].start, stores[i].length)`` and the next (newer) tier starts
 where it ends. An :class:`~kivi.cache.view.AttentionView` of such a side carries a ``TierChain`` of
-snapshots (:meth:`BlockStore.frozen`, taken when the view is made: the demotions of the same
-forward come after it) as its ``store``: ``iter_blocks`` walks every tier's blocks in token order,
+snapshots (:meth:`BlockStore.frozen`, taken when the view is made: what a decode step reads; each
+query of a multi-token forward also gets the tokens that forward's earlier steps demote, through the
+view's ``variants`` / ``choice``, :func:`kivi.cache.schedule.query_tier_ranges`) as its ``store``: ``iter_blocks`` walks every tier's blocks in token order,
 each segment with its own ``bits``, so every reader that dequantizes segment by segment (the
 reference :func:`~kivi.cache.view.materialize`, :mod:`kivi.attention.blocked`) reads tiers as is;
 the fused numba kernel's tables list every tier store's blocks, each row with its own width. Triton

@@ -12,7 +12,7 @@ two: no context variable, no flag, no state left on the layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,7 +44,9 @@ class AttentionView:
     will hold: key groups are fixed aligned groups and values are quantized per token, so a
     token's quantized value does not depend on when it is quantized). The rule is
     :func:`kivi.cache.schedule.query_boundaries`; ``None`` for every decode step (``n = 1``) and
-    for a prefill into an empty layer.
+    for a prefill into an empty layer. A side with position tiers also moves stored tokens down the
+    tiers at each step: its view carries ``variants`` / ``choice`` (below) instead of ``left``.
+    Readers walk either form through :meth:`variant_region`.
     """
 
     store: "BlockStore"
@@ -55,6 +57,15 @@ class AttentionView:
     start: int = 0  # first token position covered, fixed when the view is made (the store moves on)
     fp_from: tuple[int, ...] | None = None  # per query: first token read from ``fp`` (None: all of them)
     left: torch.Tensor | None = None  # [B, H, M, D]: tokens [split, split + M) once out of the window
+    # Position tiers (a tiered side's per-query views carry these instead of ``left``): the tokens
+    # ``[variant_from, variant_from + L)`` exist in several versions, ``variants[k] [B, H, L, D]``
+    # (``[0]``: what the view reads there without per-query precision: the stored tokens at their tier
+    # before the forward, then ``fp``; ``[1 + j]``: the tokens at quantized tier ``j``, newest first,
+    # dequantized), and query ``i`` reads position ``variant_from + t`` from ``variants[choice[i, t]]``
+    # (``choice [n, L]`` uint8). Rule: :func:`kivi.cache.schedule.query_tier_ranges`.
+    variant_from: int | None = None
+    variants: tuple[torch.Tensor, ...] | None = None
+    choice: torch.Tensor | None = None
 
     @property
     def only_full_precision(self) -> bool:
@@ -72,6 +83,24 @@ class AttentionView:
     def per_query(self) -> bool:
         """Whether queries of this forward read some tokens at different precisions (``fp_from`` set)."""
         return self.fp_from is not None
+
+    def variant_region(self) -> tuple[int, tuple[torch.Tensor, ...], torch.Tensor] | None:
+        """``(first, versions, choice)`` of a per-query view (see the fields above), ``None`` otherwise: what
+        readers walk. A view with ``left`` gives ``(split, (fp[:M], left), choice)`` with ``choice[i, t] = 1``
+        where query ``i`` reads position ``split + t`` from ``left``."""
+        if self.choice is not None:
+            return self.variant_from, self.variants, self.choice
+        if self.fp_from is None:
+            return None
+        m = self.left.shape[-2]
+        use = self.query_reads_left(self.split, self.split + m)
+        return self.split, (self.fp[:, :, :m], self.left), use.to(torch.uint8)
+
+    def for_queries(self, first: int) -> "AttentionView":
+        """The view as the forward's queries from ``first`` on see it (their rows of the per-query boundary)."""
+        if self.fp_from is None or not first:
+            return self
+        return replace(self, fp_from=self.fp_from[first:], choice=None if self.choice is None else self.choice[first:])
 
     def query_reads_left(self, first: int, end: int, queries: slice = slice(None)) -> torch.Tensor:
         """``[n_q, end - first]`` bool: where query ``i`` (of ``queries``) reads kv position ``first + j``

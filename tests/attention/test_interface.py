@@ -59,3 +59,33 @@ def test_exact_queries():
     layer.append(*(torch.randn(1, 2, 30, 16) for _ in range(2)))
     kv, vv = layer.append(*(torch.randn(1, 2, 5, 16) for _ in range(2)))
     assert exact_queries(kv, 5) == exact_queries(vv, 5) == 0  # tokens are stored: nothing is exact
+
+
+TIERED = KiviConfig(group_size=8, residual_length=16, block_size=32, k_bits=4, v_bits=4, sink_tokens=3,
+                    tiers=[(16, None), (16, 4), (None, 2)])
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_candidates_after_a_tiered_prompt_read_what_one_token_decoding_gives(backend, dtype):
+    """The prompt (61 tokens) and 9 candidates in one forward into a tiered layer (16 tokens at 4 bits):
+    the prompt's flush demotes most of the prompt within the forward; candidate ``i`` gets the output of
+    one-token decoding after the prompt and the candidates before it (the rows of its tier state)."""
+    prompt, n = 61, 70
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, n, 16, generator=gen).to(dtype) for h in (6, 2, 2))
+    layer = KiviLayer(TIERED)
+    layer.prompt_length = prompt
+    kv, vv = layer.append(k, v)
+    out, _ = kivi_attention_forward(_Attention(), q, PackedStates(kv, backend), PackedStates(vv, backend), None,
+                                    scaling=0.25)
+    steps = KiviLayer(TIERED)
+    steps.append(k[:, :, :prompt], v[:, :, :prompt])
+    want = []
+    for i in range(prompt, n):
+        ks, vs = steps.append(k[:, :, i:i + 1], v[:, :, i:i + 1])
+        one, _ = kivi_attention_forward(_Attention(), q[:, :, i:i + 1], PackedStates(ks, backend),
+                                        PackedStates(vs, backend), None, scaling=0.25)
+        want.append(one)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[:, prompt:].float(), torch.cat(want, dim=1).float(), atol=tol, rtol=tol)

@@ -161,3 +161,12 @@ def test_build_layer_reads_head_bits():
     layer = build_layer(cfg, 1)
     assert [(g.k_bits, g.v_bits) for g in layer.groups] == [(2, 4), (8, 4)]
     assert layer.parts[0].config.head_bits == {}
+
+
+def test_per_head_widths_with_tiers_are_refused_in_one_line():
+    from kivi.cache.heads import HeadSplitLayer
+
+    cfg = KiviConfig(k_bits=4, v_bits=4, group_size=16, residual_length=16, block_size=32,
+                     tiers=[(16, None), (16, 4), (None, 2)])
+    with pytest.raises(ValueError, match="cannot be combined with tiers"):
+        HeadSplitLayer(cfg, [4, 2], [4, 4])

@@ -9,6 +9,7 @@ import torch
 
 from kivi.cache.layer import KiviLayer
 from kivi.cache.schedule import (
+    query_tier_ranges,
     KEY_AXIS,
     VALUE_AXIS,
     allocated_tokens,
@@ -162,3 +163,33 @@ def test_blockstore_allocates_as_the_schedule_says(first, later, step, bs):
         store.evict(start)
         freed = sum(c for blk, c in zip(store.blocks, store.caps) if blk is None)
         assert freed == freed_tokens(start, first, bs)
+
+
+
+TIERS4 = dict(k_bits=8, v_bits=4, group_size=16, residual_length=16, block_size=32, sink_tokens=3,
+              tiers=[(16, None), (32, (8, 4)), (64, (4, 2)), (None, (2, 1))])
+
+
+@pytest.mark.parametrize("axis,side", [("channel", "k"), ("token", "v")])
+@pytest.mark.parametrize("P,n,exact", [(150, 9, 0), (5, 140, 0), (0, 70, 61)], ids=["verify", "long", "prompt"])
+def test_query_tier_ranges_are_the_tiers_of_one_token_decoding(axis, side, P, n, exact):
+    """Query i of a forward of n tokens after P: the tier ranges a layer holds after P + i tokens (the state
+    depends on the count alone); the first ``exact`` queries (a prefill's prompt) see the tiers before it."""
+    cfg = KiviConfig(**TIERS4)
+    x = torch.randn(1, 1, P + n, 16)
+    before = KiviLayer(cfg)
+    if P:
+        before.append(x[:, :, :P], x[:, :, :P])
+    s = getattr(before, side)
+    keeps = tuple(t for t, _ in cfg.tiers[1:-1])
+    ranges = query_tier_ranges(axis, s.window_len, n, 16, 16, s.sink_len, 3, s.store.length - s.sink_len, keeps,
+                               exact=exact)
+    for i in range(n):
+        seen = P + (i if i >= exact else 0)
+        layer = KiviLayer(cfg)
+        if seen:
+            layer.append(x[:, :, :seen], x[:, :, :seen])
+        chain = list(reversed(getattr(layer, side).chain))  # newest tier first
+        want = [(st.start - s.store.length, st.length - s.store.length) for st in chain]
+        assert [hi - lo for lo, hi in ranges[i]] == [hi - lo for lo, hi in want], i
+        assert [r for r in ranges[i] if r[1] > r[0]] == [r for r in want if r[1] > r[0]], i

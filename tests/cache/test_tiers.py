@@ -134,6 +134,25 @@ def test_decode_backends_match_reference(kw, total, ratio, dtype):
 
 
 @pytest.mark.parametrize("kw", CONFIGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_decode_steps_match_reference(kw, dtype):
+    """Decode steps after a prefill: the newest tier's first block is partly demoted into the next tier,
+    and the fused kernel's rows must not read those tokens a second time at the wider width."""
+    if not numba_available():
+        pytest.skip("numba not installed")
+    cfg = KiviConfig(**kw)
+    k, v = _data(1, 2, 190, 32, dtype)
+    layer, _ = _fill(cfg, k, v, [150])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for i in range(150, 190):
+        views = layer.append(k[:, :, i:i + 1], v[:, :, i:i + 1])
+        q = torch.randn(1, 4, 1, 32, generator=torch.Generator().manual_seed(i)).to(dtype)
+        assert fused_decode_supported(q, *views)
+        torch.testing.assert_close(fused_decode_attention(q, *views, threaded=False).float(),
+                                   reference_attention(q, *views).float(), atol=tol, rtol=tol, msg=f"token {i}")
+
+
+@pytest.mark.parametrize("kw", CONFIGS)
 def test_multi_token_forward_matches_reference(kw):
     """A chunk into a non-empty tiered layer: per-query views, blocked == reference."""
     cfg = KiviConfig(**kw)
@@ -154,6 +173,51 @@ def test_view_reads_the_tiers_as_they_were_before_this_forwards_demotions():
     kv = fresh.k.chain
     want = torch.cat([dequantize_kv(s.read()) for s in kv if s.length > s.start] + [fresh.k.window, k[:, :, 119:]], -2)
     assert torch.equal(before, want)
+
+
+# --------------------------------------------------------------------------- multi-token forwards = one-token decoding
+# Each query of a forward of n tokens reads every token at the tier one-token decoding would give it at
+# that query's step (kivi.cache.schedule.query_tier_ranges): tokens the forward's earlier steps demote
+# and, in forwards longer than a tier, tokens leaving the window that are demoted within the forward.
+
+
+def _one_token_vs_forward(kw, P, n, dtype, backend, ratio=2, B=1, H=2, D=32, seed=0):
+    """Attention of n queries: one-token decoding (one append per query) against one forward of n tokens
+    into the same layer state after a P-token prefill; (one-token outputs, forward outputs, forward views)."""
+    cfg = KiviConfig(**kw)
+    k, v = _data(B, H, P + n, D, dtype, seed)
+    q = torch.randn(B, H * ratio, n, D, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    steps, _ = _fill(cfg, k, v, [P] if P else [])
+    outs = []
+    for i in range(n):
+        views = steps.append(k[:, :, P + i:P + i + 1], v[:, :, P + i:P + i + 1])
+        outs.append(run_backend(backend, q[:, :, i:i + 1], *views, scaling=None, attention_mask=None))
+    layer, _ = _fill(cfg, k, v, [P] if P else [])
+    views = layer.append(k[:, :, P:], v[:, :, P:])
+    return torch.cat(outs, dim=2), run_backend(backend, q, *views, scaling=None, attention_mask=None), views
+
+
+@pytest.mark.parametrize("kw", [*CONFIGS, pytest.param({**T3, "quantize_after": 100}, id="K4-2-after100")])
+@pytest.mark.parametrize("P,n", [(150, 7), (97, 61), (5, 140), (203, 33)], ids=["verify", "chunk", "long", "odd"])
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_multi_token_forward_equals_one_token_decoding(kw, P, n, backend, dtype):
+    """Tier sizes of 32..64 tokens: demotions happen inside every one of these forwards (and in "long",
+    tokens leave the window and are demoted within the same forward)."""
+    one, multi, views = _one_token_vs_forward(kw, P, n, dtype, backend)
+    assert views[1].per_query  # values leave the window (and push one token down a tier) every step
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(multi.float(), one.float(), atol=tol, rtol=tol)
+
+
+def test_forward_reads_tokens_its_earlier_steps_demoted():
+    """A verify-sized forward (9 tokens, values move one token per step): the first query reads every
+    stored token at its tier before the forward, the last reads at 2 bits tokens the first reads at 4."""
+    one, multi, views = _one_token_vs_forward(T3, 150, 9, torch.float32, "reference", seed=3)
+    choice = views[1].choice
+    assert choice is not None and int(choice[0].max()) == 0
+    assert int((choice[-1] == 2).sum()) == 8  # the 8 values the 8 later steps push out of the 4-bit tier
+    torch.testing.assert_close(multi, one, atol=1e-5, rtol=1e-5)
 
 
 # --------------------------------------------------------------------------- padding, crop, rollback, batch edits

@@ -51,8 +51,11 @@ _SLOW = pytest.mark.slow
 @pytest.mark.parametrize("cfg, rel", [pytest.param(None, 1e-5, marks=_SLOW), pytest.param(EXACT, 1e-5, marks=_SLOW),
                                       (KiviConfig(residual_length=32), 1e-5),
                                       pytest.param(KiviConfig(k_bits=4, v_bits=2, residual_length=0), 1e-5, marks=_SLOW),
-                                      pytest.param(KiviConfig.preset("balanced", residual_length=32), 1e-5, marks=_SLOW)],
-                         ids=["fp", "exact", "k2v2-R32", "k4v2-R0", "balanced-R32"])
+                                      pytest.param(KiviConfig.preset("balanced", residual_length=32), 1e-5, marks=_SLOW),
+                                      pytest.param(KiviConfig(k_bits=4, v_bits=4, residual_length=32, sink_tokens=4,
+                                                              tiers=[(32, None), (32, 4), (None, 2)]), 1e-5,
+                                                   marks=_SLOW)],
+                         ids=["fp", "exact", "k2v2-R32", "k4v2-R0", "balanced-R32", "tiers-R32"])
 def test_chunk_1_and_16_agree(peaked_model, windows, cfg, rel):
     # Every query of a chunk sees each earlier token at the precision token-by-token decoding gives it
     # (the views' per-query boundary), so chunk 16 equals chunk 1 up to float noise for every config.

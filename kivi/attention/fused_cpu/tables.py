@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ...quant.kv import PackedKV, compensation_values
+from ...quant.kv import PackedKV, compensation_values, token_divisor
 
 if TYPE_CHECKING:
     from ...cache.view import AttentionView
@@ -102,8 +102,27 @@ def _store_rows(store, split: int, quantized: bool, start: int, keep: list) -> l
             if ent[0]:
                 memo[i] = ent
         keep.append(ent[2])
-        rows.append((b0 - start, hi - start, *ent[1]))
+        cols = ent[1]
+        if b0 < store.start and store.start > start:
+            # A position tier's store whose first block was partly demoted into the next tier: those
+            # tokens are read from that tier's rows, so this row starts at the store's first token.
+            cols = _skip_rows(cols, store, store.start - b0, quantized)
+            b0 = store.start
+        rows.append((b0 - start, hi - start, *cols))
     return rows
+
+
+def _skip_rows(cols: tuple, store, skip: int, quantized: bool) -> tuple:
+    """Descriptor columns ``_QUANT..`` of a block advanced by ``skip`` tokens (addresses are bytes, strides
+    elements: codes uint8, parameters and full-precision data float32)."""
+    cols = list(cols)
+    fields = ((1, "packed", 1), (5, "scale", 4), (9, "offset", 4)) if quantized else ((1, "data", 4),)
+    for at, name, size in fields:
+        div = token_divisor(store.template.axis, store.template.group_size, name)
+        if skip % div:
+            raise ValueError(f"cannot start a descriptor {skip} tokens into a block of groups of {div}")
+        cols[at] += skip // div * cols[at + 3] * size
+    return tuple(cols)
 
 
 def side_table(view: AttentionView, start: int, keep: list) -> tuple[np.ndarray, int, int]:
