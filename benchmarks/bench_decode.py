@@ -23,6 +23,11 @@ Without ``--isolate`` this delta is meaningless for later rows (freed memory of 
 
     python benchmarks/bench_decode.py --contexts 1024 4096 --batches 1 4 [--steps 32] [--json]
     python benchmarks/bench_decode.py --contexts 8192 --batches 1 --configs floor dynamic quanto2 kivi2-cpu --isolate --repeat 3
+    python benchmarks/bench_decode.py --contexts 8192 --batches 1 4 --configs dynamic kivi2-cpu results/pareto12_cfg_heads_k2v2_3p3.json --isolate --repeat 3
+
+A ``--configs`` argument ending in ``.json`` is a ``KiviConfig`` file (``KiviConfig.to_json``, ``kivi profile
+--write-config``): its row is named after the file's stem and runs on the backend the file names
+(``"auto"``: the machine's default, the fused numba kernel on CPU).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import gc
 import json
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import torch
@@ -100,9 +106,23 @@ def _warm(model):
     model(input_ids=torch.ones(1, 8, dtype=torch.long), use_cache=False)
 
 
+def is_config_file(name: str) -> bool:
+    """Whether a ``--configs`` entry names a ``KiviConfig`` JSON file rather than a built-in row."""
+    return name.endswith(".json")
+
+
+def row_name(name: str) -> str:
+    """The row's name in the table: a config file's stem, a built-in row's own name."""
+    return Path(name).stem if is_config_file(name) else name
+
+
 def _prepare(model, name):
     """Set the model up for row ``name``; returns the cache spec for :func:`run_one`."""
     dequantize_model(model)
+    if is_config_file(name):  # a KiviConfig file, with the backend it names
+        cfg = KiviConfig.from_json(name)
+        quantize_model(model, cfg)
+        return cfg
     if name.startswith("kivitiers"):  # position tiers (docs/tiers.md): 128 FP, 1024 at 4 bits, the rest 2 bits
         cfg = KiviConfig(k_bits=4, v_bits=4, sink_tokens=4, tiers=[(128, None), (1024, 4), (None, 2)],
                          attention_backend=name.split("-")[1])
@@ -123,7 +143,9 @@ def _row(model, name, ctx, bs, steps, warmup_steps):
                     warmup_steps)
     except Exception as e:  # noqa: BLE001 - report (e.g. quanto missing)
         r = {"error": f"{type(e).__name__}: {e}"[:200]}
-    r.update(config=name, context=ctx, batch=bs)
+    r.update(config=row_name(name), context=ctx, batch=bs)
+    if is_config_file(name):
+        r.update(config_file=name)
     return r
 
 
@@ -137,7 +159,7 @@ def _row_isolated(name, ctx, bs, steps, warmup_steps, threads, pin):
     out = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     if out.returncode or not lines:
-        return {"error": f"row process failed ({out.returncode}): {out.stderr.strip()[-300:]}", "config": name,
+        return {"error": f"row process failed ({out.returncode}): {out.stderr.strip()[-300:]}", "config": row_name(name),
                 "context": ctx, "batch": bs}
     return json.loads(lines[-1])
 
@@ -170,7 +192,8 @@ def main():
     ap.add_argument("--configs", nargs="+",
                     default=["dynamic", "quanto2", "quanto4", "kivi2-reference", "kivi2-cpu", "kivi4-reference", "kivi4-cpu"],
                     help="dynamic, floor, quanto2, quanto4, kivi{2,4}-{reference,cpu,triton}, kivitiers-{cpu,...} "
-                         "(K4V4 + 4 sinks, tiers 128 FP / 1024 at 4 bits / the rest at 2 bits)")
+                         "(K4V4 + 4 sinks, tiers 128 FP / 1024 at 4 bits / the rest at 2 bits), or a KiviConfig "
+                         "JSON file (FILE.json: row named after the file's stem, the backend the file names)")
     ap.add_argument("--threads", type=int, default=0, help="torch and numba threads (0 = their defaults)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every row, interleaved; the table shows medians")
     ap.add_argument("--isolate", action="store_true", help="run every row in a fresh process")
@@ -179,7 +202,8 @@ def main():
                          "the pinned mmap threshold makes every large temporary a fresh mapping, which slowed "
                          "DynamicCache decoding (a torch.cat of the whole cache per layer and step) by ~35%% at 2K")
     ap.add_argument("--one-row", nargs=3, metavar=("CONFIG", "CONTEXT", "BATCH"), help=argparse.SUPPRESS)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
+    ap.add_argument("--json-out", metavar="FILE", help="also write the results as JSON to FILE (the table still prints)")
     a = ap.parse_args()
     if a.pin_allocator:
         from kivi.allocator import reduce_fragmentation
@@ -190,9 +214,18 @@ def main():
     import re
 
     for name in a.configs + ([a.one_row[0]] if a.one_row else []):
-        if not re.fullmatch(r"dynamic|floor|quanto[24]|kivi([12348]|tiers)-(reference|cpu|triton)", name):
+        if is_config_file(name):
+            try:
+                KiviConfig.from_json(name)
+            except (OSError, ValueError, TypeError) as e:
+                ap.error(f"--configs: {name!r} is not a readable KiviConfig JSON file: {e}")
+        elif not re.fullmatch(r"dynamic|floor|quanto[24]|kivi([12348]|tiers)-(reference|cpu|triton)", name):
             ap.error(f"--configs: {name!r} is not one of dynamic, floor, quanto2, quanto4, "
-                     "kivi<bits>-<backend> (bits 1/2/3/4/8 or 'tiers', backend reference/cpu/triton)")
+                     "kivi<bits>-<backend> (bits 1/2/3/4/8 or 'tiers', backend reference/cpu/triton), "
+                     "or a KiviConfig file ending in .json")
+    names = [row_name(n) for n in a.configs]
+    if len(set(names)) != len(names):
+        ap.error(f"--configs: two rows would share a name ({names}); rename a config file")
     model = None
     if not a.isolate:
         model = load_model("smollm2")[0]
@@ -221,7 +254,7 @@ def main():
             runs[(ctx, bs, name)].append(r)
             if a.repeat > 1 and not a.json:
                 shown = r.get("error") or f"{r['tok_s']:.2f} tok/s"
-                print(f"  round {rep + 1}/{a.repeat} ctx={ctx} bs={bs} {name}: {shown}", flush=True)
+                print(f"  round {rep + 1}/{a.repeat} ctx={ctx} bs={bs} {row_name(name)}: {shown}", flush=True)
     results = []
     for ctx in a.contexts:
         for bs in a.batches:
@@ -248,16 +281,18 @@ def main():
                     _print_row(r, a.repeat)
     if model is not None:
         dequantize_model(model)
+    doc = json.dumps({"threads": torch.get_num_threads(), "steps": a.steps, "warmup_steps": a.warmup_steps,
+                      "repeat": a.repeat, "isolate": a.isolate, "results": results}, indent=2)
     if a.json:
-        print(json.dumps({"threads": torch.get_num_threads(), "steps": a.steps, "warmup_steps": a.warmup_steps,
-                          "repeat": a.repeat,
-                          "isolate": a.isolate, "results": results}, indent=2))
+        print(doc)
+    if a.json_out:
+        Path(a.json_out).write_text(doc + "\n")
 
 
 def _print_row(r, repeat):
     name, ctx, bs = r["config"], r["context"], r["batch"]
     if "error" in r:
-        print(f"ctx={ctx:6d} bs={bs} {name:16s} ERROR {r['error']}", flush=True)
+        print(f"ctx={ctx:6d} bs={bs} {name:28s} ERROR {r['error']}", flush=True)
         return
     spread = f" [{min(r['tok_s_all']):.2f}-{max(r['tok_s_all']):.2f}]" if repeat > 1 else ""
     vq = f"  x{r['speed_vs_quanto2']:5.2f} vs quanto2" if "speed_vs_quanto2" in r else ""
@@ -267,7 +302,7 @@ def _print_row(r, repeat):
         if "cache_attention_vs_quanto2" in r:
             ca += f" (quanto2 / this x{r['cache_attention_vs_quanto2']:5.2f})"
     ctx_s = f"{FLOOR_CONTEXT:6d}" if name == "floor" else f"{ctx:6d}"
-    print(f"ctx={ctx_s} bs={bs} {name:16s} {r['tok_s']:8.2f} tok/s{spread}  {r['ms_per_step']:7.1f} ms/step  "
+    print(f"ctx={ctx_s} bs={bs} {name:28s} {r['tok_s']:8.2f} tok/s{spread}  {r['ms_per_step']:7.1f} ms/step  "
           f"x{r.get('speed_vs_dynamic', 1):5.2f}{vq}{ca}  peakRSSΔ {r['peak_rss_delta_MiB']:8.1f} MiB  cache {r['cache_MiB']:.1f} MiB",
           flush=True)
 

@@ -29,3 +29,28 @@ def test_unknown_config_is_refused_before_any_work():
                        text=True, timeout=120)
     assert p.returncode == 2
     assert "'kivi2-gpu' is not one of" in p.stderr
+
+
+def test_config_file_row_is_named_after_its_stem_and_runs_its_config(tmp_path):
+    from kivi import KiviConfig
+    from tests.helpers import tiny_model
+
+    cfg = KiviConfig(k_bits=2, v_bits=2, sink_tokens=4, head_bits={0: {"k_bits": [4, 2]}}, attention_backend="cpu")
+    path = tmp_path / "heads_k2v2.json"
+    cfg.to_json(path)
+    assert bd.is_config_file(str(path)) and not bd.is_config_file("kivi2-cpu")
+    assert bd.row_name(str(path)) == "heads_k2v2" and bd.row_name("kivi2-cpu") == "kivi2-cpu"
+    model = tiny_model(num_attention_heads=4, num_key_value_heads=2)
+    assert bd._prepare(model, str(path)) == cfg
+    r = bd._row(model, str(path), 40, 1, 2, 1)
+    assert "error" not in r, r
+    assert r["config"] == "heads_k2v2" and r["config_file"] == str(path) and r["tok_s"] > 0
+
+
+def test_unreadable_config_file_is_refused_before_any_work(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"k_bits": 5}')
+    p = subprocess.run([sys.executable, str(_PATH), "--configs", "dynamic", str(bad)], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2
+    assert f"{str(bad)!r} is not a readable KiviConfig JSON file" in p.stderr and "k_bits" in p.stderr
