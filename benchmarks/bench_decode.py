@@ -255,20 +255,58 @@ def main():
             if a.repeat > 1 and not a.json:
                 shown = r.get("error") or f"{r['tok_s']:.2f} tok/s"
                 print(f"  round {rep + 1}/{a.repeat} ctx={ctx} bs={bs} {row_name(name)}: {shown}", flush=True)
+        if a.json_out and rep + 1 < a.repeat:  # an interrupted run keeps its finished rounds
+            _write_json(a.json_out, _results(runs, a.contexts, a.batches, a.configs), a, rounds_done=rep + 1)
+    results = _results(runs, a.contexts, a.batches, a.configs)
+    if not a.json:
+        for r in results:
+            _print_row(r, a.repeat)
+    if model is not None:
+        dequantize_model(model)
+    if a.json:
+        print(_document(results, a, a.repeat))
+    if a.json_out:
+        _write_json(a.json_out, results, a, rounds_done=a.repeat)
+
+
+def _document(results, a, rounds_done: int) -> str:
+    return json.dumps({"threads": torch.get_num_threads(), "steps": a.steps, "warmup_steps": a.warmup_steps,
+                       "repeat": a.repeat, "rounds_done": rounds_done, "isolate": a.isolate,
+                       "configs": a.configs, "results": results}, indent=2)
+
+
+def _write_json(path, results, a, *, rounds_done: int) -> None:
+    Path(path).write_text(_document(results, a, rounds_done) + "\n")
+
+
+def _kivi2_row(configs):
+    """The KIVI-2 row the others are compared with: ``kivi2-cpu`` if present, else the first ``kivi2-*``."""
+    names = [n for n in configs if n.startswith("kivi2-")]
+    return "kivi2-cpu" if "kivi2-cpu" in names else (names[0] if names else None)
+
+
+def _results(runs, contexts, batches, configs):
+    """One summary per (context, batch, config) over the rounds run so far, with the in-run ratios."""
     results = []
-    for ctx in a.contexts:
-        for bs in a.batches:
-            group = {name: _summarise(runs[(ctx, bs, name)]) for name in a.configs}
-            base, q2, floor = (group.get(n) for n in ("dynamic", "quanto2", "floor"))
+    k2name = _kivi2_row(configs)
+    for ctx in contexts:
+        for bs in batches:
+            group = {name: _summarise(runs[(ctx, bs, name)]) for name in configs if runs[(ctx, bs, name)]}
+            base, q2, floor, k2 = (group.get(n) for n in ("dynamic", "quanto2", "floor", k2name))
             base = base if base and "error" not in base else None
             q2 = q2 if q2 and "error" not in q2 else None
             floor = floor if floor and "error" not in floor else None
-            for name in a.configs:
-                r = group[name]
+            k2 = k2 if k2 and "error" not in k2 else None
+            for name in configs:
+                r = group.get(name)
+                if r is None:
+                    continue
                 if "error" not in r and name != "floor":
                     if base:
                         r["speed_vs_dynamic"] = r["tok_s"] / base["tok_s"]
                         r["rss_vs_dynamic"] = r["peak_rss_delta_MiB"] / max(base["peak_rss_delta_MiB"], 1e-9)
+                    if k2:
+                        r["speed_vs_kivi2"] = r["tok_s"] / k2["tok_s"]
                     if q2:
                         r["speed_vs_quanto2"] = r["tok_s"] / q2["tok_s"]
                     if floor:
@@ -277,16 +315,7 @@ def main():
                         if qa > 0.5 and r["cache_attention_ms_per_step"] > 0.5:  # below that: noise
                             r["cache_attention_vs_quanto2"] = qa / r["cache_attention_ms_per_step"]
                 results.append(r)
-                if not a.json:
-                    _print_row(r, a.repeat)
-    if model is not None:
-        dequantize_model(model)
-    doc = json.dumps({"threads": torch.get_num_threads(), "steps": a.steps, "warmup_steps": a.warmup_steps,
-                      "repeat": a.repeat, "isolate": a.isolate, "results": results}, indent=2)
-    if a.json:
-        print(doc)
-    if a.json_out:
-        Path(a.json_out).write_text(doc + "\n")
+    return results
 
 
 def _print_row(r, repeat):
@@ -295,7 +324,8 @@ def _print_row(r, repeat):
         print(f"ctx={ctx:6d} bs={bs} {name:28s} ERROR {r['error']}", flush=True)
         return
     spread = f" [{min(r['tok_s_all']):.2f}-{max(r['tok_s_all']):.2f}]" if repeat > 1 else ""
-    vq = f"  x{r['speed_vs_quanto2']:5.2f} vs quanto2" if "speed_vs_quanto2" in r else ""
+    vq = f"  x{r['speed_vs_kivi2']:5.2f} vs kivi2" if "speed_vs_kivi2" in r else ""
+    vq += f"  x{r['speed_vs_quanto2']:5.2f} vs quanto2" if "speed_vs_quanto2" in r else ""
     ca = ""
     if "cache_attention_ms_per_step" in r:
         ca = f"  cache+attn {r['cache_attention_ms_per_step']:6.1f} ms/step"

@@ -11,6 +11,11 @@ with other values — goes through :func:`kivi.attention.blocked.blocked_attenti
 documented dispatch, not a silent fallback: :func:`fused_decode_available` says whether numba is
 there, :func:`fused_decode_supported` whether a given call qualifies.
 
+A layer with per-head widths (:class:`~kivi.cache.heads.HeadViews`) runs :func:`fused_decode_heads`:
+every head group's pieces in one table (each row names the kv heads it holds) and one kernel call,
+when every group qualifies on its own (:func:`fused_decode_heads_supported`); otherwise
+:func:`kivi.attention.interface.head_groups_attention` runs the groups one by one.
+
 One concept per module:
 
 * :mod:`.dispatch` — the entry point :func:`fused_decode_attention`: does a call qualify, thread
