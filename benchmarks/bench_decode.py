@@ -2,7 +2,9 @@
 
 For each context length and batch size, each configuration: prefill a random prompt of ``context``
 tokens and ``--warmup-steps`` decode steps (not timed), then ``--steps`` greedy decode steps (timed)
--> tokens/s = batch * steps / time.
+-> tokens/s = batch * steps / time. The process's CPU time of the same steps is recorded too
+(``tok_per_cpu_s``, ``cpu_speed_vs_kivi2``): on a box loaded by other jobs the wall clock counts the
+time a row waited for a core (measured: wall 3-4x the CPU time of a 1-thread row at load 8-10 on 2 cores).
 
 This machine class is noisy (the same row varied by 30% between runs, and a row's speed depends on
 what ran before it in the process: quanto int2 at 8K measured 3.75 tok/s alone, 2.89 after a
@@ -90,12 +92,15 @@ def run_one(model, spec, context, batch, steps, vocab, warmup_steps=2):
         for _ in range(warmup_steps):  # first steps after a prefill: allocations, thread pools (all configs alike)
             out = model(input_ids=nxt, cache=cache, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             out = model(input_ids=nxt, cache=cache, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
-        dt = time.perf_counter() - t0
-    return {"tok_s": batch * steps / dt, "decode_s": dt, "peak_rss_delta_MiB": mem.delta_mib,
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+    # CPU seconds of the process (every thread): with --threads 1 on a box that other jobs load, the
+    # wall clock also counts the time the row waited for a core; the CPU time does not.
+    return {"tok_s": batch * steps / dt, "decode_s": dt, "decode_cpu_s": dc, "tok_per_cpu_s": batch * steps / dc,
+            "peak_rss_delta_MiB": mem.delta_mib,
             "cache_MiB": cache_nbytes(cache) / 2**20}
 
 
@@ -176,8 +181,9 @@ def _summarise(runs):
     if not ok:
         return dict(runs[0])
     out = dict(ok[0])
-    for k in ("tok_s", "decode_s", "peak_rss_delta_MiB"):
-        out[k] = _median([r[k] for r in ok])
+    for k in ("tok_s", "decode_s", "decode_cpu_s", "tok_per_cpu_s", "peak_rss_delta_MiB"):
+        if all(k in r for r in ok):
+            out[k] = _median([r[k] for r in ok])
     out["tok_s_all"] = [round(r["tok_s"], 3) for r in ok]
     out["ms_per_step"] = 1e3 * out["decode_s"] / out["steps"]
     return out
@@ -307,6 +313,8 @@ def _results(runs, contexts, batches, configs):
                         r["rss_vs_dynamic"] = r["peak_rss_delta_MiB"] / max(base["peak_rss_delta_MiB"], 1e-9)
                     if k2:
                         r["speed_vs_kivi2"] = r["tok_s"] / k2["tok_s"]
+                        if "tok_per_cpu_s" in r and "tok_per_cpu_s" in k2:
+                            r["cpu_speed_vs_kivi2"] = r["tok_per_cpu_s"] / k2["tok_per_cpu_s"]
                     if q2:
                         r["speed_vs_quanto2"] = r["tok_s"] / q2["tok_s"]
                     if floor:
@@ -325,6 +333,7 @@ def _print_row(r, repeat):
         return
     spread = f" [{min(r['tok_s_all']):.2f}-{max(r['tok_s_all']):.2f}]" if repeat > 1 else ""
     vq = f"  x{r['speed_vs_kivi2']:5.2f} vs kivi2" if "speed_vs_kivi2" in r else ""
+    vq += f" (CPU time x{r['cpu_speed_vs_kivi2']:5.2f})" if "cpu_speed_vs_kivi2" in r else ""
     vq += f"  x{r['speed_vs_quanto2']:5.2f} vs quanto2" if "speed_vs_quanto2" in r else ""
     ca = ""
     if "cache_attention_ms_per_step" in r:

@@ -57,15 +57,18 @@ def test_unreadable_config_file_is_refused_before_any_work(tmp_path):
 
 
 def test_results_compare_every_row_with_kivi2_and_dynamic_and_skip_rows_not_run_yet():
-    def run(t):
-        return {"tok_s": t, "decode_s": 8 / t, "peak_rss_delta_MiB": 1.0, "steps": 8, "config": "x"}
+    def run(t, cpu=None):
+        r = {"tok_s": t, "decode_s": 8 / t, "peak_rss_delta_MiB": 1.0, "steps": 8, "config": "x"}
+        return r if cpu is None else dict(r, tok_per_cpu_s=cpu, decode_cpu_s=8 / cpu)
 
     configs = ["dynamic", "kivi2-cpu", "heads.json", "kivitiers-cpu"]
-    runs = {(8192, 1, "dynamic"): [run(2.0)], (8192, 1, "kivi2-cpu"): [run(4.0)],
-            (8192, 1, "heads.json"): [run(3.8)], (8192, 1, "kivitiers-cpu"): []}  # an interrupted round
+    runs = {(8192, 1, "dynamic"): [run(2.0)], (8192, 1, "kivi2-cpu"): [run(4.0, 5.0), run(3.0, 4.0), run(9.0, 6.0)],
+            (8192, 1, "heads.json"): [run(3.8, 4.5)], (8192, 1, "kivitiers-cpu"): []}  # an interrupted round
     rows = bd._results(runs, [8192], [1], configs)
     assert len(rows) == 3
     heads = rows[2]
     assert heads["speed_vs_kivi2"] == 3.8 / 4.0 and heads["speed_vs_dynamic"] == 3.8 / 2.0
+    assert heads["cpu_speed_vs_kivi2"] == 4.5 / 5.0  # medians of the CPU-time speeds
+    assert "cpu_speed_vs_kivi2" not in rows[0]  # the dynamic row had no CPU time recorded
     assert bd._kivi2_row(["dynamic", "kivi2-reference", "kivi2-cpu"]) == "kivi2-cpu"
     assert bd._kivi2_row(["dynamic"]) is None
