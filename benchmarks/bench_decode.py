@@ -2,7 +2,9 @@
 
 For each context length and batch size, each configuration: prefill a random prompt of ``context``
 tokens and ``--warmup-steps`` decode steps (not timed), then ``--steps`` greedy decode steps (timed)
--> tokens/s = batch * steps / time.
+-> tokens/s = batch * steps / time. The process's CPU time of the same steps is recorded too
+(``tok_per_cpu_s``, ``cpu_speed_vs_kivi2``): on a box loaded by other jobs the wall clock counts the
+time a row waited for a core (measured: wall 3-4x the CPU time of a 1-thread row at load 8-10 on 2 cores).
 
 This machine class is noisy (the same row varied by 30% between runs, and a row's speed depends on
 what ran before it in the process: quanto int2 at 8K measured 3.75 tok/s alone, 2.89 after a
@@ -23,6 +25,11 @@ Without ``--isolate`` this delta is meaningless for later rows (freed memory of 
 
     python benchmarks/bench_decode.py --contexts 1024 4096 --batches 1 4 [--steps 32] [--json]
     python benchmarks/bench_decode.py --contexts 8192 --batches 1 --configs floor dynamic quanto2 kivi2-cpu --isolate --repeat 3
+    python benchmarks/bench_decode.py --contexts 8192 --batches 1 4 --configs dynamic kivi2-cpu results/pareto12_cfg_heads_k2v2_3p3.json --isolate --repeat 3
+
+A ``--configs`` argument ending in ``.json`` is a ``KiviConfig`` file (``KiviConfig.to_json``, ``kivi profile
+--write-config``): its row is named after the file's stem and runs on the backend the file names
+(``"auto"``: the machine's default, the fused numba kernel on CPU).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import gc
 import json
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import torch
@@ -84,12 +92,15 @@ def run_one(model, spec, context, batch, steps, vocab, warmup_steps=2):
         for _ in range(warmup_steps):  # first steps after a prefill: allocations, thread pools (all configs alike)
             out = model(input_ids=nxt, cache=cache, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             out = model(input_ids=nxt, cache=cache, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
-        dt = time.perf_counter() - t0
-    return {"tok_s": batch * steps / dt, "decode_s": dt, "peak_rss_delta_MiB": mem.delta_mib,
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+    # CPU seconds of the process (every thread): with --threads 1 on a box that other jobs load, the
+    # wall clock also counts the time the row waited for a core; the CPU time does not.
+    return {"tok_s": batch * steps / dt, "decode_s": dt, "decode_cpu_s": dc, "tok_per_cpu_s": batch * steps / dc,
+            "peak_rss_delta_MiB": mem.delta_mib,
             "cache_MiB": cache_nbytes(cache) / 2**20}
 
 
@@ -100,9 +111,23 @@ def _warm(model):
     model(input_ids=torch.ones(1, 8, dtype=torch.long), use_cache=False)
 
 
+def is_config_file(name: str) -> bool:
+    """Whether a ``--configs`` entry names a ``KiviConfig`` JSON file rather than a built-in row."""
+    return name.endswith(".json")
+
+
+def row_name(name: str) -> str:
+    """The row's name in the table: a config file's stem, a built-in row's own name."""
+    return Path(name).stem if is_config_file(name) else name
+
+
 def _prepare(model, name):
     """Set the model up for row ``name``; returns the cache spec for :func:`run_one`."""
     dequantize_model(model)
+    if is_config_file(name):  # a KiviConfig file, with the backend it names
+        cfg = KiviConfig.from_json(name)
+        quantize_model(model, cfg)
+        return cfg
     if name.startswith("kivitiers"):  # position tiers (docs/tiers.md): 128 FP, 1024 at 4 bits, the rest 2 bits
         cfg = KiviConfig(k_bits=4, v_bits=4, sink_tokens=4, tiers=[(128, None), (1024, 4), (None, 2)],
                          attention_backend=name.split("-")[1])
@@ -127,7 +152,9 @@ def _row(model, name, ctx, bs, steps, warmup_steps):
                     warmup_steps)
     except Exception as e:  # noqa: BLE001 - report (e.g. quanto missing)
         r = {"error": f"{type(e).__name__}: {e}"[:200]}
-    r.update(config=name, context=ctx, batch=bs)
+    r.update(config=row_name(name), context=ctx, batch=bs)
+    if is_config_file(name):
+        r.update(config_file=name)
     return r
 
 
@@ -141,7 +168,7 @@ def _row_isolated(name, ctx, bs, steps, warmup_steps, threads, pin):
     out = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     if out.returncode or not lines:
-        return {"error": f"row process failed ({out.returncode}): {out.stderr.strip()[-300:]}", "config": name,
+        return {"error": f"row process failed ({out.returncode}): {out.stderr.strip()[-300:]}", "config": row_name(name),
                 "context": ctx, "batch": bs}
     return json.loads(lines[-1])
 
@@ -158,8 +185,9 @@ def _summarise(runs):
     if not ok:
         return dict(runs[0])
     out = dict(ok[0])
-    for k in ("tok_s", "decode_s", "peak_rss_delta_MiB"):
-        out[k] = _median([r[k] for r in ok])
+    for k in ("tok_s", "decode_s", "decode_cpu_s", "tok_per_cpu_s", "peak_rss_delta_MiB"):
+        if all(k in r for r in ok):
+            out[k] = _median([r[k] for r in ok])
     out["tok_s_all"] = [round(r["tok_s"], 3) for r in ok]
     out["ms_per_step"] = 1e3 * out["decode_s"] / out["steps"]
     return out
@@ -175,7 +203,8 @@ def main():
                     default=["dynamic", "quanto2", "quanto4", "kivi2-reference", "kivi2-cpu", "kivi4-reference", "kivi4-cpu"],
                     help="dynamic, floor, quanto2, quanto4, kivi{2,4}-{reference,cpu,triton}, kivitiers-{cpu,...} "
                          "(K4V4 + 4 sinks, tiers 128 FP / 1024 at 4 bits / the rest at 2 bits), kivifp-{cpu,...} "
-                         "(K2V2 with quantize_after past the context: the full-precision phase)")
+                         "(K2V2 with quantize_after past the context: the full-precision phase), or a KiviConfig "
+                         "JSON file (FILE.json: row named after the file's stem, the backend the file names)")
     ap.add_argument("--threads", type=int, default=0, help="torch and numba threads (0 = their defaults)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every row, interleaved; the table shows medians")
     ap.add_argument("--isolate", action="store_true", help="run every row in a fresh process")
@@ -184,7 +213,8 @@ def main():
                          "the pinned mmap threshold makes every large temporary a fresh mapping, which slowed "
                          "DynamicCache decoding (a torch.cat of the whole cache per layer and step) by ~35%% at 2K")
     ap.add_argument("--one-row", nargs=3, metavar=("CONFIG", "CONTEXT", "BATCH"), help=argparse.SUPPRESS)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
+    ap.add_argument("--json-out", metavar="FILE", help="also write the results as JSON to FILE (the table still prints)")
     a = ap.parse_args()
     if a.pin_allocator:
         from kivi.allocator import reduce_fragmentation
@@ -195,9 +225,18 @@ def main():
     import re
 
     for name in a.configs + ([a.one_row[0]] if a.one_row else []):
-        if not re.fullmatch(r"dynamic|floor|quanto[24]|kivi([12348]|tiers|fp)-(reference|cpu|triton)", name):
+        if is_config_file(name):
+            try:
+                KiviConfig.from_json(name)
+            except (OSError, ValueError, TypeError) as e:
+                ap.error(f"--configs: {name!r} is not a readable KiviConfig JSON file: {e}")
+        elif not re.fullmatch(r"dynamic|floor|quanto[24]|kivi([12348]|tiers|fp)-(reference|cpu|triton)", name):
             ap.error(f"--configs: {name!r} is not one of dynamic, floor, quanto2, quanto4, "
-                     "kivi<bits>-<backend> (bits 1/2/3/4/8, 'tiers' or 'fp', backend reference/cpu/triton)")
+                     "kivi<bits>-<backend> (bits 1/2/3/4/8, 'tiers' or 'fp', backend reference/cpu/triton), "
+                     "or a KiviConfig file ending in .json")
+    names = [row_name(n) for n in a.configs]
+    if len(set(names)) != len(names):
+        ap.error(f"--configs: two rows would share a name ({names}); rename a config file")
     model = None
     if not a.isolate:
         model = load_model("smollm2")[0]
@@ -226,21 +265,61 @@ def main():
             runs[(ctx, bs, name)].append(r)
             if a.repeat > 1 and not a.json:
                 shown = r.get("error") or f"{r['tok_s']:.2f} tok/s"
-                print(f"  round {rep + 1}/{a.repeat} ctx={ctx} bs={bs} {name}: {shown}", flush=True)
+                print(f"  round {rep + 1}/{a.repeat} ctx={ctx} bs={bs} {row_name(name)}: {shown}", flush=True)
+        if a.json_out and rep + 1 < a.repeat:  # an interrupted run keeps its finished rounds
+            _write_json(a.json_out, _results(runs, a.contexts, a.batches, a.configs), a, rounds_done=rep + 1)
+    results = _results(runs, a.contexts, a.batches, a.configs)
+    if not a.json:
+        for r in results:
+            _print_row(r, a.repeat)
+    if model is not None:
+        dequantize_model(model)
+    if a.json:
+        print(_document(results, a, a.repeat))
+    if a.json_out:
+        _write_json(a.json_out, results, a, rounds_done=a.repeat)
+
+
+def _document(results, a, rounds_done: int) -> str:
+    return json.dumps({"threads": torch.get_num_threads(), "steps": a.steps, "warmup_steps": a.warmup_steps,
+                       "repeat": a.repeat, "rounds_done": rounds_done, "isolate": a.isolate,
+                       "configs": a.configs, "results": results}, indent=2)
+
+
+def _write_json(path, results, a, *, rounds_done: int) -> None:
+    Path(path).write_text(_document(results, a, rounds_done) + "\n")
+
+
+def _kivi2_row(configs):
+    """The KIVI-2 row the others are compared with: ``kivi2-cpu`` if present, else the first ``kivi2-*``."""
+    names = [n for n in configs if n.startswith("kivi2-")]
+    return "kivi2-cpu" if "kivi2-cpu" in names else (names[0] if names else None)
+
+
+def _results(runs, contexts, batches, configs):
+    """One summary per (context, batch, config) over the rounds run so far, with the in-run ratios."""
     results = []
-    for ctx in a.contexts:
-        for bs in a.batches:
-            group = {name: _summarise(runs[(ctx, bs, name)]) for name in a.configs}
-            base, q2, floor = (group.get(n) for n in ("dynamic", "quanto2", "floor"))
+    k2name = _kivi2_row(configs)
+    for ctx in contexts:
+        for bs in batches:
+            group = {name: _summarise(runs[(ctx, bs, name)]) for name in configs if runs[(ctx, bs, name)]}
+            base, q2, floor, k2 = (group.get(n) for n in ("dynamic", "quanto2", "floor", k2name))
             base = base if base and "error" not in base else None
             q2 = q2 if q2 and "error" not in q2 else None
             floor = floor if floor and "error" not in floor else None
-            for name in a.configs:
-                r = group[name]
+            k2 = k2 if k2 and "error" not in k2 else None
+            for name in configs:
+                r = group.get(name)
+                if r is None:
+                    continue
                 if "error" not in r and name != "floor":
                     if base:
                         r["speed_vs_dynamic"] = r["tok_s"] / base["tok_s"]
                         r["rss_vs_dynamic"] = r["peak_rss_delta_MiB"] / max(base["peak_rss_delta_MiB"], 1e-9)
+                    if k2:
+                        r["speed_vs_kivi2"] = r["tok_s"] / k2["tok_s"]
+                        if "tok_per_cpu_s" in r and "tok_per_cpu_s" in k2:
+                            r["cpu_speed_vs_kivi2"] = r["tok_per_cpu_s"] / k2["tok_per_cpu_s"]
                     if q2:
                         r["speed_vs_quanto2"] = r["tok_s"] / q2["tok_s"]
                     if floor:
@@ -249,30 +328,25 @@ def main():
                         if qa > 0.5 and r["cache_attention_ms_per_step"] > 0.5:  # below that: noise
                             r["cache_attention_vs_quanto2"] = qa / r["cache_attention_ms_per_step"]
                 results.append(r)
-                if not a.json:
-                    _print_row(r, a.repeat)
-    if model is not None:
-        dequantize_model(model)
-    if a.json:
-        print(json.dumps({"threads": torch.get_num_threads(), "steps": a.steps, "warmup_steps": a.warmup_steps,
-                          "repeat": a.repeat,
-                          "isolate": a.isolate, "results": results}, indent=2))
+    return results
 
 
 def _print_row(r, repeat):
     name, ctx, bs = r["config"], r["context"], r["batch"]
     if "error" in r:
-        print(f"ctx={ctx:6d} bs={bs} {name:16s} ERROR {r['error']}", flush=True)
+        print(f"ctx={ctx:6d} bs={bs} {name:28s} ERROR {r['error']}", flush=True)
         return
     spread = f" [{min(r['tok_s_all']):.2f}-{max(r['tok_s_all']):.2f}]" if repeat > 1 else ""
-    vq = f"  x{r['speed_vs_quanto2']:5.2f} vs quanto2" if "speed_vs_quanto2" in r else ""
+    vq = f"  x{r['speed_vs_kivi2']:5.2f} vs kivi2" if "speed_vs_kivi2" in r else ""
+    vq += f" (CPU time x{r['cpu_speed_vs_kivi2']:5.2f})" if "cpu_speed_vs_kivi2" in r else ""
+    vq += f"  x{r['speed_vs_quanto2']:5.2f} vs quanto2" if "speed_vs_quanto2" in r else ""
     ca = ""
     if "cache_attention_ms_per_step" in r:
         ca = f"  cache+attn {r['cache_attention_ms_per_step']:6.1f} ms/step"
         if "cache_attention_vs_quanto2" in r:
             ca += f" (quanto2 / this x{r['cache_attention_vs_quanto2']:5.2f})"
     ctx_s = f"{FLOOR_CONTEXT:6d}" if name == "floor" else f"{ctx:6d}"
-    print(f"ctx={ctx_s} bs={bs} {name:16s} {r['tok_s']:8.2f} tok/s{spread}  {r['ms_per_step']:7.1f} ms/step  "
+    print(f"ctx={ctx_s} bs={bs} {name:28s} {r['tok_s']:8.2f} tok/s{spread}  {r['ms_per_step']:7.1f} ms/step  "
           f"x{r.get('speed_vs_dynamic', 1):5.2f}{vq}{ca}  peakRSSΔ {r['peak_rss_delta_MiB']:8.1f} MiB  cache {r['cache_MiB']:.1f} MiB",
           flush=True)
 

@@ -174,6 +174,23 @@ def _head_groups_forward(module: torch.nn.Module, query: torch.Tensor, k_views: 
     if k_views.only_full_precision and v_views.only_full_precision:  # a prefill: exact attention over all heads
         return sdpa_attention_forward(module, query, k_views.fp, v_views.fp, attention_mask, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    if backend == "cpu":
+        # Documented dispatch (kivi.attention.fused_cpu): a decode step reads every head group of the layer
+        # in one fused kernel call when each group qualifies on its own; otherwise one run per group.
+        from .fused_cpu import fused_decode_heads, fused_decode_heads_supported
+
+        if fused_decode_heads_supported(query, k_views, v_views, attention_mask):
+            out = fused_decode_heads(query, k_views, v_views, scaling=scaling, attention_mask=attention_mask)
+            return out.transpose(1, 2).contiguous(), None
+    out = head_groups_attention(backend, query, k_views, v_views, scaling=scaling, attention_mask=attention_mask)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def head_groups_attention(backend: str, query: torch.Tensor, k_views: HeadViews, v_views: HeadViews, *,
+                          scaling: float | None, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """``[B, Hq, n, D]``: :func:`run_backend` of every head group with its query heads, concatenated in head
+    order (the plain path over a layer with per-head widths; the reference of the one-call fused decode)."""
+    g = query.shape[1] // k_views.groups[-1].stop
     outs = []
     for grp, kv, vv in zip(k_views.groups, k_views.views, v_views.views):
         q = query[:, grp.start * g : grp.stop * g].contiguous()
@@ -181,7 +198,7 @@ def _head_groups_forward(module: torch.nn.Module, query: torch.Tensor, k_views: 
         if mask is not None and mask.shape[1] != 1:
             mask = mask[:, grp.start * g : grp.stop * g]
         outs.append(run_backend(backend, q, kv, vv, scaling=scaling, attention_mask=mask))  # [B, hq_grp, n, D]
-    return torch.cat(outs, dim=1).transpose(1, 2).contiguous(), None
+    return torch.cat(outs, dim=1)
 
 
 @contextmanager

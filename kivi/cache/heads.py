@@ -15,7 +15,8 @@ group back as it was.
 
 Attention (:mod:`kivi.attention.interface`) runs each group's views with that group's query heads:
 with ``g = num_heads // num_kv_heads`` query heads per kv head (GQA), kv heads ``[lo, hi)`` are read
-by query heads ``[lo * g, hi * g)``, and the outputs are concatenated in head order.
+by query heads ``[lo * g, hi * g)``, and the outputs are concatenated in head order; a decode step on the
+``"cpu"`` backend reads every group in one fused kernel call (:func:`kivi.attention.fused_cpu.fused_decode_heads`).
 """
 
 from __future__ import annotations

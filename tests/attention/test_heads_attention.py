@@ -37,22 +37,24 @@ def _run(backend, chunks, ids, *, mask=None, sink=0, model_kw=None, model_type="
 @pytest.mark.parametrize("sink", [0, 3])
 @pytest.mark.parametrize("chunks", [[40, 1, 1, 1, 1, 1], [23, 17, 9, 1, 30, 1]], ids=["decode", "chunked"])
 def test_cpu_backends_match_reference(path, sink, chunks, monkeypatch):
-    calls = []
+    calls, group_calls = [], []
     import kivi.attention.fused_cpu as fused
 
-    real = fused.fused_decode_attention
+    real, real_group = fused.fused_decode_heads, fused.fused_decode_attention
     if path == "blocked":
         monkeypatch.setattr(fused, "fused_decode_supported", lambda *a, **k: False)
+        monkeypatch.setattr(fused, "fused_decode_heads_supported", lambda *a, **k: False)
     else:
-        monkeypatch.setattr(fused, "fused_decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+        monkeypatch.setattr(fused, "fused_decode_heads", lambda *a, **k: calls.append(1) or real(*a, **k))
+        monkeypatch.setattr(fused, "fused_decode_attention", lambda *a, **k: group_calls.append(1) or real_group(*a, **k))
     ids = torch.randint(1, 128, (2, sum(chunks)))
     lr, ref_cache = _run("reference", chunks, ids, sink=sink)
     lf, cache = _run("cpu", chunks, ids, sink=sink)
     torch.testing.assert_close(lf, lr, atol=2e-4, rtol=2e-4)
     assert cache.nbytes == ref_cache.nbytes
-    if path == "fused":  # one call per head group per layer per decode step
+    if path == "fused":  # one kernel call per layer per decode step, whatever the number of head groups
         decode_steps = sum(1 for n in chunks[1:] if n == 1)
-        assert len(calls) == decode_steps * (3 + 2)
+        assert len(calls) == decode_steps * 2 and not group_calls
 
 
 def test_padded_batch_matches_reference():

@@ -29,3 +29,46 @@ def test_unknown_config_is_refused_before_any_work():
                        text=True, timeout=120)
     assert p.returncode == 2
     assert "'kivi2-gpu' is not one of" in p.stderr
+
+
+def test_config_file_row_is_named_after_its_stem_and_runs_its_config(tmp_path):
+    from kivi import KiviConfig
+    from tests.helpers import tiny_model
+
+    cfg = KiviConfig(k_bits=2, v_bits=2, sink_tokens=4, head_bits={0: {"k_bits": [4, 2]}}, attention_backend="cpu")
+    path = tmp_path / "heads_k2v2.json"
+    cfg.to_json(path)
+    assert bd.is_config_file(str(path)) and not bd.is_config_file("kivi2-cpu")
+    assert bd.row_name(str(path)) == "heads_k2v2" and bd.row_name("kivi2-cpu") == "kivi2-cpu"
+    model = tiny_model(num_attention_heads=4, num_key_value_heads=2)
+    assert bd._prepare(model, str(path)) == cfg
+    r = bd._row(model, str(path), 40, 1, 2, 1)
+    assert "error" not in r, r
+    assert r["config"] == "heads_k2v2" and r["config_file"] == str(path) and r["tok_s"] > 0
+
+
+def test_unreadable_config_file_is_refused_before_any_work(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"k_bits": 5}')
+    p = subprocess.run([sys.executable, str(_PATH), "--configs", "dynamic", str(bad)], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2
+    assert f"{str(bad)!r} is not a readable KiviConfig JSON file" in p.stderr and "k_bits" in p.stderr
+
+
+def test_results_compare_every_row_with_kivi2_and_dynamic_and_skip_rows_not_run_yet():
+    def run(t, cpu=None):
+        r = {"tok_s": t, "decode_s": 8 / t, "peak_rss_delta_MiB": 1.0, "steps": 8, "config": "x"}
+        return r if cpu is None else dict(r, tok_per_cpu_s=cpu, decode_cpu_s=8 / cpu)
+
+    configs = ["dynamic", "kivi2-cpu", "heads.json", "kivitiers-cpu"]
+    runs = {(8192, 1, "dynamic"): [run(2.0)], (8192, 1, "kivi2-cpu"): [run(4.0, 5.0), run(3.0, 4.0), run(9.0, 6.0)],
+            (8192, 1, "heads.json"): [run(3.8, 4.5)], (8192, 1, "kivitiers-cpu"): []}  # an interrupted round
+    rows = bd._results(runs, [8192], [1], configs)
+    assert len(rows) == 3
+    heads = rows[2]
+    assert heads["speed_vs_kivi2"] == 3.8 / 4.0 and heads["speed_vs_dynamic"] == 3.8 / 2.0
+    assert heads["cpu_speed_vs_kivi2"] == 4.5 / 5.0  # medians of the CPU-time speeds
+    assert "cpu_speed_vs_kivi2" not in rows[0]  # the dynamic row had no CPU time recorded
+    assert bd._kivi2_row(["dynamic", "kivi2-reference", "kivi2-cpu"]) == "kivi2-cpu"
+    assert bd._kivi2_row(["dynamic"]) is None

@@ -11,6 +11,11 @@ with other values — goes through :func:`kivi.attention.blocked.blocked_attenti
 documented dispatch, not a silent fallback: :func:`fused_decode_available` says whether numba is
 there, :func:`fused_decode_supported` whether a given call qualifies.
 
+A layer with per-head widths (:class:`~kivi.cache.heads.HeadViews`) runs :func:`fused_decode_heads`:
+every head group's pieces in one table (each row names the kv heads it holds) and one kernel call,
+when every group qualifies on its own (:func:`fused_decode_heads_supported`); otherwise
+:func:`kivi.attention.interface.head_groups_attention` runs the groups one by one.
+
 One concept per module:
 
 * :mod:`.dispatch` — the entry point :func:`fused_decode_attention`: does a call qualify, thread
@@ -27,12 +32,15 @@ every call — a cost that grows with the context for bf16/fp16 caches; codes st
 """
 
 from ...optional import numba_available as fused_decode_available
-from .dispatch import SERIAL_BELOW, fused_decode_attention, fused_decode_supported, warmup
+from .dispatch import (SERIAL_BELOW, fused_decode_attention, fused_decode_heads, fused_decode_heads_supported,
+                       fused_decode_supported, warmup)
 
 __all__ = [
     "fused_decode_available",
     "fused_decode_supported",
     "fused_decode_attention",
+    "fused_decode_heads",
+    "fused_decode_heads_supported",
     "warmup",
     "SERIAL_BELOW",
 ]

@@ -37,9 +37,10 @@ from ...optional import numba_available
 from ...quant.packing import WORD_BITS
 from ...quant.fused_cpu import warmup as _warmup_quantizer
 from ..reference import view_geometry
-from .tables import side_table, valid_row
+from .tables import heads_table, side_table, valid_row
 
 if TYPE_CHECKING:
+    from ...cache.heads import HeadViews
     from ...cache.view import AttentionView
 
 _ALL_VALID = np.ones((1, 1), dtype=np.bool_)  # the kernel's mask argument when there is no mask
@@ -182,10 +183,72 @@ def fused_decode_attention(
     ``threaded``: run on numba's thread pool (split-K tasks) or on the calling thread only;
     ``None`` chooses threads when ``B * Hkv * kv_len >= SERIAL_BELOW``.
     """
-    B, hq, n, d = q.shape
-    if n != 1:
-        raise ValueError(f"fused_decode_attention takes one query token per sequence, got {n}")
+    if q.shape[2] != 1:
+        raise ValueError(f"fused_decode_attention takes one query token per sequence, got {q.shape[2]}")
     start, kv_len, hkv, dv = view_geometry(q, k_view, v_view)
+    keep: list = []
+    kd, kbits, kG = side_table(k_view, start, keep)
+    vd, vbits, vG = side_table(v_view, start, keep)
+    return _decode(q, (kd, kbits, kG), (vd, vbits, vG), kv_len, hkv, dv, keep, scaling=scaling,
+                   attention_mask=attention_mask, threaded=threaded)
+
+
+def fused_decode_heads_supported(q: torch.Tensor, k_views: HeadViews, v_views: HeadViews,
+                                 attention_mask: torch.Tensor | None = None) -> bool:
+    """Whether :func:`fused_decode_heads` handles this call: every head group's views qualify for
+    :func:`fused_decode_supported` (with that group's query heads) and the groups share a group size."""
+    hkv = k_views.groups[-1].stop
+    if q.dim() != 4 or q.shape[1] % hkv:
+        return False
+    g = q.shape[1] // hkv
+    for grp, kv, vv in zip(k_views.groups, k_views.views, v_views.views):
+        if not fused_decode_supported(q[:, grp.start * g : grp.stop * g], kv, vv, attention_mask):
+            return False
+    sizes = {view.store.template.group_size for side in (k_views, v_views) for view in side.views
+             if view.quantized and not view.tiered and view.store.template is not None}
+    return len(sizes) <= 1
+
+
+def fused_decode_heads(
+    q: torch.Tensor,
+    k_views: HeadViews,
+    v_views: HeadViews,
+    *,
+    scaling: float | None = None,
+    attention_mask: torch.Tensor | None = None,
+    threaded: bool | None = None,
+) -> torch.Tensor:
+    """:func:`fused_decode_attention` over a layer with per-head widths, all head groups in one kernel call.
+
+    ``q [B, Hq, 1, D]``; ``k_views`` / ``v_views``: the layer's :class:`~kivi.cache.heads.HeadViews`
+    (kv heads ``groups[i]`` in ``views[i]``, each group with its own widths). Query head ``j`` reads kv head
+    ``j // (Hq / Hkv)`` as in a plain layer. The result equals running every group on its own query heads
+    (:func:`kivi.attention.interface.head_groups_attention`, the reference of this path) and concatenating:
+    bit for bit on the calling thread (``threaded=False``: same tasks, same arithmetic); with threads the
+    split-K chunks are sized for the whole layer, so the last bits can differ.
+    """
+    if q.shape[2] != 1:
+        raise ValueError(f"fused_decode_heads takes one query token per sequence, got {q.shape[2]}")
+    hkv = k_views.groups[-1].stop
+    if q.shape[1] % hkv:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {hkv} kv heads")
+    g = q.shape[1] // hkv
+    geo = {view_geometry(q[:, grp.start * g : grp.stop * g], kv, vv)[:2] + (vv.fp.shape[-1],)
+           for grp, kv, vv in zip(k_views.groups, k_views.views, v_views.views)}
+    if len(geo) != 1:
+        raise ValueError(f"head groups of one layer cover different kv positions / value widths: {sorted(geo)}")
+    start, kv_len, dv = geo.pop()
+    keep: list = []
+    kside = heads_table(k_views.views, k_views.groups, start, keep)
+    vside = heads_table(v_views.views, v_views.groups, start, keep)
+    return _decode(q, kside, vside, kv_len, hkv, dv, keep, scaling=scaling, attention_mask=attention_mask,
+                   threaded=threaded)
+
+
+def _decode(q, kside, vside, kv_len: int, hkv: int, dv: int, keep: list, *, scaling, attention_mask,
+            threaded) -> torch.Tensor:
+    """Run the kernel over the key / value tables ``(descriptors, widest bits, group size)``."""
+    B, hq, _, d = q.shape
     if kv_len == 0:
         raise ValueError("fused_decode_attention: empty cache view")
     scaling = d**-0.5 if scaling is None else scaling
@@ -195,10 +258,7 @@ def fused_decode_attention(
     valid = valid_row(attention_mask, B, kv_len)
     has_mask = valid is not None
     valid_np = _np(valid) if has_mask else _ALL_VALID
-
-    keep: list = []
-    kd, kbits, kG = side_table(k_view, start, keep)
-    vd, vbits, vG = side_table(v_view, start, keep)
+    (kd, kbits, kG), (vd, vbits, vG) = kside, vside
     prm = np.array([kbits, kG, vbits, vG], dtype=np.int64)
     q32 = _np(q.reshape(B, hq, d).float().contiguous())  # a view when q is contiguous float32
     out = torch.empty(B, hq, 1, dv)
@@ -217,4 +277,5 @@ def fused_decode_attention(
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-__all__ = ["fused_decode_supported", "fused_decode_attention", "warmup", "SERIAL_BELOW", "THREAD_SAFE_LAYERS"]
+__all__ = ["fused_decode_supported", "fused_decode_attention", "fused_decode_heads", "fused_decode_heads_supported",
+           "warmup", "SERIAL_BELOW", "THREAD_SAFE_LAYERS"]

@@ -5,7 +5,9 @@ Importing this module imports numba and compiles the two entry points (:func:`de
 first use. Every function is decorated here at module level, so a name means one thing and
 ``cache=True`` finds the compiled code again in the next process.
 
-Inputs: ``q [B, Hq, D]`` float32, the piece descriptor tables of keys and values (:mod:`.tables`),
+Inputs: ``q [B, Hq, D]`` float32, the piece descriptor tables of keys and values (:mod:`.tables`;
+each row names the kv heads ``[h0, h1)`` its tensors hold, so a layer with per-head widths is one table
+of every head group's pieces and one call),
 ``prm = [key bits, key group, value bits, value group]`` (the widest piece of a side; each quantized
 piece's own width is its ``_BITS`` column), a ``[B, kv_len]`` validity row, and the
 output ``[B, Hq, Dv]``. Per ``(batch b, kv head h)`` and its ``g = Hq / Hkv`` query heads:
@@ -41,12 +43,14 @@ import numpy as np
 from numba import carray, prange, types
 from numba.extending import intrinsic
 
-from .tables import _BITS, _BS, _BS0, _BS1, _BS2, _DATA, _DS0, _DS1, _DS2, _HI, _LO, _QUANT, _SC, _SS0, _SS1, _SS2, NCOL
+from .tables import (_BITS, _BS, _BS0, _BS1, _BS2, _DATA, _DS0, _DS1, _DS2, _H0, _H1, _HI, _LO, _QUANT, _SC, _SS0,
+                     _SS1, _SS2, NCOL)
 
 # The descriptor columns are compiled in as constants, but numba's on-disk cache is keyed on this
 # file only: a layout change in tables.py must change this file too, or a stale cache would read
 # the wrong columns. Hence this check.
-if (_LO, _HI, _QUANT, _DATA, _DS0, _DS1, _DS2, _SC, _SS0, _SS1, _SS2, _BS, _BS0, _BS1, _BS2, _BITS, NCOL) != (*range(16), 16):
+if (_LO, _HI, _QUANT, _DATA, _DS0, _DS1, _DS2, _SC, _SS0, _SS1, _SS2, _BS, _BS0, _BS1, _BS2, _BITS, _H0, _H1,
+        NCOL) != (*range(18), 18):
     raise ImportError("the descriptor layout of tables.py changed: update the check in kernel.py")
 
 _NEG32 = np.finfo(np.float32).min  # the score of a masked position
@@ -330,7 +334,8 @@ def _value_pass1(tw, nw, cpw, bits, Dv, G, wt, i0, accq, n):
 
 @jit
 def _key_scores(d, p, b, h, a, e, qsc, bits, G, c0, s, qp, tw):
-    """Scores ``s[i, t - c0]`` of the ``g`` query heads for kv positions ``[a, e)`` of key piece ``p``.
+    """Scores ``s[i, t - c0]`` of the ``g`` query heads for kv positions ``[a, e)`` of key piece ``p``
+    (``h``: the kv head within the piece's tensors).
 
     Quantized pieces (per-channel groups of ``G`` tokens, ``x = code * scale + base``), per group:
     ``qp_i = qsc_i * scale`` and the scores start at ``qsc_i . base``; the group's codes are transposed to
@@ -392,7 +397,8 @@ def _key_scores(d, p, b, h, a, e, qsc, bits, G, c0, s, qp, tw):
 
 @jit
 def _value_accumulate(d, p, b, h, a, e, bits, G, c0, pr, accq, accf, accb, wt, sbt, tw):
-    """Add ``sum_t p[i, t] v_t`` over kv positions ``[a, e)`` of value piece ``p`` to the accumulators.
+    """Add ``sum_t p[i, t] v_t`` over kv positions ``[a, e)`` of value piece ``p`` to the accumulators
+    (``h``: the kv head within the piece's tensors).
 
     Quantized pieces (per-token groups of ``G`` channels, ``v = code * scale + base``): the rows'
     codes are transposed to words, ``wt[i, grp, t] = p_i(t) * scale_{t,grp}``, and each head pass
@@ -485,8 +491,8 @@ def _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, t1, om, ol, oacc):
         n = c1 - c0
         for p in range(kd.shape[0]):
             a, e = max(c0, kd[p, _LO]), min(c1, kd[p, _HI])
-            if a < e:
-                _key_scores(kd, p, b, h, a, e, qsc, kd[p, _BITS], kG, c0, s, qp, tw)
+            if a < e and kd[p, _H0] <= h < kd[p, _H1]:  # the piece holds kv head h (as its head h - h0)
+                _key_scores(kd, p, b, h - kd[p, _H0], a, e, qsc, kd[p, _BITS], kG, c0, s, qp, tw)
         if has_mask:
             for t in range(c0, c1):
                 if not valid[b, t]:
@@ -507,8 +513,8 @@ def _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, t1, om, ol, oacc):
                 accb[i, k] *= alpha
         for p in range(vd.shape[0]):
             a, e = max(c0, vd[p, _LO]), min(c1, vd[p, _HI])
-            if a < e:
-                _value_accumulate(vd, p, b, h, a, e, vd[p, _BITS], vG, c0, s, accq, accf, accb, wt, sbt, tw)
+            if a < e and vd[p, _H0] <= h < vd[p, _H1]:
+                _value_accumulate(vd, p, b, h - vd[p, _H0], a, e, vd[p, _BITS], vG, c0, s, accq, accf, accb, wt, sbt, tw)
     for i in range(g):
         om[i] = m_run[i]
         ol[i] = l_run[i]

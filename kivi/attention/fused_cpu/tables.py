@@ -29,7 +29,8 @@ _DATA, _DS0, _DS1, _DS2 = 3, 4, 5, 6  # codes (uint8) or full-precision data (fl
 _SC, _SS0, _SS1, _SS2 = 7, 8, 9, 10  # float32 scale (quantized pieces)
 _BS, _BS0, _BS1, _BS2 = 11, 12, 13, 14  # float32 base (quantized pieces)
 _BITS = 15  # code width of a quantized piece (position tiers give a side pieces of several widths)
-NCOL = 16
+_H0, _H1 = 16, 17  # the layer's kv heads [h0, h1) the piece holds (per-head widths: one group's tensors)
+NCOL = 18
 
 
 def _base(seg: PackedKV) -> torch.Tensor:
@@ -125,8 +126,14 @@ def _skip_rows(cols: tuple, store, skip: int, quantized: bool) -> tuple:
     return tuple(cols)
 
 
-def side_table(view: AttentionView, start: int, keep: list) -> tuple[np.ndarray, int, int]:
+def side_table(view: AttentionView, start: int, keep: list, heads: tuple[int, int] | None = None
+               ) -> tuple[np.ndarray, int, int]:
     """``(descriptors [P, NCOL] int64, bits, group_size)`` of one side's pieces, in token order.
+
+    ``heads = (h0, h1)``: the view holds the layer's kv heads ``[h0, h1)`` (a head group of a layer with
+    per-head widths, :class:`~kivi.cache.heads.HeadViews`); the default is every head of the view
+    (``(0, H)``). The kernel reads kv head ``h`` of the layer from the pieces whose range holds it, at
+    local head ``h - h0``, so the tables of several groups stacked (:func:`heads_table`) describe one layer.
 
     ``bits`` is the widest code of the side's pieces (each quantized row holds its own width in
     ``_BITS``: a side with position tiers has pieces of several widths, a ``TierChain`` of stores).
@@ -154,8 +161,24 @@ def side_table(view: AttentionView, start: int, keep: list) -> tuple[np.ndarray,
     if nfp:
         lo = view.split - start
         rows.append((lo, lo + nfp, 0, *_addr(_rows_f32(view.fp), keep)) + (0,) * 9)
-    table = np.array(rows, dtype=np.int64).reshape(len(rows), NCOL)
+    h0, h1 = (0, view.fp.shape[1]) if heads is None else heads
+    table = np.array([row + (h0, h1) for row in rows], dtype=np.int64).reshape(len(rows), NCOL)
     return table, max(widths, default=8), group
+
+
+def heads_table(views, groups, start: int, keep: list) -> tuple[np.ndarray, int, int]:
+    """:func:`side_table` of a layer with per-head widths: every group's pieces (with their kv head
+    range) stacked into one table; the widest code and the group size (shared by the groups)."""
+    tables, widths, sizes = [], [], set()
+    for grp, view in zip(groups, views):
+        t, bits, group = side_table(view, start, keep, (grp.start, grp.stop))
+        tables.append(t)
+        widths.append(bits)
+        sizes.add(group)
+    quantized = {g for g in sizes if g != 1}  # 1: a side held at full precision in that group
+    if len(quantized) > 1:
+        raise ValueError(f"head groups of one layer with different group sizes {sorted(quantized)}")
+    return np.concatenate(tables), max(widths), quantized.pop() if quantized else 1
 
 
 def valid_row(attention_mask: torch.Tensor | None, batch: int, kv_len: int) -> torch.Tensor | None:
