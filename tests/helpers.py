@@ -74,3 +74,26 @@ def forward_in_steps(model, ids, chunks, mask=None):
             outs.append(model(input_ids=ids[:, pos : pos + n], cache=cache, use_cache=True, **kw).logits)
             pos += n
     return torch.cat(outs, dim=1), cache
+
+
+def recording_bar(seen: list):
+    """A stand-in for ``progress_bar`` (monkeypatched into the module under test) that appends every
+    description it is given to ``seen``, and ``("done", count, total)`` when closed."""
+
+    class Bar:
+        def __init__(self, total, *a, **k):
+            self.total, self.n = total, 0
+
+        def set_description(self, d):
+            seen.append(d)
+
+        def update(self, n=1):
+            self.n += n
+
+        def set_postfix_str(self, s):
+            pass
+
+        def close(self):
+            seen.append(("done", self.n, self.total))
+
+    return Bar

@@ -18,6 +18,7 @@ from kivi.config import KiviConfig
 from kivi.eval import compare, make_cache
 from kivi.eval.stream import chunk_neutral, run_prefill, stream_window
 from kivi.eval.sweep import tune
+from tests.helpers import recording_bar
 
 CONFIGS = [KiviConfig(residual_length=32), KiviConfig.preset("balanced", residual_length=32),
            KiviConfig(k_bits=4, v_bits=4, group_size=16, residual_length=0, sink_tokens=3)]
@@ -67,25 +68,9 @@ def test_fast_equals_reference(peaked_model, odd_windows):
 def test_progress_bar_names_config_and_window(peaked_model, odd_windows, monkeypatch):
     seen = []
 
-    class Bar:
-        def __init__(self, total, *a, **k):
-            self.total, self.n = total, 0
-
-        def set_description(self, d):
-            seen.append(d)
-
-        def update(self, n=1):
-            self.n += n
-
-        def set_postfix_str(self, s):
-            pass
-
-        def close(self):
-            seen.append(("done", self.n, self.total))
-
     import kivi.eval.stream as stream
 
-    monkeypatch.setattr(stream, "progress_bar", Bar)
+    monkeypatch.setattr(stream, "progress_bar", recording_bar(seen))
     compare(peaked_model, odd_windows, [CONFIGS[0]], prefix=61, chunk=16)
     assert "fp · window 1/2" in seen and f"{CONFIGS[0].describe()} · window 2/2" in seen
     assert seen[-1] == ("done", 4 * 96, 4 * 96)  # 2 windows x (fp + 1 config) x 96 scored tokens

@@ -11,6 +11,7 @@ from kivi import KiviConfig
 from kivi.eval.head_profile import bits_per_element
 from kivi.eval.sweep import tune
 from kivi.memory.sources import model_spec
+from tests.helpers import recording_bar
 
 FAST = dict(prefix=64, chunk=16, progress=False)
 # at 32K tokens A (2-bit, R32) is far cheaper than B (4-bit, no window); at the end of a 192-token window in
@@ -79,25 +80,9 @@ def test_per_head_candidates_come_from_a_profile_of_other_windows(peaked_model, 
 def test_progress_names_the_fp_reference_and_each_candidate(peaked_model, windows, monkeypatch):
     seen = []
 
-    class Bar:
-        def __init__(self, total, *a, **k):
-            self.total, self.n = total, 0
-
-        def set_description(self, d):
-            seen.append(d)
-
-        def update(self, n=1):
-            self.n += n
-
-        def set_postfix_str(self, s):
-            pass
-
-        def close(self):
-            seen.append(("done", self.n, self.total))
-
     import kivi.eval.sweep as sweep
 
-    monkeypatch.setattr(sweep, "progress_bar", Bar)
+    monkeypatch.setattr(sweep, "progress_bar", recording_bar(seen))
     tune(peaked_model, windows, [A, B], max_bits=1e6, prefix=64, chunk=16)
     assert "fp · FP reference, window 2/2" in seen
     assert f"{A.describe()} · candidate 1/2, window 1/2" in seen
