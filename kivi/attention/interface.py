@@ -158,6 +158,8 @@ def exact_queries(view: AttentionView, n: int) -> int:
 def _later_queries(view: AttentionView, exact: int) -> AttentionView:
     """The view as the queries after the first ``exact`` see it (their part of the per-query boundary)."""
     return view.for_queries(exact)
+
+
 def _head_groups_forward(module: torch.nn.Module, query: torch.Tensor, k_views: HeadViews, v_views: HeadViews,
                          attention_mask: torch.Tensor | None, backend: str, *, scaling: float | None,
                          is_causal: bool | None, **kwargs) -> tuple[torch.Tensor, None]:
@@ -170,7 +172,6 @@ def _head_groups_forward(module: torch.nn.Module, query: torch.Tensor, k_views: 
     hq = query.shape[1]
     if hq % hkv:
         raise ValueError(f"{hq} query heads are not a multiple of {hkv} kv heads")
-    g = hq // hkv
     if k_views.only_full_precision and v_views.only_full_precision:  # a prefill: exact attention over all heads
         return sdpa_attention_forward(module, query, k_views.fp, v_views.fp, attention_mask, scaling=scaling,
                                       is_causal=is_causal, **kwargs)

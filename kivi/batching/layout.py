@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..cache.schedule import layer_sink_tokens, sliding_cut
-from ..cache.support import check_head_dim, model_head_dim, model_layer_types, plan_layers, text_config
+from ..cache.support import check_head_dim, model_head_dim, plan_layers, text_config
 from ..config import KiviConfig
 from ..quant.kv import quantize_kv, token_divisor
 

@@ -25,7 +25,6 @@ naming what differs.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
