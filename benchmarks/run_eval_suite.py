@@ -150,10 +150,9 @@ ISSUE12_GOALS = ((3.3, 5.0), (4.3, 0.5))
 def bits_at_32k(model: str, cfg: KiviConfig) -> float:
     """Issue 12's bits per element: ``kivi estimate`` for a float16 model at 32K tokens, all bytes the
     cache holds (codes, scales, offsets, sinks, the window) over 2 x layers x kv heads x head_dim x tokens."""
-    from kivi.memory.estimate import estimate_kv_memory
+    from kivi.eval.head_profile import bits_per_element
 
-    e = estimate_kv_memory(model, 32768, config=cfg, dtype="float16")  # ValueError: a config the model refuses
-    return 8 * e.kivi_total_bytes / (2 * e.num_layers * e.num_kv_heads * e.head_dim * e.context)
+    return bits_per_element(model, cfg, 32768)  # ValueError: a config the model refuses
 
 
 _MODELS: dict[str, object] = {}

@@ -285,17 +285,16 @@ class KiviLayer(CacheLayerMixin):
         """Give ``view`` its per-query boundary and the ``left`` copy (see :class:`AttentionView`)."""
         cfg = self.config
         window = pending.shape[-2] - n
-        # `side.store.length`: tokens that left the window (sink + stored), for quantize_after
-        args = (cfg.residual_length, cfg.group_size, side.sink_len, self.sink_tokens, side.store.length,
-                cfg.quantize_after)
+        args = (cfg.residual_length, cfg.group_size, side.sink_len, self.sink_tokens)
+        # `side.store.length`: tokens that left the window (sink + stored), the held count quantize_after reads
+        held = dict(before=side.store.length, quantize_after=cfg.quantize_after)
         exact = prefill_exact_queries(self.seen, n, self.prompt_length)
-        bounds = query_boundaries(side.axis, window, n, *args[:4], exact=exact, before=args[4],
-                                  quantize_after=args[5])
+        bounds = query_boundaries(side.axis, window, n, *args, exact=exact, **held)
         if bounds is None:
             return
         # The last query's exits: its first `take` pending tokens went to the sink (exact), the next
         # `stored` into quantized storage, quantized here exactly as `_flush` will quantize them.
-        take, stored = window_exits(side.axis, window + n - 1, *args)
+        take, stored = window_exits(side.axis, window + n - 1, *args, **held)
         seg = None
         if stored:
             seg = self._quantize(side, pending[:, :, take : take + stored],
