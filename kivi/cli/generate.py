@@ -103,13 +103,6 @@ def budget_pick(model: Any, budget: int, prompt_tokens: int, max_new_tokens: int
         raise CliError(f"--cache-budget: {e}; raise the budget or lower --max-new-tokens") from None
 
 
-def render_budget_pick(pick: Any) -> None:
-    """What --cache-budget chose and why, on stderr (stdout is the generated text)."""
-    from .estimate import render_pick
-
-    render_pick(pick, file=sys.stderr)
-
-
 def run(args: argparse.Namespace) -> int:
     from ..config import KiviConfig
 
@@ -145,8 +138,10 @@ def run(args: argparse.Namespace) -> int:
                            f"the prompt ({n} tokens) + --max-new-tokens {args.max_new_tokens}")
         pick = budget_pick(model, args.cache_budget, n, args.max_new_tokens, args.full_precision_first)
         cfg = pick.config
-        if not args.json:
-            render_budget_pick(pick)
+        if not args.json:  # what was chosen and why, on stderr (stdout is the generated text)
+            from .estimate import render_pick
+
+            render_pick(pick, file=sys.stderr)
     quantize_model(model, cfg)
     ids, prefix_kwargs, prefix_info = prefix_inputs(args, model, tokenizer, prompt, ids.to(model.device))
     n_prompt = ids.shape[-1]
