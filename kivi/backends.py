@@ -8,8 +8,8 @@
 * ``"triton"`` — ``kivi.kernels.triton_attention`` (CUDA).
 * ``"auto"`` — ``"reference"`` for models whose attention the packed paths do not implement
   (logit softcapping, e.g. Gemma2; attention sinks); else ``"triton"`` on a CUDA device when
-  triton is installed and the config is one the kernel implements (asymmetric, 1/2/4/8 bits, no
-  compensation; sink tokens and any number of stored blocks are read in place); else ``"cpu"``.
+  triton is installed and the config is one the kernel implements (asymmetric, no compensation;
+  every code width, 3 bits included; sink tokens and any number of stored blocks are read in place); else ``"cpu"``.
 
 The decision is made once: :func:`kivi.quantize_model` resolves it for the model (and switches the
 model's attention to ``"kivi"`` unless it is ``"reference"``); :meth:`KiviCache.from_model` takes
@@ -26,7 +26,6 @@ from typing import Any
 
 from .config import ATTENTION_BACKENDS
 from .optional import numba_available, triton_available
-from .quant.packing import WORD_BITS
 
 #: Name of the attention implementation kivi registers with transformers (kivi.attention.interface).
 ATTN_IMPLEMENTATION = "kivi"
@@ -68,13 +67,7 @@ def kernel_config_unsupported(config: Any) -> str | None:
             return "symmetric quantization"
         if c.residual_bits:
             return "error compensation (residual_bits > 0)"
-        odd = [b for b in (c.k_bits, c.v_bits) if b not in WORD_BITS]
-        if odd:
-            return f"{odd[0]}-bit codes"
-    for entry in getattr(config, "head_bits", {}).values():  # per-head widths
-        odd = [b for widths in entry.values() for b in widths if b not in WORD_BITS]
-        if odd:
-            return f"{odd[0]}-bit codes (head_bits)"
+    # Every code width the config allows (1, 2, 3, 4, 8; per-head widths too) is read by the kernel.
     return None
 
 

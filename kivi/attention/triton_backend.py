@@ -20,7 +20,7 @@ backend, not a fallback:
   boolean ``sdpa_mask``, so model forwards never hit this.
 
 A one-token view with a per-query boundary cannot exist (``kivi.cache.schedule.query_boundaries``)
-and raises; formats the kernel does not implement (symmetric codes, compensation codes, 3-bit) raise
+and raises; formats the kernel does not implement (symmetric codes, compensation codes) raise
 when the table is built (``resolve_attention_backend`` refuses them before a cache is made).
 """
 

@@ -10,7 +10,8 @@ Pass 1 (grid ``(B * HKV, NUM_SPLITS)``): a program owns one kv head, its ``QG = 
 (padded to ``QG_P2 >= 16`` rows for ``tl.dot``) and one contiguous token range; it finds the first
 block of its range in each side's table, then walks the range in ``BLOCK_N`` tiles: a tile takes its
 tokens from the sink, from every block it overlaps (a cursor moves along the table) and from the
-tail, dequantizes (``code * scale + offset`` in float32) and updates an online softmax (base 2). It
+tail, dequantizes (``code * scale + offset`` in float32; 1/2/4/8-bit codes are unpacked from whole
+bytes, 3-bit codes read as 16 bits from the two bytes they may straddle) and updates an online softmax (base 2). It
 writes partial ``m``, ``l`` and the unnormalised accumulator. Pass 2 (grid ``(B * HQ,)``) merges the
 splits.
 """
@@ -26,7 +27,8 @@ NCOL: tl.constexpr = tl.constexpr(9)
 
 @triton.jit
 def _unpack(bytes_, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr):
-    """uint8 ``[ROWS, BLOCK_D // (8 // BITS)]`` -> float32 codes ``[ROWS, BLOCK_D]``."""
+    """uint8 ``[ROWS, BLOCK_D // (8 // BITS)]`` -> float32 codes ``[ROWS, BLOCK_D]`` (1, 2, 4, 8 bits: whole
+    codes per byte; 3 bits go through :func:`_load_codes3`)."""
     PB: tl.constexpr = 8 // BITS
     b = bytes_.to(tl.int32)
     if PB == 1:
@@ -35,6 +37,25 @@ def _unpack(bytes_, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexp
         shifts = tl.arange(0, PB) * BITS
         c = (b[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
         return tl.reshape(c, (ROWS, BLOCK_D)).to(tl.float32)
+
+
+@triton.jit
+def _load_codes3(row_ptrs, mask, d, D: tl.constexpr):
+    """float32 codes ``[ROWS, BLOCK_D]`` of 3-bit rows (``row_ptrs [ROWS, 1]``: each row's first byte).
+
+    Layout (kivi.quant.packing): runs of 8 codes are a little-endian 24-bit integer in 3 bytes, code
+    ``j`` of a run at bits ``[3j, 3j + 3)``, so a code may straddle two bytes: channel ``c`` reads the
+    byte ``3 * (c // 8) + 3 * (c % 8) // 8`` and the next one (when it lies in the row's
+    ``ceil(D / 8) * 3`` bytes) as 16 bits, shifted right by ``3 * (c % 8) % 8``.
+    """
+    NB_REAL: tl.constexpr = (D + 7) // 8 * 3
+    j = d % 8
+    bi = (d // 8) * 3 + (3 * j) // 8
+    sh = (3 * j) % 8
+    p = row_ptrs + bi[None, :]
+    lo = tl.load(p, mask=mask, other=0).to(tl.int32)
+    hi = tl.load(p + 1, mask=mask & ((bi + 1) < NB_REAL)[None, :], other=0).to(tl.int32)
+    return (((lo | (hi << 8)) >> sh[None, :]) & 7).to(tl.float32)
 
 
 @triton.jit
@@ -79,13 +100,16 @@ def _side_tile(
         r = t - lo  # row of each token in the block
         doff = (tl.load(row + 2) + b64 * tl.load(row + 3) + h64 * tl.load(row + 4)) * DATA_UNIT
         if QUANT:
-            PB: tl.constexpr = 8 // BITS
-            NB: tl.constexpr = BLOCK_D // PB
-            NB_REAL: tl.constexpr = (D * BITS + 7) // 8
-            cb = tl.arange(0, NB)
-            raw = tl.load(data_ptr + doff + r[:, None] * data_st + cb[None, :],
-                          mask=m[:, None] & (cb[None, :] < NB_REAL), other=0)
-            codes = _unpack(raw, BLOCK_N, BLOCK_D, BITS)
+            if BITS == 3:
+                codes = _load_codes3(data_ptr + doff + r[:, None] * data_st, m[:, None] & dm, d, D)
+            else:
+                PB: tl.constexpr = 8 // BITS
+                NB: tl.constexpr = BLOCK_D // PB
+                NB_REAL: tl.constexpr = (D * BITS + 7) // 8
+                cb = tl.arange(0, NB)
+                raw = tl.load(data_ptr + doff + r[:, None] * data_st + cb[None, :],
+                              mask=m[:, None] & (cb[None, :] < NB_REAL), other=0)
+                codes = _unpack(raw, BLOCK_N, BLOCK_D, BITS)
             pbh = b64 * tl.load(row + 7) + h64 * tl.load(row + 8)
             soff = (tl.load(row + 5) + pbh) * PAR_UNIT
             ooff = (tl.load(row + 6) + pbh) * PAR_UNIT

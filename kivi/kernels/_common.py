@@ -9,6 +9,7 @@ import torch
 
 from ..optional import triton_available
 from ..quant.packing import WORD_BITS
+from ..quant.primitives import SUPPORTED_BITS
 
 _INSTALL_HINT = "Triton kernels need the optional dependency: pip install 'kivi[triton]' (or pip install triton)"
 
@@ -44,12 +45,19 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def check_kernel_bits(bits: int, name: str = "bits") -> None:
-    if isinstance(bits, bool) or bits not in WORD_BITS:
-        raise ValueError(
-            f"{name}={bits!r}: the Triton kernels support bits in {list(WORD_BITS)} (3-bit packing spans "
-            "byte boundaries; use the torch path kivi.quant.kv for it)"
-        )
+#: Widths the decode attention kernel reads: every supported width (3 bits: a code may straddle two
+#: bytes; the kernel reads them as 16 bits). The quantize kernels write only :data:`WORD_BITS`.
+ATTENTION_BITS = SUPPORTED_BITS
+
+
+def check_kernel_bits(bits: int, name: str = "bits", allowed: tuple[int, ...] = WORD_BITS) -> None:
+    """Raise unless ``bits`` is in ``allowed`` (default: the quantize kernels' widths, 1/2/4/8)."""
+    if isinstance(bits, bool) or bits not in allowed:
+        extra = ""
+        if bits == 3 and 3 not in allowed:
+            extra = (" (3-bit packing spans byte boundaries; the Triton quantize kernels do not write it: "
+                     "use the torch path kivi.quant.kv.quantize_kv)")
+        raise ValueError(f"{name}={bits!r}: this Triton kernel supports bits in {list(allowed)}{extra}")
 
 
 def param_kind(dtype: torch.dtype) -> int:

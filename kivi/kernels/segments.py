@@ -88,7 +88,7 @@ def build_block_table(blocks: Sequence[tuple[int, PackedKV | torch.Tensor]], axi
                       device: torch.device) -> BlockTable:
     """Descriptor table of ``blocks`` = ``[(first_position, block), ...]`` in token order.
 
-    Each block is a :class:`PackedKV` of ``axis`` (asymmetric, no compensation codes, 1/2/4/8 bits;
+    Each block is a :class:`PackedKV` of ``axis`` (asymmetric, no compensation codes, 1/2/3/4/8 bits;
     all with the same bits, group size and dtypes) or a full-precision ``[B, H, cap, D]`` tensor (a
     side stored unquantized). Every tensor needs a unit-stride last axis and the same row stride
     as the others of its kind. Raises ``ValueError`` / ``NotImplementedError`` naming what does not fit.

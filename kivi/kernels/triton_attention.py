@@ -17,7 +17,8 @@ two sides split at different positions while covering the same ``T`` tokens.
 
 Semantics shared by all: ``scores = scaling * q . k`` in float32; ``kv_valid [B, T]`` (bool, True = attend)
 masks tokens out; a row with no valid token returns zeros; the output has ``q``'s dtype.
-Limits of the kernel: asymmetric quantization without compensation codes, bits in {1, 2, 4, 8},
+Limits of the kernel: asymmetric quantization without compensation codes, bits in {1, 2, 3, 4, 8}
+(3-bit rows: ``ceil(D / 8) * 3`` bytes, a code may straddle two bytes),
 one bit width and group size per side (every block of a store shares them).
 """
 
@@ -27,8 +28,8 @@ from __future__ import annotations
 import torch
 
 from ..quant.kv import PackedKV, dequantize_kv
-from ..quant.packing import WORD_BITS, packed_size
-from ._common import check_kernel_bits, next_pow2, param_kind, require_triton
+from ..quant.packing import packed_size
+from ._common import ATTENTION_BITS, check_kernel_bits, next_pow2, param_kind, require_triton
 from .segments import KernelSide, build_block_table, kernel_side
 
 _LOG2E = 1.4426950408889634
@@ -45,11 +46,11 @@ def _infer_side(name: str, packed, scale, offset, fp, bits, group_size, axis, D)
     Tq = packed.shape[-2]
     nb = packed.shape[-1]
     if bits is None:
-        cand = [b for b in WORD_BITS if packed_size(D, b) == nb]
+        cand = [b for b in ATTENTION_BITS if packed_size(D, b) == nb]
         if len(cand) != 1:
             raise ValueError(f"{name}: cannot infer bits from {nb} bytes for head_dim {D}; pass {name}_bits")
         bits = cand[0]
-    check_kernel_bits(bits, f"{name}_bits")
+    check_kernel_bits(bits, f"{name}_bits", ATTENTION_BITS)
     if nb != packed_size(D, bits):
         raise ValueError(f"{name}_packed has {nb} bytes per token, expected {packed_size(D, bits)} for bits={bits}")
     if axis == "channel":
@@ -237,7 +238,7 @@ def _validate_sides(q, k: KernelSide, v: KernelSide, kv_valid):
     for name, side, axis in (("k", k, "channel"), ("v", v, "token")):
         tab = side.blocks
         if tab is not None and tab.quantized:
-            check_kernel_bits(tab.bits, f"{name}_bits")
+            check_kernel_bits(tab.bits, f"{name}_bits", ATTENTION_BITS)
             if tab.segments[0].axis != axis:
                 raise ValueError(f"{name}: blocks must be quantized with axis={axis!r}, got {tab.segments[0].axis!r}")
     if kv_valid is not None and tuple(kv_valid.shape) != (B, T):

@@ -184,7 +184,6 @@ def test_resolution_rules():
     assert kernel_config_unsupported(KiviConfig(sink_tokens=1)) is None  # sinks are read in place now
     for preset in ("high", "balanced", "extreme"):
         assert kernel_config_unsupported(KiviConfig.preset(preset)) is None
-    assert "3-bit" in kernel_config_unsupported(KiviConfig(layer_specific_config={1: {"k_bits": 3}}))
     assert "symmetric" in kernel_config_unsupported(KiviConfig(symmetric=True))
     assert resolve_attention_backend("auto", "cpu") == "cpu"
 
@@ -196,6 +195,43 @@ def test_resolution_rules():
         resolve_attention_backend("cpu", "cpu", model_config=Softcapped())
     with pytest.raises(RuntimeError, match="triton"):
         resolve_attention_backend("triton", "cpu")
+
+
+def test_three_bit_configs_resolve_to_triton():
+    """The kernel reads 3-bit codes: 3-bit configs (both sides, one side, one layer) resolve to "triton";
+    what it still does not implement is refused, naming it and the backends that read it."""
+    if not importlib.util.find_spec("triton"):
+        pytest.skip("triton is not installed")
+    for cfg in (KiviConfig(k_bits=3, v_bits=3), KiviConfig(k_bits=3, v_bits=2, sink_tokens=4),
+                KiviConfig(layer_specific_config={1: {"k_bits": 3, "v_bits": 3}})):
+        assert kernel_config_unsupported(cfg) is None
+        assert resolve_attention_backend("triton", "cuda", config=cfg) == "triton"
+        assert resolve_attention_backend("auto", "cuda", config=cfg) == "triton"
+    sym3 = KiviConfig(k_bits=3, v_bits=3, symmetric=True)
+    assert resolve_attention_backend("auto", "cuda", config=sym3) == "cpu"
+    with pytest.raises(ValueError, match=r"^attention_backend='triton' does not implement symmetric quantization; "
+                                         r"use 'cpu' or 'reference'$"):
+        resolve_attention_backend("triton", "cuda", config=sym3)
+    with pytest.raises(ValueError, match=r"does not implement error compensation \(residual_bits > 0\)"):
+        resolve_attention_backend("triton", "cuda", config=KiviConfig(k_bits=3, residual_bits=2))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_three_bit_cache_decode_matches_reference(dtype, no_concatenation):
+    """A 3-bit layer (4 sink tokens, head_dim 40: 15 bytes a row) written by the cache's torch quantizer,
+    after an odd prefill and decode steps: the kernel reads its blocks in place like the reference."""
+    from kivi.attention.triton_backend import triton_view_attention
+
+    cfg = KiviConfig(k_bits=3, v_bits=3, sink_tokens=4, residual_length=16, group_size=8, block_size=32)
+    layer, kv, vv = _decoded_layer(cfg, 2, 2, 40, 83, 9, dtype=dtype, seed=12)
+    assert kv.store.template.bits == 3 and vv.store.template.bits == 3
+    assert sum(b is not None for b in layer.k.store.blocks) >= 2
+    q = torch.randn(2, 6, 1, 40).to(dtype)
+    mask = torch.ones(2, 1, 1, 92, dtype=torch.bool)
+    mask[1, ..., :6] = False
+    got = triton_view_attention(q, kv, vv, scaling=40**-0.5, attention_mask=mask, block_n=32)
+    _close(got, reference_attention(q, kv, vv, scaling=40**-0.5, attention_mask=mask), dtype)
 
 
 def test_multi_token_forward_with_a_boundary_runs_the_blocked_path():

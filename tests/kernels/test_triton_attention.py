@@ -62,6 +62,30 @@ def test_four_bits_mask_and_loose_tensor_signature():
     _check(out2, ref, dtype)
 
 
+# 3-bit codes: runs of 8 codes in 3 bytes, a code may straddle two bytes. D = 20: the last run holds
+# 4 codes (9 bytes a row); T = 67 / 77 odd, key groups not filling T, values cut mid-group.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D,Gv", [(64, 32), (20, 10)])
+@pytest.mark.parametrize("kb,vb", [(3, 3), (3, 2), (4, 3)], ids=["k3v3", "k3v2", "k4v3"])
+def test_three_bit_codes_match_reference(dtype, D, Gv, kb, vb):
+    q, pk, kf, pv, vf = _case(2, 6, 2, D, 77, 64, 67, dtype, k_bits=kb, v_bits=vb, G=16, Gv=Gv, seed=D + kb)
+    assert pk.packed.shape[-1] == (-(-D // 8) * 3 if kb == 3 else D * kb // 8)
+    valid = torch.ones(2, 77, dtype=torch.bool)
+    valid[1, :5] = False  # left padding
+    out = decode_attention_packed(q, pk, kf, pv, vf, scaling=D**-0.5, kv_valid=valid, block_n=16, num_splits=2)
+    ref = torch_decode_attention_packed(q, pk, kf, pv, vf, scaling=D**-0.5, kv_valid=valid)
+    _check(out, ref, dtype)
+
+
+def test_three_bits_inferred_from_the_row_size():
+    q, pk, kf, pv, vf = _case(1, 4, 2, 40, 45, 32, 43, torch.float32, k_bits=3, v_bits=3, G=16, Gv=8, seed=11)
+    args = (q, pk.packed, pk.scale, pk.offset, kf, pv.packed, pv.scale, pv.offset, vf)
+    out = decode_attention(*args, scaling=0.2, block_n=16)  # 15 bytes for 40 channels: only 3 bits fits
+    _check(out, torch_decode_attention(*args, scaling=0.2, k_bits=3, v_bits=3), torch.float32)
+    with pytest.raises(ValueError, match="k_packed has 15 bytes per token, expected 20 for bits=4"):
+        decode_attention(*args, scaling=0.2, k_bits=4)
+
+
 def test_reference_equals_dense_sdpa():
     q, pk, kf, pv, vf = _case(1, 6, 2, 32, 45, 32, 40, torch.float32, seed=3)
     k = torch.cat([dequantize_kv(pk), kf], dim=-2)

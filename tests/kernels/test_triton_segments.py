@@ -109,6 +109,30 @@ def test_word_bit_widths(kb, vb):
     _check(out, torch_decode_attention_sides(q, ks, vs, scaling=0.2), torch.float32)
 
 
+@pytest.mark.parametrize("kb,vb,dtype", [(3, 3, torch.float32), (3, 3, torch.bfloat16), (3, 2, torch.float16),
+                                          (8, 3, torch.float32)], ids=["k3v3-fp32", "k3v3-bf16", "k3v2-fp16", "k8v3-fp32"])
+def test_three_bit_blocks_with_sinks_and_window(kb, vb, dtype):
+    """3-bit codes (a code may straddle two bytes) read from a sink, three stored blocks (the last partly
+    filled, its garbage rows NaN) and the window; T = 203, GQA 3; each side's rows ceil(D / 8) * 3 bytes."""
+    q, k, v, ks, vs = _case(2, 6, 2, 32, 203, dtype, kb=kb, vb=vb, **S4, seed=30 + kb + vb)
+    assert ks.blocks.bits == kb and vs.blocks.bits == vb and vs.blocks.data_row_stride == (12 if vb == 3 else 32 * vb // 8)
+    valid = torch.ones(2, 203, dtype=torch.bool)
+    valid[0, :11] = False
+    out = decode_attention_sides(q, ks, vs, scaling=32**-0.5, kv_valid=valid, block_n=32, num_splits=3)
+    _check(out, torch_decode_attention_sides(q, ks, vs, scaling=32**-0.5, kv_valid=valid), dtype)
+
+
+def test_three_bit_odd_head_dim_and_small_blocks():
+    """head_dim 20 (BLOCK_D 32, a last run of 4 codes: 9 bytes a row), many 8-token blocks in one tile."""
+    lay = dict(S=4, G=8, key_blocks=([4, 28, 36, 44, 52], [24, 8, 8, 8, 8], 56),
+               val_blocks=([4, 28, 36, 44, 52], [24, 8, 8, 8, 8], 59))
+    q, _, _, ks, vs = _case(1, 2, 1, 20, 61, torch.float32, kb=3, vb=3, **{**lay, "G": 4}, seed=8)
+    assert ks.blocks.data_row_stride == 9
+    for block_n, splits in ((64, 1), (16, 2)):
+        out = decode_attention_sides(q, ks, vs, scaling=0.3, block_n=block_n, num_splits=splits)
+        _check(out, torch_decode_attention_sides(q, ks, vs, scaling=0.3), torch.float32)
+
+
 def test_padding_mask_and_fully_masked_row():
     q, _, _, ks, vs = _case(3, 3, 1, 32, 203, torch.float16, kb=2, vb=2, **S4, seed=5)
     valid = torch.ones(3, 203, dtype=torch.bool)
@@ -203,11 +227,11 @@ def test_sides_are_checked():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
-@pytest.mark.parametrize("kb", [1, 2, 4, 8])
-@pytest.mark.parametrize("vb", [2, 4, 8])
+@pytest.mark.parametrize("kb", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("vb", [2, 3, 4, 8])
 @pytest.mark.parametrize("hq,hkv", [(2, 2), (9, 3), (8, 1)], ids=["mha", "gqa3", "gqa8"])
 def test_matrix(dtype, kb, vb, hq, hkv):
-    """Every word width on both sides x dtypes x GQA ratios, with sinks, three blocks, a mask."""
+    """Every width (3 bits included) on both sides x dtypes x GQA ratios, with sinks, three blocks, a mask."""
     q, _, _, ks, vs = _case(2, hq, hkv, 64, 203, dtype, kb=kb, vb=vb, **S4, seed=kb + 7 * vb + hq)
     valid = torch.ones(2, 203, dtype=torch.bool)
     valid[1, :21] = False
