@@ -2,7 +2,8 @@
 and what a decode step spends preparing the kernel's inputs.
 
 1. Correctness: a :class:`~kivi.cache.layer.KiviLayer` per preset (``extreme`` K2V2, ``balanced``
-   K4V2 + 4 sinks, ``high`` K4V4 + 4 sinks, ``k8v8`` + 4 sinks) and dtype, filled with a prefill and then
+   K4V2 + 4 sinks, ``high`` K4V4 + 4 sinks, ``k8v8`` + 4 sinks, 3-bit ``k3v3`` + 4 sinks and ``k3v2``;
+   ``--presets`` picks some) and dtype, filled with a prefill and then
    ``block_size`` chunks (a prefill block + several ``block_size`` blocks per side, the last one
    partly filled), then one decode step with a left-padding mask; the max abs error of the
    ``"triton"`` backend (the kernel, in the interpreter) against ``reference_attention`` (materialize +
@@ -40,6 +41,8 @@ PRESETS = {
     "balanced": dict(k_bits=4, v_bits=2, sink_tokens=4),
     "high": dict(k_bits=4, v_bits=4, sink_tokens=4),
     "k8v8": dict(k_bits=8, v_bits=8, sink_tokens=4),
+    "k3v3": dict(k_bits=3, v_bits=3, sink_tokens=4),  # 3-bit codes may straddle two bytes
+    "k3v2": dict(k_bits=3, v_bits=2, sink_tokens=0),
 }
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -65,7 +68,8 @@ def filled_layer(cfg, B, hkv, d, T, extra, dtype, seed=0):
 def correctness(args) -> list[dict]:
     rows = []
     print(f"{'preset':>9} {'dtype':>5} {'Hq/Hkv':>6} {'T':>4} {'blocks k/v':>10} {'max|err|':>9} {'max|ref|':>8} {'rel':>8}")
-    for preset, bits in PRESETS.items():
+    for preset in args.presets:
+        bits = PRESETS[preset]
         cfg = KiviConfig(group_size=16, residual_length=16, block_size=32, **bits)
         for dname, dtype in DTYPES.items():
             for hq, hkv in ((9, 3), (8, 1)):
@@ -121,6 +125,8 @@ def preparation(args) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="JSON results path")
+    ap.add_argument("--presets", nargs="+", choices=list(PRESETS), default=list(PRESETS),
+                    help="cache layouts of the correctness table (default: all)")
     ap.add_argument("--context", type=int, default=171, help="tokens in the correctness layouts (odd)")
     ap.add_argument("--extra", type=int, default=96, help="tokens appended in block_size chunks after the prefill")
     ap.add_argument("--prep-context", type=int, default=32768 + 37)

@@ -30,6 +30,8 @@ VARIANTS = [
     ("k8-fp-values-fp32", True, False, True, False, "fp32", 8, 8, True),
     ("k1v4", True, True, True, True, "fp16", 1, 4, False),
     ("fp-only", False, False, False, False, "fp16", 8, 8, False),
+    ("k3v3", True, True, True, True, "fp16", 3, 3, True),  # 3-bit rows: 24 bytes, codes straddle bytes
+    ("k3v2-bf16", True, True, False, False, "bf16", 3, 2, False),
 ]
 STRIDES_DIV16 = ["sq_b", "sq_h", "ksk_b", "ksk_h", "ksk_t", "kdata_st", "kpar_st", "skf_b", "skf_h", "skf_t",
                  "vsk_b", "vsk_h", "vsk_t", "vdata_st", "svf_b", "svf_h", "svf_t"]
@@ -42,12 +44,16 @@ def compile_variant(name, kq, vq, ksink, vsink, dt, kb, vb, valid):
     types.update(q_ptr=pt, ksink_ptr=pt, ktab_ptr="*i64", kdata_ptr="*u8" if kq else pt, kpar_ptr=pt, kf_ptr=pt,
                  vsink_ptr=pt, vtab_ptr="*i64", vdata_ptr="*u8" if vq else pt, vpar_ptr=pt, vf_ptr=pt,
                  valid_ptr="*u8", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", qk_scale="fp32")
+    # a 3-bit row of 64 channels is 24 bytes: its row stride is not 16-divisible, its blocks' unit is 8 bytes
+    kdu, vdu = (8 if kb == 3 else 16) if kq else 8, (8 if vb == 3 else 16) if vq else 8
     consts = dict(HKV=3, QG=3, QG_P2=16, D=64, BLOCK_D=64, BLOCK_N=64,
-                  K_SINK=ksink, K_QUANT=kq, K_BITS=kb, K_G=32, K_DATA_UNIT=16 if kq else 8, K_PAR_UNIT=8,
-                  V_SINK=vsink, V_QUANT=vq, V_BITS=vb, V_G=32, V_DATA_UNIT=16 if vq else 8, V_PAR_UNIT=8,
+                  K_SINK=ksink, K_QUANT=kq, K_BITS=kb, K_G=32, K_DATA_UNIT=kdu, K_PAR_UNIT=8,
+                  V_SINK=vsink, V_QUANT=vq, V_BITS=vb, V_G=32, V_DATA_UNIT=vdu, V_PAR_UNIT=8,
                   HAS_VALID=valid, dot_t=DTYPES[dt], PRECISION="ieee" if dt == "fp32" else "tf32", SCAN=32)
     sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
-    div16 = [n for n, t in types.items() if t.startswith("*")] + STRIDES_DIV16
+    odd = {"kdata_st"} if kq and kb == 3 else set()
+    odd |= {"vdata_st"} if vq and vb == 3 else set()
+    div16 = [n for n, t in types.items() if t.startswith("*")] + [n for n in STRIDES_DIV16 if n not in odd]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
