@@ -234,6 +234,35 @@ def test_three_bit_cache_decode_matches_reference(dtype, no_concatenation):
     _close(got, reference_attention(q, kv, vv, scaling=40**-0.5, attention_mask=mask), dtype)
 
 
+@needs_triton
+def test_three_bit_head_widths_decode_through_the_kernel(monkeypatch):
+    """Per-head widths with 3-bit head groups (K3V3, K2V3, K3V4 + 2 sinks) in a tiny GQA model: every decode
+    step runs the kernel once per head group, logits equal a reference cache's."""
+    import kivi.kernels.triton_attention as ta
+    from kivi import KiviCache, quantize_model
+    from tests.helpers import tiny_model
+
+    calls = []
+    real = ta.decode_attention_sides
+    monkeypatch.setattr(ta, "decode_attention_sides", lambda *a, **k: calls.append(1) or real(*a, **k))
+    heads = {0: {"k_bits": [3, 2, 3], "v_bits": [3, 3, 4]}}
+    cfg = KiviConfig(group_size=8, residual_length=16, block_size=16, sink_tokens=2, head_bits=heads,
+                     attention_backend="cpu")
+    model = quantize_model(tiny_model("llama", hidden_size=192, head_dim=32, num_attention_heads=6,
+                                      num_key_value_heads=3, num_hidden_layers=1, weight_scale=2.0), cfg)
+    ids = torch.randint(0, model.config.vocab_size, (2, 53), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    with torch.no_grad():
+        for b in ("triton", "reference"):
+            cache = KiviCache.from_model_config(model.config, cfg, attention_backend=b)
+            out = [model(input_ids=ids[:, :50], cache=cache, use_cache=True).logits[:, -1]]
+            out += [model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1] for t in range(50, 53)]
+            logits[b] = torch.stack(out)
+    assert [(g.k_bits, g.v_bits) for g in cache.layers[0].groups] == [(3, 3), (2, 3), (3, 4)]
+    assert len(calls) == 3 * 3  # three decode steps x three head groups
+    torch.testing.assert_close(logits["triton"], logits["reference"], atol=2e-4, rtol=2e-4)
+
+
 def test_multi_token_forward_with_a_boundary_runs_the_blocked_path():
     """Verify forwards / chunks (n > 1) carry a per-query boundary: the triton backend runs them on the
     blocked torch path (no triton needed for that), which reads it like the reference."""
