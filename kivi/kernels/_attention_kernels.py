@@ -11,7 +11,7 @@ Pass 1 (grid ``(B * HKV, NUM_SPLITS)``): a program owns one kv head, its ``QG = 
 block of its range in each side's table, then walks the range in ``BLOCK_N`` tiles: a tile takes its
 tokens from the sink, from every block it overlaps (a cursor moves along the table) and from the
 tail, dequantizes (``code * scale + offset`` in float32; 1/2/4/8-bit codes are unpacked from whole
-bytes, 3-bit codes read as 16 bits from the two bytes they may straddle) and updates an online softmax (base 2). It
+bytes, 3-bit codes from each run's 24-bit integer) and updates an online softmax (base 2). It
 writes partial ``m``, ``l`` and the unnormalised accumulator. Pass 2 (grid ``(B * HQ,)``) merges the
 splits.
 """
@@ -40,22 +40,26 @@ def _unpack(bytes_, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexp
 
 
 @triton.jit
-def _load_codes3(row_ptrs, mask, d, D: tl.constexpr):
-    """float32 codes ``[ROWS, BLOCK_D]`` of 3-bit rows (``row_ptrs [ROWS, 1]``: each row's first byte).
+def _load_codes3(row_ptrs, mask, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
+    """float32 codes ``[ROWS, BLOCK_D]`` of 3-bit rows (``row_ptrs [ROWS, 1]``: each row's first byte;
+    ``mask [ROWS, 1]``: the rows to read).
 
     Layout (kivi.quant.packing): runs of 8 codes are a little-endian 24-bit integer in 3 bytes, code
-    ``j`` of a run at bits ``[3j, 3j + 3)``, so a code may straddle two bytes: channel ``c`` reads the
-    byte ``3 * (c // 8) + 3 * (c % 8) // 8`` and the next one (when it lies in the row's
-    ``ceil(D / 8) * 3`` bytes) as 16 bits, shifted right by ``3 * (c % 8) % 8``.
+    ``j`` of a run at bits ``[3j, 3j + 3)`` (a code may straddle two bytes); a row of ``D`` channels
+    takes ``ceil(D / 8) * 3`` bytes. Each run's 3 bytes are loaded (``[ROWS, BLOCK_D // 8, 4]``, the
+    fourth lane masked off), assembled into its 24-bit integer and split into 8 codes.
     """
+    NR: tl.constexpr = BLOCK_D // 8
     NB_REAL: tl.constexpr = (D + 7) // 8 * 3
-    j = d % 8
-    bi = (d // 8) * 3 + (3 * j) // 8
-    sh = (3 * j) % 8
-    p = row_ptrs + bi[None, :]
-    lo = tl.load(p, mask=mask, other=0).to(tl.int32)
-    hi = tl.load(p + 1, mask=mask & ((bi + 1) < NB_REAL)[None, :], other=0).to(tl.int32)
-    return (((lo | (hi << 8)) >> sh[None, :]) & 7).to(tl.float32)
+    run = tl.arange(0, NR)
+    k = tl.arange(0, 4)
+    boff = run[:, None] * 3 + k[None, :]  # [NR, 4]
+    ok = (k[None, :] < 3) & (boff < NB_REAL)
+    b = tl.load(row_ptrs[:, :, None] + boff[None, :, :], mask=mask[:, :, None] & ok[None, :, :], other=0)
+    word = tl.sum(b.to(tl.int32) << (k * 8)[None, None, :], axis=2)  # [ROWS, NR]: the runs' 24-bit integers
+    shifts = tl.arange(0, 8) * 3
+    c = (word[:, :, None] >> shifts[None, None, :]) & 7
+    return tl.reshape(c, (ROWS, BLOCK_D)).to(tl.float32)
 
 
 @triton.jit
@@ -101,7 +105,7 @@ def _side_tile(
         doff = (tl.load(row + 2) + b64 * tl.load(row + 3) + h64 * tl.load(row + 4)) * DATA_UNIT
         if QUANT:
             if BITS == 3:
-                codes = _load_codes3(data_ptr + doff + r[:, None] * data_st, m[:, None] & dm, d, D)
+                codes = _load_codes3(data_ptr + doff + r[:, None] * data_st, m[:, None], BLOCK_N, BLOCK_D, D)
             else:
                 PB: tl.constexpr = 8 // BITS
                 NB: tl.constexpr = BLOCK_D // PB
