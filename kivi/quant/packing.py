@@ -18,7 +18,8 @@ import torch
 from .primitives import SUPPORTED_BITS, check_bits
 
 #: Widths whose codes fill a byte evenly (``8 // bits`` per byte, none spanning two bytes): every
-#: supported width but 3. The compiled paths (numba, Triton) handle only these.
+#: supported width but 3. The Triton kernels and the numba value quantizer handle only these; the numba
+#: decode kernel (:mod:`kivi.attention.fused_cpu`) also reads 3-bit runs.
 WORD_BITS = tuple(b for b in SUPPORTED_BITS if 8 % b == 0)  # (1, 2, 4, 8)
 
 

@@ -34,7 +34,6 @@ import numpy as np
 import torch
 
 from ...optional import numba_available
-from ...quant.packing import WORD_BITS
 from ...quant.fused_cpu import warmup as _warmup_quantizer
 from ..reference import view_geometry
 from .tables import heads_table, side_table, valid_row
@@ -44,6 +43,10 @@ if TYPE_CHECKING:
     from ...cache.view import AttentionView
 
 _ALL_VALID = np.ones((1, 1), dtype=np.bool_)  # the kernel's mask argument when there is no mask
+
+#: Code widths the kernel reads: 1, 2, 4, 8 bits as codes packed in bytes, 3 bits as runs of 8 codes in
+#: 3 bytes (:func:`.kernel._row_layout`). A width outside this tuple goes to the blocked path.
+KERNEL_BITS = (1, 2, 3, 4, 8)
 
 
 def _kernel():
@@ -93,7 +96,7 @@ def fused_decode_supported(q: torch.Tensor, k_view: AttentionView, v_view: Atten
         for store in (view.store.stores if view.tiered else (view.store,)):  # position tiers: every width
             if view.quantized and store.template is not None:
                 t = store.template
-                if t.bits not in WORD_BITS:
+                if t.bits not in KERNEL_BITS:
                     return False
                 if t.axis == "token" and t.group_size % 4:
                     return False  # the kernel reads value channels 4 at a time, within one group
@@ -278,4 +281,4 @@ def _decode(q, kside, vside, kv_len: int, hkv: int, dv: int, keep: list, *, scal
 
 
 __all__ = ["fused_decode_supported", "fused_decode_attention", "fused_decode_heads", "fused_decode_heads_supported",
-           "warmup", "SERIAL_BELOW", "THREAD_SAFE_LAYERS"]
+           "warmup", "SERIAL_BELOW", "THREAD_SAFE_LAYERS", "KERNEL_BITS"]
