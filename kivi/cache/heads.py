@@ -195,15 +195,20 @@ class HeadSplitLayer(CacheLayerMixin):
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor, *,
                valid: torch.Tensor | None = None) -> tuple[HeadViews, HeadViews]:
         """Store new ``[B, H, n, D]`` tokens in every group; the groups' views (all groups or none change)."""
+        with self.all_or_nothing():
+            return self._append(key_states, value_states, valid)
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                valid: torch.Tensor | None) -> tuple[HeadViews, HeadViews]:
+        """:meth:`append` without its checkpoint (the caller's covers every group: a group's own append
+        needs none of its own)."""
         self._check_heads(key_states, value_states)
-        with self.all_or_nothing():  # covers every group: their own appends need no checkpoint of their own
-            if self.joint_decode and self._joint_ready(key_states, valid):
-                k_views, v_views = self._joint_append(key_states, value_states)
-            else:
-                views = [p._append(key_states[:, g.start:g.stop].contiguous(),
-                                   value_states[:, g.start:g.stop].contiguous(), valid)
-                         for g, p in zip(self.groups, self.parts)]
-                k_views, v_views = [k for k, _ in views], [v for _, v in views]
+        if self.joint_decode and self._joint_ready(key_states, valid):
+            k_views, v_views = self._joint_append(key_states, value_states)
+        else:
+            views = [p._append(key_states[:, g.start:g.stop].contiguous(), value_states[:, g.start:g.stop].contiguous(),
+                               valid) for g, p in zip(self.groups, self.parts)]
+            k_views, v_views = [k for k, _ in views], [v for _, v in views]
         return HeadViews(self.groups, tuple(k_views)), HeadViews(self.groups, tuple(v_views))
 
     def _joint_ready(self, key_states: torch.Tensor, valid: torch.Tensor | None) -> bool:
@@ -268,7 +273,7 @@ class HeadSplitLayer(CacheLayerMixin):
                **kwargs) -> tuple[torch.Tensor, torch.Tensor] | tuple[PackedStates, PackedStates]:
         """The reference path (see :meth:`KiviLayer.update`): dequantized keys/values concatenated over heads."""
         with self.all_or_nothing():
-            kv, vv = self.append(key_states, value_states, valid=valid)
+            kv, vv = self._append(key_states, value_states, valid)
             if (kv.per_query or vv.per_query) and self.per_query_views:
                 return PackedStates(kv, "reference"), PackedStates(vv, "reference")
             return materialize_heads(kv, self.dtype), materialize_heads(vv, self.dtype)

@@ -157,12 +157,17 @@ def quantize_tokens_into(
         raise ValueError(f"group_size={group_size} must divide head_dim={D}")
     if tuple(packed.shape) != (B, H, n, packed_size(D, bits)) or tuple(scale.shape) != (B, H, n, D // group_size):
         raise ValueError(f"output views {tuple(packed.shape)} / {tuple(scale.shape)} do not match x {tuple(x.shape)}")
-    shrinks = (shrink_factors() if clip else torch.ones(1)).numpy()
-    if _kernel()(x.detach().numpy(), bits, group_size, shrinks, packed.numpy(), scale.numpy(), offset.numpy()):
+    if _kernel()(x.detach().numpy(), bits, group_size, _shrinks(clip), packed.numpy(), scale.numpy(), offset.numpy()):
         raise ValueError(
             "x contains NaN or Inf; KV quantization needs finite values (pass check_finite=False to let a "
             "non-finite value poison its group instead)"
         )
+
+
+@functools.cache
+def _shrinks(clip: bool) -> np.ndarray:
+    """The kernel's ``shrinks`` argument: the clipping grid, or ``[1.0]`` (min/max); made once, never written."""
+    return (shrink_factors() if clip else torch.ones(1)).numpy()
 
 
 def warmup() -> None:

@@ -88,8 +88,28 @@ def fused_decode_supported(q: torch.Tensor, k_view: AttentionView, v_view: Atten
     ``n > 1`` (:func:`kivi.cache.schedule.query_boundaries`), so it never reaches the kernel; a view
     that carries one anyway is refused here rather than read at the wrong precision.
     """
+    return (_query_supported(q, attention_mask) and _views_supported(k_view, v_view)
+            and q.shape[1] % k_view.fp.shape[1] == 0)
+
+
+def _query_supported(q: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+    """The query and mask part of :func:`fused_decode_supported` (numba present, one CPU query token, a mask
+    the kernel can read)."""
     if not numba_available() or q.dim() != 4 or q.shape[2] != 1 or q.device.type != "cpu":
         return False
+    if attention_mask is not None:
+        if attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
+            return False
+        if attention_mask.dtype != torch.bool:
+            row = attention_mask[:, 0, -1]
+            keep = row > torch.finfo(row.dtype).min / 2
+            if bool((row[keep] != 0).any()):
+                return False
+    return True
+
+
+def _views_supported(k_view: AttentionView, v_view: AttentionView) -> bool:
+    """The views part of :func:`fused_decode_supported`: no per-query boundary, formats the kernel reads."""
     if k_view.fp_from is not None or v_view.fp_from is not None:
         return False
     for view in (k_view, v_view):
@@ -100,16 +120,6 @@ def fused_decode_supported(q: torch.Tensor, k_view: AttentionView, v_view: Atten
                     return False
                 if t.axis == "token" and t.group_size % 4:
                     return False  # the kernel reads value channels 4 at a time, within one group
-    if q.shape[1] % k_view.fp.shape[1]:
-        return False
-    if attention_mask is not None:
-        if attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
-            return False
-        if attention_mask.dtype != torch.bool:
-            row = attention_mask[:, 0, -1]
-            keep = row > torch.finfo(row.dtype).min / 2
-            if bool((row[keep] != 0).any()):
-                return False
     return True
 
 
@@ -201,12 +211,11 @@ def fused_decode_heads_supported(q: torch.Tensor, k_views: HeadViews, v_views: H
     """Whether :func:`fused_decode_heads` handles this call: every head group's views qualify for
     :func:`fused_decode_supported` (with that group's query heads) and the groups share a group size."""
     hkv = k_views.groups[-1].stop
-    if q.dim() != 4 or q.shape[1] % hkv:
+    if q.dim() != 4 or q.shape[1] % hkv or not _query_supported(q, attention_mask):
         return False
-    g = q.shape[1] // hkv
-    for grp, kv, vv in zip(k_views.groups, k_views.views, v_views.views):
-        if not fused_decode_supported(q[:, grp.start * g : grp.stop * g], kv, vv, attention_mask):
-            return False
+    # each group's query heads, (stop - start) * Hq / Hkv, are a multiple of its kv heads
+    if not all(_views_supported(kv, vv) for kv, vv in zip(k_views.views, v_views.views)):
+        return False
     sizes = {view.store.template.group_size for side in (k_views, v_views) for view in side.views
              if view.quantized and not view.tiered and view.store.template is not None}
     return len(sizes) <= 1
