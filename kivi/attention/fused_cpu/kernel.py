@@ -605,13 +605,20 @@ def _merge(pm, pl, pacc, nch, out):
 
 @inline
 def _run_task(task, nch, q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, pm, pl, pacc):
-    """Task ``task`` = ``(b, kv head, chunk c)`` in row-major order; its state goes to row ``task``."""
-    bh = task // nch
-    c = task - bh * nch
+    """Task ``task`` = ``(chunk c, b, kv head)`` in row-major order; its state goes to row ``(b, kv head, c)``.
+
+    Chunks outermost: ``prange`` hands each thread a contiguous share of the tasks, so every thread reads
+    a share of every kv head. Heads of different widths (per-head widths, 4-bit codes cost ~1.2x 2-bit ones
+    to read) then load the threads evenly; a head-major order gave one thread the wide heads.
+    """
+    nbh = pm.shape[0] // nch
+    c = task // nbh
+    bh = task - c * nbh
     b = bh // hkv
     h = bh - b * hkv
     t0 = c * chunk
-    _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, min(kv_len, t0 + chunk), pm[task], pl[task], pacc[task])
+    slot = bh * nch + c
+    _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, min(kv_len, t0 + chunk), pm[slot], pl[slot], pacc[slot])
 
 
 @inline
