@@ -129,8 +129,8 @@ class KiviCache(Cache):
             valid = self._new_token_valid(key_states.shape[-2], key_states.shape[0])
             if self.attention_backend not in PACKED_BACKENDS:
                 return layer.update(key_states, value_states, valid=valid)
-            with layer.all_or_nothing():  # the "kivi" attention reads the views
-                k_view, v_view = layer.append(key_states, value_states, valid=valid)
+            with layer.all_or_nothing():  # one checkpoint for the append and the views handed to attention
+                k_view, v_view = layer._append(key_states, value_states, valid)
                 return PackedStates(k_view, self.attention_backend), PackedStates(v_view, self.attention_backend)
         except BaseException:
             del self.layers[nlayers:]  # layers this call created

@@ -188,20 +188,92 @@ class HeadSplitLayer(CacheLayerMixin):
     def activate_past_recording(self) -> None:
         self.record_past = True
 
+    #: Decode steps write every group in one pass (:meth:`_joint_append`). False: every step goes through
+    #: each group's own :meth:`KiviLayer.append` (the reference the tests compare the joint pass with).
+    joint_decode = True
+
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor, *,
                valid: torch.Tensor | None = None) -> tuple[HeadViews, HeadViews]:
         """Store new ``[B, H, n, D]`` tokens in every group; the groups' views (all groups or none change)."""
-        self._check_heads(key_states, value_states)
         with self.all_or_nothing():
-            views = [p.append(key_states[:, g.start:g.stop].contiguous(), value_states[:, g.start:g.stop].contiguous(),
-                              valid=valid) for g, p in zip(self.groups, self.parts)]
-        return (HeadViews(self.groups, tuple(k for k, _ in views)), HeadViews(self.groups, tuple(v for _, v in views)))
+            return self._append(key_states, value_states, valid)
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                valid: torch.Tensor | None) -> tuple[HeadViews, HeadViews]:
+        """:meth:`append` without its checkpoint (the caller's covers every group: a group's own append
+        needs none of its own)."""
+        self._check_heads(key_states, value_states)
+        if self.joint_decode and self._joint_ready(key_states, valid):
+            k_views, v_views = self._joint_append(key_states, value_states)
+        else:
+            views = [p._append(key_states[:, g.start:g.stop].contiguous(), value_states[:, g.start:g.stop].contiguous(),
+                               valid) for g, p in zip(self.groups, self.parts)]
+            k_views, v_views = [k for k, _ in views], [v for _, v in views]
+        return HeadViews(self.groups, tuple(k_views)), HeadViews(self.groups, tuple(v_views))
+
+    def _joint_ready(self, key_states: torch.Tensor, valid: torch.Tensor | None) -> bool:
+        """Whether this append is a plain decode step :meth:`_joint_append` writes: one token, no padding,
+        no past recording, no sliding window or position tiers, both sides quantized, nothing moving into
+        the sink. Every group then moves the same tokens (they share the schedule)."""
+        p0 = self.parts[0]
+        if (key_states.shape[-2] != 1 or not p0.is_initialized or p0.record_past or self.sliding_window is not None
+                or self.config.tiers or not (p0.k.quantize and p0.v.quantize)
+                or (valid is not None and not bool(valid.all()))):
+            return False
+        if any(p._due or p.k.window_valid is not None or p.v.window_valid is not None for p in self.parts):
+            return False
+        return not (p0._exits(p0.k, p0.k.window_len + 1)[0] or p0._exits(p0.v, p0.v.window_len + 1)[0])
+
+    def _joint_append(self, key_states: torch.Tensor,
+                      value_states: torch.Tensor) -> tuple[list[AttentionView], list[AttentionView]]:
+        """:meth:`KiviLayer.append` of one decode step for every group at once, with the same result.
+
+        Per side: the groups' windows are slices of one ``[B, H, W, D]`` tensor (:meth:`_window`), so the
+        new token joins the window in one ``cat`` for the whole layer and the window after the step is one
+        tensor again; only the tokens leaving the window are quantized group by group, each at its width
+        (:meth:`KiviLayer._store_moved`, the groups' own rule).
+        """
+        out = []
+        for name, x in (("k", key_states), ("v", value_states)):
+            sides = [getattr(p, name) for p in self.parts]
+            window = self._window(sides)
+            pending = x if window is None else torch.cat([window, x], dim=-2)
+            out.append([p._view(side, pending[:, g.start:g.stop]) for g, p, side in zip(self.groups, self.parts, sides)])
+            total = pending.shape[-2]
+            move = self.parts[0]._exits(sides[0], total)[1]
+            if move:
+                for g, p, side in zip(self.groups, self.parts, sides):
+                    p._store_moved(side, pending[:, g.start:g.stop, :move], None)
+            if move == total:
+                window = None
+            elif move or pending is x:  # exact copies that pin neither the caller's tensor nor what left
+                window = pending[:, :, move:].clone()
+            else:  # the fresh concatenation is exactly the new window
+                window = pending
+            for g, side in zip(self.groups, sides):
+                side.window = None if window is None else window[:, g.start:g.stop]
+        for p in self.parts:
+            p.seen += 1
+        return out[0], out[1]
+
+    def _window(self, sides: list) -> torch.Tensor | None:
+        """``[B, H, W, D]``: the groups' windows of one side as one tensor (``None`` when empty). The tensor
+        they are slices of when :meth:`_joint_append` wrote them (no copy), else their concatenation."""
+        windows = [side.window for side in sides]
+        if windows[0] is None:
+            return None
+        base = windows[0]._base
+        if (base is not None and base.shape[1] == self.num_kv_heads and base.shape[-2] == windows[0].shape[-2]
+                and all(w._base is base and w.storage_offset() == base.storage_offset() + g.start * base.stride(1)
+                        for w, g in zip(windows, self.groups))):
+            return base
+        return torch.cat(windows, dim=1)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, valid: torch.Tensor | None = None,
                **kwargs) -> tuple[torch.Tensor, torch.Tensor] | tuple[PackedStates, PackedStates]:
         """The reference path (see :meth:`KiviLayer.update`): dequantized keys/values concatenated over heads."""
         with self.all_or_nothing():
-            kv, vv = self.append(key_states, value_states, valid=valid)
+            kv, vv = self._append(key_states, value_states, valid)
             if (kv.per_query or vv.per_query) and self.per_query_views:
                 return PackedStates(kv, "reference"), PackedStates(vv, "reference")
             return materialize_heads(kv, self.dtype), materialize_heads(vv, self.dtype)

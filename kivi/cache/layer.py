@@ -262,13 +262,9 @@ class KiviLayer(CacheLayerMixin):
                 # Full-precision storage: attention reads it from the store, nothing pending.
                 views.append(AttentionView(side.store, side.store.length, fp, quantized=False, start=side.store.start))
                 continue
-            split = side.store.length
             pending = x if side.window is None else torch.cat([side.window, x], dim=-2)
             pvalid = self._pending_valid(side, valid, n)
-            # Tiers: snapshots of the chain as it is now (this forward's demotions come after the view).
-            store = TierChain(tuple(s.frozen() for s in side.chain)) if side.older else side.store
-            start = 0 if side.sink is not None else store.start
-            view = AttentionView(store, split, pending, quantized=True, sink=side.sink, start=start)
+            view = self._view(side, pending)
             if n > 1:  # decode steps (n == 1) never carry a boundary: nothing to compute
                 self._set_boundary(view, side, pending, pvalid, n)
             views.append(view)
@@ -279,6 +275,15 @@ class KiviLayer(CacheLayerMixin):
             else:
                 self._flush(side, pending, pvalid)
         return views
+
+    @staticmethod
+    def _view(side: _Side, pending: torch.Tensor) -> AttentionView:
+        """What attention reads of a quantized side before this forward's moves: the stored history (the sink,
+        the store) followed by ``pending`` (the window and the new tokens) at full precision."""
+        # Tiers: snapshots of the chain as it is now (this forward's demotions come after the view).
+        store = TierChain(tuple(s.frozen() for s in side.chain)) if side.older else side.store
+        start = 0 if side.sink is not None else store.start
+        return AttentionView(store, side.store.length, pending, quantized=True, sink=side.sink, start=start)
 
     def _set_boundary(self, view: AttentionView, side: _Side, pending: torch.Tensor, pvalid: torch.Tensor | None,
                       n: int) -> None:
@@ -386,13 +391,17 @@ class KiviLayer(CacheLayerMixin):
         new = valid if valid is not None else torch.ones(b, n, dtype=torch.bool, device=dev)
         return torch.cat([old, new.to(torch.bool)], dim=-1)
 
+    def _exits(self, side: _Side, pending: int) -> tuple[int, int]:
+        """``(to_sink, to_store)`` of a flush of ``pending`` tokens (the window and the new ones) from ``side``."""
+        cfg = self.config
+        # `side.store.length` tokens already left the window (sink + stored): the held count quantize_after reads
+        return window_exits(side.axis, pending, cfg.residual_length, cfg.group_size, side.sink_len, self.sink_tokens,
+                            side.store.length, cfg.quantize_after)
+
     def _flush(self, side: _Side, pending: torch.Tensor, pvalid: torch.Tensor | None) -> None:
         """Move what is due from ``pending`` (old window + new tokens) into quantized storage."""
-        cfg = self.config
         total = pending.shape[-2]
-        # `side.store.length` tokens already left the window (sink + stored): the held count quantize_after reads
-        s, move = window_exits(side.axis, total, cfg.residual_length, cfg.group_size, side.sink_len, self.sink_tokens,
-                               side.store.length, cfg.quantize_after)
+        s, move = self._exits(side, total)
         if s:
             # The first tokens to leave the window become sink tokens (kept exact, no statistics).
             part = pending[:, :, :s].clone()
@@ -402,27 +411,32 @@ class KiviLayer(CacheLayerMixin):
             pending = pending[:, :, s:]
             pvalid = None if pvalid is None else pvalid[:, s:]
             total -= s
-        if move and side.older:
-            self._store_valid(side, pvalid, move)
-            self._push(side, len(side.older), self._quantize(side, pending[:, :, :move],
-                                                             None if pvalid is None else pvalid[:, :move]))
-        elif move and side.axis == "token" and side.store.template is not None and self._fast_tokens(side, pending.dtype):
-            # One compiled pass, written straight into the block storage (decode: one token per step).
-            x = pending[:, :, :move]
-
-            def write(lo: int, hi: int, views: dict[str, torch.Tensor]) -> None:
-                quantize_tokens_into(x[:, :, lo:hi], side.bits, cfg.group_size, views["packed"], views["scale"],
-                                     views["offset"], clip=cfg.clips(side.axis))
-
-            side.store.append_in_place(move, write)
-        elif move:
-            self._store_valid(side, pvalid, move)
-            side.store.append(self._quantize(side, pending[:, :, :move], None if pvalid is None else pvalid[:, :move]))
+        if move:
+            self._store_moved(side, pending[:, :, :move], None if pvalid is None else pvalid[:, :move])
         # The window keeps exact copies of what it was given (clone: do not pin `pending`).
         side.window = pending[:, :, move:].clone() if move < total else None
         side.window_valid = None
         if pvalid is not None and side.window is not None and not bool(pvalid[:, move:].all()):
             side.window_valid = pvalid[:, move:].clone()
+
+    def _store_moved(self, side: _Side, x: torch.Tensor, valid: torch.Tensor | None) -> None:
+        """Quantize ``x [B, H, m, D]``, the next tokens leaving the window (``valid [B, m]``: their padding
+        marks), into the side's storage: the newest position tier, or the store (values of a decode step
+        in one compiled pass where it applies)."""
+        cfg = self.config
+        if side.older:
+            self._store_valid(side, valid, x.shape[-2])
+            self._push(side, len(side.older), self._quantize(side, x, valid))
+        elif side.axis == "token" and side.store.template is not None and self._fast_tokens(side, x.dtype):
+            # One compiled pass, written straight into the block storage (decode: one token per step).
+            def write(lo: int, hi: int, views: dict[str, torch.Tensor]) -> None:
+                quantize_tokens_into(x[:, :, lo:hi], side.bits, cfg.group_size, views["packed"], views["scale"],
+                                     views["offset"], clip=cfg.clips(side.axis))
+
+            side.store.append_in_place(x.shape[-2], write)
+        else:
+            self._store_valid(side, valid, x.shape[-2])
+            side.store.append(self._quantize(side, x, valid))
 
     @staticmethod
     def _store_valid(side: _Side, pvalid: torch.Tensor | None, move: int) -> None:

@@ -3,7 +3,7 @@
 The reference is :func:`kivi.quant.kv.quantize_kv` with ``axis="token"``; this computes the same
 codes, scales and offsets bit for bit, for the configurations it accepts
 (:func:`token_quantizer_supported`): float32 input and parameters, asymmetric min/max (optionally
-clipped), no error compensation, 1, 2, 4 or 8 bits, finiteness checked. It exists for the decode step, where one value
+clipped), no error compensation, 1, 2, 3, 4 or 8 bits, finiteness checked. It exists for the decode step, where one value
 token leaves the full-precision window of every layer: the torch path spends ~15 small tensor ops
 (~300 us on the 2-core development machine) on those 64 numbers, this one call ~10-20 us, and it writes
 straight into the cache's block storage (:meth:`kivi.cache.store.BlockStore.append_in_place`).
@@ -14,7 +14,9 @@ scale), 0, 2**bits - 1)`` (round half to even, like ``torch.round``), code 0 whe
 With ``clip=True`` the group's parameters are chosen as :mod:`kivi.quant.clipping` chooses them (same
 candidates, same float32 operations, the error summed in the same element order), so the codes stay
 bit-identical to the torch reference with clipping on.
-Codes are packed as in :mod:`kivi.quant.packing` (``8 // bits`` codes per byte, little-endian).
+Codes are packed as in :mod:`kivi.quant.packing`: a little-endian bit stream along the channels,
+code ``c`` at bits ``[c * bits, (c + 1) * bits)`` of the row (for 1, 2, 4, 8 bits ``8 // bits`` codes per
+byte; for 3 bits the same stream is the runs of 8 codes in 3 bytes, a code may straddle two bytes).
 numba is imported, and the kernel compiled or loaded from numba's on-disk cache, on first use
 (:func:`_kernel`): ``import kivi`` does not import it. :func:`kivi.optional.numba_available` is kivi's one check
 for numba (the fused decode attention of :mod:`kivi.attention.fused_cpu` uses it too).
@@ -29,7 +31,8 @@ import torch
 
 from ..optional import numba_available
 from .clipping import shrink_factors
-from .packing import WORD_BITS, packed_size
+from .packing import packed_size
+from .primitives import SUPPORTED_BITS
 
 
 def token_quantizer_supported(
@@ -41,7 +44,7 @@ def token_quantizer_supported(
         numba_available()
         and dtype == torch.float32
         and param_dtype == torch.float32
-        and bits in WORD_BITS
+        and bits in SUPPORTED_BITS
         and not symmetric
         and residual_bits == 0
         and check_finite
@@ -59,7 +62,6 @@ def _quantize_tokens(x, bits, G, shrinks, packed, scale, offset):
     flevels = np.float32(levels)
     two = np.float32(2.0)
     zero = np.float32(0.0)
-    per = 8 // bits
     nb = packed.shape[3]
     R = shrinks.shape[0]
     for b in range(B):
@@ -115,7 +117,12 @@ def _quantize_tokens(x, bits, G, shrinks, packed, scale, offset):
                         for c in range(c0, c0 + G):
                             q = np.rint((row[c] - lo) / sc)
                             q = min(max(q, zero), flevels)
-                            out[c // per] |= np.uint8(np.int32(q) << ((c % per) * bits))
+                            qi = np.int32(q)
+                            p = c * bits  # the code's first bit in the row's little-endian bit stream
+                            sh = p & 7
+                            out[p >> 3] |= np.uint8((qi << sh) & 0xFF)
+                            if sh + bits > 8:  # 3 bits: the code straddles two bytes
+                                out[(p >> 3) + 1] |= np.uint8(qi >> (8 - sh))
     return 0
 
 
@@ -143,19 +150,24 @@ def quantize_tokens_into(
     """
     if x.dtype != torch.float32 or scale.dtype != torch.float32 or offset.dtype != torch.float32:
         raise ValueError(f"quantize_tokens_into needs float32 input and parameters, got {x.dtype} / {scale.dtype}")
-    if bits not in WORD_BITS:
-        raise ValueError(f"bits={bits} is not supported here; allowed values are {list(WORD_BITS)}")
+    if isinstance(bits, bool) or bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits={bits!r} is not supported here; allowed values are {list(SUPPORTED_BITS)}")
     B, H, n, D = x.shape
     if D % group_size or group_size <= 0:
         raise ValueError(f"group_size={group_size} must divide head_dim={D}")
     if tuple(packed.shape) != (B, H, n, packed_size(D, bits)) or tuple(scale.shape) != (B, H, n, D // group_size):
         raise ValueError(f"output views {tuple(packed.shape)} / {tuple(scale.shape)} do not match x {tuple(x.shape)}")
-    shrinks = (shrink_factors() if clip else torch.ones(1)).numpy()
-    if _kernel()(x.detach().numpy(), bits, group_size, shrinks, packed.numpy(), scale.numpy(), offset.numpy()):
+    if _kernel()(x.detach().numpy(), bits, group_size, _shrinks(clip), packed.numpy(), scale.numpy(), offset.numpy()):
         raise ValueError(
             "x contains NaN or Inf; KV quantization needs finite values (pass check_finite=False to let a "
             "non-finite value poison its group instead)"
         )
+
+
+@functools.cache
+def _shrinks(clip: bool) -> np.ndarray:
+    """The kernel's ``shrinks`` argument: the clipping grid, or ``[1.0]`` (min/max); made once, never written."""
+    return (shrink_factors() if clip else torch.ones(1)).numpy()
 
 
 def warmup() -> None:

@@ -18,8 +18,9 @@ import torch
 from .primitives import SUPPORTED_BITS, check_bits
 
 #: Widths whose codes fill a byte evenly (``8 // bits`` per byte, none spanning two bytes): every
-#: supported width but 3. The numba paths and the Triton quantize kernels handle only these (the Triton
-#: decode kernel also reads 3 bits: kivi.kernels._common.ATTENTION_BITS).
+#: supported width but 3. The Triton quantize kernels and the numba value quantizer handle only these; the
+#: numba decode kernel (:mod:`kivi.attention.fused_cpu`) and the Triton decode kernel
+#: (``kivi.kernels._common.ATTENTION_BITS``) also read 3-bit runs.
 WORD_BITS = tuple(b for b in SUPPORTED_BITS if 8 % b == 0)  # (1, 2, 4, 8)
 
 

@@ -69,7 +69,7 @@ def test_numba_is_imported_with_the_kernel_only():
 
 @pytest.mark.parametrize("total", [1, 13, 67, 300, 1300])
 @pytest.mark.parametrize("ratio", [1, 3, 8])
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 def test_decode_matches_reference(total, ratio, bits):
     cfg = KiviConfig(group_size=8, residual_length=16, block_size=32, k_bits=bits, v_bits=bits)
     B, hkv, D = 2, 2, 32
@@ -87,6 +87,14 @@ def test_decode_matches_reference(total, ratio, bits):
         (32, 1, 1, 8, 1),  # 1-bit: 32 channels per word, 8 quads
         (32, 8, 8, 4, 8),  # 8-bit: one quad per word, value groups of 4 channels
         (64, 2, 4, 32, 2),  # SmolLM2-like head, mixed bits
+        (64, 3, 3, 32, 3),  # 3-bit, 8 runs of 3 bytes per row: read as 3 words per 4 runs
+        (128, 3, 3, 64, 1),  # 3-bit, 16 runs per row (word path), MHA
+        (36, 3, 3, 12, 3),  # 3-bit, 5 runs (15 bytes) per row: runs assembled from bytes
+        (40, 3, 3, 4, 5),  # 3-bit, last run half padding, value groups of 4 channels, GQA 5
+        (64, 3, 2, 32, 2),  # mixed 3-bit keys, 2-bit values
+        (32, 4, 3, 8, 3),  # mixed 4-bit keys, 3-bit values
+        (36, 1, 1, 12, 1),  # 1-bit, 36 channels: 5 code bytes per row (the last one half padding)
+        (44, 1, 1, 4, 3),  # 1-bit, 44 channels: 6 code bytes per row
     ],
 )
 def test_shapes_and_bit_widths(D, kbits, vbits, G, ratio):
@@ -99,7 +107,7 @@ def test_shapes_and_bit_widths(D, kbits, vbits, G, ratio):
     _check(q, views)
 
 
-@pytest.mark.parametrize("kbits", [1, 2, 4])
+@pytest.mark.parametrize("kbits", [1, 2, 3, 4])
 def test_keys_with_partial_channel_quad(kbits):
     """D % 4 != 0 (keys only: quantized values need G % 4 == 0 and G | D): the last quad is padding."""
     cfg = KiviConfig(group_size=6, residual_length=12, block_size=48, k_bits=kbits, quantize_value=False)
@@ -107,7 +115,7 @@ def test_keys_with_partial_channel_quad(kbits):
     _check(torch.randn(2, 9, 1, 30), views)
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 def test_bf16(bits):
     cfg = KiviConfig(group_size=8, residual_length=16, block_size=32, k_bits=bits, v_bits=bits)
     views = _fill(cfg, 2, 3, 32, [190, 1, 1], torch.bfloat16)
@@ -115,8 +123,9 @@ def test_bf16(bits):
 
 
 @pytest.mark.parametrize("mask_kind", ["bool", "additive"])
-def test_left_padding_mask(mask_kind):
-    cfg = KiviConfig(group_size=8, residual_length=16, block_size=32)
+@pytest.mark.parametrize("bits", [2, 3])
+def test_left_padding_mask(mask_kind, bits):
+    cfg = KiviConfig(group_size=8, residual_length=16, block_size=32, k_bits=bits, v_bits=bits)
     B, hkv, D, T = 2, 3, 32, 150
     valid = torch.ones(B, T + 2, dtype=torch.bool)
     valid[1, :37] = False  # left padding of the second sequence
@@ -127,8 +136,9 @@ def test_left_padding_mask(mask_kind):
     _check(torch.randn(B, hkv * 3, 1, D), views, mask)
 
 
-def test_constant_groups():
-    cfg = KiviConfig(group_size=8, residual_length=16, block_size=32)
+@pytest.mark.parametrize("bits", [2, 3])
+def test_constant_groups(bits):
+    cfg = KiviConfig(group_size=8, residual_length=16, block_size=32, k_bits=bits, v_bits=bits)
     views = _fill(cfg, 1, 2, 32, [100, 1, 1], torch.float32, const=True)
     _check(torch.randn(1, 6, 1, 32), views)
 
@@ -142,8 +152,13 @@ def test_constant_groups():
         KiviConfig(group_size=8, residual_length=0, block_size=16, k_bits=4, v_bits=2),
         KiviConfig(group_size=8, residual_length=16, block_size=32, quantize_key=False),
         KiviConfig(group_size=8, residual_length=16, block_size=32, quantize_value=False),
+        KiviConfig(group_size=8, residual_length=16, block_size=32, k_bits=3, v_bits=3, residual_bits=2),
+        KiviConfig(group_size=8, residual_length=16, block_size=32, k_bits=3, v_bits=3, symmetric=True),
+        KiviConfig(group_size=8, residual_length=0, block_size=16, k_bits=3, v_bits=3),
+        KiviConfig(group_size=8, residual_length=16, block_size=32, k_bits=3, quantize_value=False),
     ],
-    ids=["comp2", "symmetric", "8bit", "k4v2-R0", "fp-keys", "fp-values"],
+    ids=["comp2", "symmetric", "8bit", "k4v2-R0", "fp-keys", "fp-values", "3bit-comp2", "3bit-symmetric",
+         "3bit-R0", "3bit-fp-values"],
 )
 def test_formats(cfg):
     views = _fill(cfg, 2, 3, 32, [150, 3, 41, 1], torch.float32)
@@ -162,15 +177,45 @@ def test_serial_threshold_boundary(monkeypatch, delta):
     _check(torch.randn(B, hkv * 3, 1, 32), views, threaded=(None,))
 
 
-def test_unsupported_goes_to_blocked():
-    cfg = KiviConfig(group_size=16, residual_length=0, block_size=32, k_bits=3, v_bits=1)
-    views = _fill(cfg, 1, 2, 32, [70, 1], torch.float32)
-    q = torch.randn(1, 4, 1, 32)
-    assert not fused_decode_supported(q, *views)  # 3-bit keys
-    assert not fused_decode_supported(torch.randn(1, 4, 2, 32), *views)  # n > 1
+def _count_fused_calls(monkeypatch) -> list:
+    """Record every fused_decode_attention call the "cpu" backend makes (run_backend imports it per call)."""
+    import kivi.attention.fused_cpu as pkg
+
+    calls, real = [], pkg.fused_decode_attention
+
+    def spy(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(pkg, "fused_decode_attention", spy)
+    return calls
+
+
+def test_unsupported_goes_to_blocked(monkeypatch):
+    cfg = KiviConfig(group_size=6, residual_length=0, block_size=24, k_bits=3, v_bits=1)
+    views = _fill(cfg, 1, 2, 30, [70, 1], torch.float32)
+    q = torch.randn(1, 4, 1, 30)
+    assert not fused_decode_supported(q, *views)  # value groups of 6 channels
+    assert not fused_decode_supported(torch.randn(1, 4, 2, 30), *views)  # n > 1
     from kivi.attention.interface import run_backend
 
+    calls = _count_fused_calls(monkeypatch)
     out = run_backend("cpu", q, *views, scaling=None, attention_mask=None)
+    assert calls == []
+    torch.testing.assert_close(out, reference_attention(q, *views), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kbits,vbits", [(3, 3), (3, 2), (2, 3)], ids=["K3V3", "K3V2", "K2V3"])
+def test_3bit_decode_runs_the_fused_kernel(monkeypatch, kbits, vbits):
+    """3-bit codes (runs of 8 codes in 3 bytes) are read by the kernel: the "cpu" backend dispatches there."""
+    cfg = KiviConfig(group_size=32, residual_length=64, block_size=128, k_bits=kbits, v_bits=vbits, sink_tokens=4)
+    views = _fill(cfg, 1, 3, 64, [301, 1], torch.float32)
+    q = torch.randn(1, 9, 1, 64)
+    from kivi.attention.interface import run_backend
+
+    calls = _count_fused_calls(monkeypatch)
+    out = run_backend("cpu", q, *views, scaling=None, attention_mask=None)
+    assert calls == [1]
     torch.testing.assert_close(out, reference_attention(q, *views), atol=1e-4, rtol=1e-4)
 
 
@@ -191,8 +236,9 @@ def test_generation_matches_reference_backend():
 
 @pytest.mark.parametrize("sink", [1, 5])
 @pytest.mark.parametrize("lengths", [[20, 1], [150, 1, 1]])
-def test_sink_tokens_match_reference(sink, lengths):
-    cfg = KiviConfig(group_size=8, residual_length=16, block_size=32, sink_tokens=sink)
+@pytest.mark.parametrize("bits", [2, 3])
+def test_sink_tokens_match_reference(sink, lengths, bits):
+    cfg = KiviConfig(group_size=8, residual_length=16, block_size=32, sink_tokens=sink, k_bits=bits, v_bits=bits)
     B, hkv, D = 2, 3, 32
     valid = torch.ones(B, sum(lengths), dtype=torch.bool)
     valid[1, :3] = False  # left padding: the padded row's sink slots are padding, masked out

@@ -24,6 +24,8 @@ WIDTHS = {  # (key widths, value widths, explicit groups or None)
     "k422-v242": ([4, 2, 2], [2, 4, 2], None),
     "k184-v814": ([1, 8, 4], [8, 1, 4], None),
     "uniform-split": ([2, 2, 2], [2, 2, 2], [HeadGroup(0, 1, 2, 2), HeadGroup(1, 3, 2, 2)]),
+    "k324-v342": ([3, 2, 4], [3, 4, 2], None),  # 3-bit groups beside 2- and 4-bit ones
+    "k3-v3-split": ([3, 3, 3], [3, 3, 3], [HeadGroup(0, 2, 3, 3), HeadGroup(2, 3, 3, 3)]),
 }
 
 
@@ -67,7 +69,7 @@ def test_one_call_equals_per_group_bit_for_bit(widths, total, ratio, sink):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
-@pytest.mark.parametrize("widths", ["k242", "k422-v242"])
+@pytest.mark.parametrize("widths", ["k242", "k422-v242", "k324-v342"])
 def test_dtypes_and_padding(dtype, widths):
     B, D, total = 3, 64, 157
     valid = torch.ones(B, total, dtype=torch.bool)
@@ -94,12 +96,31 @@ def test_threaded_long_context_close_to_per_group():
     torch.testing.assert_close(out, _per_group_serial(q, kv, vv), atol=1e-5, rtol=1e-5)
 
 
+def test_3bit_groups_run_in_the_one_call(monkeypatch):
+    """A layer with 3-bit head groups (K3V3 + 4-bit sides, as the ~4.3-bit mixes) decodes in one fused call."""
+    import kivi.attention.fused_cpu as pkg
+    from kivi.attention.interface import head_groups_attention as run
+
+    kv, vv = _views("k324-v342", 1, 64, [300, 1], torch.float32, sink=4)
+    q = torch.randn(1, 9, 1, 64)
+    assert fused_decode_heads_supported(q, kv, vv)
+    calls, real = [], pkg.fused_decode_heads
+    monkeypatch.setattr(pkg, "fused_decode_heads", lambda *a, **k: calls.append(1) or real(*a, **k))
+    from kivi.attention.interface import _head_groups_forward
+
+    out = _head_groups_forward(None, q, kv, vv, None, "cpu", scaling=None, is_causal=None)[0].transpose(1, 2)
+    assert calls == [1]
+    torch.testing.assert_close(out, run("reference", q, kv, vv, scaling=None, attention_mask=None), atol=1e-5,
+                               rtol=1e-5)
+
+
 def test_unsupported_group_is_refused_and_errors_are_one_line():
     kv, vv = _views("k242", 1, 32, [40, 1], torch.float32)
-    q = torch.randn(1, 6, 1, 32)
-    layer = HeadSplitLayer(KiviConfig(**CFG), [3, 2, 2], [2, 2, 2])  # 3-bit codes: not for the kernel
-    layer.append(torch.randn(1, 3, 40, 32), torch.randn(1, 3, 40, 32))
-    assert not fused_decode_heads_supported(q, *layer.append(torch.randn(1, 3, 1, 32), torch.randn(1, 3, 1, 32)))
+    q = torch.randn(1, 6, 1, 30)
+    cfg = dict(group_size=6, residual_length=12, block_size=24)  # value groups of 6 channels: not for the kernel
+    layer = HeadSplitLayer(KiviConfig(**cfg), [3, 2, 2], [2, 2, 2])
+    layer.append(torch.randn(1, 3, 40, 30), torch.randn(1, 3, 40, 30))
+    assert not fused_decode_heads_supported(q, *layer.append(torch.randn(1, 3, 1, 30), torch.randn(1, 3, 1, 30)))
     assert not fused_decode_heads_supported(torch.randn(1, 6, 2, 32), kv, vv)  # two queries
     assert not fused_decode_heads_supported(torch.randn(1, 4, 1, 32), kv, vv)  # 4 query heads over 3 kv heads
     with pytest.raises(ValueError, match="one query token"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kivi import KiviCache, KiviConfig, quantize_model
-from kivi.cache.heads import HeadGroup, HeadSplitLayer, build_layer, head_groups
+from kivi.cache.heads import HeadGroup, HeadSplitLayer, build_layer, head_groups, materialize_heads
 from kivi.cache.layer import KiviLayer
 from tests.helpers import tiny_model
 
@@ -170,3 +170,85 @@ def test_per_head_widths_with_tiers_are_refused_in_one_line():
                      tiers=[(16, None), (16, 4), (None, 2)])
     with pytest.raises(ValueError, match="cannot be combined with tiers"):
         HeadSplitLayer(cfg, [4, 2], [4, 4])
+
+
+def _state(layer: HeadSplitLayer) -> list:
+    """Everything the groups hold (windows, sinks, stored tensors up to their length), for bit-exact comparison."""
+    out = []
+    for p in layer.parts:
+        out.append((p.seen, p._due))
+        for side in (p.k, p.v):
+            out += [side.window, side.sink, side.window_valid, side.stored_valid, side.store.start, side.store.length,
+                    list(side.store.starts), list(side.store.caps)]
+            for t0, seg in side.store.iter_blocks():  # the stored rows (not the blocks' unwritten capacity)
+                out += [t0, *(seg.tensors()[k] for k in sorted(seg.tensors()))]
+    return out
+
+
+def _same(a: list, b: list) -> bool:
+    def eq(x, y) -> bool:
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
+                    and x.dtype == y.dtype and torch.equal(x, y))
+        return x == y
+
+    return len(a) == len(b) and all(eq(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("sink, quantize_after, batch", [(0, 0, 1), (3, 0, 2), (2, 70, 2)])
+def test_joint_decode_write_equals_each_groups_own_append(dtype, sink, quantize_after, batch):
+    """The one-pass decode write (``joint_decode``) leaves every group exactly as its own append does, and
+    returns the same views, across key flushes, block boundaries, multi-token forwards, crops and reorders."""
+    cfg = KiviConfig(**LAYER, sink_tokens=sink, quantize_after=quantize_after)
+    joint, each = HeadSplitLayer(cfg, K_BITS, V_BITS), HeadSplitLayer(cfg, K_BITS, V_BITS)
+    each.joint_decode = False
+    chunks = [29] + [1] * 45 + [7] + [1] * 30
+    for i, (k, v) in enumerate(_inputs(chunks, dtype=dtype, batch=batch)):
+        got, want = joint.append(k, v), each.append(k, v)
+        for gs, ws in zip(got, want):
+            assert _same([materialize_heads(gs, dtype)], [materialize_heads(ws, dtype)])
+        assert _same(_state(joint), _state(each)), f"forward {i}"
+        assert joint.memory_breakdown() == each.memory_breakdown()
+        if i == 60:
+            for layer in (joint, each):
+                layer.crop(-5)
+                layer.reorder_cache(torch.arange(batch).flip(0))
+    assert joint.nbytes == sum(p.nbytes for p in joint.parts)
+
+
+def test_joint_decode_shares_one_window_and_counts_it_once():
+    """After a joint decode step the groups' windows are slices of one tensor that holds nothing else
+    (the bytes reported are the bytes kept alive), and the next step reuses it without a copy."""
+    layer = HeadSplitLayer(KiviConfig(**LAYER), K_BITS, V_BITS)
+    for k, v in _inputs([40, 1, 1]):
+        layer.append(k, v)
+    for side in ("k", "v"):
+        windows = [getattr(p, side).window for p in layer.parts]
+        base = windows[0]._base
+        assert base is not None and all(w._base is base for w in windows)
+        assert base.numel() == sum(w.numel() for w in windows)
+        assert layer._window([getattr(p, side) for p in layer.parts]) is base
+
+
+def test_joint_decode_step_fails_whole(monkeypatch):
+    """A group failing to store what leaves its window after the groups before it stored theirs: the step
+    raises and every group is left as it was (stores, windows, counters)."""
+    layer = HeadSplitLayer(KiviConfig(**LAYER), K_BITS, V_BITS)
+    for k, v in _inputs([40] + [1] * 8):
+        layer.append(k, v)
+    before = _state(layer)
+    calls = []
+
+    def boom(side, x, valid):
+        calls.append(side.axis)
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(layer.parts[2], "_store_moved", boom)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        layer.append(*_inputs([1], seed=3)[0])
+    assert calls == ["token"]  # the joint write ran: groups 0 and 1 stored their value token first
+    assert _same(_state(layer), before)
+    monkeypatch.undo()
+    layer.append(*_inputs([1], seed=3)[0])
+    assert all(p.seen == 49 for p in layer.parts)

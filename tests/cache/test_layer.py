@@ -243,7 +243,7 @@ def test_sink_reorder_and_sliding_layers_have_none():
     assert sliding.k.sink_len == 0 and sliding.kv_offset == 0
 
 
-@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
 def test_value_fast_path_stores_what_the_torch_path_stores(monkeypatch, bits):
     """Decode appends move values through quantize_tokens_into (numba); the store must be identical."""
     pytest.importorskip("numba")

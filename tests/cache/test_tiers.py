@@ -29,6 +29,10 @@ T4 = dict(k_bits=8, v_bits=4, group_size=16, residual_length=16, block_size=32, 
 TKV = dict(k_bits=4, v_bits=2, group_size=32, residual_length=64, block_size=64, sink_tokens=4,
            tiers=[(64, None), (64, (4, 2)), (None, 2)])
 CONFIGS = [pytest.param(T3, id="K4-2"), pytest.param(T4, id="4tiers-sink"), pytest.param(TKV, id="K4V2-K2V2")]
+# 3-bit codes (runs of 8 codes in 3 bytes) then 1 bit: a side whose pieces mix the two layouts
+T31 = dict(k_bits=3, v_bits=3, group_size=16, residual_length=16, block_size=32, sink_tokens=2,
+           tiers=[(16, None), (48, 3), (None, 1)])
+DECODE_CONFIGS = CONFIGS + [pytest.param(T31, id="K3V3-1")]
 
 
 def _data(B, H, T, D, dtype=torch.float32, seed=0):
@@ -108,7 +112,7 @@ def test_untiered_config_keeps_one_store():
 # --------------------------------------------------------------------------- every backend
 
 
-@pytest.mark.parametrize("kw", CONFIGS)
+@pytest.mark.parametrize("kw", DECODE_CONFIGS)
 @pytest.mark.parametrize("total", [1, 67, 250])
 @pytest.mark.parametrize("ratio", [1, 3])  # GQA
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
@@ -133,7 +137,7 @@ def test_decode_backends_match_reference(kw, total, ratio, dtype):
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol, msg=name)
 
 
-@pytest.mark.parametrize("kw", CONFIGS)
+@pytest.mark.parametrize("kw", DECODE_CONFIGS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fused_decode_steps_match_reference(kw, dtype):
     """Decode steps after a prefill: the newest tier's first block is partly demoted into the next tier,

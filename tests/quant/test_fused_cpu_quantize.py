@@ -30,7 +30,7 @@ def _assert_same(x, bits, G, clip=False):
 
 @settings(max_examples=60, deadline=None)
 @given(
-    bits=st.sampled_from([1, 2, 4, 8]),
+    bits=st.sampled_from([1, 2, 3, 4, 8]),
     G=st.sampled_from([4, 8, 12, 32]),
     groups=st.integers(1, 4),
     n=st.integers(1, 5),
@@ -46,7 +46,7 @@ def test_random_rows_match_reference(bits, G, groups, n, scale, seed, clip):
 
 @settings(max_examples=60, deadline=None)
 @given(
-    bits=st.sampled_from([1, 2, 4, 8]),
+    bits=st.sampled_from([1, 2, 3, 4, 8]),
     G=st.sampled_from([3, 4, 13, 32]),
     n=st.integers(1, 6),
     heavy=st.sampled_from([1.0, 8.0, 1e3]),
@@ -66,7 +66,7 @@ def test_clipped_rows_match_reference_bit_for_bit(bits, G, n, heavy, grid, seed)
         assert not torch.equal(quantize_kv(x, "token", 2, G, clip=True).scale, quantize_kv(x, "token", 2, G).scale)
 
 
-@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
 def test_ties_round_half_to_even_like_torch(bits):
     """Values on a half-step grid: (x - lo) / scale lands exactly on .5 for many elements."""
     g = torch.Generator().manual_seed(1)
@@ -80,9 +80,9 @@ def test_ties_round_half_to_even_like_torch(bits):
 def test_constant_groups_and_odd_head_dim():
     x = torch.randn(1, 2, 3, 12)
     x[:, :, :, :4] = 0.75  # one constant group per row: scale 0, codes 0, dequantizes exactly
-    for bits in (1, 2, 4, 8):
+    for bits in (1, 2, 3, 4, 8):
         _assert_same(x, bits, 4, clip=True)
-        _assert_same(x, bits, 4)  # 12 channels at 1 bit: 2 bytes, the last half-empty
+        _assert_same(x, bits, 4)  # 12 channels at 1 bit: 2 bytes, the last half-empty; at 3 bits: 2 runs
     pk, sc, of = _outputs(1, 2, 3, 12, 2, 4)
     quantize_tokens_into(x, 2, 4, pk, sc, of)
     assert torch.all(sc[..., 0] == 0)
@@ -90,13 +90,14 @@ def test_constant_groups_and_odd_head_dim():
     assert torch.equal(dequantize_kv(ref)[..., :4], x[..., :4])
 
 
-def test_writes_into_strided_views():
+@pytest.mark.parametrize("bits", [2, 3])
+def test_writes_into_strided_views(bits):
     """The store hands out row ranges of bigger blocks: non-contiguous views."""
     x = torch.randn(2, 3, 4, 64)
-    pk = torch.full((2, 3, 10, 16), 0xAB, dtype=torch.uint8)
+    pk = torch.full((2, 3, 10, packed_size(64, bits)), 0xAB, dtype=torch.uint8)
     sc, of = torch.full((2, 3, 10, 2), 7.0), torch.full((2, 3, 10, 2), 7.0)
-    quantize_tokens_into(x, 2, 32, pk[:, :, 3:7], sc[:, :, 3:7], of[:, :, 3:7])
-    ref = quantize_kv(x, "token", 2, 32)
+    quantize_tokens_into(x, bits, 32, pk[:, :, 3:7], sc[:, :, 3:7], of[:, :, 3:7])
+    ref = quantize_kv(x, "token", bits, 32)
     assert torch.equal(pk[:, :, 3:7], ref.packed) and torch.equal(sc[:, :, 3:7], ref.scale)
     assert torch.equal(of[:, :, 3:7], ref.offset)
     assert torch.all(pk[:, :, :3] == 0xAB) and torch.all(pk[:, :, 7:] == 0xAB)  # nothing else touched
@@ -115,8 +116,8 @@ def test_bad_arguments_raise():
     x = torch.randn(1, 1, 2, 32)
     with pytest.raises(ValueError, match="float32"):
         quantize_tokens_into(x.bfloat16(), 2, 32, *_outputs(1, 1, 2, 32, 2, 32))
-    with pytest.raises(ValueError, match="bits=3"):
-        quantize_tokens_into(x, 3, 32, *_outputs(1, 1, 2, 32, 2, 32))
+    with pytest.raises(ValueError, match="bits=5"):
+        quantize_tokens_into(x, 5, 32, *_outputs(1, 1, 2, 32, 2, 32))
     with pytest.raises(ValueError, match="group_size=12"):
         quantize_tokens_into(x, 2, 12, *_outputs(1, 1, 2, 32, 2, 32))
     with pytest.raises(ValueError, match="do not match"):
@@ -127,7 +128,7 @@ def test_supported_only_where_it_is_exact():
     ok = dict(symmetric=False, residual_bits=0, param_dtype=torch.float32, check_finite=True)
     assert token_quantizer_supported(torch.float32, 2, **ok)
     assert not token_quantizer_supported(torch.bfloat16, 2, **ok)
-    assert not token_quantizer_supported(torch.float32, 3, **ok)
+    assert token_quantizer_supported(torch.float32, 3, **ok)  # runs of 8 codes in 3 bytes
     assert not token_quantizer_supported(torch.float32, 2, **{**ok, "symmetric": True})
     assert not token_quantizer_supported(torch.float32, 2, **{**ok, "residual_bits": 2})
     assert not token_quantizer_supported(torch.float32, 2, **{**ok, "param_dtype": torch.float16})

@@ -34,7 +34,6 @@ import numpy as np
 import torch
 
 from ...optional import numba_available
-from ...quant.packing import WORD_BITS
 from ...quant.fused_cpu import warmup as _warmup_quantizer
 from ..reference import view_geometry
 from .tables import heads_table, side_table, valid_row
@@ -44,6 +43,10 @@ if TYPE_CHECKING:
     from ...cache.view import AttentionView
 
 _ALL_VALID = np.ones((1, 1), dtype=np.bool_)  # the kernel's mask argument when there is no mask
+
+#: Code widths the kernel reads: 1, 2, 4, 8 bits as codes packed in bytes, 3 bits as runs of 8 codes in
+#: 3 bytes (:func:`.kernel._row_layout`). A width outside this tuple goes to the blocked path.
+KERNEL_BITS = (1, 2, 3, 4, 8)
 
 
 def _kernel():
@@ -85,19 +88,14 @@ def fused_decode_supported(q: torch.Tensor, k_view: AttentionView, v_view: Atten
     ``n > 1`` (:func:`kivi.cache.schedule.query_boundaries`), so it never reaches the kernel; a view
     that carries one anyway is refused here rather than read at the wrong precision.
     """
+    return (_query_supported(q, attention_mask) and _views_supported(k_view, v_view)
+            and q.shape[1] % k_view.fp.shape[1] == 0)
+
+
+def _query_supported(q: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+    """The query and mask part of :func:`fused_decode_supported` (numba present, one CPU query token, a mask
+    the kernel can read)."""
     if not numba_available() or q.dim() != 4 or q.shape[2] != 1 or q.device.type != "cpu":
-        return False
-    if k_view.fp_from is not None or v_view.fp_from is not None:
-        return False
-    for view in (k_view, v_view):
-        for store in (view.store.stores if view.tiered else (view.store,)):  # position tiers: every width
-            if view.quantized and store.template is not None:
-                t = store.template
-                if t.bits not in WORD_BITS:
-                    return False
-                if t.axis == "token" and t.group_size % 4:
-                    return False  # the kernel reads value channels 4 at a time, within one group
-    if q.shape[1] % k_view.fp.shape[1]:
         return False
     if attention_mask is not None:
         if attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
@@ -107,6 +105,21 @@ def fused_decode_supported(q: torch.Tensor, k_view: AttentionView, v_view: Atten
             keep = row > torch.finfo(row.dtype).min / 2
             if bool((row[keep] != 0).any()):
                 return False
+    return True
+
+
+def _views_supported(k_view: AttentionView, v_view: AttentionView) -> bool:
+    """The views part of :func:`fused_decode_supported`: no per-query boundary, formats the kernel reads."""
+    if k_view.fp_from is not None or v_view.fp_from is not None:
+        return False
+    for view in (k_view, v_view):
+        for store in (view.store.stores if view.tiered else (view.store,)):  # position tiers: every width
+            if view.quantized and store.template is not None:
+                t = store.template
+                if t.bits not in KERNEL_BITS:
+                    return False
+                if t.axis == "token" and t.group_size % 4:
+                    return False  # the kernel reads value channels 4 at a time, within one group
     return True
 
 
@@ -198,12 +211,11 @@ def fused_decode_heads_supported(q: torch.Tensor, k_views: HeadViews, v_views: H
     """Whether :func:`fused_decode_heads` handles this call: every head group's views qualify for
     :func:`fused_decode_supported` (with that group's query heads) and the groups share a group size."""
     hkv = k_views.groups[-1].stop
-    if q.dim() != 4 or q.shape[1] % hkv:
+    if q.dim() != 4 or q.shape[1] % hkv or not _query_supported(q, attention_mask):
         return False
-    g = q.shape[1] // hkv
-    for grp, kv, vv in zip(k_views.groups, k_views.views, v_views.views):
-        if not fused_decode_supported(q[:, grp.start * g : grp.stop * g], kv, vv, attention_mask):
-            return False
+    # each group's query heads, (stop - start) * Hq / Hkv, are a multiple of its kv heads
+    if not all(_views_supported(kv, vv) for kv, vv in zip(k_views.views, v_views.views)):
+        return False
     sizes = {view.store.template.group_size for side in (k_views, v_views) for view in side.views
              if view.quantized and not view.tiered and view.store.template is not None}
     return len(sizes) <= 1
@@ -278,4 +290,4 @@ def _decode(q, kside, vside, kv_len: int, hkv: int, dv: int, keep: list, *, scal
 
 
 __all__ = ["fused_decode_supported", "fused_decode_attention", "fused_decode_heads", "fused_decode_heads_supported",
-           "warmup", "SERIAL_BELOW", "THREAD_SAFE_LAYERS"]
+           "warmup", "SERIAL_BELOW", "THREAD_SAFE_LAYERS", "KERNEL_BITS"]

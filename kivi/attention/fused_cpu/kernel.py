@@ -18,9 +18,10 @@ output ``[B, Hq, Dv]``. Per ``(batch b, kv head h)`` and its ``g = Hq / Hkv`` qu
   softmax update, then the value pieces it overlaps) and :func:`_merge` combines the tasks with
   log-sum-exp weights;
 * codes are unpacked *token-major*: a block's rows are transposed to 32-bit words
-  (:func:`_transpose_words`) so that every unpack loop runs over tokens, vectorised in 32-bit
-  lanes (the :func:`_code` intrinsic), and each pass over a word serves :data:`HC` = 4 query heads
-  while 3 or more remain, then single heads (GQA without repeating the cache);
+  (:func:`_transpose_words`; 3-bit rows: one 24-bit run of 8 codes per word, :func:`_transpose_runs`)
+  so that every unpack loop runs over tokens, vectorised in 32-bit lanes (the :func:`_code`
+  intrinsic), and each pass over a word serves :data:`HC` = 4 query heads while 3 or more remain,
+  then single heads (GQA without repeating the cache);
 * keys (per-channel groups, ``x = code * scale + base``; ``base`` = offset, offset +
   compensation, or ``-qmax * scale`` when symmetric): ``s_i(t) = c_i + sum_d q'_{i,d} code_d(t)``
   with ``q' = q * scale * scaling`` and ``c_i = scaling * q_i . base`` per group
@@ -194,6 +195,64 @@ def _transpose_words(codes, r0, n, ds2, nbytes, nw, tw):
 
 
 @inline
+def _transpose_runs(codes, r0, n, ds2, nw, tw):
+    """:func:`_transpose_words` for 3-bit codes: ``tw[w, t]`` = the 24-bit run of row bytes ``[3w, 3w+3)``.
+
+    3-bit packing stores runs of 8 codes as a little-endian 24-bit integer in 3 bytes
+    (:mod:`kivi.quant.packing`), so a run in the low 24 bits of a 32-bit word is read like a word of
+    8 codes: channel ``c`` of run ``w`` (``8w <= c < 8w + 8``) at bits ``[3(c - 8w), 3(c - 8w) + 3)``.
+    Rows of a multiple of 4 runs (``D % 32 == 0``) at 4-aligned addresses are read as three words
+    per four runs; otherwise runs are assembled from bytes.
+    """
+    addr = codes.ctypes.data
+    if nw % 4 == 0 and ds2 % 4 == 0 and addr % 4 == 0:
+        words = _u32_rows(addr, 0, codes.shape[0] // 4)
+        ws2 = ds2 // 4
+        lo24, lo16, lo8 = np.uint32(0xFFFFFF), np.uint32(0xFFFF), np.uint32(0xFF)
+        s8, s16, s24 = np.uint32(8), np.uint32(16), np.uint32(24)
+        for t in range(n):
+            base = (r0 + t) * ws2
+            for j in range(nw // 4):
+                x0, x1, x2 = words[base + 3 * j], words[base + 3 * j + 1], words[base + 3 * j + 2]
+                tw[4 * j, t] = x0 & lo24
+                tw[4 * j + 1, t] = (x0 >> s24) | ((x1 & lo16) << s8)
+                tw[4 * j + 2, t] = (x1 >> s16) | ((x2 & lo8) << s16)
+                tw[4 * j + 3, t] = x2 >> s8
+        return
+    for t in range(n):
+        base = (r0 + t) * ds2
+        for w in range(nw):
+            j = base + 3 * w
+            tw[w, t] = (np.uint32(codes[j]) | (np.uint32(codes[j + 1]) << np.uint32(8))
+                        | (np.uint32(codes[j + 2]) << np.uint32(16)))
+
+
+@inline
+def _row_layout(D, bits):
+    """``(channels per word, code bytes per row, words per row)`` of ``D`` channels at ``bits``.
+
+    A "word" is what :func:`_transpose_words` / :func:`_transpose_runs` put in one uint32 lane: 4
+    bytes (``32 // bits`` channels) for 1, 2, 4, 8 bits, a 3-byte run of 8 channels for 3 bits. Words
+    per row never decrease with the width (``ceil(D/32), ceil(D/16), ceil(D/8), ceil(D/8), ceil(D/4)``
+    for 1, 2, 3, 4, 8 bits), so the widest piece of a side sizes the buffer for all of them.
+    """
+    if bits == 3:
+        nw = (D + 7) // 8
+        return 8, 3 * nw, nw
+    nbytes = (D * bits + 7) // 8
+    return 32 // bits, nbytes, (nbytes + 3) // 4
+
+
+@inline
+def _transpose(codes, r0, n, ds2, bits, nbytes, nw, tw):
+    """Rows ``r0 .. r0+n`` of a piece's codes to token-major words (:func:`_row_layout`)."""
+    if bits == 3:
+        _transpose_runs(codes, r0, n, ds2, nw, tw)
+    else:
+        _transpose_words(codes, r0, n, ds2, nbytes, nw, tw)
+
+
+@inline
 def _pass_width(g, i0):
     """Heads of the pass starting at head ``i0``: :data:`HC` while 3 or more remain, else 1."""
     return HC if g - i0 >= 3 else 1
@@ -358,9 +417,7 @@ def _key_scores(d, p, b, h, a, e, qsc, bits, G, c0, s, qp, tw):
                     acc += qi[k] * xr[k]
                 s[i, r + lo - c0] = acc
         return
-    cpw = 32 // bits  # channels per word
-    nbytes = (D * bits + 7) // 8
-    nw = (nbytes + 3) // 4
+    cpw, nbytes, nw = _row_layout(D, bits)
     codes = _u8_rows(d[p, _DATA], boff, (r1 - 1) * ds2 + nbytes)
     ss2, bs2 = d[p, _SS2], d[p, _BS2]
     ngrp = (r1 - 1) // G + 1
@@ -383,7 +440,7 @@ def _key_scores(d, p, b, h, a, e, qsc, bits, G, c0, s, qp, tw):
             si = s[i]
             for t in range(n):
                 si[o + t] = cc
-        _transpose_words(codes, r, n, ds2, nbytes, nw, tw)
+        _transpose(codes, r, n, ds2, bits, nbytes, nw, tw)
         i0 = 0
         while i0 < g:
             w = _pass_width(g, i0)
@@ -422,9 +479,7 @@ def _value_accumulate(d, p, b, h, a, e, bits, G, c0, pr, accq, accf, accb, wt, s
                 for k in range(Dv):
                     ai[k] += pe * xr[k]
         return
-    cpw = 32 // bits
-    nbytes = (Dv * bits) // 8  # G % 4 == 0 and G | Dv: whole bytes
-    nw = (nbytes + 3) // 4
+    cpw, nbytes, nw = _row_layout(Dv, bits)
     nvg = Dv // G
     n = r1 - r0
     o = r0 + lo - c0
@@ -432,7 +487,7 @@ def _value_accumulate(d, p, b, h, a, e, bits, G, c0, pr, accq, accf, accb, wt, s
     ss2, bs2 = d[p, _SS2], d[p, _BS2]
     sc = _f32_rows(d[p, _SC], b * d[p, _SS0] + h * d[p, _SS1], (r1 - 1) * ss2 + nvg)
     bs = _f32_rows(d[p, _BS], b * d[p, _BS0] + h * d[p, _BS1], (r1 - 1) * bs2 + nvg)
-    _transpose_words(codes, r0, n, ds2, nbytes, nw, tw)
+    _transpose(codes, r0, n, ds2, bits, nbytes, nw, tw)
     for gg in range(nvg):  # the rows' scales and bases, token-contiguous (shared by the heads)
         sg, bg = sbt[0, gg], sbt[1, gg]
         for t in range(n):
@@ -470,7 +525,7 @@ def _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, t1, om, ol, oacc):
     D = q.shape[2]
     Dv = oacc.shape[1]
     kbits, kG, vbits, vG = prm[0], prm[1], prm[2], prm[3]
-    nw = max(((D * kbits + 7) // 8 + 3) // 4, ((Dv * vbits + 7) // 8 + 3) // 4)
+    nw = max(_row_layout(D, kbits)[2], _row_layout(Dv, vbits)[2])  # the widest piece's words
     nvg = Dv // vG if vG > 1 else 1
     qsc = np.empty((g, D), dtype=np.float32)
     for i in range(g):
@@ -550,13 +605,20 @@ def _merge(pm, pl, pacc, nch, out):
 
 @inline
 def _run_task(task, nch, q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, pm, pl, pacc):
-    """Task ``task`` = ``(b, kv head, chunk c)`` in row-major order; its state goes to row ``task``."""
-    bh = task // nch
-    c = task - bh * nch
+    """Task ``task`` = ``(chunk c, b, kv head)`` in row-major order; its state goes to row ``(b, kv head, c)``.
+
+    Chunks outermost: ``prange`` hands each thread a contiguous share of the tasks, so every thread reads
+    a share of every kv head. Heads of different widths (per-head widths, 4-bit codes cost ~1.2x 2-bit ones
+    to read) then load the threads evenly; a head-major order gave one thread the wide heads.
+    """
+    nbh = pm.shape[0] // nch
+    c = task // nbh
+    bh = task - c * nbh
     b = bh // hkv
     h = bh - b * hkv
     t0 = c * chunk
-    _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, min(kv_len, t0 + chunk), pm[task], pl[task], pacc[task])
+    slot = bh * nch + c
+    _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, min(kv_len, t0 + chunk), pm[slot], pl[slot], pacc[slot])
 
 
 @inline

@@ -145,40 +145,47 @@ def side_table(view: AttentionView, start: int, keep: list, heads: tuple[int, in
     ``keep`` so it outlives the kernel call. ``bits`` / ``group_size`` are 8 / 1 when the side is
     not quantized.
     """
+    h0, h1 = (0, view.fp.shape[1]) if heads is None else heads
+    rows, widths, group = _side_rows(view, start, keep, h0, h1)
+    return np.array(rows, dtype=np.int64).reshape(len(rows), NCOL), max(widths, default=8), group
+
+
+def _side_rows(view: AttentionView, start: int, keep: list, h0: int, h1: int) -> tuple[list[tuple], list[int], int]:
+    """:func:`side_table`'s rows (tuples of ``NCOL`` ints), the widths of its quantized stores, its group size."""
     rows = []
     widths, group = [], 1
+    tail = (0,) * 9 + (h0, h1)  # a full-precision piece: no scale / base / width
     if view.sink is not None:  # full-precision sink tokens [0, S)
         lo = 0 - start
-        rows.append((lo, lo + view.sink.shape[-2], 0, *_addr(_rows_f32(view.sink), keep)) + (0,) * 9)
+        rows.append((lo, lo + view.sink.shape[-2], 0, *_addr(_rows_f32(view.sink), keep)) + tail)
     for store in (view.store.stores if view.tiered else (view.store,)):
         split = min(view.split, store.length)
         if store.template is not None and split > store.start:
-            rows += _store_rows(store, split, view.quantized, start, keep)
+            rows += [row + (h0, h1) for row in _store_rows(store, split, view.quantized, start, keep)]
             if view.quantized:
                 widths.append(store.template.bits)
                 group = store.template.group_size
     nfp = view.fp.shape[-2]
     if nfp:
         lo = view.split - start
-        rows.append((lo, lo + nfp, 0, *_addr(_rows_f32(view.fp), keep)) + (0,) * 9)
-    h0, h1 = (0, view.fp.shape[1]) if heads is None else heads
-    table = np.array([row + (h0, h1) for row in rows], dtype=np.int64).reshape(len(rows), NCOL)
-    return table, max(widths, default=8), group
+        rows.append((lo, lo + nfp, 0, *_addr(_rows_f32(view.fp), keep)) + tail)
+    return rows, widths, group
 
 
 def heads_table(views, groups, start: int, keep: list) -> tuple[np.ndarray, int, int]:
     """:func:`side_table` of a layer with per-head widths: every group's pieces (with their kv head
     range) stacked into one table; the widest code and the group size (shared by the groups)."""
-    tables, widths, sizes = [], [], set()
+    rows, widths, sizes = [], [], set()
     for grp, view in zip(groups, views):
-        t, bits, group = side_table(view, start, keep, (grp.start, grp.stop))
-        tables.append(t)
-        widths.append(bits)
+        r, w, group = _side_rows(view, start, keep, grp.start, grp.stop)
+        rows += r
+        widths.append(max(w, default=8))
         sizes.add(group)
     quantized = {g for g in sizes if g != 1}  # 1: a side held at full precision in that group
     if len(quantized) > 1:
         raise ValueError(f"head groups of one layer with different group sizes {sorted(quantized)}")
-    return np.concatenate(tables), max(widths), quantized.pop() if quantized else 1
+    table = np.array(rows, dtype=np.int64).reshape(len(rows), NCOL)
+    return table, max(widths), quantized.pop() if quantized else 1
 
 
 def valid_row(attention_mask: torch.Tensor | None, batch: int, kv_len: int) -> torch.Tensor | None:
