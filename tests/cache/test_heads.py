@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from kivi import KiviCache, KiviConfig, quantize_model
+from kivi import KiviCache, KiviConfig
 from kivi.cache.heads import HeadGroup, HeadSplitLayer, build_layer, head_groups, materialize_heads
 from kivi.cache.layer import KiviLayer
 from tests.helpers import tiny_model
