@@ -45,8 +45,9 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-#: Widths the decode attention kernel reads: every supported width (3 bits: a code may straddle two
-#: bytes; the kernel reads them as 16 bits). The quantize kernels write only :data:`WORD_BITS`.
+#: Widths the decode attention kernel reads: every supported width (3 bits: each run of 8 codes in 3 bytes
+#: is read as its 24-bit integer, a code may straddle two bytes). The quantize kernels write only
+#: :data:`WORD_BITS`.
 ATTENTION_BITS = SUPPORTED_BITS
 
 

@@ -126,14 +126,11 @@ def _skip_rows(cols: tuple, store, skip: int, quantized: bool) -> tuple:
     return tuple(cols)
 
 
-def side_table(view: AttentionView, start: int, keep: list, heads: tuple[int, int] | None = None
-               ) -> tuple[np.ndarray, int, int]:
+def side_table(view: AttentionView, start: int, keep: list) -> tuple[np.ndarray, int, int]:
     """``(descriptors [P, NCOL] int64, bits, group_size)`` of one side's pieces, in token order.
 
-    ``heads = (h0, h1)``: the view holds the layer's kv heads ``[h0, h1)`` (a head group of a layer with
-    per-head widths, :class:`~kivi.cache.heads.HeadViews`); the default is every head of the view
-    (``(0, H)``). The kernel reads kv head ``h`` of the layer from the pieces whose range holds it, at
-    local head ``h - h0``, so the tables of several groups stacked (:func:`heads_table`) describe one layer.
+    Every row names the kv heads ``[0, H)`` of the view (:func:`_side_rows`; :func:`heads_table` stacks the
+    rows of several head groups, each with its own range).
 
     ``bits`` is the widest code of the side's pieces (each quantized row holds its own width in
     ``_BITS``: a side with position tiers has pieces of several widths, a ``TierChain`` of stores).
@@ -145,13 +142,18 @@ def side_table(view: AttentionView, start: int, keep: list, heads: tuple[int, in
     ``keep`` so it outlives the kernel call. ``bits`` / ``group_size`` are 8 / 1 when the side is
     not quantized.
     """
-    h0, h1 = (0, view.fp.shape[1]) if heads is None else heads
-    rows, widths, group = _side_rows(view, start, keep, h0, h1)
+    rows, widths, group = _side_rows(view, start, keep, 0, view.fp.shape[1])
     return np.array(rows, dtype=np.int64).reshape(len(rows), NCOL), max(widths, default=8), group
 
 
 def _side_rows(view: AttentionView, start: int, keep: list, h0: int, h1: int) -> tuple[list[tuple], list[int], int]:
-    """:func:`side_table`'s rows (tuples of ``NCOL`` ints), the widths of its quantized stores, its group size."""
+    """:func:`side_table`'s rows (tuples of ``NCOL`` ints), the widths of its quantized stores, its group size.
+
+    The view holds the layer's kv heads ``[h0, h1)`` (all of them, or a head group of a layer with per-head
+    widths, :class:`~kivi.cache.heads.HeadViews`); every row carries that range. The kernel reads kv head
+    ``h`` of the layer from the pieces whose range holds it, at local head ``h - h0``, so the rows of several
+    groups stacked (:func:`heads_table`) describe one layer.
+    """
     rows = []
     widths, group = [], 1
     tail = (0,) * 9 + (h0, h1)  # a full-precision piece: no scale / base / width
