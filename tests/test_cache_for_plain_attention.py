@@ -112,7 +112,7 @@ def test_reading_views_refuses_a_cache_built_for_plain_attention():
 
 def test_a_loaded_cache_suits_the_model_it_is_loaded_for(tmp_path):
     model = tiny_model()
-    cache = KiviCache.from_model(model, CFG, reading_views=True)
+    cache = KiviCache.from_model(model, CFG)
     with torch.no_grad():
         model(IDS[:, :40], cache=cache)
     cache.save(tmp_path / "p.safetensors", fingerprint={})
@@ -121,3 +121,14 @@ def test_a_loaded_cache_suits_the_model_it_is_loaded_for(tmp_path):
     with torch.no_grad():
         model(IDS[:, 40:56], cache=loaded)
     assert loaded.get_seq_length() == 56
+
+
+def test_packed_states_read_as_a_tensor_raise_a_type_error():
+    """What another attention does with keys first (``.shape``, ``torch.cat`` of a list) is refused the same way;
+    copies still work."""
+    cache = KiviCache(KiviConfig(group_size=8, residual_length=8), attention_backend="cpu")
+    k, _ = cache.update(torch.randn(1, 2, 20, 32), torch.randn(1, 2, 20, 32), 0)
+    for misuse in (lambda: k.shape, lambda: k.transpose(1, 2), lambda: torch.cat([k, torch.zeros(1)])):
+        with pytest.raises(TypeError, match=r"PackedStates.*quantize_model"):
+            misuse()
+    assert copy.deepcopy(k).backend == "cpu"

@@ -173,7 +173,8 @@ class PackedStates:
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", repr(func))
-        found = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, PackedStates)]
+        flat = [b for a in (*args, *(kwargs or {}).values()) for b in (a if isinstance(a, (list, tuple)) else (a,))]
+        found = [a for a in flat if isinstance(a, PackedStates)]  # (torch.cat takes a list of tensors)
         ref = [a for a in found if a.backend == "reference"]
         raise (ref or found)[0]._refusal(f"{name} received")
 
