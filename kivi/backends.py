@@ -133,11 +133,26 @@ def cache_attention_backend(model: Any, config: Any) -> str:
     return backend
 
 
+def attention_reads_views(model: Any, *, reading_views: bool = False) -> bool:
+    """Whether the attention that reads a cache built now for ``model`` reads kivi's views
+    (:class:`~kivi.cache.view.PackedStates`), which can give each query of a forward its own precision.
+
+    True when the model runs the ``"kivi"`` attention now (after :func:`kivi.quantize_model`), or when
+    ``reading_views`` (the caller runs every forward under :func:`kivi.attention.interface.reading_views`)
+    and ``"kivi"`` implements the model's attention; False for any other attention (it reads tensors only).
+    """
+    config = getattr(model, "config", None)
+    if model_attention_unsupported(config) is not None:
+        return False
+    return reading_views or getattr(config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
+
+
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "PACKED_BACKENDS",
     "resolve_attention_backend",
     "cache_attention_backend",
+    "attention_reads_views",
     "model_attention_unsupported",
     "kernel_config_unsupported",
 ]

@@ -50,7 +50,7 @@ def test_family_quantization_off_matches_dynamic_cache_exactly(family):
     model = tiny_model(family, **FAMILIES[family])
     ids = torch.randint(1, 128, (1, 400), generator=torch.Generator().manual_seed(0))
     ref = _chunked_logits(model, ids, DynamicCache(config=model.config), 100)
-    got = _chunked_logits(model, ids, KiviCache.from_model(model, OFF), 100)
+    got = _chunked_logits(model, ids, KiviCache.from_model(model, OFF, reading_views=True), 100)
     if "sliding_window" in FAMILIES[family]:
         # Sliding layers keep whole blocks a little past the window (the mask hides them), so the
         # attention kernel sums over a longer, masked row: equal up to float summation order.
@@ -64,7 +64,8 @@ def test_family_quantized_generate_runs_and_stays_close(family):
     model = tiny_model(family, **FAMILIES[family])
     ids = torch.randint(1, 128, (1, 400), generator=torch.Generator().manual_seed(0))
     ref = _chunked_logits(model, ids, DynamicCache(config=model.config), 100)
-    cache = KiviCache.from_model(model, KiviConfig(k_bits=4, v_bits=4, residual_length=32, block_size=64))
+    cache = KiviCache.from_model(model, KiviConfig(k_bits=4, v_bits=4, residual_length=32, block_size=64),
+                                 reading_views=True)
     got = _chunked_logits(model, ids, cache, 100)
     assert torch.isfinite(got).all()
     assert (got - ref).abs().max() < 0.1 * ref.abs().max()
@@ -176,7 +177,7 @@ def test_unsupported_models_get_a_clear_error():
 
 def test_nbytes_is_real_storage():
     model = tiny_model("llama")
-    cache = KiviCache.from_model(model, SMALL)
+    cache = KiviCache.from_model(model, SMALL, reading_views=True)
     _chunked_logits(model, torch.randint(1, 128, (1, 300)), cache, 300)
     tensors = 0
     for layer in cache.layers:

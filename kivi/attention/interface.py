@@ -211,12 +211,21 @@ def reading_views(model: Any, cache: Any) -> Iterator[None]:
     (chunked evaluation): such forwards give each query its own precision, which the cache can only
     return as views (:class:`~kivi.cache.view.PackedStates`); ``"kivi"`` hands plain tensors to SDPA,
     so nothing else changes. A model whose attention ``"kivi"`` does not implement is left as it is.
+    ``cache`` must have been built for this (``KiviCache.from_model(model, cfg, reading_views=True)``, or
+    after :func:`kivi.quantize_model`): one built for a model's own attention returns tensors only, and
+    would give every query the history as it was before the forward, so it is refused.
     """
     from ..cache.cache import KiviCache  # noqa: PLC0415 - cache sits below attention; lazy keeps imports light
 
     if not isinstance(cache, KiviCache):
         yield
         return
+    if not cache.reads_views and model_attention_unsupported(getattr(model, "config", None)) is None:
+        raise ValueError(
+            "reading_views: this KiviCache was built for a model whose attention reads tensors only, so a "
+            "forward of several tokens would give every query the history as it was before the forward; build "
+            "it with KiviCache.from_model(model, config, reading_views=True) (or after kivi.quantize_model)"
+        )
     with running_kivi_attention(model):
         yield
 

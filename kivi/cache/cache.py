@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
 
-from ..backends import PACKED_BACKENDS, cache_attention_backend, model_attention_unsupported, resolve_attention_backend
+from ..backends import PACKED_BACKENDS, attention_reads_views, cache_attention_backend, resolve_attention_backend
 from ..config import KiviConfig
 from .heads import KIVI_LAYERS, build_layer, kv_heads_of
 from .padding import install_padding_hook
@@ -20,14 +21,17 @@ class KiviCache(Cache):
     """KIVI-quantized KV cache.
 
     Build it with :meth:`from_model` (reads the layer types, e.g. sliding-window layers, from the
-    model config and installs the padding hook), or ``KiviCache(config)`` for a plain stack of
-    full-attention layers created on first use.
+    model config and installs the padding hook; ``update`` then takes ``layer_idx`` in
+    ``[0, number of layers)``), or ``KiviCache(config)`` for a plain stack of full-attention layers
+    created on first use, in order (``layer_idx`` at most the number of layers created so far).
 
     What ``update`` returns is decided once, when the cache is built (``attention_backend``):
     ``"reference"`` (the default of ``KiviCache(config)``) returns dequantized keys/values, which any
     attention reads; ``"cpu"`` / ``"triton"`` return :class:`~kivi.cache.view.PackedStates` that only
     the ``"kivi"`` attention reads (what :meth:`from_model` builds for a model after
-    :func:`kivi.quantize_model`).
+    :func:`kivi.quantize_model`). A multi-token forward into a non-empty cache (chunked prefill, a
+    speculative verify forward) gives each query its own precision, which only the ``"kivi"``
+    attention reads: see :meth:`from_model` for a model that runs another attention.
 
     Padding: the cache leaves padded tokens out of every quantization statistic. It learns which
     tokens are padding from the 2-D ``attention_mask`` of each forward: the hook that
@@ -43,20 +47,44 @@ class KiviCache(Cache):
         self._record_past = False  # see activate_past_recording
         # Fixed for the cache's life: "reference" materialises, "cpu"/"triton" return PackedStates.
         self.attention_backend = resolve_attention_backend(attention_backend)
+        # Layers given (one per decoder layer of a model): their number is fixed; else created in order.
+        self.num_layers: int | None = len(layers) if layers is not None else None
         super().__init__(layers=list(layers) if layers is not None else [])
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_model(cls, model: Any, config: KiviConfig | None = None) -> "KiviCache":
-        """A cache with one layer per decoder layer of ``model`` (HF ``PreTrainedModel``)."""
+    def from_model(cls, model: Any, config: KiviConfig | None = None, *, reading_views: bool = False) -> "KiviCache":
+        """A cache with one layer per decoder layer of ``model`` (HF ``PreTrainedModel``).
+
+        What ``update`` returns suits the attention the model runs when the cache is built. After
+        :func:`kivi.quantize_model` (the ``"kivi"`` attention) each query of a multi-token forward reads the
+        history at its own precision, as one-token decoding would. A model that runs another attention (never
+        quantized, or after :func:`kivi.dequantize_model`) gets plain tensors for every forward; in a
+        multi-token forward into a non-empty cache (chunked prefill, a speculative verify forward) every
+        query then reads the history as it was before the forward (the old window at full precision) plus
+        the forward's tokens exactly, slightly more precise for the later queries than one-token decoding
+        (docs/speculative.md). ``reading_views``: the caller runs every forward under
+        :func:`kivi.attention.interface.reading_views` (the evaluation tools do), so per-query precision
+        applies wherever ``"kivi"`` implements the model's attention.
+        """
         config = config if config is not None else getattr(model, "kivi_config", None) or KiviConfig()
         cache = cls.from_model_config(model.config, config, attention_backend=cache_attention_backend(model, config))
-        if model_attention_unsupported(model.config) is not None:  # its attention cannot read per-query views
-            for layer in cache.layers:
-                if isinstance(layer, KIVI_LAYERS):
-                    layer.per_query_views = False
+        cache._set_reader(attention_reads_views(model, reading_views=reading_views))
         install_padding_hook(model)
         return cache
+
+    def _set_reader(self, reads_views: bool) -> None:
+        """Whether the attention reading this cache reads views (per-query precision) or tensors only."""
+        for layer in self.layers:
+            if isinstance(layer, KIVI_LAYERS):
+                layer.per_query_views = reads_views
+
+    @property
+    def reads_views(self) -> bool:
+        """Whether ``update`` gives each query of a multi-token forward its own precision (views that only
+        the ``"kivi"`` attention reads); False when built by :meth:`from_model` for a model whose attention
+        reads tensors only. Fixed when the cache is built."""
+        return all(layer.per_query_views for layer in self.layers if isinstance(layer, KIVI_LAYERS))
 
     @classmethod
     def from_model_config(cls, model_config: Any, config: KiviConfig, *,
@@ -117,6 +145,7 @@ class KiviCache(Cache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        layer_idx = self._check_update(key_states, value_states, layer_idx)
         nlayers = len(self.layers)
         try:
             while len(self.layers) <= layer_idx:
@@ -135,6 +164,45 @@ class KiviCache(Cache):
         except BaseException:
             del self.layers[nlayers:]  # layers this call created
             raise
+
+    def _check_update(self, key_states: Any, value_states: Any, layer_idx: Any) -> int:
+        """Refuse, before anything changes, an ``update`` no layer can take; returns ``layer_idx`` as an int.
+
+        Keys and values: floating tensors ``[batch, kv_heads, tokens, head_dim]`` of one dtype and device,
+        equal in every dimension (one head_dim per layer: value groups and every attention backend read
+        keys and values with the same one). ``layer_idx``: an int in ``[0, num_layers)`` when the number of
+        layers is fixed (:meth:`from_model`, ``layers=``), else at most the layers created so far.
+        """
+        for name, x in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor [batch, kv_heads, tokens, head_dim], "
+                                f"got {type(x).__name__}")
+            if x.dim() != 4:
+                raise ValueError(f"{name} must be 4-D [batch, kv_heads, tokens, head_dim], got shape {tuple(x.shape)}")
+            if not x.dtype.is_floating_point:
+                raise ValueError(f"{name}.dtype={x.dtype} is not allowed; keys and values must be floating point")
+        if key_states.shape != value_states.shape:
+            what = [f"{dim} {a} vs {b}" for dim, a, b in zip(("batch", "kv_heads", "tokens", "head_dim"),
+                                                             key_states.shape, value_states.shape) if a != b]
+            raise ValueError(f"key_states {tuple(key_states.shape)} and value_states {tuple(value_states.shape)} "
+                             f"must have the same [batch, kv_heads, tokens, head_dim]; they differ in {', '.join(what)}")
+        if key_states.dtype != value_states.dtype or key_states.device != value_states.device:
+            raise ValueError(f"key_states ({key_states.dtype} on {key_states.device}) and value_states "
+                             f"({value_states.dtype} on {value_states.device}) must have the same dtype and device")
+        try:
+            idx = operator.index(layer_idx)
+        except TypeError:
+            idx = None
+        if idx is None or isinstance(layer_idx, bool):
+            raise TypeError(f"layer_idx must be an int, got {layer_idx!r} ({type(layer_idx).__name__})")
+        if self.num_layers is not None and not 0 <= idx < self.num_layers:
+            raise ValueError(f"layer_idx={idx} is out of range: this cache has {self.num_layers} layers "
+                             f"(allowed 0..{self.num_layers - 1})")
+        if self.num_layers is None and not 0 <= idx <= len(self.layers):
+            raise ValueError(f"layer_idx={idx} is not allowed: KiviCache(config) creates its layers in order on "
+                             f"first use and has {len(self.layers)}, so layer_idx must be in 0..{len(self.layers)} "
+                             "(KiviCache.from_model(model) builds every layer of the model up front)")
+        return idx
 
     # ------------------------------------------------------------------ edits of every layer, all or nothing
     def _on_every_layer(self, edit) -> None:
@@ -229,7 +297,10 @@ class KiviCache(Cache):
             if attention_backend is not None:  # checked against the model (packed needs its "kivi" attention)
                 config = dataclasses.replace(config, attention_backend=attention_backend)
             attention_backend = cache_attention_backend(model, config)
-        return cls(config, layers=layers, attention_backend=attention_backend or "reference"), ids
+        cache = cls(config, layers=layers, attention_backend=attention_backend or "reference")
+        if model is not None:  # what update returns suits the model's attention, as for from_model
+            cache._set_reader(attention_reads_views(model))
+        return cache, ids
 
     def __repr__(self) -> str:
         return (

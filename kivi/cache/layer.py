@@ -149,9 +149,10 @@ class KiviLayer(CacheLayerMixin):
         # Queries of a forward into the empty layer that are the prompt (None: the whole forward); see
         # kivi.cache.schedule.prefill_exact_queries and KiviCache.set_prompt_length.
         self.prompt_length: int | None = None
-        # False for a model whose attention cannot read views (softcapping, e.g. Gemma2; set by
-        # KiviCache.from_model): `update` then materialises what the forward's FIRST query sees for
-        # every query (approximate for multi-token forwards after the prefill; docs/speculative.md).
+        # False when the model's attention reads tensors only (it is not "kivi": never quantized, or
+        # softcapping, e.g. Gemma2; set by KiviCache.from_model / load): `update` then materialises what the
+        # forward's FIRST query sees for every query (approximate for multi-token forwards after the
+        # prefill; docs/speculative.md).
         self.per_query_views = True
 
     def _new_sides(self) -> tuple[_Side, _Side]:

@@ -144,30 +144,46 @@ class PackedStates:
     was built for (``"cpu"`` or ``"triton"``, resolved once when the cache was built), or
     ``"reference"``: a materialising cache returns these instead of tensors for a forward whose
     queries read tokens at different precisions (plain tensors cannot say that). Not a
-    tensor: any torch function that receives one (e.g. SDPA, because the model's attention is
-    not ``"kivi"``) raises instead of computing over the wrong tokens.
+    tensor: any torch function that receives one, or a tensor attribute read on it (``.shape``:
+    the model's attention is not ``"kivi"``), raises a ``TypeError`` saying how to build a cache
+    that attention reads, instead of computing over the wrong tokens.
     """
 
     view: AttentionView
     backend: str
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", repr(func))
-        if any(isinstance(a, PackedStates) and a.backend == "reference" for a in (*args, *(kwargs or {}).values())):
-            raise TypeError(
-                f"{name} received kivi PackedStates from a 'reference' KiviCache: this forward of several tokens "
+    def _refusal(self, what: str) -> TypeError:
+        """The error for ``what`` ("<torch function> received", "attention read .<attribute> of") this object."""
+        if self.backend == "reference":
+            return TypeError(
+                f"{what} kivi PackedStates from a 'reference' KiviCache: this forward of several tokens "
                 "into a non-empty cache (chunked prefill or evaluation, a speculative verify forward) gives each "
                 "query its own precision, which plain tensors cannot express. Run the model with the 'kivi' "
                 "attention (kivi.quantize_model does so unless the model's attention needs softcapping or sinks), "
-                "or feed such models one token per forward"
+                "or build the cache with KiviCache.from_model(model) for the model as it runs (plain tensors: "
+                "every query reads the history as it was before the forward)"
             )
-        raise TypeError(
-            f"{name} received kivi PackedStates: this KiviCache was built for the 'kivi' attention "
-            "implementation (attention reads the packed cache), but the model's attention is another one. "
-            "Build the cache with KiviCache.from_model(model) after quantize_model(model), or with "
-            "attention_backend='reference' to get dequantized tensors"
+        return TypeError(
+            f"{what} kivi PackedStates: this KiviCache was built for the 'kivi' attention "
+            "implementation (attention reads the packed cache), but the model's attention is another one "
+            "(e.g. after kivi.dequantize_model). Call kivi.quantize_model(model) to read this cache, or build "
+            "a new one with KiviCache.from_model(model) for the model as it runs (dequantized tensors)"
         )
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", repr(func))
+        flat = [b for a in (*args, *(kwargs or {}).values()) for b in (a if isinstance(a, (list, tuple)) else (a,))]
+        found = [a for a in flat if isinstance(a, PackedStates)]  # (torch.cat takes a list of tensors)
+        ref = [a for a in found if a.backend == "reference"]
+        raise (ref or found)[0]._refusal(f"{name} received")
+
+    def __getattr__(self, name: str):
+        # Only reached for attributes a PackedStates does not have: tensor ones (``.shape``, ``.transpose``)
+        # mean a non-"kivi" attention got it. Private and dunder names stay AttributeErrors (copy, pickle).
+        if name.startswith("_") or name in self.__dataclass_fields__:  # a field not set yet (unpickling)
+            raise AttributeError(name)
+        raise self._refusal(f"attention read .{name} of")
 
 
 __all__ = ["AttentionView", "PackedStates", "materialize"]

@@ -85,7 +85,9 @@ def make_cache(model: Any, spec: CacheSpec, *, read_packed: bool = False):
     * ``None`` / ``"fp"``: transformers' ``DynamicCache`` (full precision);
     * a :class:`KiviConfig`: ``KiviCache.from_model(model, spec)``. Its attention runs through kivi's
       kernels only on a model prepared with ``quantize_model(model, spec)``; on an unprepared model
-      the model's own attention reads the dequantized cache (same numbers, slower). With
+      the model's own attention reads the dequantized cache (same numbers, slower), and a forward of
+      several tokens into it must run under :func:`kivi.attention.interface.reading_views` (the
+      evaluation functions do: each query reads the history at its own precision). With
       ``read_packed`` the config's ``attention_backend`` is resolved as :func:`kivi.quantize_model`
       resolves it (``"auto"``: the packed ``"cpu"`` path on CPU) even on an unprepared model: the
       caller must then run every forward into the cache under
@@ -102,9 +104,9 @@ def make_cache(model: Any, spec: CacheSpec, *, read_packed: bool = False):
         from ..cache.cache import KiviCache  # noqa: PLC0415
 
         if not read_packed:
-            return KiviCache.from_model(model, spec)
+            return KiviCache.from_model(model, spec, reading_views=True)
         with _runs_kivi_attention(model):
-            return KiviCache.from_model(model, spec)
+            return KiviCache.from_model(model, spec, reading_views=True)
     reason = baseline_unavailable_reason(spec)
     if reason:
         raise BaselineUnavailable(reason)

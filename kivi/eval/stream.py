@@ -300,7 +300,7 @@ FAST_CHUNK = 512
 def chunk_neutral(cache: Any) -> bool:
     """Whether feeding ``cache`` ``n`` tokens per forward gives the same numbers for every ``n`` (up to
     float rounding): a ``DynamicCache`` (exact attention) and a ``KiviCache`` whose layers give each
-    query of a multi-token forward its own precision (``per_query_views``; not on models whose
+    query of a multi-token forward its own precision (``KiviCache.reads_views``; not on models whose
     attention ``"kivi"`` does not implement). A quanto baseline is not: the queries of one forward read
     each other's tokens at full precision, so it keeps the protocol's ``chunk``."""
     from transformers import DynamicCache  # noqa: PLC0415
@@ -309,7 +309,7 @@ def chunk_neutral(cache: Any) -> bool:
 
     if type(cache) is DynamicCache:
         return True
-    return isinstance(cache, KiviCache) and all(getattr(layer, "per_query_views", True) for layer in cache.layers)
+    return isinstance(cache, KiviCache) and cache.reads_views
 
 
 def measure_window(

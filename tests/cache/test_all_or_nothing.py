@@ -306,7 +306,7 @@ def test_a_failed_first_update_adds_no_layer_and_sets_no_dtype():
     k, v = _tokens(20, torch.float32, seed=0)
     v[0, 0, 3, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
-        cache.update(k, v, 2)
+        cache.update(k, v, 0)
     assert len(cache.layers) == 0
     layer = KiviLayer(KiviConfig(**CFG))
     with pytest.raises(ValueError, match="NaN"):
@@ -314,3 +314,16 @@ def test_a_failed_first_update_adds_no_layer_and_sets_no_dtype():
     assert not layer.is_initialized and layer.dtype is None
     layer.update(*_tokens(20, torch.bfloat16, seed=1))  # a later first update sets its own dtype
     assert layer.dtype == torch.bfloat16
+
+
+def test_an_update_its_checks_refuse_leaves_the_cache_as_it_was():
+    """Keys and values of different lengths, dtypes or a layer index past the layers: refused before any step."""
+    cache, dtype = _build("bf16-sinks")
+    before = snapshot(cache)
+    k, v = _tokens(5, dtype, seed=3)
+    for args, match in (((k, v[:, :, :4], 0), "tokens 5 vs 4"), ((k, v.float(), 1), "same dtype"),
+                        ((k, v, 3), r"allowed 0\.\.2"), ((k, v, 10**6), "out of range")):
+        with pytest.raises(ValueError, match=match):
+            cache.update(*args)
+        assert snapshot(cache) == before
+    _assert_same_update(cache, copy.deepcopy(_build("bf16-sinks")[0]), dtype)
