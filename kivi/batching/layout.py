@@ -16,10 +16,10 @@ Each request also keeps full-precision rows (model dtype, ``[H, D]`` per token):
 its window of recent tokens, ``S + R + G - 1`` rows per layer and side at most, and never more than
 ``S + t`` once it holds ``t`` tokens (:meth:`PageLayout.window_slots`). They live in **window blocks**
 taken from the same pool (so the budget counts them and the scheduler sees them), as many as the
-request's slots need (:meth:`PageLayout.request_window_blocks`: a 10-token request takes one, not the
-``window_blocks`` of a full window). Rows are numbered slot-major, ``r = slot * (2 * layers) + layer * 2 + side``,
-and cut into blocks of ``rows_per_block`` rows, so the slots a request uses are a prefix of its window
-blocks: it grows by taking more blocks, and no row moves.
+request's slots need (:meth:`PageLayout.request_window_blocks`; a short request takes fewer than the
+``window_blocks`` of a full window). Rows are numbered slot-major,
+``r = slot * (2 * layers) + layer * 2 + side``, and cut into blocks of ``rows_per_block`` rows, so the
+slots a request uses are a prefix of its window blocks: it grows by taking more blocks, no row moves.
 
 Store positions: a side's quantized tokens are numbered from the end of its sink (``u = t - S``), and
 store position ``u`` lives in the request's ``u // P``-th block, row ``u % P``. Key groups start at

@@ -137,7 +137,8 @@ class Engine:
         as many as fit the context, the budget and the server's cap); :class:`RequestRefused` when it cannot run
         (``param``: ``prompt_field`` when the prompt alone is too long, else ``max_tokens``)."""
         try:
-            check_context(prompt_tokens, max_tokens, self.max_context, prompt_param=prompt_field, new_param="max_tokens")
+            check_context(prompt_tokens, max_tokens, self.max_context, prompt_param=prompt_field,
+                          new_param="max_tokens")
         except InvalidRequest as e:
             raise RequestRefused(str(e), code=e.code, param=e.param) from None
         room = self.max_context - prompt_tokens
