@@ -566,14 +566,12 @@ def model_max_context(model: Any) -> int:
 
     Accepts a model or its config.
     """
+    from .cache.support import max_position_embeddings
+
     config = getattr(model, "config", model)
-    candidates = [config]
-    if hasattr(config, "get_text_config"):
-        candidates.append(config.get_text_config())
-    for cfg in candidates:
-        value = getattr(cfg, "max_position_embeddings", None)
-        if isinstance(value, int) and value > 0:
-            return value
+    value = max_position_embeddings(config)
+    if value is not None:
+        return value
     raise ValueError(f"{type(config).__name__} has no max_position_embeddings; cannot tell the model's context length")
 
 

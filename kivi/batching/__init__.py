@@ -4,14 +4,16 @@
 docs/continuous-batching.md. Modules: ``version`` (the tested transformers versions), ``layout``
 (bytes of a KIVI block), ``pages`` (page reads and writes), ``allocator`` (block bookkeeping and each
 request's KIVI state), ``cache`` (the paged cache's forward), ``attention`` (the ``"kivi_paged"``
-attention over packed pages), ``manager`` (the entry points).
+attention over packed pages), ``manager`` (the entry points), ``requests`` (the checks of a request
+before it is scheduled), ``usage`` (what the blocks are doing now).
 """
 
 from .layout import PageLayout, build_layout, fp_block_bytes
 from .manager import KiviBatchingManager, generate_batch, init_continuous_batching
+from .usage import BlockUsage, block_usage
 from .version import TESTED_TRANSFORMERS, check_transformers_version
 
 __all__ = [
     "init_continuous_batching", "generate_batch", "KiviBatchingManager", "PageLayout", "build_layout",
-    "fp_block_bytes", "TESTED_TRANSFORMERS", "check_transformers_version",
+    "fp_block_bytes", "TESTED_TRANSFORMERS", "check_transformers_version", "BlockUsage", "block_usage",
 ]

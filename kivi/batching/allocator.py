@@ -4,9 +4,10 @@ It subclasses transformers' ``FullAttentionCacheAllocator`` (block tables, refer
 hashes and the free pool stay transformers' own) and changes what a block is and what a request needs:
 
 * a block is ``layout.block_bytes`` bytes of KIVI pages (:mod:`kivi.batching.layout`);
-* a request also holds ``layout.window_blocks`` window blocks (its full-precision sinks and windows),
-  taken when it first gets cache and given back when it is freed, so the scheduler's free-block
-  arithmetic counts them;
+* a request also holds window blocks (its full-precision sinks and windows): as many as its length
+  needs (``layout.request_window_blocks``, at most ``layout.window_blocks``), taken with its pages when
+  it gets cache (so the scheduler's free-block arithmetic counts them, and what is held is what is
+  reported) and given back when it is freed;
 * each request has a :class:`RequestState`: per layer and side, how many tokens are in the sink and
   how many are quantized in pages (the window holds the rest);
 * prefix matching only shares pages that are fully quantized in the source and that the new request's
@@ -40,7 +41,7 @@ class RequestState:
 
     ``sink[layer][s]`` / ``stored[layer][s]`` (``s`` = 0 keys, 1 values): tokens in the full-precision
     sink / quantized in pages. ``window_blocks``: its window block ids; ``window_index``: long
-    ``[layers, 2, window_rows, 2]`` = (block id, row) of every full-precision row slot.
+    ``[layers, 2, slots, 2]`` = (block id, row) of every full-precision row slot they hold.
     """
 
     sink: list[list[int]]
@@ -115,12 +116,19 @@ class KiviPageAllocator(FullAttentionCacheAllocator):
             st = self.requests[request_id] = RequestState([[0, 0] for _ in range(n)], [[0, 0] for _ in range(n)])
         return st
 
-    def _take_window_blocks(self, request_id: str) -> None:
+    def _missing_window_blocks(self, request_id: str, tokens: int) -> int:
+        st = self.requests.get(request_id)
+        held = len(st.window_blocks) if st is not None else 0
+        return max(0, self.layout.request_window_blocks(tokens) - held)
+
+    def _grow_window_blocks(self, request_id: str, tokens: int) -> None:
+        """Give the request the window blocks a length of ``tokens`` needs (slots never move: layout.window_index)."""
+        missing = self._missing_window_blocks(request_id, tokens)
         st = self.state(request_id)
-        if st.window_blocks:
+        if not missing:
             return
         lay = self.layout
-        st.window_blocks = self.pool.get_free_blocks(self.index, lay.window_blocks)
+        st.window_blocks = st.window_blocks + self.pool.get_free_blocks(self.index, missing)
         st.window_index = lay.window_index(st.window_blocks)
         if st.shared_sink is not None:  # a shared prefix's sink: the request's own full-precision rows
             idx = st.window_index[:, :, : st.shared_sink.shape[2]]  # [layers, 2, S, 2]
@@ -136,12 +144,11 @@ class KiviPageAllocator(FullAttentionCacheAllocator):
 
     # ------------------------------------------------------------------ block level (transformers API)
     def needs_new_blocks(self, request_id: str, past_length: int, query_length: int) -> int:
-        has_window = request_id in self.requests and bool(self.requests[request_id].window_blocks)
-        return super().needs_new_blocks(request_id, past_length, query_length) + (
-            0 if has_window else self.layout.window_blocks)
+        return (super().needs_new_blocks(request_id, past_length, query_length)
+                + self._missing_window_blocks(request_id, past_length + query_length))
 
     def allocate_cache_to_request(self, request_id: str, past_length: int, query_length: int) -> None:
-        self._take_window_blocks(request_id)
+        self._grow_window_blocks(request_id, past_length + query_length)
         super().allocate_cache_to_request(request_id, past_length, query_length)
 
     def free_blocks(self, request_id: str, no_cache: bool = False) -> None:

@@ -71,10 +71,10 @@ class KiviPagedCache(PagedAttentionCache):
         self.tokens_per_sector = layout.page_size * layout.num_layers
         self.max_batch_tokens = continuous_batching_config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
         self.num_sectors = cache_memory // layout.block_bytes
-        if self.num_sectors < layout.window_blocks + 1:
+        if self.num_sectors < layout.request_blocks(1):
             raise ValueError(
                 f"cache_memory={cache_memory} bytes holds {self.num_sectors} KIVI blocks of {layout.block_bytes} bytes; "
-                f"one request needs at least {layout.window_blocks + 1} (its full-precision window and one page)"
+                f"one request needs at least {layout.request_blocks(1)} (its full-precision rows and one page)"
             )
         self.cache_tensor = torch.zeros(self.num_sectors * self.bytes_per_sector, dtype=torch.uint8, device=device)
         self.pool = CachePool(self.num_sectors, 1, num_reserved_sectors=0)
@@ -179,7 +179,7 @@ class KiviPagedCache(PagedAttentionCache):
         alloc, lay = self.allocator, self.layout
         cfg = lay.layer_configs[layer]
         states = [alloc.state(rid) for rid, _, _ in batch]
-        for (rid, past, _), st in zip(batch, states):
+        for (rid, past, q), st in zip(batch, states):
             if not st.window_blocks:
                 raise RuntimeError(f"request {rid} has no KIVI window blocks (its cache was never allocated)")
             for s in range(2):
@@ -187,6 +187,9 @@ class KiviPagedCache(PagedAttentionCache):
                 if window < 0:
                     raise RuntimeError(f"request {rid}: layer {layer} side {SIDES[s]} holds more tokens than its past "
                                        f"({past})")
+            if st.window_index.shape[2] < lay.window_slots(past + q):
+                raise RuntimeError(f"request {rid}: its window blocks hold {st.window_index.shape[2]} row slots, "
+                                   f"{past + q} tokens need {lay.window_slots(past + q)} (allocated for fewer tokens?)")
         qs = [q for _, _, q in batch]
         # Both sides are read and quantized before either is written: a refused value (NaN) leaves the
         # layer's pages, windows and request states exactly as they were.

@@ -13,10 +13,13 @@ Field shapes and dtypes are read off :func:`kivi.quant.kv.quantize_kv` itself (o
 zero page), so the page format is the format of kivi's own cache, never restated here.
 
 Each request also keeps full-precision rows (model dtype, ``[H, D]`` per token): its sink tokens and
-its window of recent tokens, ``S + R + G - 1`` rows per layer and side at most. They live in
-**window blocks** taken from the same pool (so the budget counts them and the scheduler sees them):
-``window_blocks`` blocks per request, rows numbered ``(layer, side, slot)`` and cut into blocks of
-``rows_per_block`` rows.
+its window of recent tokens, ``S + R + G - 1`` rows per layer and side at most, and never more than
+``S + t`` once it holds ``t`` tokens (:meth:`PageLayout.window_slots`). They live in **window blocks**
+taken from the same pool (so the budget counts them and the scheduler sees them), as many as the
+request's slots need (:meth:`PageLayout.request_window_blocks`; a short request takes fewer than the
+``window_blocks`` of a full window). Rows are numbered slot-major,
+``r = slot * (2 * layers) + layer * 2 + side``, and cut into blocks of ``rows_per_block`` rows, so the
+slots a request uses are a prefix of its window blocks: it grows by taking more blocks, no row moves.
 
 Store positions: a side's quantized tokens are numbered from the end of its sink (``u = t - S``), and
 store position ``u`` lives in the request's ``u // P``-th block, row ``u % P``. Key groups start at
@@ -86,7 +89,8 @@ class PageLayout:
         block_bytes: bytes of one block (``page_bytes`` rounded up; a multiple of 128 bytes).
         window_rows: full-precision rows per layer and side (``S + R + G - 1``, max over layers).
         rows_per_block: full-precision rows of ``[H, D]`` one block holds.
-        window_blocks: blocks per request for its sinks and windows (all layers, both sides).
+        window_blocks: window blocks of a request with a full window (all layers, both sides); a shorter
+            request takes :meth:`request_window_blocks`.
     """
 
     page_size: int
@@ -132,15 +136,28 @@ class PageLayout:
         """Blocks that hold the pages of ``tokens`` tokens of one request."""
         return -(-tokens // self.page_size)
 
+    def window_slots(self, tokens: int) -> int:
+        """Full-precision row slots per layer and side a request holding ``tokens`` tokens can use: its sink
+        slots ``[0, S)`` and its window from slot ``S`` on (at most all its tokens), capped at ``window_rows``."""
+        sink = max(cfg.sink_tokens for cfg in self.layer_configs)
+        return min(self.window_rows, sink + max(0, tokens))
+
+    def request_window_blocks(self, tokens: int) -> int:
+        """Window blocks a request holding ``tokens`` tokens needs (``window_blocks`` once its window is full)."""
+        return -(-(self.window_slots(tokens) * self.num_layers * 2) // self.rows_per_block)
+
     def request_blocks(self, tokens: int) -> int:
         """Blocks one request of ``tokens`` tokens takes: its pages plus its window blocks."""
-        return self.token_blocks(tokens) + self.window_blocks
+        return self.token_blocks(tokens) + self.request_window_blocks(tokens)
 
     def window_index(self, window_blocks: list[int]) -> torch.Tensor:
-        """Long ``[layers, 2, window_rows, 2]``: (block id, row) of every full-precision row slot of a
-        request whose window blocks are ``window_blocks``. Row ``(layer, side, slot)`` is number
-        ``r = (layer * 2 + side) * window_rows + slot`` and lives in window block ``r // rows_per_block``."""
-        r = torch.arange(self.num_layers * 2 * self.window_rows).view(self.num_layers, 2, self.window_rows)
+        """Long ``[layers, 2, slots, 2]``: (block id, row) of every full-precision row slot that a request
+        whose window blocks are ``window_blocks`` holds (``slots``: as many as the blocks cover, at most
+        ``window_rows``). Row ``(layer, side, slot)`` is number ``r = slot * (2 * layers) + layer * 2 + side``
+        and lives in window block ``r // rows_per_block``: more blocks add slots and move no row."""
+        per_slot = self.num_layers * 2
+        slots = min(self.window_rows, len(window_blocks) * self.rows_per_block // per_slot)
+        r = torch.arange(slots * per_slot).view(slots, self.num_layers, 2).permute(1, 2, 0)  # [layers, 2, slots]
         blocks = torch.tensor(window_blocks, dtype=torch.long)[r // self.rows_per_block]
         return torch.stack([blocks, r % self.rows_per_block], dim=-1)
 

@@ -3,8 +3,10 @@
 Both build a :class:`KiviBatchingManager`, transformers' ``ContinuousBatchingManager`` with three
 changes: its cache is a :class:`~kivi.batching.cache.KiviPagedCache` of ``cache_memory`` bytes
 (``kivi_config=None``: transformers' own float ``PagedAttentionCache`` with the same byte budget,
-``num_blocks = cache_memory // float block bytes``); a request that can never fit the budget is
-refused by ``add_request`` (``ValueError``) instead of waiting forever; a model switched to kivi's
+``num_blocks = cache_memory // float block bytes``); a request is checked by ``add_request`` /
+``add_requests`` before it is queued (:mod:`kivi.batching.requests`: prompt type, ids, context,
+``max_new_tokens``) and refused (``ValueError``) when it can never fit the budget, instead of failing in
+the generation loop or waiting forever; a model switched to kivi's
 ``"kivi"`` attention by :func:`kivi.quantize_model` runs transformers' ``sdpa`` while the manager runs
 (the paged cache hands attention dequantized tensors) and gets ``"kivi"`` back when it stops.
 
@@ -33,6 +35,7 @@ from ..config import KiviConfig
 from .attention import PAGED_ATTN_IMPLEMENTATION
 from .cache import KiviPagedCache
 from .layout import PageLayout, build_layout, fp_block_bytes
+from .requests import RequestLimits, check_request, check_requests
 from .version import check_transformers_version
 
 CB_FIELDS = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
@@ -57,6 +60,8 @@ class KiviBatchingManager(ContinuousBatchingManager):
             text, model.dtype, continuous_batching_config.page_size)
         self.page_size = continuous_batching_config.page_size
         self.capacity_blocks = None if cache_memory is None else cache_memory // self.block_bytes
+        #: what a request's prompt and length must respect (kivi.batching.requests)
+        self.limits = RequestLimits.of(model)
         super().__init__(model, generation_config, continuous_batching_config, workload_hints)
 
     def switch_to_cb_friendly_attn(self, model: Any, auto_switch_to_flash: bool = True) -> None:
@@ -101,9 +106,22 @@ class KiviBatchingManager(ContinuousBatchingManager):
 
     def add_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
                     *args: Any, **kwargs: Any) -> str | None:
+        """transformers' ``add_request`` after :func:`~kivi.batching.requests.check_request` and
+        :meth:`check_request_fits` (``max_new_tokens=None``: the generation config's)."""
         new = self.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
-        self.check_request_fits(len(input_ids), int(new or 0))
-        return super().add_request(input_ids, request_id, max_new_tokens, *args, **kwargs)
+        ids = check_request(input_ids, new, self.limits, param="input_ids")
+        self.check_request_fits(len(ids), new)
+        return super().add_request(ids, request_id, new, *args, **kwargs)
+
+    def add_requests(self, inputs: list[list[int]], max_new_tokens: int | None = None, *args: Any,
+                     **kwargs: Any) -> list[str]:
+        """transformers' ``add_requests`` once every request passed the checks of :meth:`add_request`
+        (a bad one is named by its index, ``inputs[i]``, and none is queued)."""
+        new = self.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        checked = check_requests(inputs, new, self.limits)
+        for ids in checked:
+            self.check_request_fits(len(ids), new)
+        return super().add_requests(checked, new, *args, **kwargs)
 
     def _create_batch_processor(self) -> ContinuousBatchProcessor:
         if self.layout is None:
@@ -242,21 +260,26 @@ def generate_batch(model: Any, inputs: list[list[int]], kivi_config: KiviConfig 
 
     Returns ``{request_id: GenerationOutput}`` in the order of ``inputs``, as transformers does.
     ``kwargs``: ``max_new_tokens``, ``record_timestamps``, and what :func:`init_continuous_batching` takes.
-    A request that can never fit ``cache_memory`` raises ``ValueError`` before anything runs.
+    Every request is checked before anything runs: a prompt that is not a list / tuple of ints or a 1-D
+    integer tensor raises ``TypeError``; an empty one, an id outside ``[0, vocab_size)``, ``max_new_tokens``
+    not a positive int, prompt + ``max_new_tokens`` beyond ``max_position_embeddings``
+    (:mod:`kivi.batching.requests`) or a request that can never fit ``cache_memory`` raise ``ValueError``,
+    naming the request (``inputs[i]``).
     """
-    if not inputs:
+    if isinstance(inputs, (list, tuple)) and not inputs:
         return {}
     gen = generation_config if generation_config is not None else model.generation_config
     max_new_tokens = kwargs.pop("max_new_tokens", None)
     max_new_tokens = gen.max_new_tokens if max_new_tokens is None else max_new_tokens
+    inputs = check_requests(inputs, max_new_tokens, RequestLimits.of(model))
     record_timestamps = kwargs.pop("record_timestamps", False)
     if "workload_hints" not in kwargs:
         kwargs["workload_hints"] = WorkloadHints(max_prompt_length=max(len(x) for x in inputs),
-                                                 max_generated_length=max_new_tokens or 0, num_requests=len(inputs))
+                                                 max_generated_length=max_new_tokens, num_requests=len(inputs))
     manager = init_continuous_batching(model, kivi_config, cache_memory=cache_memory, generation_config=gen, **kwargs)
     try:
         for x in inputs:  # refuse before starting anything
-            manager.check_request_fits(len(x), int(max_new_tokens or 0))
+            manager.check_request_fits(len(x), max_new_tokens)
     except ValueError:
         manager.restore_attention()
         raise

@@ -49,6 +49,19 @@ def model_head_dim(model_config: Any) -> int:
     return int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
 
 
+def max_position_embeddings(model_config: Any) -> int | None:
+    """The longest context (in tokens) the model was built for: ``max_position_embeddings`` of the config,
+    else of its text config; ``None`` when neither gives a positive int."""
+    candidates = [model_config]
+    if hasattr(model_config, "get_text_config"):
+        candidates.append(model_config.get_text_config())
+    for cfg in candidates:
+        value = getattr(cfg, "max_position_embeddings", None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def check_head_dim(config: KiviConfig, head_dim: int, num_layers: int = 1) -> None:
     """Raise ``ValueError`` when a layer quantizes values and its ``group_size`` does not divide ``head_dim``.
 
@@ -99,5 +112,5 @@ def plan_layers(model_config: Any, config: KiviConfig) -> list[tuple[KiviConfig,
 __all__ = [
     "plan_layers", "check_sliding_layers",
     "SUPPORTED_LAYER_TYPES", "text_config", "check_layer_types", "model_layer_types", "model_head_dim",
-    "check_head_dim",
+    "check_head_dim", "max_position_embeddings",
 ]

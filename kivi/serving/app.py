@@ -28,6 +28,7 @@ from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.utils import BaseHandler, Modality
 
+from ..batching.requests import InvalidRequest, RequestLimits, check_prompt_ids
 from .engine import Engine, RequestRefused, Sampling
 from .errors import ApiError, error_body
 from .params import GenerationRequest, parse_chat, parse_completion
@@ -130,11 +131,10 @@ def _chat_ids(engine: Engine, req: GenerationRequest) -> list[int]:
 
 def _prompt_ids(engine: Engine, req: GenerationRequest) -> list[int]:
     if isinstance(req.prompt, tuple):
-        vocab = engine.model.config.get_text_config().vocab_size
-        bad = next((t for t in req.prompt if t >= vocab), None)
-        if bad is not None:
-            raise ApiError(400, f"prompt token id {bad} is out of range: the vocabulary has {vocab} tokens",
-                           param="prompt", code="invalid_value")
+        try:
+            check_prompt_ids(list(req.prompt), RequestLimits.of(engine.model).vocab_size, param="prompt")
+        except InvalidRequest as e:
+            raise ApiError(400, str(e), param="prompt", code=e.code) from None
         return list(req.prompt)
     return list(engine.tokenizer(req.prompt)["input_ids"])
 

@@ -26,7 +26,8 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
-from ..batching import init_continuous_batching
+from ..batching import block_usage, init_continuous_batching
+from ..batching.requests import InvalidRequest, check_context
 from ..config import KiviConfig
 
 #: The manager factory's signature: ``factory(model, kivi_config, *, cache_memory, generation_config,
@@ -69,10 +70,14 @@ _PROCESSOR_DEFAULTS = {"temperature": 0.5, "top_k": 1, "top_p": 0.5}
 
 @dataclasses.dataclass
 class EngineStats:
-    """What ``GET /health`` reports about the cache and the requests."""
+    """What ``GET /health`` reports about the cache and the requests (blocks: :class:`kivi.batching.BlockUsage`;
+    ``blocks_held`` = ``page_blocks_held`` + ``window_blocks_held``)."""
 
     blocks_total: int
     blocks_held: int
+    page_blocks_held: int
+    window_blocks_held: int
+    blocks_cached: int
     requests_holding_blocks: int
     free_fraction: float
     requests_open: int
@@ -131,15 +136,12 @@ class Engine:
         """The ``max_new_tokens`` a request of ``prompt_tokens`` gets (``max_tokens`` asked, or ``None`` for
         as many as fit the context, the budget and the server's cap); :class:`RequestRefused` when it cannot run
         (``param``: ``prompt_field`` when the prompt alone is too long, else ``max_tokens``)."""
-        if prompt_tokens < 1:
-            raise RequestRefused("the prompt is empty (0 tokens)", code="empty_prompt")
+        try:
+            check_context(prompt_tokens, max_tokens, self.max_context, prompt_param=prompt_field,
+                          new_param="max_tokens")
+        except InvalidRequest as e:
+            raise RequestRefused(str(e), code=e.code, param=e.param) from None
         room = self.max_context - prompt_tokens
-        if room < 1 or (max_tokens is not None and max_tokens > room):
-            asked = "" if max_tokens is None else f" + max_tokens {max_tokens}"
-            param = prompt_field if room < 1 or max_tokens is None else "max_tokens"
-            raise RequestRefused(
-                f"this model's maximum context length is {self.max_context} tokens; the request has {prompt_tokens} "
-                f"prompt tokens{asked}", code="context_length_exceeded", param=param)
         if max_tokens is not None and max_tokens > self.max_new_tokens:
             raise RequestRefused(f"max_tokens={max_tokens} is above this server's limit of {self.max_new_tokens} "
                                  "(kivi serve --max-new-tokens)", code="max_tokens_exceeded", param="max_tokens")
@@ -227,19 +229,14 @@ class Engine:
         return self.manager.background_thread_status.fatal_error
 
     def stats(self) -> EngineStats:
-        """Blocks held by requests, read from the cache's allocators (copies: the generation thread
-        mutates them; a dict copy is atomic under the GIL)."""
-        cache = self.manager.batch_processor.cache
-        held, holders = 0, set()
-        for allocator in list(cache.cache_allocators.values()):
-            for request_id, blocks in dict(allocator.block_table).items():
-                held += len(blocks)
-                if blocks:
-                    holders.add(request_id)
+        """The cache's blocks (:func:`kivi.batching.block_usage`) and the request counts."""
+        usage = block_usage(self.manager.batch_processor.cache)
         with self._lock:
             open_requests, counts = len(self._routes), dict(self._counts)
-        return EngineStats(blocks_total=int(cache.num_blocks), blocks_held=held, requests_holding_blocks=len(holders),
-                           free_fraction=round(float(cache.compute_free_capacity()), 6), requests_open=open_requests,
+        return EngineStats(blocks_total=usage.total, blocks_held=usage.held, page_blocks_held=usage.pages,
+                           window_blocks_held=usage.window, blocks_cached=usage.cached,
+                           requests_holding_blocks=usage.requests,
+                           free_fraction=round(usage.free_fraction, 6), requests_open=open_requests,
                            requests_done=counts["done"], requests_cancelled=counts["cancelled"],
                            requests_failed=counts["failed"])
 

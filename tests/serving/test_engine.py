@@ -42,7 +42,7 @@ def test_plan_default_is_the_largest_that_fits(engine):
     (10, 4001, "max_tokens_exceeded", "max_tokens"),
     (100, 1949, "cache_budget_exceeded", "max_tokens"),
     (2048, None, "cache_budget_exceeded", "max_tokens"),
-    (0, None, "empty_prompt", None),
+    (0, None, "empty_prompt", "prompt"),
 ])
 def test_plan_refusals(engine, prompt, max_tokens, code, param):
     with pytest.raises(RequestRefused) as e:

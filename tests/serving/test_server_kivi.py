@@ -66,11 +66,13 @@ def test_a_disconnected_client_frees_its_kivi_blocks(kivi_server):
             chunks += next(lines).startswith("data: ")
         during = kivi_server.health()["cache"]
         assert during["requests_holding_blocks"] == 1 and during["blocks_held"] >= 1, during
+        assert during["window_blocks_held"] >= 1 and during["page_blocks_held"] >= 1, during  # its window and pages
+        assert during["blocks_held"] == during["page_blocks_held"] + during["window_blocks_held"], during
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         after = kivi_server.health()["cache"]
         if after["blocks_held"] == 0:
             break
         time.sleep(0.05)
-    assert after["blocks_held"] == 0 and after["requests_open"] == 0
+    assert after["blocks_held"] == 0 and after["window_blocks_held"] == 0 and after["requests_open"] == 0
     assert after["requests_cancelled"] == before["requests_cancelled"] + 1
