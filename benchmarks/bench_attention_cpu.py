@@ -36,21 +36,15 @@ import statistics
 import time
 
 import torch
+from common import set_threads, time_calls
 
 from kivi import KiviConfig
 from kivi.attention import blocked_attention, reference_attention
-from kivi.cli.common import set_cpu_threads
 from kivi.cache.layer import KiviLayer
 
 
 def timeit(fn, repeat: int, warmup: int = 2) -> dict:
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
+    ts = time_calls(fn, repeat, warmup)
     return {"min_s": min(ts), "median_s": statistics.median(ts)}
 
 
@@ -84,17 +78,10 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--skip", default="", help="comma-separated methods to skip: reference,blocked,bf16")
     a = ap.parse_args()
-    from kivi.attention.fused_cpu import fused_decode_available
+    from kivi.attention.fused_cpu import fused_decode_attention
 
-    fused = None
-    compile_s = None
-    if fused_decode_available():
-        from kivi.attention.fused_cpu import fused_decode_attention, warmup
-
-        compile_s = warmup()  # compile, or load numba's on-disk cache
-        fused = fused_decode_attention
-    if a.threads:  # after the kernel load, which can reset torch's thread count to numba's
-        set_cpu_threads(a.threads)
+    compile_s = set_threads(a.threads)  # compile, or load numba's on-disk cache; None without numba
+    fused = None if compile_s is None else fused_decode_attention
     torch.manual_seed(0)
     B, hq, hkv, D, T = a.batch, a.q_heads, a.kv_heads, a.head_dim, a.tokens
     k = torch.randn(B, hkv, T, D)

@@ -37,15 +37,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import threading
 import time
 from pathlib import Path
 
 import psutil
 import torch
+from common import run_fresh, set_threads, write_json
 
 from kivi import KiviConfig, dequantize_model, quantize_model
-from kivi.cli.common import set_cpu_threads
 from kivi.eval import cache_nbytes, make_cache
 from kivi.models import load_model
 
@@ -160,23 +161,13 @@ def _row(model, name, ctx, bs, steps, warmup_steps):
 
 def _row_isolated(name, ctx, bs, steps, warmup_steps, threads, pin):
     """The row in a fresh interpreter (nothing left over from other rows: allocator state, caches)."""
-    import subprocess
-    import sys
-
-    cmd = [sys.executable, __file__, "--one-row", name, str(ctx), str(bs), "--steps", str(steps),
-           "--warmup-steps", str(warmup_steps), "--threads", str(threads)] + (["--pin-allocator"] if pin else [])
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    if out.returncode or not lines:
+    args = [__file__, "--one-row", name, str(ctx), str(bs), "--steps", str(steps),
+            "--warmup-steps", str(warmup_steps), "--threads", str(threads)] + (["--pin-allocator"] if pin else [])
+    out = run_fresh(args)
+    if out.returncode or out.result is None:
         return {"error": f"row process failed ({out.returncode}): {out.stderr.strip()[-300:]}", "config": row_name(name),
                 "context": ctx, "batch": bs}
-    return json.loads(lines[-1])
-
-
-def _median(xs):
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+    return out.result
 
 
 def _summarise(runs):
@@ -187,7 +178,7 @@ def _summarise(runs):
     out = dict(ok[0])
     for k in ("tok_s", "decode_s", "decode_cpu_s", "tok_per_cpu_s", "peak_rss_delta_MiB"):
         if all(k in r for r in ok):
-            out[k] = _median([r[k] for r in ok])
+            out[k] = statistics.median([r[k] for r in ok])
     out["tok_s_all"] = [round(r["tok_s"], 3) for r in ok]
     out["ms_per_step"] = 1e3 * out["decode_s"] / out["steps"]
     return out
@@ -241,12 +232,7 @@ def main():
     if not a.isolate:
         model = load_model("smollm2")[0]
         _warm(model)
-        from kivi.attention.fused_cpu import fused_decode_available, warmup
-
-        if fused_decode_available():  # compile / load the numba kernel now, not inside the first timed decode
-            warmup()
-    if a.threads:  # after the kernel load, which can reset torch's thread count to numba's
-        set_cpu_threads(a.threads)
+    set_threads(a.threads)  # the numba kernels load now, not inside the first timed decode
     if a.one_row:
         name, ctx, bs = a.one_row[0], int(a.one_row[1]), int(a.one_row[2])
         r = _row(model, name, ctx, bs, a.steps, a.warmup_steps)
@@ -275,19 +261,19 @@ def main():
     if model is not None:
         dequantize_model(model)
     if a.json:
-        print(_document(results, a, a.repeat))
+        print(json.dumps(_document(results, a, a.repeat), indent=2))
     if a.json_out:
         _write_json(a.json_out, results, a, rounds_done=a.repeat)
 
 
-def _document(results, a, rounds_done: int) -> str:
-    return json.dumps({"threads": torch.get_num_threads(), "steps": a.steps, "warmup_steps": a.warmup_steps,
-                       "repeat": a.repeat, "rounds_done": rounds_done, "isolate": a.isolate,
-                       "configs": a.configs, "results": results}, indent=2)
+def _document(results, a, rounds_done: int) -> dict:
+    return {"threads": torch.get_num_threads(), "steps": a.steps, "warmup_steps": a.warmup_steps,
+            "repeat": a.repeat, "rounds_done": rounds_done, "isolate": a.isolate,
+            "configs": a.configs, "results": results}
 
 
 def _write_json(path, results, a, *, rounds_done: int) -> None:
-    Path(path).write_text(_document(results, a, rounds_done) + "\n")
+    write_json(path, _document(results, a, rounds_done))
 
 
 def _kivi2_row(configs):

@@ -35,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from transformers import GenerationConfig  # noqa: E402
 
+from common import write_json  # noqa: E402
+
 from kivi import KiviConfig  # noqa: E402
 from kivi.batching import build_layout, fp_block_bytes, generate_batch, init_continuous_batching  # noqa: E402
 
@@ -221,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     text_out = format_table(report)
     print(text_out)
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.out, report)
         Path(args.out).with_suffix(".txt").write_text(text_out + "\n")
     return 0
 

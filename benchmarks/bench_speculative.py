@@ -25,9 +25,9 @@ import json
 import time
 
 import torch
+from common import set_threads, write_json
 
 from kivi import KiviConfig, load_model, quantize_model
-from kivi.cli.common import set_cpu_threads
 from kivi.data import load_text
 
 
@@ -164,7 +164,7 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
-    set_cpu_threads(args.threads)
+    set_threads(args.threads)  # the numba kernels load now, before any timed generate call
     model, tokenizer = load_model("smollm2")
     results = []
     for name in args.configs:
@@ -175,8 +175,7 @@ def main(argv=None) -> None:
     out = {"command": "python benchmarks/bench_speculative.py " + " ".join(argv or __import__("sys").argv[1:]),
            "results": results}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.out, out, indent=1)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
+from common import time_calls  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kivi.attention.blocked import blocked_attention  # noqa: E402
@@ -119,12 +120,7 @@ def timeit(fn, warmup: int, iters: int, device) -> float:
             b.synchronize()
             times.append(a.elapsed_time(b))
         return statistics.median(times)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return 1e3 * statistics.median(time_calls(fn, iters, warmup=0))
 
 
 def correctness(models, device, dtype, T) -> list[dict]:

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
+from common import write_json
 
 
 def measure(model, cfg, context: int, batch: int) -> list[dict]:
@@ -80,12 +81,10 @@ def main() -> int:
         print(label, file=sys.stderr)
         for r in measure(model_fn(), cfg, a.context, a.batch):
             out["rows"].append({"model_config": label, **r})
-    text = json.dumps(out, indent=2)
     if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(text + "\n")
+        write_json(a.out, out)
     else:
-        print(text)
+        print(json.dumps(out, indent=2))
     bad = [r for r in out["rows"] if r["difference"]]
     return 1 if bad else 0
 

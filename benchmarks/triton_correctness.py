@@ -30,6 +30,7 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
+from common import environment, time_calls, write_json  # noqa: E402
 
 from kivi.attention.reference import reference_attention  # noqa: E402
 from kivi.attention.triton_backend import kernel_side_of, triton_view_attention  # noqa: E402
@@ -107,12 +108,7 @@ def preparation(args) -> dict:
     sides()  # builds and memoises the tables (once per set of blocks)
     out = {}
     for name, fn in (("kernel_sides", sides), ("blockstore_read", concat)):
-        times = []
-        for _ in range(args.repeat):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
-        out[name + "_us"] = statistics.median(times)
+        out[name + "_us"] = 1e6 * statistics.median(time_calls(fn, args.repeat, warmup=0))
     out.update(context=T, blocks=sum(b is not None for b in layer.k.store.blocks), kv_heads=3, head_dim=64,
                dtype="fp16", bits=2, repeat=args.repeat)
     out["ratio"] = out["blockstore_read_us"] / out["kernel_sides_us"]
@@ -138,12 +134,10 @@ def main(argv=None) -> int:
     prep = preparation(args)
     import triton
 
-    result = dict(env=dict(torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-                           threads=torch.get_num_threads(), interpreter=os.environ.get("TRITON_INTERPRET")),
+    result = dict(env=dict(environment(), triton=triton.__version__, interpreter=os.environ.get("TRITON_INTERPRET")),
                   correctness=rows, preparation=prep, wall_s=time.time() - t0)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.out, result)
         print(f"wrote {args.out}")
     worst = max(r["rel"] for r in rows)
     return 0 if worst < 2e-2 else 1

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import set_threads, write_json
 
 from kivi import KiviConfig
 from kivi.data import load_text, token_windows
@@ -41,7 +42,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if a.threads:
-        torch.set_num_threads(a.threads)
+        set_threads(a.threads)
     rows = []
     ids = None
     for bits in (int(x) for x in a.weight_bits.split(",")):
@@ -73,8 +74,7 @@ def main() -> int:
     out = {"model": a.model, "command": " ".join(["python", *sys.argv]), "torch_threads": torch.get_num_threads(),
            "note": "cache bytes at --context from the planner (byte-exact vs KiviCache.nbytes in the tests); weights "
                    "measured from the loaded quantized model's tensors", "rows": rows}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(a.out, out)
     print(f"{'weights':>8s} {'cache':>9s} {'weights B':>12s} {'cache B':>12s} {'total MiB':>10s}")
     for r in rows:
         print(f"{r['weight_bits']:>8d} {r['cache']:>9s} {r['weights_bytes_measured']:>12,d} {r['cache_bytes_planned']:>12,d} "

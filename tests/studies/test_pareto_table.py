@@ -1,4 +1,5 @@
-"""benchmarks/run_eval_suite.py --summarize: issue 12's bits convention, goal lines, new suites."""
+"""studies/pareto_table.py: bits per element at 32K from the planner, goal lines, rows of several files,
+`kivi sweep -o` files read as they are written."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from kivi import KiviConfig
 from kivi.memory.estimate import estimate_kv_memory
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "run_eval_suite.py"
-spec = importlib.util.spec_from_file_location("run_eval_suite", _PATH)
+_PATH = Path(__file__).resolve().parents[2] / "studies" / "pareto_table.py"
+spec = importlib.util.spec_from_file_location("pareto_table", _PATH)
 suite = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(suite)
 
@@ -32,13 +34,6 @@ def test_goal_parsing():
     assert suite.parse_goal("3.3:5") == (3.3, 5.0)
     with pytest.raises(Exception, match="BITS:PCT"):
         suite.parse_goal("3.3")
-
-
-def test_clip_suites_pair_each_config_with_and_without():
-    s = suite.suites()
-    assert [c.clip for c in s["clip"]] == [False, True, False, True]
-    assert {c.clip for c in s["clipsides"]} == {"keys", "values", False, True}
-    assert [c.clip for c in s["clipbalanced"]] == ["keys", "values"]
 
 
 def test_summary_table_and_plot_with_goals(tmp_path, capsys):
@@ -76,11 +71,6 @@ def test_summary_takes_only_the_named_rows_of_later_files(tmp_path, capsys):
     assert "old-dropped" in capsys.readouterr().out
 
 
-def test_pareto_suite_and_config_files():
-    names = [c.describe() for c in suite.suites()["pareto"]]
-    assert names == ["K2 V2 G32 R128", "K2 V2 G32 R128 sink4", "K4 V2 G32 R128 sink4", "K4 V4 G32 R128 sink4"]
-
-
 def test_nbytes_bits_read_a_real_cache_and_equal_the_planner(monkeypatch):
     from kivi.memory.sources import model_spec
     from tests.helpers import tiny_model
@@ -113,3 +103,22 @@ def test_summary_accepts_fp_rounding_but_not_other_windows(tmp_path, capsys, fp_
     else:
         with pytest.raises(SystemExit, match="not comparable"):
             suite.summarize([str(a), str(b)], None, None)
+
+
+def test_a_sweep_output_file_is_read_as_written(tmp_path, capsys):
+    """`kivi sweep -o` writes {"rows": [fp, ...]} with the protocol on every row: the same table as the suite shape."""
+    from kivi.eval.sweep import sweep
+    from tests.helpers import tiny_model
+
+    model = tiny_model("llama")
+    windows = torch.randint(1, 128, (1, 160), generator=torch.Generator().manual_seed(0))
+    cfg = KiviConfig(group_size=8, residual_length=16, sink_tokens=4)
+    rows = sweep(model, None, windows, [cfg], prefix=96, chunk=16, progress=False)
+    p = tmp_path / "sweep.json"
+    p.write_text(json.dumps({"model": SPEC, "rows": rows}, default=str))
+    run = suite.load_run(str(p))
+    assert run["fp"]["name"] == rows[0]["name"] and [r["name"] for r in run["results"]] == [rows[1]["name"]]
+    assert run["protocol"]["windows"] == 1 and run["model"] == SPEC
+    assert suite.summarize([str(p)], None, None) == 0
+    out = capsys.readouterr().out
+    assert rows[1]["name"] in out and f"{suite.bits_at_32k(SPEC, cfg):.3f}" in out

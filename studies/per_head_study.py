@@ -2,7 +2,7 @@
 mix at the same bits per element (docs/per-head.md).
 
 1. ``head_profile`` on ``--profile-windows`` windows taken AFTER the evaluation windows (disjoint text);
-2. ``recommend_head_bits`` at ``--max-bits`` (the issue's bits: planner, float16 model, 32K tokens),
+2. ``recommend_head_bits`` at ``--max-bits`` (bits per element as the planner counts them: float16 model, 32K tokens),
    per head and per layer (same proxy, same greedy rule, whole layer-sides);
 3. ``compare`` (the streaming protocol of ``kivi eval ppl``) of FP, base, per-head, per-layer on the
    first ``--windows`` windows; bits per element also from ``cache.nbytes`` after a 32K float16 fill.
