@@ -25,7 +25,7 @@ Without ``--isolate`` this delta is meaningless for later rows (freed memory of 
 
     python benchmarks/bench_decode.py --contexts 1024 4096 --batches 1 4 [--steps 32] [--json]
     python benchmarks/bench_decode.py --contexts 8192 --batches 1 --configs floor dynamic quanto2 kivi2-cpu --isolate --repeat 3
-    python benchmarks/bench_decode.py --contexts 8192 --batches 1 4 --configs dynamic kivi2-cpu results/pareto12_cfg_heads_k2v2_3p3.json --isolate --repeat 3
+    python benchmarks/bench_decode.py --contexts 8192 --batches 1 4 --configs dynamic kivi2-cpu results/configs/pareto12_cfg_heads_k2v2_3p3.json --isolate --repeat 3
 
 A ``--configs`` argument ending in ``.json`` is a ``KiviConfig`` file (``KiviConfig.to_json``, ``kivi profile
 --write-config``): its row is named after the file's stem and runs on the backend the file names

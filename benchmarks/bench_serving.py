@@ -14,7 +14,7 @@ The capacity table at 4K tokens (``--capacity-at``) is computed from page sizes 
 KIVI configs (``PageLayout.requests_that_fit``).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_serving.py --model smollm2 --requests 16 --prompt-len 1024 \\
-        --new-tokens 64 --fp-requests 4 --threads 1 --out results/serving_smollm2.json
+        --new-tokens 64 --fp-requests 4 --threads 1 --out results/serving/serving_smollm2.json
     # full size (not run on the 2-core CI box):
     python benchmarks/bench_serving.py --model smollm2 --requests 16 --prompt-len 4096 --new-tokens 256 --fp-requests 4
 """

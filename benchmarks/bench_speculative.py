@@ -12,9 +12,9 @@
     counted by wrapping transformers' candidate generator's ``update_candidate_strategy``).
 
     python benchmarks/bench_speculative.py --check --configs extreme balanced --new 200 --threads 1 \\
-        --out results/spec_lossless.json
+        --out results/speculative/spec_lossless.json
     python benchmarks/bench_speculative.py --speed --configs extreme balanced --new 200 --threads 1 \\
-        --repeat 3 --out results/spec_prompt_lookup.json
+        --repeat 3 --out results/speculative/spec_prompt_lookup.json
 """
 
 from __future__ import annotations

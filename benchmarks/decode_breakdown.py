@@ -10,7 +10,7 @@ in each. This says what a per-head layer costs over a plain one in the same mode
 process influence each other (use ``bench_decode.py --isolate`` for the speeds themselves).
 
     python benchmarks/decode_breakdown.py --context 8192 --steps 24 --threads 2 \\
-        --configs kivi2-cpu results/pareto12_cfg_tune5_first20.json
+        --configs kivi2-cpu results/configs/pareto12_cfg_tune5_first20.json
 """
 
 from __future__ import annotations

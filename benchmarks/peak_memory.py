@@ -20,7 +20,7 @@ tokens without any cache, measured in the same child. Check:
 ``peak_delta <= 1.15 * cache + block + chunk_activations`` (the budget has no term of its own for
 prefill activations; with chunked prefill they are those of one chunk, so they are counted).
 
-    python benchmarks/peak_memory.py --context 8192 --new-tokens 16 --configs fp,extreme,high --out results/peak_memory_8k.json
+    python benchmarks/peak_memory.py --context 8192 --new-tokens 16 --configs fp,extreme,high --out results/memory/peak_memory_8k.json
 
 ``--path generate`` measures ``model.generate()`` as a user calls it instead (a 2-D attention mask of
 ones, greedy, ``--new-tokens`` tokens, the cache generate builds: DynamicCache for ``fp``, the

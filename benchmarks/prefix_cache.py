@@ -16,7 +16,7 @@ For each configuration (KIVI 2/2 = ``KiviConfig()``, ``balanced``), two fresh pr
    its parts, then the same continuation and questions, each from a fresh load of the file.
    Tokens and logits must equal the save process's.
 
-    python benchmarks/prefix_cache.py --tokens 4096 --threads 1 --out results/prefix_cache_4k.json
+    python benchmarks/prefix_cache.py --tokens 4096 --threads 1 --out results/prefix/prefix_cache_4k.json
 """
 
 from __future__ import annotations

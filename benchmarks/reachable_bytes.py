@@ -8,7 +8,7 @@ of every tensor storage reachable from the cache object (``kivi.eval.reachable_t
 compared with ``cache.nbytes``. Models: the embedded SmolLM2 (full attention), and a random
 Mistral of SmolLM2's attention shape with ``sliding_window=1024`` (sliding-window eviction).
 
-    python benchmarks/reachable_bytes.py --context 4096 --out results/reachable_bytes_4k.json
+    python benchmarks/reachable_bytes.py --context 4096 --out results/memory/reachable_bytes_4k.json
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ enough that the decode kernel takes numba's thread pool). Reported: the child's 
 every thread's tokens equal a sequential run of the same prompts in the same child, and tok/s of the
 concurrent phase (all threads' tokens / its wall time).
 
-    python benchmarks/soak.py --tokens 20000 --every 500 --out results/soak_memory.json \\
-        --threads-out results/soak_threads.json --table results/soak.txt
+    python benchmarks/soak.py --tokens 20000 --every 500 --out results/soak/soak_memory.json \\
+        --threads-out results/soak/soak_threads.json --table results/soak/soak.txt
 
 ``--skip-memory`` / ``--skip-threads`` run one part.
 """

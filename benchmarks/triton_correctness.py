@@ -14,7 +14,7 @@ and what a decode step spends preparing the kernel's inputs.
 
 Usage::
 
-    OMP_NUM_THREADS=1 python benchmarks/triton_correctness.py --out results/triton12_correctness.json
+    OMP_NUM_THREADS=1 python benchmarks/triton_correctness.py --out results/triton/triton12_correctness.json
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ with ``--measure-prefill N`` every (width, cache) pair also runs a real prefill 
 records the cache's bytes (``kivi.eval.cache_nbytes``) next to the planner's at N.
 
     OMP_NUM_THREADS=1 python benchmarks/weights_memory.py --context 8192 --measure-prefill 1024 \\
-        --threads 1 --out results/weights_memory_8k.json
+        --threads 1 --out results/weights/weights_memory_8k.json
 """
 
 from __future__ import annotations

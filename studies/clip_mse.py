@@ -7,7 +7,7 @@ after RoPE as the cache holds them) are quantized per layer with :func:`kivi.qua
 the table gives, per side, bits and parameter dtype, the summed squared error with clipping relative to
 min/max (lower is better; clipping can never exceed 1.0 by construction).
 
-    python benchmarks/clip_mse.py --windows 2 --out results/clip12_mse.json
+    python studies/clip_mse.py --windows 2 --out results/quality/clip12_mse.json
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 one decode token's values (compiled numba writer and the torch reference) and one key group of 32 tokens
 (torch; keys leave the window once every 32 tokens). Interleaved, best of 3 x 3 x 200 calls, 1 thread.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_clip_write.py
+    OMP_NUM_THREADS=1 python studies/clip_write_cost.py
 """
 
 from __future__ import annotations

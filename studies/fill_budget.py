@@ -1,6 +1,6 @@
 """Largest context that fits a fixed cache budget, measured by actually filling the caches.
 
-    python benchmarks/fill_budget.py [--budget 1GiB] [--dtype float16] [--json out.json]
+    python studies/fill_budget.py [--budget 1GiB] [--dtype float16] [--json out.json]
 
 SmolLM2-135M cache shapes (30 layers, 3 KV heads, head_dim 64), batch 1. Random keys/values are
 appended in chunks of 1024 tokens (a prefill of 1024, then more chunks) to a transformers

@@ -5,7 +5,7 @@ For each batch and context, times ``fused_decode_attention(..., threaded=True)``
 decoder, so torch's own thread pool is awake) and prints the median ratio serial / threaded.
 SmolLM2 shapes (9 query heads, 3 kv heads, head_dim 64), 2-bit K/V.
 
-    python benchmarks/bench_fused_threads.py [--batches 1 4] [--contexts 512 1024 ...] [--repeat 30]
+    python studies/fused_threads.py [--batches 1 4] [--contexts 512 1024 ...] [--repeat 30]
 
 ``NUMBA_THREADING_LAYER`` picks numba's pool (``omp``, ``tbb``, ``workqueue``).
 """

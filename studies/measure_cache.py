@@ -1,6 +1,6 @@
 """Measure what KiviCache really stores, and what padding costs, on the embedded SmolLM2.
 
-    python benchmarks/measure_cache.py [--tokens 4096] [--json out.json]
+    python studies/measure_cache.py [--tokens 4096] [--json out.json]
 
 1. Memory: prefill ``--tokens`` WikiText-2 tokens into a KiviCache (2/2, G=32, R=128) and into a
    DynamicCache of the same dtype; compare ``cache.nbytes`` with the DynamicCache tensors and with

@@ -7,8 +7,8 @@ mix at the same bits per element (docs/per-head.md).
 3. ``compare`` (the streaming protocol of ``kivi eval ppl``) of FP, base, per-head, per-layer on the
    first ``--windows`` windows; bits per element also from ``cache.nbytes`` after a 32K float16 fill.
 
-    python benchmarks/per_head_study.py --windows 1 --profile-windows 1 --context 512 --prefix 256 \
-        --max-bits 3.3 --nbytes-tokens 8192 -o results/perhead_smollm2
+    python studies/per_head_study.py --windows 1 --profile-windows 1 --context 512 --prefix 256 \
+        --max-bits 3.3 --nbytes-tokens 8192 -o results/quality/perhead_smollm2
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def main() -> None:
     p.add_argument("--sink-tokens", type=int, default=4)
     p.add_argument("--nbytes-tokens", type=int, default=32768,
                    help="tokens of the float16 fill (one prefill) whose cache.nbytes gives the measured bits")
-    p.add_argument("-o", "--output", default="results/perhead_smollm2")
+    p.add_argument("-o", "--output", default="results/quality/perhead_smollm2")
     args = p.parse_args()
 
     torch.manual_seed(0)

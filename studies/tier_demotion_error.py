@@ -17,7 +17,7 @@ full-precision input of:
 
 Reported: relative MSE ``sum (x - x_hat)^2 / sum x^2`` (lower is better) per side and data set.
 
-    python benchmarks/tier_demotion_error.py --out results/tiers12_demotion_error.json
+    python studies/tier_demotion_error.py --out results/tiers/tiers12_demotion_error.json
 """
 
 from __future__ import annotations

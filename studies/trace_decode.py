@@ -8,8 +8,8 @@ comes from another file). Calls into torch, numpy, numba and the standard librar
 transformers and kivi files are listed. Numba-compiled functions are not Python calls, so the
 kernel file appears once (its dispatcher).
 
-    python benchmarks/trace_decode.py            # kivi files and transformers files
-    python benchmarks/trace_decode.py --kivi-only
+    python studies/trace_decode.py            # kivi files and transformers files
+    python studies/trace_decode.py --kivi-only
 """
 
 from __future__ import annotations

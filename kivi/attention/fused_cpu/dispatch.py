@@ -124,10 +124,10 @@ def _views_supported(k_view: AttentionView, v_view: AttentionView) -> bool:
 
 
 #: Below this many ``batch x kv heads x kv positions`` a call runs on the calling thread only.
-#: Measured on the idle 2-core development machine with ``benchmarks/bench_fused_threads.py``
+#: Measured on the idle 2-core development machine with ``studies/fused_threads.py``
 #: (omp pool, a torch matmul before each call, medians of 30, 9q/3kv heads, D=64, 2-bit):
 #: serial / threaded = 0.89-1.01 at 1.5K units, 1.15-1.19 at 3K, 1.2-1.35 at 6K-12K, 1.4-1.9 from
-#: 24K (B=1 and B=4 alike; ``results/bench_fused_threads.txt``).
+#: 24K (B=1 and B=4 alike; ``results/attention/bench_fused_threads.txt``).
 SERIAL_BELOW = 3072
 
 
