@@ -2,7 +2,7 @@
 
 * **uniform widths** ``UNIFORM_WIDTHS`` x group sizes ``GROUP_SIZES`` x sinks ``SINKS`` (0 and 4 sink
   tokens: the sinks cost 4 full-precision tokens per layer, nothing at long context, and helped
-  every config measured, results/README.md; 0 is there so that tune measures rather than assumes it);
+  every config measured, docs/evaluation-results.md; 0 is there so that tune measures rather than assumes it);
 * **per-layer key upgrades** (given a ``kivi profile --json`` layer profile): 2/2 with the 2/4/8 most
   sensitive layers' keys at 4 bits;
 * **per-head widths** (given a head profile, :func:`kivi.eval.head_profile.head_profile`): from each
@@ -34,7 +34,7 @@ HEAD_GROUP_SIZES = (32, 64)
 HEAD_STEPS = (0.125, 0.25, 0.5, 0.75)
 HEAD_UPGRADE = 4
 TIER_MIDDLE = 256
-PLANNER_TOKENS = 32768  # the issue's bits per element: planner, float16 model, 32K tokens
+PLANNER_TOKENS = 32768  # bits per element as the planner counts them: float16 model, 32K tokens
 
 
 def uniform_candidates(group_sizes: Sequence[int] = GROUP_SIZES, sinks: Sequence[int] = SINKS) -> list[KiviConfig]:
