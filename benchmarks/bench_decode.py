@@ -24,8 +24,10 @@ key/value tensors of DynamicCache, the packed tensors of quanto's QuantizedCache
 Without ``--isolate`` this delta is meaningless for later rows (freed memory of earlier rows is reused).
 
     python benchmarks/bench_decode.py --contexts 1024 4096 --batches 1 4 [--steps 32] [--json]
-    python benchmarks/bench_decode.py --contexts 8192 --batches 1 --configs floor dynamic quanto2 kivi2-cpu --isolate --repeat 3
-    python benchmarks/bench_decode.py --contexts 8192 --batches 1 4 --configs dynamic kivi2-cpu results/configs/pareto12_cfg_heads_k2v2_3p3.json --isolate --repeat 3
+    python benchmarks/bench_decode.py --contexts 8192 --batches 1 --configs floor dynamic quanto2 kivi2-cpu \
+        --isolate --repeat 3
+    python benchmarks/bench_decode.py --contexts 8192 --batches 1 4 --configs dynamic kivi2-cpu \
+        results/configs/pareto12_cfg_heads_k2v2_3p3.json --isolate --repeat 3
 
 A ``--configs`` argument ending in ``.json`` is a ``KiviConfig`` file (``KiviConfig.to_json``, ``kivi profile
 --write-config``): its row is named after the file's stem and runs on the backend the file names
@@ -44,8 +46,8 @@ from pathlib import Path
 
 import psutil
 import torch
-from common import run_fresh, set_threads, write_json
 
+from common import run_fresh, set_threads, write_json
 from kivi import KiviConfig, dequantize_model, quantize_model
 from kivi.eval import cache_nbytes, make_cache
 from kivi.models import load_model
@@ -165,8 +167,8 @@ def _row_isolated(name, ctx, bs, steps, warmup_steps, threads, pin):
             "--warmup-steps", str(warmup_steps), "--threads", str(threads)] + (["--pin-allocator"] if pin else [])
     out = run_fresh(args)
     if out.returncode or out.result is None:
-        return {"error": f"row process failed ({out.returncode}): {out.stderr.strip()[-300:]}", "config": row_name(name),
-                "context": ctx, "batch": bs}
+        return {"error": f"row process failed ({out.returncode}): {out.stderr.strip()[-300:]}",
+                "config": row_name(name), "context": ctx, "batch": bs}
     return out.result
 
 
@@ -191,7 +193,8 @@ def main():
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps after the prefill")
     ap.add_argument("--configs", nargs="+",
-                    default=["dynamic", "quanto2", "quanto4", "kivi2-reference", "kivi2-cpu", "kivi4-reference", "kivi4-cpu"],
+                    default=["dynamic", "quanto2", "quanto4", "kivi2-reference", "kivi2-cpu", "kivi4-reference",
+                             "kivi4-cpu"],
                     help="dynamic, floor, quanto2, quanto4, kivi{2,4}-{reference,cpu,triton}, kivitiers-{cpu,...} "
                          "(K4V4 + 4 sinks, tiers 128 FP / 1024 at 4 bits / the rest at 2 bits), kivifp-{cpu,...} "
                          "(K2V2 with quantize_after past the context: the full-precision phase), or a KiviConfig "
@@ -205,7 +208,8 @@ def main():
                          "DynamicCache decoding (a torch.cat of the whole cache per layer and step) by ~35%% at 2K")
     ap.add_argument("--one-row", nargs=3, metavar=("CONFIG", "CONTEXT", "BATCH"), help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
-    ap.add_argument("--json-out", metavar="FILE", help="also write the results as JSON to FILE (the table still prints)")
+    ap.add_argument("--json-out", metavar="FILE",
+                    help="also write the results as JSON to FILE (the table still prints)")
     a = ap.parse_args()
     if a.pin_allocator:
         from kivi.allocator import reduce_fragmentation
@@ -333,7 +337,8 @@ def _print_row(r, repeat):
             ca += f" (quanto2 / this x{r['cache_attention_vs_quanto2']:5.2f})"
     ctx_s = f"{FLOOR_CONTEXT:6d}" if name == "floor" else f"{ctx:6d}"
     print(f"ctx={ctx_s} bs={bs} {name:28s} {r['tok_s']:8.2f} tok/s{spread}  {r['ms_per_step']:7.1f} ms/step  "
-          f"x{r.get('speed_vs_dynamic', 1):5.2f}{vq}{ca}  peakRSSΔ {r['peak_rss_delta_MiB']:8.1f} MiB  cache {r['cache_MiB']:.1f} MiB",
+          f"x{r.get('speed_vs_dynamic', 1):5.2f}{vq}{ca}  peakRSSΔ {r['peak_rss_delta_MiB']:8.1f} MiB  "
+          f"cache {r['cache_MiB']:.1f} MiB",
           flush=True)
 
 

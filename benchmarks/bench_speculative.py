@@ -25,8 +25,8 @@ import json
 import time
 
 import torch
-from common import set_threads, write_json
 
+from common import set_threads, write_json
 from kivi import KiviConfig, load_model, quantize_model
 from kivi.data import load_text
 
@@ -53,11 +53,11 @@ class Acceptance:
         from transformers.generation import candidate_generator as cg
 
         self._orig = {}
+        acc = self
         for cls in (cg.PromptLookupCandidateGenerator, cg.AssistedCandidateGenerator):
             orig = cls.get_candidates
             upd = cls.update_candidate_strategy
             self._orig[cls] = (orig, upd)
-            acc = self
 
             def get_candidates(gen, input_ids, *a, _orig=orig, **k):
                 out = _orig(gen, input_ids, *a, **k)
@@ -152,7 +152,8 @@ def main(argv=None) -> None:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--check", action="store_true", help="(a) greedy token equality, speculative vs plain")
     mode.add_argument("--speed", action="store_true", help="(b) prompt lookup vs plain: tokens/s, acceptance")
-    p.add_argument("--configs", nargs="+", default=["extreme", "balanced"], help="KiviConfig presets or JSON files (*.json)")
+    p.add_argument("--configs", nargs="+", default=["extreme", "balanced"],
+                   help="KiviConfig presets or JSON files (*.json)")
     p.add_argument("--backend", default="cpu", choices=["cpu", "reference"])
     p.add_argument("--new", type=int, default=200, help="new tokens per generate call")
     p.add_argument("--doc-tokens", type=int, default=400, help="tokens of the WikiText document in the prompt")

@@ -74,7 +74,7 @@ def time_calls(fn: Callable[[], Any], repeat: int, warmup: int = 2) -> list[floa
 
 
 def proc_status_bytes(field: str) -> int | None:
-    """A memory field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ``RssAnon``) in bytes; None where it is missing."""
+    """A memory field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ``RssAnon``) in bytes; None where missing."""
     try:
         with open("/proc/self/status") as f:
             for line in f:

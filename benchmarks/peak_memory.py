@@ -20,7 +20,8 @@ tokens without any cache, measured in the same child. Check:
 ``peak_delta <= 1.15 * cache + block + chunk_activations`` (the budget has no term of its own for
 prefill activations; with chunked prefill they are those of one chunk, so they are counted).
 
-    python benchmarks/peak_memory.py --context 8192 --new-tokens 16 --configs fp,extreme,high --out results/memory/peak_memory_8k.json
+    python benchmarks/peak_memory.py --context 8192 --new-tokens 16 --configs fp,extreme,high \
+        --out results/memory/peak_memory_8k.json
 
 ``--path generate`` measures ``model.generate()`` as a user calls it instead (a 2-D attention mask of
 ones, greedy, ``--new-tokens`` tokens, the cache generate builds: DynamicCache for ``fp``, the
@@ -40,6 +41,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from common import proc_status_bytes, run_fresh, set_threads, write_json
 
 
@@ -137,7 +139,8 @@ def child(args: argparse.Namespace) -> dict:
     else:
         cfg_layers = model.config.num_hidden_layers
         heads = model.config.num_key_value_heads
-        head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+        head_dim = (getattr(model.config, "head_dim", None)
+                    or model.config.hidden_size // model.config.num_attention_heads)
         block = 2 * cfg_layers * args.batch * heads * head_dim * cfg.block_size * torch.finfo(model.dtype).bits // 8
     return {
         "config": args.config,
@@ -188,15 +191,17 @@ def main() -> int:
     for name in [c.strip() for c in a.configs.split(",") if c.strip()]:
         res = run_fresh([os.path.abspath(__file__), "--child", "--config", name, "--model", a.model,
                          "--context", str(a.context), "--new-tokens", str(a.new_tokens), "--batch", str(a.batch),
-                         "--chunk", str(a.chunk), "--backend", a.backend, "--threads", str(a.threads), "--path", a.path])
+                         "--chunk", str(a.chunk), "--backend", a.backend, "--threads", str(a.threads),
+                         "--path", a.path])
         if res.returncode or res.result is None:
             print(res.stderr, file=sys.stderr)
             return res.returncode or 1
         row = res.result
         rows.append(row)
         mib = lambda b: b / 2**20  # noqa: E731
-        print(f"{row['description']:28s} peak +{mib(row['peak_delta']):8.1f} MiB  cache {mib(row['cache_bytes']):8.1f} MiB  "
-              f"budget {mib(row['budget_bytes']):8.1f} MiB  within: {row['within_budget']}  prefill {row['prefill_seconds']} s "
+        print(f"{row['description']:28s} peak +{mib(row['peak_delta']):8.1f} MiB  "
+              f"cache {mib(row['cache_bytes']):8.1f} MiB  budget {mib(row['budget_bytes']):8.1f} MiB  "
+              f"within: {row['within_budget']}  prefill {row['prefill_seconds']} s "
               f"({row['seconds']} s)",
               file=sys.stderr, flush=True)
     out = {"command": " ".join(sys.argv), "torch": torch.__version__, "rows": rows}

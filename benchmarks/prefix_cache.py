@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from common import run_fresh, set_threads, write_json
 
 QUESTIONS = (
@@ -108,7 +109,8 @@ def phase_save(a) -> dict:
     save_s = time.perf_counter() - t0
     kivi.dequantize_model(model)
     with torch.inference_mode():
-        fp = model(input_ids=ids, cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1).past_key_values
+        fp = model(input_ids=ids, cache=DynamicCache(config=model.config), use_cache=True,
+                   logits_to_keep=1).past_key_values
     fp16_bytes = sum(2 * (layer.keys.numel() + layer.values.numel()) for layer in fp.layers)
     del fp
     kivi.quantize_model(model, cfg)
@@ -185,7 +187,8 @@ def main() -> int:
                 phases[phase] = p.result
             s, l_ = phases["save"], phases["load"]
             equal = {k: s["runs"][k] == l_["runs"][k] for k in s["runs"]}
-            row = {"config": name, "description": _config(name).describe(), **{k: v for k, v in s.items() if k != "runs"},
+            row = {"config": name, "description": _config(name).describe(),
+                   **{k: v for k, v in s.items() if k != "runs"},
                    **{k: v for k, v in l_.items() if k not in ("runs", "cache_nbytes")},
                    "loaded_cache_nbytes": l_["cache_nbytes"],
                    "file_vs_nbytes": s["file_bytes"] / s["cache_nbytes"],

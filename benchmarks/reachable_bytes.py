@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
+
 from common import write_json
 
 

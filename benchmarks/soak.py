@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from common import ROOT, proc_status_bytes, run_fresh, write_json
+
 LAYERS = ("workqueue", "omp", "tbb")
 
 
@@ -103,8 +104,9 @@ def memory_child(kind: str, args) -> dict:
             out = model(input_ids=tok, cache=cache, use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
             if i % args.every == 0:
-                rows.append({"tokens": i, "seq_len": cache.get_seq_length(), "rss": rss_bytes(), "rss_anon": rss_anon_bytes(),
-                             "nbytes": cache.nbytes, "seconds": round(time.perf_counter() - t0, 2)})
+                rows.append({"tokens": i, "seq_len": cache.get_seq_length(), "rss": rss_bytes(),
+                             "rss_anon": rss_anon_bytes(), "nbytes": cache.nbytes,
+                             "seconds": round(time.perf_counter() - t0, 2)})
                 if args.progress:  # one JSON line per sample, so a stopped run keeps what it measured
                     with open(f"{args.progress}.{kind}.jsonl", "a") as f:
                         f.write(json.dumps(rows[-1]) + "\n")
@@ -191,7 +193,8 @@ def _sizes(args) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=20000, help="tokens generated per memory run")
     ap.add_argument("--every", type=int, default=500, help="sample RSS and nbytes every N tokens")
     ap.add_argument("--warmup", type=int, default=2000, help="tokens before the band is measured")

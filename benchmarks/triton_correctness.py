@@ -24,14 +24,12 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
 import argparse  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
-from common import environment, time_calls, write_json  # noqa: E402
 
+from common import environment, time_calls, write_json  # noqa: E402
 from kivi.attention.reference import reference_attention  # noqa: E402
 from kivi.attention.triton_backend import kernel_side_of, triton_view_attention  # noqa: E402
 from kivi.cache.layer import KiviLayer  # noqa: E402
@@ -68,7 +66,8 @@ def filled_layer(cfg, B, hkv, d, T, extra, dtype, seed=0):
 
 def correctness(args) -> list[dict]:
     rows = []
-    print(f"{'preset':>9} {'dtype':>5} {'Hq/Hkv':>6} {'T':>4} {'blocks k/v':>10} {'max|err|':>9} {'max|ref|':>8} {'rel':>8}")
+    print(f"{'preset':>9} {'dtype':>5} {'Hq/Hkv':>6} {'T':>4} {'blocks k/v':>10} {'max|err|':>9} {'max|ref|':>8} "
+          f"{'rel':>8}")
     for preset in args.presets:
         bits = PRESETS[preset]
         cfg = KiviConfig(group_size=16, residual_length=16, block_size=32, **bits)
@@ -87,7 +86,8 @@ def correctness(args) -> list[dict]:
                 nv = sum(b is not None for b in layer.v.store.blocks)
                 rows.append(dict(preset=preset, dtype=dname, hq=hq, hkv=hkv, context=T, key_blocks=nk, value_blocks=nv,
                                  sink_tokens=bits["sink_tokens"], max_abs_err=err, ref_max_abs=top, rel=err / top))
-                print(f"{preset:>9} {dname:>5} {hq:>3}/{hkv:<2} {T:>4} {nk:>5}/{nv:<4} {err:9.2e} {top:8.3f} {err / top:8.1e}",
+                print(f"{preset:>9} {dname:>5} {hq:>3}/{hkv:<2} {T:>4} {nk:>5}/{nv:<4} {err:9.2e} {top:8.3f} "
+                      f"{err / top:8.1e}",
                       flush=True)
     return rows
 
@@ -113,7 +113,8 @@ def preparation(args) -> dict:
                dtype="fp16", bits=2, repeat=args.repeat)
     out["ratio"] = out["blockstore_read_us"] / out["kernel_sides_us"]
     print(f"\nper-step preparation, T={T} ({out['blocks']} key blocks), SmolLM2 kv shapes, K2V2 fp16 (CPU tensors): "
-          f"kernel sides {out['kernel_sides_us']:.1f} us, BlockStore.read of both sides {out['blockstore_read_us']:.1f} us "
+          f"kernel sides {out['kernel_sides_us']:.1f} us, "
+          f"BlockStore.read of both sides {out['blockstore_read_us']:.1f} us "
           f"({out['ratio']:.1f}x)")
     return out
 

@@ -18,11 +18,10 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
-from common import set_threads, write_json
 
+from common import set_threads, write_json
 from kivi import KiviConfig
 from kivi.data import load_text, token_windows
 from kivi.eval import cache_nbytes, make_cache
@@ -77,8 +76,8 @@ def main() -> int:
     write_json(a.out, out)
     print(f"{'weights':>8s} {'cache':>9s} {'weights B':>12s} {'cache B':>12s} {'total MiB':>10s}")
     for r in rows:
-        print(f"{r['weight_bits']:>8d} {r['cache']:>9s} {r['weights_bytes_measured']:>12,d} {r['cache_bytes_planned']:>12,d} "
-              f"{r['total_bytes'] / 2**20:>10.1f}")
+        print(f"{r['weight_bits']:>8d} {r['cache']:>9s} {r['weights_bytes_measured']:>12,d} "
+              f"{r['cache_bytes_planned']:>12,d} {r['total_bytes'] / 2**20:>10.1f}")
     return 0
 
 

@@ -98,7 +98,8 @@ def main():
     model, tok = load_model("smollm2")
     ids = tok(load_text()[:400_000], return_tensors="pt", add_special_tokens=False).input_ids[0]
     cfg = KiviConfig(k_bits=2, v_bits=2, group_size=32, residual_length=128)
-    out = {"machine": f"{platform.machine()} {torch.get_num_threads()} threads", "memory": memory(model, ids[None, : args.tokens], cfg)}
+    out = {"machine": f"{platform.machine()} {torch.get_num_threads()} threads",
+           "memory": memory(model, ids[None, : args.tokens], cfg)}
     out["padding"] = padding(model, ids, cfg)
     print(json.dumps(out, indent=2))
     if args.json:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import sys
 
-import common
 import pytest
+
+import common
 
 
 def test_run_fresh_returns_the_last_json_line_and_imports_this_checkout(tmp_path):

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
-
 
 from kivi import KiviCache, KiviConfig, quantize_model
 from tests.helpers import tiny_model
