@@ -14,7 +14,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # 4-bit keys and values + 4 full-precision sink tokens: within ~0.3% of full precision here.
     "high": {"k_bits": 4, "v_bits": 4, "sink_tokens": 4},
     # The spec's "balanced" was 2/2 + error compensation; measured, that compensation does not help
-    # (results/README.md). Keys are the sensitive side, so balanced spends its extra bits there:
+    # (docs/evaluation-results.md). Keys are the sensitive side, so balanced spends its extra bits there:
     # 4-bit keys, 2-bit values, 4 sink tokens (about +2% perplexity on SmolLM2 / WikiText-2).
     "balanced": {"k_bits": 4, "v_bits": 2, "sink_tokens": 4},
     # 2-bit keys and values, nothing else: KIVI-2 as published.

@@ -222,8 +222,8 @@ def test_cache_root_rule(monkeypatch, tmp_path):
 
 
 def test_converted_path_keyed_on_content(monkeypatch, tmp_path):
-    """Issue 15 item 9: the key hashed the GGUF's name, size and mtime: a touched or copied file got a
-    second 517 MB copy. Now identical bytes share one key, wherever they are and whatever their mtime."""
+    """The key is the GGUF's content (SHA-256), not its name, size and mtime: identical bytes share one key, wherever
+    they are and whatever their mtime, so a touched or copied file does not get a second 517 MB copy."""
     monkeypatch.setenv("KIVI_CACHE_DIR", str(tmp_path / "cache"))
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF" + bytes(10))

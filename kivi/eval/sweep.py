@@ -170,8 +170,8 @@ def tune(
 ) -> dict[str, Any]:
     """Cheapest candidate within a Δppl budget (or best within a bits budget), measured.
 
-    **Bits.** ``bits_at`` (default 32768): candidates are ranked and budgeted by the issue's bits per
-    element, the planner's cache bytes for a float16 model at ``bits_at`` tokens
+    **Bits.** ``bits_at`` (default 32768): candidates are ranked and budgeted by bits per
+    element as the planner counts them, its cache bytes for a float16 model at ``bits_at`` tokens
     (:func:`kivi.eval.head_profile.bits_per_element`, byte-exact against ``cache.nbytes``); ``None``: by
     the bits the real cache holds at the end of an evaluation window (a synthetic fill in the model's
     dtype, where the 128-token FP window weighs a lot at 1K tokens). Every row reports both:

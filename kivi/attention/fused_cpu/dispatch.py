@@ -7,12 +7,11 @@ import numba).
 
 Threads: both entry points run the same split-K tasks, ``prange`` on numba's pool or serially on
 the calling thread; :func:`fused_decode_attention` takes the serial one below :data:`SERIAL_BELOW`
-``batch x kv heads x kv positions`` (measured) or as told by ``threaded=``. ``NUMBA_NUM_THREADS``
+``batch x kv heads x kv positions`` or as told by ``threaded=``. ``NUMBA_NUM_THREADS``
 / ``numba.set_num_threads`` size the pool and ``NUMBA_THREADING_LAYER`` picks it (numba's default
-order: tbb, omp, workqueue). Measured on the 2-core development machine with torch matmuls between
-calls (as in a decoder): the ``omp`` pool 1.15-1.9x faster than serial from 3K units, the
-``workqueue`` pool slower than serial at every size (0.68-0.94x). With other processes busy on the
-cores, ``omp``'s spinning threads can lose; set the variable then.
+order: tbb, omp, workqueue). Between torch matmuls (as in a decoder) the ``omp`` pool beats the
+calling thread from 3K units and the ``workqueue`` pool never does (docs/results.md). With other
+processes busy on the cores, ``omp``'s spinning threads can lose; set the variable then.
 
 Python threads (e.g. one ``generate()`` per thread, one ``KiviCache`` each): numba's ``tbb`` and
 ``omp`` layers accept parallel calls from several threads at once, ``workqueue`` does not (it aborts
@@ -52,9 +51,9 @@ KERNEL_BITS = (1, 2, 3, 4, 8)
 def _kernel():
     """The :mod:`.kernel` module: imports numba and compiles (or loads) the entry points on first use.
 
-    Loading the threaded entry starts numba's OpenMP layer, which resets the shared OpenMP thread
-    count, so torch's thread count (``torch.set_num_threads``) is put back as it was (measured: 1
-    became 2, and oversubscribed threads made decoding several times slower).
+    Loading the threaded entry starts numba's OpenMP layer, which sets the shared OpenMP thread count
+    to numba's, so torch's thread count (``torch.set_num_threads``) is put back as it was: more CPU
+    threads than the caller asked for oversubscribe the cores and slow decoding several times.
     """
     kernel = sys.modules.get(f"{__package__}.kernel")
     if kernel is None:
@@ -123,11 +122,10 @@ def _views_supported(k_view: AttentionView, v_view: AttentionView) -> bool:
     return True
 
 
-#: Below this many ``batch x kv heads x kv positions`` a call runs on the calling thread only.
-#: Measured on the idle 2-core development machine with ``benchmarks/bench_fused_threads.py``
-#: (omp pool, a torch matmul before each call, medians of 30, 9q/3kv heads, D=64, 2-bit):
-#: serial / threaded = 0.89-1.01 at 1.5K units, 1.15-1.19 at 3K, 1.2-1.35 at 6K-12K, 1.4-1.9 from
-#: 24K (B=1 and B=4 alike; ``results/bench_fused_threads.txt``).
+#: Below this many ``batch x kv heads x kv positions`` a call runs on the calling thread only: smaller
+#: calls do not pay for waking numba's pool (serial / threaded is ~1.0 at 1.5K units and 1.15 from 3K on
+#: a 2-core CPU, omp pool, SmolLM2 shapes; ``studies/fused_threads.py``,
+#: ``results/attention/bench_fused_threads.txt``).
 SERIAL_BELOW = 3072
 
 
