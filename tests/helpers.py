@@ -154,7 +154,8 @@ def assert_greedy_close(got: Greedy, want: Greedy, *, atol: float) -> list[int]:
     at a step with a clear winner) fails with the row, step and numbers."""
     P = want.prompt_length
     assert got.prompt_length == P and torch.equal(got.sequences[:, :P], want.sequences[:, :P]), "different prompts"
-    assert got.scores.shape == want.scores.shape, f"scores of shape {tuple(got.scores.shape)} vs {tuple(want.scores.shape)}"
+    assert got.scores.shape == want.scores.shape, (
+        f"scores of shape {tuple(got.scores.shape)} vs {tuple(want.scores.shape)}")
     compared = []
     for row in range(want.scores.shape[0]):
         n = want.scores.shape[1]

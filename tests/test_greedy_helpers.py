@@ -64,7 +64,8 @@ def _pair(dtype, **cpu_cfg):
     """The same peaked tiny model with the cpu backend (``cpu_cfg`` on top of CFG) and with the reference
     backend (CFG)."""
     def make(backend, **kw):
-        return quantize_model(tiny_model(weight_scale=3.0).to(dtype), KiviConfig(**CFG, **kw, attention_backend=backend))
+        model = tiny_model(weight_scale=3.0).to(dtype)
+        return quantize_model(model, KiviConfig(**CFG, **kw, attention_backend=backend))
     return make("cpu", **cpu_cfg), make("reference")
 
 

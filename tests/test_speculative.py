@@ -32,7 +32,7 @@ NEW = 200
 SCALE = 3.0
 # Each case generates 2 x 200 tokens (about 20-60 s on the shared 2-core box): the default suite runs
 # one case per kind of speculation, KIVI_SLOW=1 runs all of them.
-SMOLLM2_ATOL = 1e-2
+SMOLLM2_ATOL = 2e-3  # float32; SmolLM2's logits reach ~40 (the tiny models': ~3), the two paths differ by ~1e-4
 FAST = {("cpu", "2-2"), ("cpu", "balanced"), ("cpu", "tiers")}
 CASES = [pytest.param(b, c, id=f"{c}-{b}", marks=() if (b, c) in FAST else pytest.mark.slow)
          for b in ("reference", "cpu") for c in CONFIGS]
@@ -141,7 +141,7 @@ def test_generate_tells_the_cache_the_prompt_length(mask):
 def test_smollm2_speculative_equals_greedy(smollm2, preset):
     """The embedded model, a WikiText document the model is asked to restate: greedy prompt lookup and assisted
     generation (SmolLM2 as its own draft, with its own KIVI cache) give the tokens of plain greedy decoding
-    (up to a near-tie; SmolLM2's logits reach ~30, so the float32 tolerance is wider than the tiny models')."""
+    (up to a near-tie; SmolLM2's logits reach ~40, so the float32 tolerance is wider than the tiny models')."""
     from kivi import dequantize_model
     from kivi.data import load_text
 
@@ -152,7 +152,7 @@ def test_smollm2_speculative_equals_greedy(smollm2, preset):
     try:
         quantize_model(model, KiviConfig.preset(preset, attention_backend="cpu"))
         want = _greedy(model, prompt)
-        assert_greedy_close(_greedy(model, prompt, prompt_lookup_num_tokens=10), want, atol=SMOLLM2_ATOL)
-        assert_greedy_close(_greedy(model, prompt, assistant_model=model, num_assistant_tokens=5), want, atol=SMOLLM2_ATOL)
+        for spec in (dict(prompt_lookup_num_tokens=10), dict(assistant_model=model, num_assistant_tokens=5)):
+            assert_greedy_close(_greedy(model, prompt, **spec), want, atol=SMOLLM2_ATOL)
     finally:
         dequantize_model(model)

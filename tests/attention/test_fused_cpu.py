@@ -226,7 +226,8 @@ def test_generation_matches_reference_backend():
 
     cfg = dict(group_size=8, residual_length=16, block_size=32)
     ids = torch.randint(1, 128, (1, 45), generator=torch.Generator().manual_seed(0))
-    ref, fast = (quantize_model(tiny_model("llama"), KiviConfig(**cfg, attention_backend=b)) for b in ("reference", "cpu"))
+    ref, fast = (quantize_model(tiny_model("llama"), KiviConfig(**cfg, attention_backend=b))
+                 for b in ("reference", "cpu"))
     assert_decode_close(fast, ref, ids, new_tokens=24, atol=LOGIT_ATOL[torch.float32])
 
 

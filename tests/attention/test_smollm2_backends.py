@@ -8,7 +8,7 @@ import pytest
 from kivi import KiviConfig, dequantize_model, quantize_model
 from tests.helpers import assert_greedy_close, greedy
 
-SMOLLM2_ATOL = 1e-2  # float32; SmolLM2's logits reach ~30
+SMOLLM2_ATOL = 2e-3  # float32; SmolLM2's logits reach ~40, the backends differ by ~1e-4
 
 
 @pytest.mark.slow
