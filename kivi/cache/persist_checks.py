@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..quant.kv import token_divisor
-from .schedule import layer_sink_tokens, side_tokens
+from .schedule import layer_sink_tokens, side_tokens, sliding_cut
 from .store import FpSegment
 
 #: safetensors dtype names -> torch dtypes (the ones a prefix file may hold).
@@ -257,6 +257,11 @@ def plan_side(path: Path, r: _Reader, sm: dict[str, Any], layer: Any, side: Any,
         raise fail(path, f"{sw}.start", start, f"between the first stored position {origin} and the length {length}")
     if start > origin and layer.sliding_window is None:
         raise fail(path, f"{sw}.start", start, f"{origin} (only sliding-window layers drop tokens)")
+    if start > origin:  # dropped at the start of a forward, up to the cut of the tokens before it
+        cut = sliding_cut(seen - 1, layer.sliding_window, cfg.residual_length, cfg.group_size, block_size)
+        if start > cut or (start % block_size and start != length):
+            raise fail(path, f"{sw}.start", start, f"a multiple of block_size {block_size} (or the length {length}) "
+                                                    f"up to {cut}, the sliding window's cut")
     if sink_cap and length < sink_cap and starts:
         raise fail(path, f"{sw}.starts", starts, "no blocks while the sink is not full")
     window = seen - length if side.quantize else 0
