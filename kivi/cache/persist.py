@@ -100,8 +100,10 @@ def save_cache(cache: Any, path: str | os.PathLike, *, fingerprint: dict[str, An
     with (:func:`kivi.prefix.model_fingerprint`); :func:`load_cache` refuses a different one.
     ``input_ids [B, T]``: the tokens the cache holds (``T`` = the cache's length), stored with it.
     The file is written to a temporary name and renamed: a failed save leaves no partial file and
-    never changes the cache.
+    never changes the cache. A failed write (a full disk, ...) raises ``OSError`` (with the errno when the
+    system gave one), whoever wrote the bytes.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     if not isinstance(fingerprint, dict):
@@ -111,9 +113,7 @@ def save_cache(cache: Any, path: str | os.PathLike, *, fingerprint: dict[str, An
         json.dumps(fingerprint)
     except TypeError as e:
         raise ValueError(f"fingerprint must be JSON-serialisable: {e}") from None
-    if getattr(cache.config, "head_bits", None):
-        raise ValueError("saving a cache with per-head widths (head_bits) is not supported; save one without "
-                         "head_bits, or keep this cache in memory")
+    check_savable(cache.config)
     tensors: dict[str, torch.Tensor] = {}
     layers = []
     for i, layer in enumerate(cache.layers):
@@ -145,7 +145,10 @@ def save_cache(cache: Any, path: str | os.PathLike, *, fingerprint: dict[str, An
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata=header)
+        try:
+            save_file(tensors, tmp, metadata=header)
+        except SafetensorError as e:  # its I/O errors (a full disk) are OSErrors like any other failed write
+            raise write_error(e, path) from e
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 -> what open() would have given
@@ -154,6 +157,33 @@ def save_cache(cache: Any, path: str | os.PathLike, *, fingerprint: dict[str, An
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def check_savable(config: KiviConfig) -> None:
+    """Raise ``ValueError`` when a cache of ``config`` cannot be saved (per-head widths, position tiers), so a
+    caller can refuse before the work that would produce it."""
+    if getattr(config, "head_bits", None):
+        raise ValueError("saving a cache with per-head widths (head_bits) is not supported; save one without "
+                         "head_bits, or keep this cache in memory")
+    tiered = ["all layers"] if config.tiers else [f"layer {i}" for i, v in sorted(config.layer_specific_config.items())
+                                                  if v.get("tiers")]
+    if tiered:
+        raise ValueError(f"position tiers ({tiered[0]}): saving a tiered cache as a prefix is not supported yet; "
+                         "save a prefix built without tiers")
+
+
+def write_error(error: BaseException, path: str | os.PathLike) -> OSError:
+    """``error`` (safetensors' ``SafetensorError`` from a failed write) as an ``OSError`` naming ``path``,
+    with the system's errno when its message carries one (``... (os error 28)`` -> ``ENOSPC``)."""
+    import errno as errnos
+    import re
+
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    m = re.search(r"os error (\d+)", text)
+    if m:
+        code = int(m.group(1))
+        return OSError(code, os.strerror(code) if code in errnos.errorcode else text, str(path))
+    return OSError(f"cannot write {str(path)!r}: {text}")
 
 
 def _layer_meta(layer: KiviLayer, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -502,5 +532,5 @@ def _build_store(plan: SidePlan, block_size: int, name: str, tensors: dict[str, 
     return store
 
 
-__all__ = ["save_cache", "load_cache", "read_header", "check_fingerprint", "check_config", "check_layers", "plan_cache",
+__all__ = ["save_cache", "check_savable", "write_error", "load_cache", "read_header", "check_fingerprint", "check_config", "check_layers", "plan_cache",
            "tensor_sha256", "PrefixFileError", "PrefixHeader", "FORMAT", "FORMAT_VERSION"]
