@@ -83,8 +83,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+class Described(str):
+    """A description shown as it is (not quoted) in an error message."""
+
+
 def _show(value: Any, limit: int = 60) -> str:
-    text = repr(value)
+    text = value if isinstance(value, Described) else repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -171,12 +175,13 @@ def check_tensor_table(path: Path, table: dict[str, TensorSpec], expected: dict[
     """Raise unless the file's tensors are exactly ``expected``: same names, dtypes and shapes."""
     for name in sorted(set(expected) | set(table)):
         if name not in table:
-            raise fail(path, f"tensor {name}", "nothing", expected[name].describe())
+            raise fail(path, f"tensor {name}", Described("nothing"), expected[name].describe())
         if name not in expected:
-            raise fail(path, f"tensor {name}", table[name].describe(), "no such tensor (not in the cache's state)")
+            raise fail(path, f"tensor {name}", Described(table[name].describe()),
+                       "no such tensor (not in the cache's state)")
         got, want = table[name], expected[name]
         if (got.dtype, got.shape) != (want.dtype, want.shape):
-            raise fail(path, f"tensor {name}", got.describe(), want.describe())
+            raise fail(path, f"tensor {name}", Described(got.describe()), want.describe())
 
 
 # ---------------------------------------------------------------------------------------------- structure
@@ -186,9 +191,6 @@ def cache_dims(table: dict[str, TensorSpec], known: dict[str, int | None], meta:
     tensors state them (``None`` when no tensor has that axis); every tensor is then checked against
     these, so all must agree."""
     dims = {"batch": None, **known}
-    ids = table.get("input_ids")
-    if ids is not None and len(ids.shape) == 2:
-        dims["batch"] = ids.shape[0]
     for name, spec in sorted(table.items()):
         if not name.startswith("layer") or len(spec.shape) not in (2, 4):
             continue
@@ -197,6 +199,9 @@ def cache_dims(table: dict[str, TensorSpec], known: dict[str, int | None], meta:
             dims["heads"] = spec.shape[1] if dims.get("heads") is None else dims["heads"]
             if dims.get("head_dim") is None and name.rsplit(".", 1)[-1] in ("window", "sink", "data"):
                 dims["head_dim"] = spec.shape[3]
+    ids = table.get("input_ids")
+    if dims["batch"] is None and ids is not None and len(ids.shape) == 2:  # a cache holding no tensor yet
+        dims["batch"] = ids.shape[0]
     if dims.get("head_dim") is None:  # only packed blocks hold channels: their template names head_dim
         for lm in meta.get("layers") if isinstance(meta.get("layers"), list) else []:
             for label in ("k", "v"):
@@ -368,7 +373,7 @@ def check_allocation(path: Path, tails: int, payload: int) -> None:
     or the file's size, whichever is larger (a forged ``block_size`` / capacity)."""
     allowed = max(payload, TAIL_ALLOWANCE_BYTES)
     if tails > allowed:
-        raise fail(path, "unused block capacity", f"{tails} bytes", f"at most {allowed} bytes beyond the file's "
+        raise fail(path, "unused block capacity", Described(f"{tails} bytes"), f"at most {allowed} bytes beyond the file's "
                                                                      f"{payload} bytes of tensors")
 
 
@@ -378,16 +383,16 @@ def check_values(path: Path, name: str, t: torch.Tensor, vocab_size: int | None)
     if t.dtype.is_floating_point:
         bad = ~torch.isfinite(t)
         if bool(bad.any()):
-            raise fail(path, f"tensor {name}", f"{int(bad.sum())} non-finite values", "finite values only")
+            raise fail(path, f"tensor {name}", Described(f"{int(bad.sum())} non-finite values"), "finite values only")
     elif t.dtype == torch.bool:
         raw = t.view(torch.uint8)
         if bool((raw > 1).any()):
-            raise fail(path, f"tensor {name}", f"byte {int(raw.max())}", "0 or 1 (a boolean mask)")
+            raise fail(path, f"tensor {name}", Described(f"byte {int(raw.max())}"), "0 or 1 (a boolean mask)")
     elif name == "input_ids" and t.numel():
         lo, hi = int(t.min()), int(t.max())
         top = vocab_size if vocab_size is not None else None
         if lo < 0 or (top is not None and hi >= top):
-            raise fail(path, "tensor input_ids", f"ids {lo}..{hi}", f"ids in [0, {top})" if top else "ids >= 0")
+            raise fail(path, "tensor input_ids", Described(f"ids {lo}..{hi}"), f"ids in [0, {top})" if top else "ids >= 0")
 
 
 def layer_dtype(path: Path, value: Any, where: str) -> torch.dtype:

@@ -283,3 +283,123 @@ def test_forged_files_load_exactly_or_raise_prefix_error(tmp_path, monkeypatch, 
     print(f"{kind}: {len(cases)} forged files x 2 loads in {elapsed:.1f} s, {loaded} loads succeeded")
     assert not failures, f"{len(failures)} of {2 * len(cases)} loads:\n" + "\n".join(failures[:40])
     assert len(cases) > 300 and elapsed < 60
+
+
+# ---------------------------------------------------------------------------------------------- named forgeries
+@pytest.fixture
+def forge(tmp_path):
+    """``(model, fingerprint, path, forge(fn) -> message)``: ``fn(header, meta, payload) -> payload`` edits a
+    copy of a saved prefix (checksums recomputed); the load with the model must raise; its message is returned."""
+    model, fp, path = _base(tmp_path, "sinks-blocks-ids")
+
+    def run(fn):
+        header, meta, payload = read_parts(path)
+        payload = fn(header, meta, payload) or payload
+        out = tmp_path / "forged.kivi"
+        write_parts(out, header, meta, payload)
+        with pytest.raises(PrefixFileError) as e:
+            KiviCache.load(out, fingerprint=fp, model=model)
+        assert "\n" not in str(e.value) and str(e.value).startswith(f"{out}: ")
+        return str(e.value).removeprefix(f"{out}: ")
+
+    return model, fp, path, run
+
+
+def _store(meta, layer=0, side="k"):
+    return meta["cache"]["layers"][layer][side]["store"]
+
+
+@pytest.mark.parametrize("caps", [lambda c: c * 100, lambda c: 2 * 10**8, lambda c: 10**12, lambda c: 1e12],
+                         ids=["x100", "2e8", "1e12", "1e12-float"])
+def test_forged_block_capacity_is_refused_before_allocating(forge, monkeypatch, caps):
+    *_, run = forge
+    rec = AllocationRecorder(monkeypatch)
+
+    def edit(h, meta, p):
+        st = _store(meta)
+        st["caps"] = [*st["caps"][:-1], caps(st["caps"][-1])]
+
+    msg = run(edit)
+    assert msg.startswith("layer0.k.store.caps")
+    assert (", expected 64 (the last block holds" in msg) or "expected a list of integers" in msg
+    assert rec.total < 1 << 20  # nothing of the claimed size was asked for
+
+
+def test_forged_tensor_table_is_refused(forge):
+    *_, run = forge
+
+    def window_i32(h, meta, p):
+        for name in h:
+            if name.endswith(".window"):
+                h[name]["dtype"] = "I32"
+
+    assert run(window_i32).startswith("tensor layer0.k.window: found int32 [1, 2, 41, 32], expected float32 "
+                                      "[1, 2, 41, 32]")
+
+    def window_shape(h, meta, p):
+        s = h["layer1.v.window"]["shape"]
+        h["layer1.v.window"]["shape"] = [s[0], s[1], s[2] * 2, s[3] // 2]
+
+    assert run(window_shape) == ("tensor layer1.v.window: found float32 [1, 2, 64, 16], expected float32 "
+                                 "[1, 2, 32, 32]")
+
+    def ids_shape(h, meta, p):
+        h["input_ids"]["shape"] = [157, 1]
+
+    assert run(ids_shape) == "tensor input_ids: found int64 [157, 1], expected int64 [1, 157]"
+
+
+def test_forged_metadata_is_refused(forge):
+    *_, run = forge
+    assert run(lambda h, meta, p: meta.pop("cache") and None) == "metadata field cache is missing"
+
+    def complex_dtype(h, meta, p):
+        meta["cache"]["layers"][0]["dtype"] = "complex64"
+
+    assert run(complex_dtype).startswith("cache.layers[0].dtype: found 'complex64', expected one of")
+
+    def bits(h, meta, p):
+        _store(meta, 1, "v")["template"]["bits"] = 3
+
+    assert run(bits) == "layer1.v.store.template.bits: found 3, expected 4"
+
+    def nan_window(h, meta, p):
+        lo, hi = h["layer0.v.window"]["data_offsets"]
+        t = torch.frombuffer(bytearray(p[lo:hi]), dtype=torch.float32).clone()
+        t[:100] = float("nan")
+        return p[:lo] + t.numpy().tobytes() + p[hi:]
+
+    assert run(nan_window) == "tensor layer0.v.window: found 100 non-finite values, expected finite values only"
+
+
+def test_cropped_and_past_recording_caches_round_trip(tmp_path):
+    """States off the plain schedule: a crop into a long first block (saved with the capacity a fresh append
+    gives, so the loaded block is smaller), and a window holding tokens due to move (past recording)."""
+    model = _model("llama-gqa", _config(2, 2, 4, "cpu"))
+    ids = _ids(150)
+    cache = prefill(model, ids)
+    assert cache.layers[0].k.store.caps == [112]
+    cache.crop(-70)  # keys back into the window from inside the 112-token block
+    fp = model_fingerprint(model)
+    cache.save(tmp_path / "crop.kivi", fingerprint=fp)
+    loaded = KiviCache.load(tmp_path / "crop.kivi", fingerprint=fp, model=model)
+    assert [la.k.store.caps for la in loaded.layers] == [[64], [64]] and cache.layers[0].k.store.caps == [112]
+    for a, b in zip(cache.layers, loaded.layers):
+        for sa, sb in ((a.k, b.k), (a.v, b.v)):
+            for t, u in ((sa.window, sb.window), (sa.sink, sb.sink)):
+                assert (t is None and u is None) or torch.equal(t, u)
+            assert all(torch.equal(x.tensors()[f], y.tensors()[f]) for (_, x), (_, y)
+                       in zip(sa.store.iter_blocks(), sb.store.iter_blocks()) for f in x.tensors())
+    q = _ids(3, seed=7)
+    want, got = _decode(model, cache, q, 30), _decode(model, loaded, q, 30)
+    assert torch.equal(want.argmax(-1), got.argmax(-1)) and torch.allclose(want, got, atol=1e-5)
+
+    cache = prefill(model, ids[:, :100])
+    for layer in cache.layers:
+        layer.activate_past_recording()
+    _decode(model, cache, ids[:, 100:140], 1)
+    assert all(layer._due for layer in cache.layers)
+    cache.save(tmp_path / "due.kivi", fingerprint=fp)
+    loaded = KiviCache.load(tmp_path / "due.kivi", fingerprint=fp, model=model)
+    _same_state(cache, loaded)
+    assert [la._due for la in loaded.layers] == [True, True]

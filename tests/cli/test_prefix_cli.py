@@ -180,3 +180,34 @@ def test_save_prefix_refuses_an_unsavable_config_before_loading(tmp_path, capsys
     line = _main_error(capsys, "generate", "--model", str(tmp_path / "not-loaded"), "--prompt", "w3",
                        "--config", str(cfg), "--save-prefix", str(tmp_path / "p.kivi"))
     assert "--save-prefix: position tiers (all layers): saving a tiered cache" in line
+
+
+def test_forged_prefix_files_are_one_line(folders, tmp_path, capsys):
+    """A file whose checksums were recomputed after forging: NaNs in a window, a tensor retyped, a layer dtype."""
+    from kivi.cli import main
+    from tests.cache.test_persist_fuzz import read_parts, write_parts
+
+    model_dir, _, doc = folders
+    f = tmp_path / "p.kivi"
+    assert main(["generate", "--model", str(model_dir), "--prompt-file", str(doc), "--raw", *QUANT,
+                 "--max-new-tokens", "1", "--json", "--save-prefix", str(f)]) == 0
+    capsys.readouterr()
+
+    def nan_window(h, meta, p):
+        lo, hi = h["layer0.k.window"]["data_offsets"]
+        return p[:lo] + b"\xff" * (hi - lo) + p[hi:]  # all NaN
+
+    def retyped(h, meta, p):
+        h["layer1.v.window"]["dtype"] = "I32"
+
+    def dtype(h, meta, p):
+        meta["cache"]["layers"][1]["dtype"] = "complex64"
+
+    for fn, want in ((nan_window, "tensor layer0.k.window: found 2176 non-finite values, expected finite values only"),
+                     (retyped, "tensor layer1.v.window: found int32 [1, 2, 32, 32], expected float32"),
+                     (dtype, "cache.layers[1].dtype: found 'complex64', expected one of")):
+        header, meta, payload = read_parts(f)
+        out = tmp_path / f"{fn.__name__}.kivi"
+        write_parts(out, header, meta, fn(header, meta, payload) or payload)
+        line = _main_error(capsys, "generate", "--model", str(model_dir), "--load-prefix", str(out), "--prompt", "w3")
+        assert want in line, line
