@@ -387,7 +387,7 @@ def test_full_cache_disk_loads_without_the_copy(fake_conversion, tmp_path, monke
     gguf.write_bytes(b"GGUF full disk")
     cache = tmp_path / "cache"
     with caplog.at_level("WARNING", logger="kivi.models"):
-        model, tok = load_model(gguf, cache_dir=cache)
+        model, _ = load_model(gguf, cache_dir=cache)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "could not save a converted copy" in warnings[0] and \
         "No space left on device" in warnings[0] and "\n" not in warnings[0]
@@ -405,7 +405,7 @@ def test_real_full_cache_disk_loads_without_the_copy(fake_conversion, tmp_path, 
     mnt = tmp_path / "full"
     mnt.mkdir()
     if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
-                                           capture_output=True).returncode:
+                                           capture_output=True, check=False).returncode:
         pytest.skip("a tiny tmpfs needs root (mount -t tmpfs)")
     try:
         monkeypatch.setenv("KIVI_CACHE_DIR", str(mnt))

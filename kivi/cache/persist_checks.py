@@ -56,7 +56,7 @@ class TensorSpec:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
     def describe(self) -> str:
-        return f"{_dtype_name(self.dtype)} [{', '.join('?' if n is None else str(n) for n in self.shape)}]"
+        return f"{dtype_name(self.dtype)} [{', '.join('?' if n is None else str(n) for n in self.shape)}]"
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class SidePlan:
         return max(0, min(self.caps[j], self.length - self.starts[j]))
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
@@ -226,9 +226,12 @@ def _template(path: Path, layer: Any, side: Any, dtype: torch.dtype, head_dim: i
     return seg.with_tensors(**{k: t[:, :, :0] for k, t in seg.tensors().items()})
 
 
-def _template_meta(template: Any, batch: int, heads: int) -> dict[str, Any]:
-    """What the saver records of a template (:func:`kivi.cache.persist._template_meta`) for ``batch`` x ``heads``."""
-    fields = {k: {"dtype": _dtype_name(t.dtype), "shape": [batch, heads, *t.shape[3:]]}
+def template_meta(template: Any, batch: int | None = None, heads: int | None = None) -> dict[str, Any]:
+    """What a prefix file records of a store's template (its fields for ``batch`` x ``heads``, by default
+    the template's own): the saver writes it, the loader compares it with the one it derives."""
+    fields = {k: {"dtype": dtype_name(t.dtype),
+                  "shape": [t.shape[0] if batch is None else batch, t.shape[1] if heads is None else heads,
+                            *t.shape[3:]]}
               for k, t in template.tensors().items()}
     if isinstance(template, FpSegment):
         return {"kind": "fp", "axis": template.axis, "group_size": template.group_size, "fields": fields}
@@ -321,7 +324,7 @@ def plan_side(path: Path, r: _Reader, sm: dict[str, Any], layer: Any, side: Any,
         if dims.get("head_dim") is None:
             raise PrefixFileError(f"{path}: {sw}.template: no tensor or model gives head_dim")
         template = _template(path, layer, side, dtype, dims["head_dim"], sw)
-        want = _template_meta(template, dims["batch"], dims["heads"])
+        want = template_meta(template, dims["batch"], dims["heads"])
         if tm != want:
             diff = next((k for k in want if not isinstance(tm, dict) or tm.get(k) != want[k]), "template")
             raise fail(path, f"{sw}.template.{diff}", tm.get(diff) if isinstance(tm, dict) else tm, _show(want[diff]))
@@ -413,5 +416,5 @@ def known_dims(fingerprint: dict[str, Any], heads: int | None, head_dim: int | N
 
 
 __all__ = ["PrefixFileError", "TensorSpec", "SidePlan", "parse_table", "check_tensor_table", "cache_dims", "plan_side",
-           "expected_tensors", "tail_bytes", "check_allocation", "check_values", "known_dims", "layer_dtype",
+           "expected_tensors", "tail_bytes", "check_allocation", "template_meta", "dtype_name", "check_values", "known_dims", "layer_dtype",
            "SAFETENSORS_DTYPES", "LAYER_DTYPES", "TAIL_ALLOWANCE_BYTES"]

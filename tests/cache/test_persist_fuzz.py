@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import kivi.cache.persist as persist
 from kivi.cache.cache import KiviCache
 from kivi.cache.persist import PrefixFileError
 from kivi.prefix import model_fingerprint, prefill
