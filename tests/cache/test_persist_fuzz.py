@@ -402,3 +402,24 @@ def test_cropped_and_past_recording_caches_round_trip(tmp_path):
     loaded = KiviCache.load(tmp_path / "due.kivi", fingerprint=fp, model=model)
     _same_state(cache, loaded)
     assert [la._due for la in loaded.layers] == [True, True]
+
+
+def test_unused_capacity_beyond_the_file_is_refused_before_allocating(tmp_path, monkeypatch):
+    """A file whose blocks' unused tails would allocate more than the file's size (or the fixed allowance,
+    lowered here so a small cache shows it): refused, nothing of that size asked for."""
+    import dataclasses
+
+    import kivi.cache.persist_checks as checks
+
+    cfg = dataclasses.replace(_config(2, 2, 0, "cpu"), block_size=4096)
+    model = _model("llama-gqa", cfg)
+    cache = prefill(model, _ids(150))
+    fp = model_fingerprint(model)
+    cache.save(tmp_path / "p.kivi", fingerprint=fp)
+    assert KiviCache.load(tmp_path / "p.kivi", fingerprint=fp, model=model).nbytes == cache.nbytes
+    monkeypatch.setattr(checks, "TAIL_ALLOWANCE_BYTES", 64 << 10)
+    rec = AllocationRecorder(monkeypatch)
+    with pytest.raises(PrefixFileError, match=r"unused block capacity: found \d+ bytes, expected at most \d+ bytes "
+                                              r"beyond the file's \d+ bytes of tensors$"):
+        KiviCache.load(tmp_path / "p.kivi", fingerprint=fp, model=model)
+    assert rec.total < cache.nbytes // 4
