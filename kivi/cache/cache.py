@@ -13,7 +13,7 @@ from ..backends import PACKED_BACKENDS, attention_reads_views, cache_attention_b
 from ..config import KiviConfig
 from .heads import KIVI_LAYERS, build_layer, kv_heads_of
 from .padding import install_padding_hook
-from .support import model_layer_types, plan_layers
+from .support import model_head_dim, model_layer_types, plan_layers, text_config
 from .view import PackedStates
 
 
@@ -286,12 +286,14 @@ class KiviCache(Cache):
         """:meth:`load`, also returning the token ids saved with the cache (``None`` if none were)."""
         from .persist import load_cache
 
-        windows, device = None, "cpu"
+        windows, device, shape = None, "cpu", {}
         if model is not None:
             config = config if config is not None else getattr(model, "kivi_config", None)
             windows = [window for _, window in model_layer_types(model.config)]
             device = getattr(model, "device", "cpu")
-        config, layers, ids = load_cache(path, fingerprint=fingerprint, config=config, windows=windows, device=device)
+            shape = {"kv_heads": kv_heads_of(model.config), "head_dim": model_head_dim(text_config(model.config))}
+        config, layers, ids = load_cache(path, fingerprint=fingerprint, config=config, windows=windows, device=device,
+                                         **shape)
         if model is not None:
             install_padding_hook(model)
             if attention_backend is not None:  # checked against the model (packed needs its "kivi" attention)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,38 +36,35 @@ from typing import Any
 import torch
 
 from ..config import KiviConfig
-from ..quant.kv import PackedKV, token_divisor
+from ..quant.kv import token_divisor
 from .layer import KiviLayer
-from .store import BlockStore, FpSegment
-
-FORMAT = "kivi-prefix"
-FORMAT_VERSION = 1
-#: A safetensors header longer than this is not one kivi wrote (it would be a corrupt length field).
-MAX_HEADER_BYTES = 64 << 20
-_DTYPES = {name: getattr(torch, name) for name in (
-    "float32", "float16", "bfloat16", "float64", "uint8", "int8", "int16", "int32", "int64", "bool")}
-#: KiviConfig fields that say how attention reads the cache, not what it holds: not compared on load.
-READ_ONLY_FIELDS = ("attention_backend",)
-
-
-class PrefixFileError(ValueError):
-    """A prefix file cannot be loaded here; the message names the file and what differs."""
-
-
-@dataclass
-class PrefixHeader:
-    """What a prefix file's header says (read without touching its tensors)."""
-
-    path: Path
-    config: KiviConfig
-    fingerprint: dict[str, Any]
-    meta: dict[str, Any]  # the whole ``kivi_meta`` JSON
-    offsets: dict[str, tuple[int, int]]  # tensor name -> byte range in the payload
-    data_start: int  # first payload byte in the file
-
-    @property
-    def seq_length(self) -> int:
-        return self.meta["cache"]["seq_length"]
+from .persist_checks import (
+    PrefixFileError,
+    SidePlan,
+    TensorSpec,
+    _Reader,
+    cache_dims,
+    check_allocation,
+    check_tensor_table,
+    check_values,
+    dtype_name,
+    expected_tensors,
+    known_dims,
+    layer_dtype,
+    plan_side,
+    tail_bytes,
+    template_meta,
+)
+from .persist_header import (
+    FORMAT,
+    FORMAT_VERSION,
+    PrefixHeader,
+    check_config,
+    check_fingerprint,
+    check_layers,
+    read_header,
+)
+from .store import BlockStore
 
 
 # ---------------------------------------------------------------------------------------------- save
@@ -80,8 +76,10 @@ def save_cache(cache: Any, path: str | os.PathLike, *, fingerprint: dict[str, An
     with (:func:`kivi.prefix.model_fingerprint`); :func:`load_cache` refuses a different one.
     ``input_ids [B, T]``: the tokens the cache holds (``T`` = the cache's length), stored with it.
     The file is written to a temporary name and renamed: a failed save leaves no partial file and
-    never changes the cache.
+    never changes the cache. A failed write (a full disk, ...) raises ``OSError`` (with the errno when the
+    system gave one), whoever wrote the bytes.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     if not isinstance(fingerprint, dict):
@@ -91,9 +89,7 @@ def save_cache(cache: Any, path: str | os.PathLike, *, fingerprint: dict[str, An
         json.dumps(fingerprint)
     except TypeError as e:
         raise ValueError(f"fingerprint must be JSON-serialisable: {e}") from None
-    if getattr(cache.config, "head_bits", None):
-        raise ValueError("saving a cache with per-head widths (head_bits) is not supported; save one without "
-                         "head_bits, or keep this cache in memory")
+    check_savable(cache.config)
     tensors: dict[str, torch.Tensor] = {}
     layers = []
     for i, layer in enumerate(cache.layers):
@@ -125,7 +121,10 @@ def save_cache(cache: Any, path: str | os.PathLike, *, fingerprint: dict[str, An
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata=header)
+        try:
+            save_file(tensors, tmp, metadata=header)
+        except SafetensorError as e:  # its I/O errors (a full disk) are OSErrors like any other failed write
+            raise write_error(e, path) from e
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 -> what open() would have given
@@ -134,6 +133,33 @@ def save_cache(cache: Any, path: str | os.PathLike, *, fingerprint: dict[str, An
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def check_savable(config: KiviConfig) -> None:
+    """Raise ``ValueError`` when a cache of ``config`` cannot be saved (per-head widths, position tiers), so a
+    caller can refuse before the work that would produce it."""
+    if getattr(config, "head_bits", None):
+        raise ValueError("saving a cache with per-head widths (head_bits) is not supported; save one without "
+                         "head_bits, or keep this cache in memory")
+    tiered = ["all layers"] if config.tiers else [f"layer {i}" for i, v in sorted(config.layer_specific_config.items())
+                                                  if v.get("tiers")]
+    if tiered:
+        raise ValueError(f"position tiers ({tiered[0]}): saving a tiered cache as a prefix is not supported yet; "
+                         "save a prefix built without tiers")
+
+
+def write_error(error: BaseException, path: str | os.PathLike) -> OSError:
+    """``error`` (safetensors' ``SafetensorError`` from a failed write) as an ``OSError`` naming ``path``,
+    with the system's errno when its message carries one (``... (os error 28)`` -> ``ENOSPC``)."""
+    import errno as errnos
+    import re
+
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    m = re.search(r"os error (\d+)", text)
+    if m:
+        code = int(m.group(1))
+        return OSError(code, os.strerror(code) if code in errnos.errorcode else text, str(path))
+    return OSError(f"cannot write {str(path)!r}: {text}")
 
 
 def _layer_meta(layer: KiviLayer, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -153,16 +179,19 @@ def _layer_meta(layer: KiviLayer, name: str, tensors: dict[str, torch.Tensor]) -
             for field, t in blk.items():
                 rows = filled // _divisor(store.template, field)
                 tensors[f"{name}.{label}.block{j}.{field}"] = _cpu(t[:, :, :rows])
+        caps = list(store.caps)
+        if caps:  # what a fresh append of the last block's tokens allocates (a crop may have left more)
+            caps[-1] = max(store.block_size, _filled(store, len(caps) - 1))
         sides[label] = {
             "window": side.window is not None, "window_valid": side.window_valid is not None,
             "sink": side.sink is not None, "stored_valid": side.stored_valid is not None,
             "store": {"block_size": store.block_size, "length": store.length, "start": store.start,
-                      "starts": list(store.starts), "caps": list(store.caps), "present": present,
+                      "starts": list(store.starts), "caps": caps, "present": present,
                       "template": _template_meta(store.template)},
         }
     return {"seen": layer.seen, "initialized": bool(layer.is_initialized), "sliding_window": layer.sliding_window,
             "due": bool(layer._due),  # past recording: the window still holds tokens due to move (next forward/crop)
-            "dtype": None if layer.dtype is None else _dtype_name(layer.dtype), "k": sides["k"], "v": sides["v"]}
+            "dtype": None if layer.dtype is None else dtype_name(layer.dtype), "k": sides["k"], "v": sides["v"]}
 
 
 def _filled(store: BlockStore, j: int) -> int:
@@ -175,22 +204,11 @@ def _divisor(template: Any, field: str) -> int:
 
 
 def _template_meta(template: Any) -> dict[str, Any] | None:
-    if template is None:
-        return None
-    fields = {k: {"dtype": _dtype_name(t.dtype), "shape": [t.shape[0], t.shape[1], *t.shape[3:]]}
-              for k, t in template.tensors().items()}
-    if isinstance(template, FpSegment):
-        return {"kind": "fp", "axis": template.axis, "group_size": template.group_size, "fields": fields}
-    return {"kind": "packed", "bits": template.bits, "group_size": template.group_size, "axis": template.axis,
-            "head_dim": template.head_dim, "residual_bits": template.residual_bits, "fields": fields}
+    return None if template is None else template_meta(template)
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous()
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
@@ -212,110 +230,79 @@ def _versions() -> dict[str, str]:
             "safetensors": safetensors.__version__}
 
 
-# ---------------------------------------------------------------------------------------------- checks
-def read_header(path: str | os.PathLike) -> PrefixHeader:
-    """Read and check a prefix file's header: kivi format and version, complete file, intact metadata."""
-    path = Path(path)
-    if not path.is_file():
-        raise PrefixFileError(f"prefix file {str(path)!r} does not exist" if not path.exists()
-                              else f"prefix file {str(path)!r} is not a file")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise PrefixFileError(f"{path}: not a kivi prefix file ({size} bytes, too short for a safetensors header)")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES:
-            raise PrefixFileError(f"{path}: not a kivi prefix file (not a safetensors file: header length {n})")
-        if 8 + n > size:
-            raise PrefixFileError(f"{path}: file is truncated: {size} bytes, its header alone needs {8 + n}")
-        raw = f.read(n)
-    try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("not a JSON object")
-    except (ValueError, UnicodeDecodeError):
-        raise PrefixFileError(f"{path}: not a kivi prefix file (its header is not safetensors JSON)") from None
-    md = header.pop("__metadata__", None) or {}
-    if md.get("kivi_format") != FORMAT:
-        raise PrefixFileError(f"{path}: a safetensors file but not a kivi prefix file (no kivi_format={FORMAT!r} "
-                              "in its metadata)")
-    version = md.get("kivi_format_version", "")
-    if not version.isdigit() or int(version) > FORMAT_VERSION:
-        raise PrefixFileError(f"{path}: kivi prefix format version {version!r}; this kivi reads versions up to "
-                              f"{FORMAT_VERSION} (upgrade kivi)")
-    try:
-        offsets = {name: tuple(int(x) for x in info["data_offsets"]) for name, info in header.items()}
-    except (TypeError, KeyError, ValueError):
-        raise PrefixFileError(f"{path}: header is corrupted (bad tensor entries)") from None
-    expected = 8 + n + max((end for _, end in offsets.values()), default=0)
-    if size < expected:
-        raise PrefixFileError(f"{path}: file is truncated: {size} of {expected} bytes")
-    if size > expected:
-        raise PrefixFileError(f"{path}: file has {size - expected} bytes after its data ({size} bytes, expected "
-                              f"{expected}); it is not the file kivi wrote")
-    text = md.get("kivi_meta", "")
-    if hashlib.sha256(text.encode()).hexdigest() != md.get("kivi_meta_sha256"):
-        raise PrefixFileError(f"{path}: metadata checksum mismatch (the header was altered or corrupted)")
-    meta = json.loads(text)
-    config = KiviConfig.from_dict(meta["config"])
-    return PrefixHeader(path, config, meta["fingerprint"], meta, offsets, 8 + n)
+@dataclass
+class LayerPlan:
+    """One layer as the file describes it, checked (:func:`plan_cache`)."""
+
+    layer: KiviLayer  # built empty with the layer's config and sliding window
+    seen: int
+    due: bool
+    initialized: bool
+    dtype: torch.dtype | None
+    sides: dict[str, SidePlan]
 
 
-def check_fingerprint(header: PrefixHeader, fingerprint: dict[str, Any]) -> None:
-    """Raise naming what differs between the file's fingerprint and ``fingerprint`` (this model's)."""
-    saved = header.fingerprint
-    diffs = [k for k in sorted(set(saved) | set(fingerprint)) if saved.get(k) != fingerprint.get(k)]
-    if not diffs:
-        return
-
-    def show(v: Any) -> str:
-        if v is None:
-            return "none"
-        s = str(v)
-        return s[:12] + "…" if isinstance(v, str) and len(s) == 64 else s
-
-    what = "; ".join(f"{k} {show(saved.get(k))} vs {show(fingerprint.get(k))}" for k in diffs)
-    if "weights_sha256" in diffs:
-        lead = (f"prefix file was saved for model {saved.get('architecture')} (weights {show(saved.get('weights_sha256'))}), "
-                f"this model is {fingerprint.get('architecture')} (weights {show(fingerprint.get('weights_sha256'))})")
-        raise PrefixFileError(f"{header.path}: {lead}; differs (file vs this): {what}")
-    raise PrefixFileError(f"{header.path}: prefix file was saved for a different model or tokenizer; differs "
-                          f"(file vs this): {what}")
-
-
-def check_config(header: PrefixHeader, config: KiviConfig) -> None:
-    """Raise naming every field where ``config`` differs from the file's (``attention_backend`` aside)."""
-    saved, given = header.config.to_dict(), config.to_dict()
-    diffs = [k for k in saved if k not in READ_ONLY_FIELDS and saved[k] != given.get(k)]
-    if diffs:
-        what = ", ".join(f"{k} {saved[k]} vs {given.get(k)}" for k in diffs)
-        raise PrefixFileError(f"{header.path}: config differs (file vs given): {what}")
-
-
-def check_layers(header: PrefixHeader, windows: list[int | None]) -> None:
-    """Raise when the file's layers (count, sliding windows) are not the model's (``windows``: one per layer,
-    ``None`` for full attention; :func:`kivi.cache.support.model_layer_types`)."""
-    layers = header.meta["cache"]["layers"]
-    if len(layers) != len(windows):
-        raise PrefixFileError(f"{header.path}: the prefix has {len(layers)} layers, the model has {len(windows)}")
-    for i, (lm, window) in enumerate(zip(layers, windows)):
-        if lm["sliding_window"] != window:
-            raise PrefixFileError(f"{header.path}: layer {i} has sliding window {lm['sliding_window']} in the file, "
-                                  f"{window} in the model")
+def plan_cache(header: PrefixHeader, config: KiviConfig, dims: dict[str, int | None]
+               ) -> tuple[list[LayerPlan], dict[str, TensorSpec], int]:
+    """``(layers, expected tensors, tail bytes)``: the file's structure checked against ``config`` and the
+    cache's schedule, every tensor it must hold derived from that (never from the file's table), and the
+    bytes the built cache allocates beyond them. Raises :class:`PrefixFileError` on the first mismatch."""
+    path, r = header.path, _Reader(header.path)
+    cache = r.get(header.meta, "cache", "", "dict")
+    seq = r.get(cache, "seq_length", "cache", "int")
+    layers_meta = r.get(cache, "layers", "cache", "list")
+    dims = cache_dims(header.table, dims, cache)
+    expected: dict[str, TensorSpec] = {}
+    if r.get(cache, "input_ids", "cache", "bool"):
+        expected["input_ids"] = TensorSpec(torch.int64, (dims["batch"], seq))
+    plans, tails = [], 0
+    for i, lm in enumerate(layers_meta):
+        where = f"cache.layers[{i}]"
+        if not isinstance(lm, dict):
+            raise PrefixFileError(f"{path}: metadata field {where}: found {type(lm).__name__}, expected a JSON object")
+        seen = r.get(lm, "seen", where, "int")
+        if seen != seq:
+            raise PrefixFileError(f"{path}: {where}.seen: found {seen}, expected {seq} (cache.seq_length)")
+        sliding = r.get(lm, "sliding_window", where, "int?")
+        initialized, due = r.get(lm, "initialized", where, "bool"), r.get(lm, "due", where, "bool")
+        saved_dtype = r.get(lm, "dtype", where, "str?")
+        if not initialized and (saved_dtype is not None or seen):
+            raise PrefixFileError(f"{path}: {where}: an uninitialized layer with dtype {saved_dtype} and {seen} tokens")
+        dtype = None if not initialized else layer_dtype(path, saved_dtype, f"{where}.dtype")
+        try:
+            layer = KiviLayer(config.for_layer(i), sliding_window=sliding)
+        except ValueError as e:
+            raise PrefixFileError(f"{path}: {where}: {str(e).splitlines()[0]}") from None
+        sides = {}
+        for label, side in (("k", layer.k), ("v", layer.v)):
+            sm = r.get(lm, label, where, "dict")
+            sides[label] = plan = plan_side(path, r, sm, layer, side, seen, due, dtype, dims, header.table,
+                                            f"layer{i}.{label}")
+            expected.update(expected_tensors(f"layer{i}.{label}", plan, dtype, dims))
+            tails += tail_bytes(plan, dims)
+        plans.append(LayerPlan(layer, seen, due, initialized, dtype, sides))
+    return plans, expected, tails
 
 
 # ---------------------------------------------------------------------------------------------- load
 def load_cache(path: str | os.PathLike, *, fingerprint: dict[str, Any], config: KiviConfig | None = None,
-               windows: list[int | None] | None = None, device: str | torch.device = "cpu") -> tuple[KiviConfig, list[KiviLayer], torch.Tensor | None]:
+               windows: list[int | None] | None = None, device: str | torch.device = "cpu",
+               kv_heads: int | None = None, head_dim: int | None = None,
+               ) -> tuple[KiviConfig, list[KiviLayer], torch.Tensor | None]:
     """``(config, layers, input_ids or None)`` of the cache in a file written by :func:`save_cache`
     (:meth:`KiviCache.load <kivi.cache.cache.KiviCache.load>` builds the cache from them).
 
-    Checks in this order, each failure a :class:`PrefixFileError` before anything is built: the
-    header (:func:`read_header`), ``fingerprint`` (:func:`check_fingerprint`), ``config`` when
-    given (:func:`check_config`), the layers against the model's ``windows`` when given (:func:`check_layers`),
-    every tensor's checksum and shape. The layers live on ``device``; the config is ``config`` when
-    given (it may differ in ``attention_backend``), else the file's.
+    The file is untrusted input. Checks in this order, each failure a :class:`PrefixFileError` before
+    anything is built: the header (:func:`read_header`: format, version, size, the tensor table's byte
+    ranges, the metadata checksum), ``fingerprint`` (:func:`check_fingerprint`), ``config`` when given
+    (:func:`check_config`), the layers against the model's ``windows`` when given (:func:`check_layers`),
+    the structure against the config and the schedule and every tensor's dtype and shape against what
+    that structure needs (:func:`plan_cache`, :func:`~kivi.cache.persist_checks.check_tensor_table`;
+    ``kv_heads`` / ``head_dim``: the model's, else the fingerprint's, else the file's), the memory the
+    cache allocates beyond the file's bytes (:func:`~kivi.cache.persist_checks.check_allocation`), then,
+    tensor by tensor, its checksum and values (:func:`~kivi.cache.persist_checks.check_values`). The
+    layers live on ``device``; the config is ``config`` when given (it may differ in
+    ``attention_backend``), else the file's.
     """
     from safetensors import safe_open
 
@@ -325,64 +312,67 @@ def load_cache(path: str | os.PathLike, *, fingerprint: dict[str, Any], config: 
         check_config(header, config)
     if windows is not None:
         check_layers(header, windows)
-    meta = header.meta
-    sums = meta["tensor_sha256"]
-    if set(sums) != set(header.offsets):
-        missing = sorted(set(sums) - set(header.offsets)) or sorted(set(header.offsets) - set(sums))
-        raise PrefixFileError(f"{header.path}: tensor list does not match the metadata (e.g. {missing[0]!r})")
+    cfg = config if config is not None else header.config
+    plans, expected, tails = plan_cache(header, cfg, known_dims(fingerprint, kv_heads, head_dim))
+    check_tensor_table(header.path, header.table, expected)
+    check_allocation(header.path, tails, header.payload)
+    sums = _Reader(header.path).get(header.meta, "tensor_sha256", "", "dict")
+    if set(sums) != set(expected) or not all(isinstance(v, str) for v in sums.values()):
+        odd = sorted(set(sums) ^ set(expected)) or sorted(k for k, v in sums.items() if not isinstance(v, str))
+        raise PrefixFileError(f"{header.path}: metadata field tensor_sha256 does not list the file's tensors "
+                              f"(e.g. {odd[0]!r})")
+    vocab = fingerprint.get("vocab_size")
+    vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
     tensors: dict[str, torch.Tensor] = {}
     try:
         with safe_open(str(header.path), framework="pt") as f:
-            for name in sorted(sums):
+            for name in sorted(expected):
                 t = f.get_tensor(name)
                 if tensor_sha256(t) != sums[name]:
                     raise PrefixFileError(f"{header.path}: checksum mismatch in tensor {name}")
+                check_values(header.path, name, t, vocab)
                 tensors[name] = t
     except PrefixFileError:
         raise
-    except Exception as e:  # safetensors' own errors on a damaged header
+    except Exception as e:  # safetensors' own errors on a damaged file
         raise PrefixFileError(f"{header.path}: cannot read tensors ({str(e).splitlines()[0]})") from None
-    cfg = config if config is not None else header.config
-    layers = [_build_layer(lm, cfg.for_layer(i), f"layer{i}", tensors, device, header.path)
-              for i, lm in enumerate(meta["cache"]["layers"])]
+    dims = cache_dims(header.table, known_dims(fingerprint, kv_heads, head_dim), header.meta["cache"])
+    layers = [_build_layer(p, f"layer{i}", tensors, device, dims) for i, p in enumerate(plans)]
     ids = tensors.get("input_ids")
     return cfg, layers, None if ids is None else ids.to(device)
 
 
-def _build_layer(lm: dict[str, Any], config: KiviConfig, name: str, tensors: dict[str, torch.Tensor],
-                 device: str | torch.device, path: Path) -> KiviLayer:
-    layer = KiviLayer(config, sliding_window=lm["sliding_window"])
-    layer.seen = lm["seen"]
-    layer._due = bool(lm["due"])
-    layer.dtype = None if lm["dtype"] is None else _DTYPES[lm["dtype"]]
-    if lm["initialized"]:
+def _build_layer(plan: LayerPlan, name: str, tensors: dict[str, torch.Tensor], device: str | torch.device,
+                 dims: dict[str, int | None]) -> KiviLayer:
+    layer = plan.layer
+    layer.seen = plan.seen
+    layer._due = plan.due
+    layer.dtype = plan.dtype
+    if plan.initialized:
         layer.device = torch.device(device)
         layer.is_initialized = True
     for label, side in (("k", layer.k), ("v", layer.v)):
-        sm = lm[label]
         for field in ("window", "window_valid", "sink", "stored_valid"):
-            if sm[field]:
-                setattr(side, field, tensors[f"{name}.{label}.{field}"].to(device))
-        side.store = _build_store(sm["store"], f"{name}.{label}", tensors, device, path)
+            t = tensors.get(f"{name}.{label}.{field}")
+            if t is not None:
+                setattr(side, field, t.to(device))
+        side.store = _build_store(plan.sides[label], layer.config.block_size, f"{name}.{label}", tensors, device,
+                                  dims)
     return layer
 
 
-def _build_store(sm: dict[str, Any], name: str, tensors: dict[str, torch.Tensor], device: str | torch.device,
-                 path: Path) -> BlockStore:
-    store = BlockStore(sm["block_size"])
-    tm = sm["template"]
-    if tm is not None:
-        empty = {k: torch.empty((f["shape"][0], f["shape"][1], 0, *f["shape"][2:]), dtype=_DTYPES[f["dtype"]],
-                                device=device) for k, f in tm["fields"].items()}
-        if tm["kind"] == "fp":
-            store.template = FpSegment(empty["data"], tm["axis"], tm["group_size"])
-        else:
-            store.template = PackedKV(packed=empty["packed"], scale=empty["scale"], offset=empty.get("offset"),
-                                      comp=empty.get("comp"), bits=tm["bits"], group_size=tm["group_size"],
-                                      axis=tm["axis"], head_dim=tm["head_dim"], residual_bits=tm["residual_bits"])
-    store.length, store.start = sm["length"], sm["start"]
-    store.starts, store.caps = list(sm["starts"]), list(sm["caps"])
-    for j, (present, cap) in enumerate(zip(sm["present"], sm["caps"])):
+def _build_store(plan: SidePlan, block_size: int, name: str, tensors: dict[str, torch.Tensor],
+                 device: str | torch.device, dims: dict[str, int | None]) -> BlockStore:
+    """The side's block store from its checked plan: every size from the plan, the rows from the file."""
+    store = BlockStore(block_size)
+    if plan.template is not None:
+        B, H = dims["batch"], dims["heads"]
+        store.template = plan.template.with_tensors(**{
+            k: torch.empty((B, H, 0, *t.shape[3:]), dtype=t.dtype, device=device)
+            for k, t in plan.template.tensors().items()})
+    store.length, store.start = plan.length, plan.start
+    store.starts, store.caps = list(plan.starts), list(plan.caps)
+    for j, (present, cap) in enumerate(zip(plan.present, plan.caps)):
         if not present:
             store.blocks.append(None)
             continue
@@ -390,10 +380,6 @@ def _build_store(sm: dict[str, Any], name: str, tensors: dict[str, torch.Tensor]
         for field, t in store.template.tensors().items():
             saved = tensors[f"{name}.block{j}.{field}"]
             rows = cap // _divisor(store.template, field)
-            want = (*t.shape[:2], _filled(store, j) // _divisor(store.template, field), *t.shape[3:])
-            if tuple(saved.shape) != want or saved.dtype != t.dtype:
-                raise PrefixFileError(f"{path}: tensor {name}.block{j}.{field} has shape {tuple(saved.shape)} "
-                                      f"{saved.dtype}, the metadata says {want} {t.dtype}")
             full = torch.zeros((*t.shape[:2], rows, *t.shape[3:]), dtype=t.dtype, device=device)
             full[:, :, : saved.shape[2]].copy_(saved)  # the unused tail of the block stays zero
             blk[field] = full
@@ -401,5 +387,5 @@ def _build_store(sm: dict[str, Any], name: str, tensors: dict[str, torch.Tensor]
     return store
 
 
-__all__ = ["save_cache", "load_cache", "read_header", "check_fingerprint", "check_config", "check_layers",
+__all__ = ["save_cache", "check_savable", "write_error", "load_cache", "read_header", "check_fingerprint", "check_config", "check_layers", "plan_cache",
            "tensor_sha256", "PrefixFileError", "PrefixHeader", "FORMAT", "FORMAT_VERSION"]

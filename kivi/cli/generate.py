@@ -21,7 +21,7 @@ from .common import (
     seed,
     utf8_text,
 )
-from .prefix import add_prefix_args, check_prefix_args, prefix_inputs
+from .prefix import add_prefix_args, check_prefix_args, check_save_config, prefix_inputs
 
 
 def register(sub: Any) -> None:
@@ -115,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
     if args.full_precision_first and args.cache_budget is None:
         raise CliError("--full-precision-first goes with --cache-budget (it sets how long the budget allows "
                        "full precision)")
+    check_save_config(args, cfg)  # before loading; again below for a config picked by --cache-budget
     prompt = read_prompt(args)
 
     import torch
@@ -142,8 +143,9 @@ def run(args: argparse.Namespace) -> int:
             from .estimate import render_pick
 
             render_pick(pick, file=sys.stderr)
+    check_save_config(args, cfg)
     quantize_model(model, cfg)
-    ids, prefix_kwargs, prefix_info = prefix_inputs(args, model, tokenizer, prompt, ids.to(model.device))
+    ids, prefix_kwargs, prefix_info, saver = prefix_inputs(args, model, tokenizer, prompt, ids.to(model.device))
     n_prompt = ids.shape[-1]
     check_context_fits(model, n_prompt + args.max_new_tokens,
                        f"the prompt ({n_prompt} tokens) + --max-new-tokens {args.max_new_tokens}")
@@ -196,8 +198,12 @@ def run(args: argparse.Namespace) -> int:
         "tokens_per_s": len(new_ids) / elapsed if elapsed > 0 else None,
         **prefix_info,
     }
+    if saver is not None:
+        result["prefix_saved"] = saver.error is None
     if args.json:
         print_json(result)
+        if saver is not None:
+            saver.check()  # a failed --save-prefix: one line after the result, exit 2
         return 0
     from ..memory import format_bytes
 
@@ -212,4 +218,6 @@ def run(args: argparse.Namespace) -> int:
         line += (f" (only {cache_tokens} tokens: they are all still in the full-precision window of "
                  f"R={cfg.residual_length}, so nothing is quantized yet; try a longer prompt)")
     print(line, file=sys.stderr)
+    if saver is not None:
+        saver.check()  # a failed --save-prefix: one line after the result, exit 2
     return 0
