@@ -188,7 +188,8 @@ def backend_named(name: str | Backend, config: Any = None) -> Backend:
     try:
         return BACKEND_CLASSES[name](config)
     except (KeyError, TypeError):
-        raise ValueError(f"attention backend {name!r} is not resolved; expected one of {list(BACKEND_CLASSES)}") from None
+        raise ValueError(f"attention backend {name!r} is not resolved; expected one of "
+                         f"{list(BACKEND_CLASSES)}") from None
 
 
 def kernel_config_unsupported(config: Any) -> str | None:

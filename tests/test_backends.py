@@ -87,15 +87,14 @@ def test_decode_steps_of_a_cache_do_not_rescan_formats(monkeypatch):
     pytest.importorskip("numba")
     import torch
 
+    import kivi.attention.fused_cpu as fused
     from kivi import KiviConfig, quantize_model
     from kivi.backends import CpuBackend
     from kivi.cache import KiviCache
     from tests.helpers import tiny_model
 
-    import kivi.attention.fused_cpu as fused
-
-    model = quantize_model(tiny_model("llama", num_key_value_heads=2), KiviConfig(group_size=8, residual_length=8,
-                                                                                  block_size=16, attention_backend="cpu"))
+    cfg = KiviConfig(group_size=8, residual_length=8, block_size=16, attention_backend="cpu")
+    model = quantize_model(tiny_model("llama", num_key_value_heads=2), cfg)
     scans, kernel_calls = [], []
     real_reasons, real_kernel = CpuBackend.format_reasons, fused.fused_decode_attention
     monkeypatch.setattr(CpuBackend, "format_reasons", staticmethod(lambda *a: scans.append(a) or real_reasons(*a)))

@@ -60,7 +60,8 @@ class KiviPagedCache(PagedAttentionCache):
         self.device = device
         self.layout = layout
         #: ``None``: update returns the batch's keys / values dequantized (transformers' SDPA reads them);
-        #: a backend (``"cpu"`` / ``"reference"``, :class:`kivi.backends.Backend` or its name): it returns :class:`PagedBatchViews` that kivi's backend reads packed
+        #: a backend (``"cpu"`` / ``"reference"``: a :class:`kivi.backends.Backend` or its name): it returns
+        #: :class:`PagedBatchViews` that kivi's backend reads packed
         self.packed_backend = packed_backend
         self.max_blocks_per_request = 0  # no decode fast path: no kernel reads KIVI pages by block table
         allocator = KiviPageAllocator(0, list(range(layout.num_layers)), layout,
