@@ -157,7 +157,7 @@ def bits_at_arg(text: str) -> int | None:
 def cmd_tune(args: argparse.Namespace) -> int:
     from ..config import KiviConfig
     from ..eval.candidates import candidate_grid, tiers_comparable
-    from ..eval.sweep import NoCandidateFits, parse_percent, tune
+    from ..eval.tuning import NoCandidateFits, parse_percent, tune
 
     if args.max_ppl_increase is None and args.max_bits is None:
         raise ValueError("give a budget: --max-ppl-increase 5%% and/or --max-bits 4".replace("%%", "%"))

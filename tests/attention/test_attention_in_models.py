@@ -209,7 +209,7 @@ def test_packed_states_reach_the_backend_through_the_call(monkeypatch):
     n_layers = model.config.num_hidden_layers
     assert len(seen_backend) == n_layers
     for (k, v), (backend, kv, vv) in zip(seen_updates[-n_layers:], seen_backend):
-        assert isinstance(k, PackedStates) and backend == "cpu"
+        assert isinstance(k, PackedStates) and backend is cache.backend and backend.name == "cpu"  # the cache's object
         assert kv is k.view and vv is v.view
 
 
