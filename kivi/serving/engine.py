@@ -98,13 +98,24 @@ class Sampling:
 _PROCESSOR_DEFAULTS = {"temperature": 0.5, "top_k": 1, "top_p": 0.5}
 
 
+@dataclasses.dataclass(frozen=True)
+class Aborted:
+    """The last thing a request's callback receives when the server ends it early (:meth:`Engine.abort_open_requests`)."""
+
+    reason: str
+
+
 @dataclasses.dataclass
 class EngineStats:
-    """What ``GET /health`` reports about the cache and the requests."""
+    """What ``GET /health`` reports about the cache and the requests. ``free_fraction`` counts free
+    blocks only: ``blocks_cached`` (complete blocks no request holds, kept for prefix sharing: a later
+    request with the same prefix reuses them; the scheduler evicts them when it needs the room) are
+    not free, so it stays below 1 after traffic with ``blocks_held == 0``."""
 
     blocks_total: int
     blocks_held: int
     requests_holding_blocks: int
+    blocks_cached: int
     free_fraction: float
     requests_open: int
     requests_done: int
@@ -128,6 +139,10 @@ class Engine:
         self.model, self.tokenizer, self.kivi_config = model, tokenizer, kivi_config
         self.max_context = model_max_context(model)
         self.max_new_tokens = max_new_tokens
+        #: the most characters a prompt of ``max_context`` tokens can have when every token is the
+        #: vocabulary's longest (in characters: byte-level vocabularies spell a byte as one character)
+        self.max_text_chars = self.max_context * max(map(len, tokenizer.get_vocab()), default=1)
+        self._closing: str | None = None
         eos = model.generation_config.eos_token_id
         if eos is None:
             eos = tokenizer.eos_token_id
@@ -159,6 +174,15 @@ class Engine:
         self._dispatcher.start()
 
     # ------------------------------------------------------------------ requests
+    def check_text_length(self, chars: int, *, field: str) -> None:
+        """Refuse text that cannot fit the context whatever it tokenizes to (:attr:`max_text_chars`),
+        before the tokenizer spends time and memory on it."""
+        if chars > self.max_text_chars:
+            raise RequestRefused(
+                f"{field} has {chars:,} characters: more than this model's maximum context of {self.max_context} "
+                f"tokens can hold (at most {self.max_text_chars:,} characters)", code="context_length_exceeded",
+                param=field)
+
     def plan(self, prompt_tokens: int, max_tokens: int | None, *, prompt_field: str = "prompt") -> int:
         """The ``max_new_tokens`` a request of ``prompt_tokens`` gets (``max_tokens`` asked, or ``None`` for
         as many as fit the context, the budget and the server's cap); :class:`RequestRefused` when it cannot run
@@ -202,6 +226,8 @@ class Engine:
         problem = self.fatal_error()
         if problem is not None:
             raise RuntimeError(f"the generation loop has stopped: {problem}")
+        if self._closing is not None:
+            raise RuntimeError(self._closing)
         loop = asyncio.get_running_loop()
         with self._lock:
             request_id = f"kivi-{self._next_id}"
@@ -224,6 +250,21 @@ class Engine:
                 return  # finished (or cancelled) already
             self._counts["done" if stopped else "cancelled"] += 1
         self.manager.cancel_request(request_id)
+
+    def close(self, reason: str) -> None:
+        """Take no new request from now on (:meth:`submit` raises ``RuntimeError(reason)``)."""
+        self._closing = reason
+
+    def abort_open_requests(self, reason: str) -> int:
+        """End every open request now: its callback gets :class:`Aborted` ``(reason)`` as its last output
+        and the manager drops it (frees its pages). Returns how many there were (counted as cancelled)."""
+        with self._lock:
+            routes, self._routes = self._routes, {}
+            self._counts["cancelled"] += len(routes)
+        for request_id, (loop, callback) in routes.items():
+            self.manager.cancel_request(request_id)
+            loop.call_soon_threadsafe(callback, Aborted(reason))
+        return len(routes)
 
     def _dispatch(self) -> None:
         """Route the manager's outputs to the loop of the request they belong to (a background thread)."""
@@ -262,8 +303,9 @@ class Engine:
         """Blocks held by requests, read from the cache's allocators (copies: the generation thread
         mutates them; a dict copy is atomic under the GIL)."""
         cache = self.manager.batch_processor.cache
-        held, holders = 0, set()
+        held, holders, cached = 0, set(), 0
         for allocator in list(cache.cache_allocators.values()):
+            cached += len(allocator.ledger.cached_blocks)
             for request_id, blocks in dict(allocator.block_table).items():
                 held += len(blocks)
                 if blocks:
@@ -271,7 +313,8 @@ class Engine:
         with self._lock:
             open_requests, counts = len(self._routes), dict(self._counts)
         return EngineStats(blocks_total=int(cache.num_blocks), blocks_held=held, requests_holding_blocks=len(holders),
-                           free_fraction=round(float(cache.compute_free_capacity()), 6), requests_open=open_requests,
+                           blocks_cached=cached, free_fraction=round(float(cache.compute_free_capacity()), 6),
+                           requests_open=open_requests,
                            requests_done=counts["done"], requests_cancelled=counts["cancelled"],
                            requests_failed=counts["failed"])
 

@@ -23,5 +23,4 @@ def server(checkpoint):
     pytest.importorskip("httpx")
     proc = ServeProcess(["--model", str(checkpoint), *SERVE_ARGS])
     yield proc
-    rc = proc.stop()
-    assert rc == 0, f"kivi serve exited with {rc}:\n{proc.output}"
+    proc.stop_cleanly()

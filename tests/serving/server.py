@@ -98,3 +98,10 @@ class ServeProcess:
                 self.proc.wait()
         self.output = self.proc.stdout.read()
         return self.proc.returncode
+
+    def stop_cleanly(self) -> None:
+        """:meth:`stop`, checking that Ctrl-C ended the server as every kivi command ends: status 130 and
+        one line after the banner."""
+        rc = self.stop()
+        after_banner = self.output.split(" new tokens per request", 1)[-1].splitlines()[1:]
+        assert rc == 130 and after_banner == ["kivi serve: interrupted"], f"kivi serve exited with {rc}:\n{self.output}"
