@@ -60,7 +60,9 @@ def serve_until_signal(app: Any, engine: Engine, sock: socket.socket, *, grace_s
             if self.loop is not None:
                 self.loop.call_soon_threadsafe(_drain, self.loop, engine, grace_s if len(self.signals) == 1 else 0.0)
 
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s + _BACKSTOP_S)
+    # lifespan "off": the app has no startup / shutdown hooks, and a task waiting for the shutdown event
+    # is one more thing to cancel (with a logged traceback) when a second Ctrl-C cuts the shutdown short
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s + _BACKSTOP_S, lifespan="off")
     server = _Server(config)
     previous = {s: signal.signal(s, _ignore) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
