@@ -22,5 +22,11 @@ class ApiError(Exception):
 
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+    return {"error": {"message": _text(message), "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": None if param is None else _text(param), "code": code}}
+
+
+def _text(s: str) -> str:
+    """``s`` as UTF-8-encodable text: a request's own field names and values can hold lone surrogates
+    (JSON's ``\\ud800``), which no response could be encoded with; they are written ``\\ud800``."""
+    return s.encode("utf-8", "backslashreplace").decode("utf-8")
