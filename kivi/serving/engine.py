@@ -107,15 +107,11 @@ class Aborted:
 
 @dataclasses.dataclass
 class EngineStats:
-    """What ``GET /health`` reports about the cache and the requests. ``free_fraction`` counts free
-    blocks only: ``blocks_cached`` (complete blocks no request holds, kept for prefix sharing: a later
-    request with the same prefix reuses them; the scheduler evicts them when it needs the room) are
-    not free, so it stays below 1 after traffic with ``blocks_held == 0``."""
+    """What ``GET /health`` reports about the cache and the requests."""
 
     blocks_total: int
     blocks_held: int
     requests_holding_blocks: int
-    blocks_cached: int
     free_fraction: float
     requests_open: int
     requests_done: int
@@ -303,9 +299,8 @@ class Engine:
         """Blocks held by requests, read from the cache's allocators (copies: the generation thread
         mutates them; a dict copy is atomic under the GIL)."""
         cache = self.manager.batch_processor.cache
-        held, holders, cached = 0, set(), 0
+        held, holders = 0, set()
         for allocator in list(cache.cache_allocators.values()):
-            cached += len(allocator.ledger.cached_blocks)
             for request_id, blocks in dict(allocator.block_table).items():
                 held += len(blocks)
                 if blocks:
@@ -313,8 +308,7 @@ class Engine:
         with self._lock:
             open_requests, counts = len(self._routes), dict(self._counts)
         return EngineStats(blocks_total=int(cache.num_blocks), blocks_held=held, requests_holding_blocks=len(holders),
-                           blocks_cached=cached, free_fraction=round(float(cache.compute_free_capacity()), 6),
-                           requests_open=open_requests,
+                           free_fraction=round(float(cache.compute_free_capacity()), 6), requests_open=open_requests,
                            requests_done=counts["done"], requests_cancelled=counts["cancelled"],
                            requests_failed=counts["failed"])
 
