@@ -8,8 +8,17 @@ import sys
 from typing import Any
 
 from . import CliError
-from .common import (add_config_args, add_model_args, byte_size, config_from_args, load_model_from_args,
-                     non_negative_float, port_number, positive_int, utf8_text)
+from .common import (
+    add_config_args,
+    add_model_args,
+    byte_size,
+    config_from_args,
+    load_model_from_args,
+    non_negative_float,
+    port_number,
+    positive_int,
+    utf8_text,
+)
 
 DEFAULT_PRESET = "balanced"
 GRACEFUL_SHUTDOWN_S = 5.0
@@ -39,7 +48,8 @@ def register(sub: Any) -> None:
     p.add_argument("--cache-memory", default="512MiB", type=byte_size,
                    help="bytes of the paged KV cache shared by all requests, e.g. 512MiB, 2GiB (default 512MiB)")
     p.add_argument("--max-new-tokens", type=positive_int, default=512,
-                   help="most tokens one request may generate, and the default when it sets no max_tokens (default 512)")
+                   help="most tokens one request may generate, and the default when it sets no max_tokens "
+                   "(default 512)")
     p.add_argument("--max-batch-tokens", type=positive_int, default=512,
                    help="tokens per forward (prompts are prefilled in chunks of this size; default 512)")
     p.add_argument("--served-model-name", default=None, type=utf8_text, help="the model id /v1/models lists (default: --model)")

@@ -100,7 +100,8 @@ _PROCESSOR_DEFAULTS = {"temperature": 0.5, "top_k": 1, "top_p": 0.5}
 
 @dataclasses.dataclass(frozen=True)
 class Aborted:
-    """The last thing a request's callback receives when the server ends it early (:meth:`Engine.abort_open_requests`)."""
+    """The last thing a request's callback receives when the server ends it early
+    (:meth:`Engine.abort_open_requests`)."""
 
     reason: str
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 #: HTTP status -> OpenAI error ``type``
-ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+               405: "invalid_request_error",
                413: "invalid_request_error", 422: "invalid_request_error",
                499: "invalid_request_error", 500: "server_error", 503: "server_error"}
 

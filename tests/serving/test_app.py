@@ -36,7 +36,8 @@ class SlowTokenizer:
 @pytest.fixture(scope="module")
 def engine():
     tok = tiny_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE.replace("<{{ m['role'] }}>", "<{{ m['role'] }}{% if m.name %} {{ m.name }}{% endif %}>")
+    tok.chat_template = CHAT_TEMPLATE.replace("<{{ m['role'] }}>",
+                                              "<{{ m['role'] }}{% if m.name %} {{ m.name }}{% endif %}>")
     e = Engine(tiny_chat_model(), SlowTokenizer(tok), None, cache_memory=2**20, max_new_tokens=16,
                factory=init_continuous_batching)
     yield e
