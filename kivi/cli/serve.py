@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import argparse
-import socket
+import os
 import sys
 from typing import Any
 
 from . import CliError
-from .common import add_config_args, add_model_args, byte_size, config_from_args, load_model_from_args, port_number, positive_int, utf8_text
+from .common import (
+    add_config_args,
+    add_model_args,
+    byte_size,
+    config_from_args,
+    load_model_from_args,
+    non_negative_float,
+    port_number,
+    positive_int,
+    utf8_text,
+)
 
 DEFAULT_PRESET = "balanced"
-GRACEFUL_SHUTDOWN_S = 5
+GRACEFUL_SHUTDOWN_S = 5.0
+#: the environment variable --api-key defaults to (a key on the command line is visible to every local user)
+API_KEY_ENV = "KIVI_API_KEY"
 
 
 def register(sub: Any) -> None:
@@ -36,13 +48,22 @@ def register(sub: Any) -> None:
     p.add_argument("--cache-memory", default="512MiB", type=byte_size,
                    help="bytes of the paged KV cache shared by all requests, e.g. 512MiB, 2GiB (default 512MiB)")
     p.add_argument("--max-new-tokens", type=positive_int, default=512,
-                   help="most tokens one request may generate, and the default when it sets no max_tokens (default 512)")
+                   help="most tokens one request may generate, and the default when it sets no max_tokens "
+                   "(default 512)")
     p.add_argument("--max-batch-tokens", type=positive_int, default=512,
                    help="tokens per forward (prompts are prefilled in chunks of this size; default 512)")
     p.add_argument("--served-model-name", default=None, type=utf8_text, help="the model id /v1/models lists (default: --model)")
     p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--float-cache", action="store_true",
                    help="transformers' float paged cache instead of KIVI pages (the baseline)")
+    p.add_argument("--api-key", default=None, type=utf8_text,
+                   help=f"require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise; /health stays open); "
+                   f"default: ${API_KEY_ENV}, else no key. Set one before --host 0.0.0.0")
+    p.add_argument("--max-body-size", default="4MiB", type=byte_size,
+                   help="largest request body read, e.g. 1MiB (413 beyond it; default 4MiB)")
+    p.add_argument("--shutdown-timeout", type=non_negative_float, default=GRACEFUL_SHUTDOWN_S, metavar="SECONDS",
+                   help="on Ctrl-C / SIGTERM, how long open requests may still run before they are ended with an "
+                   f"error (default {GRACEFUL_SHUTDOWN_S:g}; 0: at once)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug", "trace"), help="uvicorn log level (default warning)")
     add_config_args(p)
     # a server's process ends right after a clean shutdown: see kivi.cli._exit_now
@@ -73,27 +94,47 @@ def _check_args(args: argparse.Namespace) -> tuple[Any, int]:
     return (cfg if cfg is not None else KiviConfig.preset(DEFAULT_PRESET)), cache_memory
 
 
-def _check_port_free(host: str, port: int) -> None:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise CliError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $KIVI_API_KEY, else None (no key); an empty or non-UTF-8 key is refused."""
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if key is None:
+        return None
+    if not key.strip():
+        raise CliError(f"--api-key / ${API_KEY_ENV} is empty; give a key, or unset it to serve without one")
+    try:
+        return utf8_text(key.strip())
+    except argparse.ArgumentTypeError as e:
+        raise CliError(f"--api-key / ${API_KEY_ENV} {e}") from None
 
 
 def run(args: argparse.Namespace) -> int:
     kivi_config, cache_memory = _check_args(args)
+    api_key = _api_key(args)
     try:
         import fastapi  # noqa: F401
         import openai  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError as e:
         raise CliError(f"kivi serve needs the serve extra ({e.name} is missing): pip install 'kivi[serve]'") from None
-    _check_port_free(args.host, args.port)
+    from ..serving.lifecycle import listen
+
+    try:  # bound now, kept for uvicorn: a second server on this port fails here, before loading anything
+        sock = listen(args.host, args.port)
+    except OSError as e:
+        raise CliError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    try:
+        return _serve(args, sock, kivi_config, cache_memory, api_key)
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, sock: Any, kivi_config: Any, cache_memory: int, api_key: str | None) -> int:
+    """Load the model, start the engine, serve on ``sock`` until a signal: 0, or 128 + the signal."""
+    import signal
 
     from ..serving.app import build_app
     from ..serving.engine import Engine
+    from ..serving.lifecycle import serve_until_signal
 
     model, tokenizer = load_model_from_args(args)  # --weight-bits 8 / 4: quanto weights
     if not getattr(tokenizer, "is_fast", False):
@@ -109,15 +150,17 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     try:
         name = args.served_model_name or args.model
-        app = build_app(engine, model_name=name)
+        app = build_app(engine, model_name=name, api_key=api_key, max_body_bytes=args.max_body_size)
         cache = "float pages" if kivi_config is None else f"KIVI pages (k{kivi_config.k_bits}/v{kivi_config.v_bits})"
         stats = engine.stats()
+        key = "API key required" if api_key else "no API key"
         print(f"kivi serve: {name} on http://{args.host}:{args.port}/v1 — {cache}, {cache_memory:,} bytes "
-              f"({stats.blocks_total} blocks), max {args.max_new_tokens} new tokens per request", file=sys.stderr,
-              flush=True)
-        # on Ctrl-C / SIGTERM, open requests get GRACEFUL_SHUTDOWN_S to finish, then are cancelled
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+              f"({stats.blocks_total} blocks), max {args.max_new_tokens} new tokens per request, {key}",
+              file=sys.stderr, flush=True)
+        stopped_by = serve_until_signal(app, engine, sock, grace_s=args.shutdown_timeout, log_level=args.log_level)
     finally:
         engine.stop()
-    return 0
+    if stopped_by is None:
+        return 0
+    print(f"kivi serve: {'interrupted' if stopped_by == signal.SIGINT else 'terminated'}", file=sys.stderr, flush=True)
+    return 128 + int(stopped_by)

@@ -15,13 +15,15 @@ enters the scheduler (a request larger than the cache stalls or fails the whole 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
@@ -31,21 +33,37 @@ from transformers.cli.serving.utils import BaseHandler, Modality
 from ..batching.requests import InvalidRequest, RequestLimits, check_prompt_ids
 from .engine import Engine, RequestRefused, Sampling
 from .errors import ApiError, error_body
-from .params import GenerationRequest, parse_chat, parse_completion
-from .running import GenerationFailed, RunningRequest
+from .params import GenerationRequest, parse_chat, parse_completion, parse_json
+from .running import GenerationFailed, RequestAborted, RunningRequest
+
+#: the largest request body read by default (``kivi serve --max-body-size``): a body beyond it gets a 413
+#: before it is read
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 
 
-def build_app(engine: Engine, *, model_name: str) -> FastAPI:
-    """The app serving ``engine``'s model under ``model_name`` (any ``model`` in a request is accepted)."""
-    app = FastAPI(title="kivi serve", docs_url=None, redoc_url=None)
+def build_app(engine: Engine, *, model_name: str, api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The app serving ``engine``'s model under ``model_name`` (any ``model`` in a request is accepted).
+
+    ``api_key``: every ``/v1/`` route wants ``Authorization: Bearer <api_key>`` (401 otherwise);
+    ``GET /health`` stays open. A body is read up to ``max_body_bytes`` (413 beyond); parsing, checking
+    and tokenizing a request run on one worker thread, so a large prompt never holds up the event loop
+    (``/health``, streams in flight).
+    """
+    app = FastAPI(title="kivi serve", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
     # transformers' handlers, used only for their response builders (no model manager, no generation state)
     chat_builder = ChatCompletionHandler(model_manager=None, generation_state=None)  # type: ignore[arg-type]
     text_builder = CompletionHandler(model_manager=None, generation_state=None)  # type: ignore[arg-type]
+    # one thread: the tokenizer is not shared across threads, and requests are prepared in arrival order
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kivi-serve-prepare")
+    names = _NameSupport(engine.tokenizer)
+    authorize = _authorizer(api_key)
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -55,12 +73,27 @@ def build_app(engine: Engine, *, model_name: str) -> FastAPI:
     async def _server_error(_request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse(error_body(500, f"{type(exc).__name__}: {exc}"), status_code=500)
 
-    @app.get("/v1/models")
+    async def prepare(request: Request, parse: Callable[[Any], GenerationRequest],
+                      tokenize: Callable[[GenerationRequest], list[int]]) -> tuple[GenerationRequest, list[int]]:
+        raw = await _read_body(request, max_body_bytes)
+
+        def work() -> tuple[GenerationRequest, list[int]]:
+            req = parse(parse_json(raw))
+            field = "messages" if req.messages else "prompt"
+            try:
+                engine.check_text_length(req.text_chars, field=field)
+            except RequestRefused as e:
+                raise ApiError(400, str(e), param=e.param, code=e.code) from None
+            return req, tokenize(req)
+
+        return await asyncio.get_running_loop().run_in_executor(worker, work)
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "kivi"}]}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         problem = engine.fatal_error()
         stats = vars(engine.stats()) if engine.manager.batch_processor is not None else {}
@@ -68,10 +101,9 @@ def build_app(engine: Engine, *, model_name: str) -> FastAPI:
             return JSONResponse({"status": "unhealthy", "reason": str(problem), "cache": stats}, status_code=503)
         return JSONResponse({"status": "ok", "model": model_name, "cache": stats})
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(request: Request):
-        req = parse_chat(await _json_body(request))
-        ids = _chat_ids(engine, req)
+        req, ids = await prepare(request, parse_chat, lambda r: _chat_ids(engine, r, names))
         running = _start(engine, ids, req, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -86,10 +118,9 @@ def build_app(engine: Engine, *, model_name: str) -> FastAPI:
         return chat_builder._build_completion(rid, text, model_name, finish_reason=running.finish_reason,
                                               usage=_usage(running))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(request: Request):
-        req = parse_completion(await _json_body(request))
-        ids = _prompt_ids(engine, req)
+        req, ids = await prepare(request, parse_completion, lambda r: _prompt_ids(engine, r))
         running = _start(engine, ids, req, "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -107,20 +138,72 @@ def build_app(engine: Engine, *, model_name: str) -> FastAPI:
     return app
 
 
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+def _authorizer(api_key: str | None) -> Callable[[Request], Any]:
+    """The check of ``Authorization: Bearer <api_key>`` (a constant-time comparison of the bytes);
+    with no key, every request passes."""
+    expected = None if api_key is None else api_key.encode("utf-8")
+
+    async def authorize(request: Request) -> None:  # async: FastAPI runs a plain function on a thread
+        if expected is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode("utf-8", "replace"), expected):
+            raise ApiError(401, "invalid or missing API key: send the server's key as 'Authorization: Bearer <key>' "
+                           "(kivi serve --api-key / KIVI_API_KEY)", code="invalid_api_key")
+
+    return authorize
 
 
-def _chat_ids(engine: Engine, req: GenerationRequest) -> list[int]:
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with a 413 as soon as it is known to exceed ``limit`` bytes (from
+    ``Content-Length`` before reading, or while reading a body sent without one)."""
+    too_large = ApiError(413, f"the request body is larger than this server's limit of {limit:,} bytes "
+                              "(kivi serve --max-body-size)", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class _NameSupport:
+    """Whether the chat template shows ``messages[].name`` (rendered once with a probe name): when it
+    does not, a request with a name gets a 400 rather than having it dropped."""
+
+    PROBE = "kivi-probe-name-7f3a"
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer, self._reads = tokenizer, None
+
+    def reads_name(self) -> bool:
+        if self._reads is None:
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": "x", "name": self.PROBE}], add_generation_prompt=True, tokenize=False)
+                self._reads = self.PROBE in str(text)
+            except Exception:  # noqa: BLE001 - a template that fails on the probe does not read names
+                self._reads = False
+        return self._reads
+
+
+def _chat_ids(engine: Engine, req: GenerationRequest, names: _NameSupport) -> list[int]:
     tok = engine.tokenizer
     if not getattr(tok, "chat_template", None):
         raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions with a prompt",
                        param="messages", code="no_chat_template")
     messages = BaseHandler.get_processor_inputs_from_messages(list(req.messages), Modality.LLM)
+    for i, (flat, given) in enumerate(zip(messages, req.messages)):
+        if "name" in given:
+            if not names.reads_name():
+                raise ApiError(400, f"unsupported field messages[{i}].name: this model's chat template does not "
+                               "show names, so it would be dropped", param=f"messages[{i}].name",
+                               code="unsupported_field")
+            flat["name"] = given["name"]
     try:
         enc = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
     except Exception as e:  # noqa: BLE001 - a template's own check (e.g. roles must alternate)
@@ -144,10 +227,10 @@ def _start(engine: Engine, ids: list[int], req: GenerationRequest, prompt_field:
         max_new = engine.plan(len(ids), req.max_tokens, prompt_field=prompt_field)
     except RequestRefused as e:
         raise ApiError(400, str(e), param=e.param, code=e.code) from None
-    sampling = Sampling(max_new, None if req.greedy else req.temperature, req.top_p)
+    sampling = Sampling(max_new, req.temperature, req.top_p)  # a tiny temperature is greedy (Sampling.greedy)
     try:
         return RunningRequest(engine, ids, sampling, req.stop)
-    except RuntimeError as e:  # the generation loop has stopped
+    except RuntimeError as e:  # the generation loop has stopped, or the server is shutting down
         raise ApiError(503, str(e), code="engine_stopped") from None
 
 
@@ -167,6 +250,8 @@ async def _complete(running: RunningRequest, request: Request) -> str:
         return task.result()
     except GenerationFailed as e:
         raise ApiError(500, f"generation failed: {e}", code="generation_failed") from None
+    except RequestAborted as e:
+        raise ApiError(503, str(e), code="server_shutting_down") from None
     finally:
         if not task.done():
             task.cancel()  # RunningRequest.deltas cancels the request in the engine
@@ -187,6 +272,8 @@ def _sse(events: AsyncIterator[str]) -> StreamingResponse:
                 yield event
         except GenerationFailed as e:
             yield f"data: {json.dumps(error_body(500, f'generation failed: {e}', code='generation_failed'))}\n\n"
+        except RequestAborted as e:
+            yield f"data: {json.dumps(error_body(503, str(e), code='server_shutting_down'))}\n\n"
         yield "data: [DONE]\n\n"
     return _SSEResponse(framed(), media_type="text/event-stream")
 

@@ -11,12 +11,22 @@ set of logits processors when the manager is built; per request it only takes pr
 manager is therefore built sampling, with a temperature, top-k and top-p processor, and every
 request passes all three: a greedy request is ``top_k=1`` (one token keeps a non-zero probability,
 so the multinomial draw is the argmax; the serving tests check it equals ``model.generate`` greedy).
+A temperature below :data:`GREEDY_BELOW` is greedy too: the processor divides float32 logits by it,
+and a temperature that rounds to 0 in float32 (``1e-300``) or makes a logit overflow (``1e-40``)
+gives ``inf``/``nan`` probabilities that the multinomial draw refuses.
+
+One request's failure stays its own: transformers ends its generation loop for good on any exception
+in a step (every later request would get a 503). :func:`_keep_loop_alive` makes such an exception
+fail the requests of that step's batch (they ran in one forward: which of them caused it is not
+known) and keeps the loop going; requests outside the batch, and later ones, are served as before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -40,6 +50,14 @@ ManagerFactory = Callable[..., ContinuousBatchingManager]
 DEFAULT_FACTORY: ManagerFactory = init_continuous_batching
 
 
+_log = logging.getLogger(__name__)
+
+#: Temperatures below this are greedy (vLLM's threshold, ``_SAMPLING_EPS``): at ``t = 1e-5`` a logit
+#: gap of 0.001 is already a probability ratio of e^100, and float32 logits divided by a much smaller
+#: ``t`` overflow (see the module docstring).
+GREEDY_BELOW = 1e-5
+
+
 class RequestRefused(ValueError):
     """A request the engine cannot serve; ``code`` is the OpenAI-style error code, ``param`` the field."""
 
@@ -50,15 +68,28 @@ class RequestRefused(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """How one request picks tokens. ``temperature=None``: greedy."""
+    """How one request picks tokens. ``temperature=None`` or below :data:`GREEDY_BELOW`: greedy.
+    ``top_p`` in ``(0, 1]``: the most likely token is always kept, so a ``top_p`` that rounds to 0 in
+    float32 is greedy as well."""
 
     max_new_tokens: int
     temperature: float | None = None
     top_p: float = 1.0
 
+    def __post_init__(self) -> None:
+        t, p = self.temperature, self.top_p
+        if t is not None and not (math.isfinite(t) and t >= 0):
+            raise ValueError(f"temperature={t!r} is invalid: a finite number >= 0, or None for greedy")
+        if not (0 < p <= 1):
+            raise ValueError(f"top_p={p!r} is invalid: a number in (0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature is None or self.temperature < GREEDY_BELOW
+
     def processor_kwargs(self) -> dict[str, Any]:
         """The per-request logits-processor arguments (see the module docstring: greedy is ``top_k=1``)."""
-        if self.temperature is None:
+        if self.greedy:
             return {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
         return {"temperature": float(self.temperature), "top_k": 0x7FFFFFFF, "top_p": float(self.top_p)}
 
@@ -66,6 +97,14 @@ class Sampling:
 #: What the manager is built with: its values only make transformers create the three processors;
 #: every request overrides all of them (Sampling.processor_kwargs).
 _PROCESSOR_DEFAULTS = {"temperature": 0.5, "top_k": 1, "top_p": 0.5}
+
+
+@dataclasses.dataclass(frozen=True)
+class Aborted:
+    """The last thing a request's callback receives when the server ends it early
+    (:meth:`Engine.abort_open_requests`)."""
+
+    reason: str
 
 
 @dataclasses.dataclass
@@ -102,6 +141,10 @@ class Engine:
         self.model, self.tokenizer, self.kivi_config = model, tokenizer, kivi_config
         self.max_context = model_max_context(model)
         self.max_new_tokens = max_new_tokens
+        #: the most characters a prompt of ``max_context`` tokens can have when every token is the
+        #: vocabulary's longest (in characters: byte-level vocabularies spell a byte as one character)
+        self.max_text_chars = self.max_context * max(map(len, tokenizer.get_vocab()), default=1)
+        self._closing: str | None = None
         eos = model.generation_config.eos_token_id
         if eos is None:
             eos = tokenizer.eos_token_id
@@ -113,6 +156,7 @@ class Engine:
         factory = DEFAULT_FACTORY if factory is None else factory
         self.manager = factory(model, kivi_config, cache_memory=cache_memory, generation_config=gen,
                                continuous_batching_config=cb)
+        _keep_loop_alive(self.manager)
         self._routes: dict[str, tuple[asyncio.AbstractEventLoop, Callable[[Any], None]]] = {}
         self._lock = threading.Lock()
         self._counts = {"done": 0, "cancelled": 0, "failed": 0}
@@ -132,6 +176,15 @@ class Engine:
         self._dispatcher.start()
 
     # ------------------------------------------------------------------ requests
+    def check_text_length(self, chars: int, *, field: str) -> None:
+        """Refuse text that cannot fit the context whatever it tokenizes to (:attr:`max_text_chars`),
+        before the tokenizer spends time and memory on it."""
+        if chars > self.max_text_chars:
+            raise RequestRefused(
+                f"{field} has {chars:,} characters: more than this model's maximum context of {self.max_context} "
+                f"tokens can hold (at most {self.max_text_chars:,} characters)", code="context_length_exceeded",
+                param=field)
+
     def plan(self, prompt_tokens: int, max_tokens: int | None, *, prompt_field: str = "prompt") -> int:
         """The ``max_new_tokens`` a request of ``prompt_tokens`` gets (``max_tokens`` asked, or ``None`` for
         as many as fit the context, the budget and the server's cap); :class:`RequestRefused` when it cannot run
@@ -172,6 +225,8 @@ class Engine:
         problem = self.fatal_error()
         if problem is not None:
             raise RuntimeError(f"the generation loop has stopped: {problem}")
+        if self._closing is not None:
+            raise RuntimeError(self._closing)
         loop = asyncio.get_running_loop()
         with self._lock:
             request_id = f"kivi-{self._next_id}"
@@ -194,6 +249,21 @@ class Engine:
                 return  # finished (or cancelled) already
             self._counts["done" if stopped else "cancelled"] += 1
         self.manager.cancel_request(request_id)
+
+    def close(self, reason: str) -> None:
+        """Take no new request from now on (:meth:`submit` raises ``RuntimeError(reason)``)."""
+        self._closing = reason
+
+    def abort_open_requests(self, reason: str) -> int:
+        """End every open request now: its callback gets :class:`Aborted` ``(reason)`` as its last output
+        and the manager drops it (frees its pages). Returns how many there were (counted as cancelled)."""
+        with self._lock:
+            routes, self._routes = self._routes, {}
+            self._counts["cancelled"] += len(routes)
+        for request_id, (loop, callback) in routes.items():
+            self.manager.cancel_request(request_id)
+            loop.call_soon_threadsafe(callback, Aborted(reason))
+        return len(routes)
 
     def _dispatch(self) -> None:
         """Route the manager's outputs to the loop of the request they belong to (a background thread)."""
@@ -246,3 +316,34 @@ class Engine:
         if self.manager.is_running():
             self.manager.stop(block=True, timeout=timeout, hard_stop=True)
         self._dispatcher.join(timeout=timeout)
+
+
+def _keep_loop_alive(manager: ContinuousBatchingManager) -> None:
+    """Make an exception in one step of ``manager``'s generation loop fail that step's requests only.
+
+    transformers' loop (``_run_generation_loop``) treats any exception of ``_generation_loop_body``
+    as fatal: it fails every request and stops for good. The body is wrapped here, on this one
+    manager (the manager class comes from the factory, so there is no subclass to put it in): the
+    requests of the batch being processed that are still active are failed with the error (their
+    output carries it, their blocks are freed) and the loop goes on. An exception with no active
+    request in the batch to blame is not a request's failure: it stays fatal, as before.
+    """
+    body = manager._generation_loop_body
+
+    def guarded(batch_processor: Any, bootstrapping: bool) -> bool:
+        try:
+            return body(batch_processor, bootstrapping)
+        except Exception as error:  # noqa: BLE001 - re-raised below when no request can be blamed
+            scheduler = batch_processor.scheduler
+            states = [f.state for f in batch_processor.inputs_and_outputs.prepare_batch_update()[0]]
+            blamed = [s for s in states if s.request_id in scheduler.active_requests]
+            if not blamed:
+                raise
+            for state in blamed:
+                batch_processor._handle_request_error(error, state)
+                scheduler.finish_request(state.request_id)
+            _log.warning("kivi serve: a generation step failed (%s: %s); its %d request(s) failed, the others go on",
+                         type(error).__name__, error, len(blamed))
+            return True
+
+    manager._generation_loop_body = guarded

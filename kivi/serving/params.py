@@ -8,6 +8,7 @@ refused with a 400 that names it: a parameter the server would silently ignore (
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from .errors import ApiError
@@ -40,6 +41,29 @@ class GenerationRequest:
     @property
     def greedy(self) -> bool:
         return self.temperature is None or self.temperature == 0.0
+
+    @property
+    def text_chars(self) -> int:
+        """Characters of the text the tokenizer will read (0 for token ids): checked against the context
+        before tokenizing."""
+        if isinstance(self.prompt, str):
+            return len(self.prompt)
+        return sum(len(m["content"]) + len(m.get("name", "")) for m in self.messages)
+
+
+def parse_json(raw: bytes) -> Any:
+    """The request body as JSON (:class:`ApiError` 400 ``invalid_json`` for anything that is not: bad
+    syntax or UTF-8, ``NaN`` / ``Infinity`` (not JSON, though Python's parser takes them), nesting deeper
+    than Python's recursion limit, an integer of more than 4300 digits)."""
+    def no_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not a JSON value")
+
+    try:
+        return json.loads(raw, parse_constant=no_constant)
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON: nested too deeply", code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
 
 def _bad(field: str, value: Any, allowed: str) -> ApiError:
@@ -80,8 +104,8 @@ def _common(body: dict) -> dict[str, Any]:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("model", model, "a string (any name: this server serves one model)")
-    if "n" in body and body["n"] != 1:
-        raise _bad("n", body["n"], "only n=1 is supported")
+    if "n" in body and (type(body["n"]) is not int or body["n"] != 1):
+        raise _bad("n", body["n"], "only n=1 (the integer) is supported")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("stream", stream, "true or false")
@@ -116,20 +140,35 @@ def parse_chat(body: Any) -> GenerationRequest:
         if extra:
             raise ApiError(400, f"unsupported field {field}.{sorted(extra)[0]}: messages take role, content, name",
                            param=f"{field}.{sorted(extra)[0]}", code="unsupported_field")
-        checked.append({"role": m["role"], "content": _content(m.get("content"), f"{field}.content")})
+        message = {"role": m["role"], "content": _content(m.get("content"), f"{field}.content")}
+        if m.get("name") is not None:
+            message["name"] = _text(m["name"], f"{field}.name", "a non-empty string")
+        checked.append(message)
     max_tokens = _int(body, "max_completion_tokens", 1)
     max_tokens = _int(body, "max_tokens", 1) if max_tokens is None else max_tokens
     return GenerationRequest(max_tokens=max_tokens, messages=tuple(checked), **_common(body))
 
 
+def _text(value: Any, field: str, allowed: str, *, empty: bool = False) -> str:
+    """``value`` if it is a string the tokenizer can read: JSON's ``\\ud800`` escapes give lone
+    surrogates, which are not text."""
+    if not isinstance(value, str) or (not value and not empty):
+        raise _bad(field, value, allowed)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _bad(field, value, f"{allowed}; character {e.start} is a lone surrogate "
+                                 f"(U+{ord(value[e.start]):04X}), not text") from None
+    return value
+
+
 def _content(content: Any, field: str) -> str:
     """A message's text: a string, or a list of ``{"type": "text", "text": ...}`` parts (joined)."""
-    if isinstance(content, str):
-        return content
+    allowed = 'a string or a list of {"type": "text", "text": ...} parts (text only)'
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise _bad(field, content, 'a string or a list of {"type": "text", "text": ...} parts (text only)')
+        content = "".join(p["text"] for p in content)
+    return _text(content, field, allowed, empty=True)
 
 
 def parse_completion(body: Any) -> GenerationRequest:
@@ -141,8 +180,8 @@ def parse_completion(body: Any) -> GenerationRequest:
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                    for t in prompt):
         prompt = tuple(prompt)
-    elif not isinstance(prompt, str) or not prompt:
-        raise _bad("prompt", prompt, "a non-empty string, a list of one string, or a list of token ids")
+    else:
+        prompt = _text(prompt, "prompt", "a non-empty string, a list of one string, or a list of token ids")
     if body.get("echo", False) is not False:
         raise _bad("echo", body["echo"], "only echo=false is supported")
     if body.get("suffix") not in (None, ""):

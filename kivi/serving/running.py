@@ -7,12 +7,16 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from .engine import Engine, Sampling
+from .engine import Aborted, Engine, Sampling
 from .stop import StopMatcher
 
 
 class GenerationFailed(RuntimeError):
     """The manager failed this request (``output.error``)."""
+
+
+class RequestAborted(RuntimeError):
+    """The server ended this request before it finished (it is shutting down)."""
 
 
 class RunningRequest:
@@ -43,6 +47,8 @@ class RunningRequest:
             last_token = None
             while self.finish_reason is None:
                 output = await self._outputs.get()
+                if isinstance(output, Aborted):
+                    raise RequestAborted(output.reason)
                 new = output.generated_tokens[self.completion_tokens:]
                 for token in new:
                     self.completion_tokens += 1

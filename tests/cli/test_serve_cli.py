@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import importlib
 import socket
 
@@ -21,8 +22,12 @@ from kivi.cli import main
     (["--preset", "nope"], "preset='nope' is unknown"),
     (["--preset", "extreme", "--config", "x.json"], "either --preset or --config"),
     (["--preset", "extreme", "--quantize-after", "512"], "KIVI pages in continuous batching quantize from the first"),
+    (["--float-cache", "--api-key", " "], "--api-key / $KIVI_API_KEY is empty"),
+    (["--max-body-size", "lots"], "--max-body-size"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
 ], ids=["cache-memory", "negative-cache", "max-new-tokens", "max-batch-tokens", "port", "threads",
-        "float-and-preset", "unknown-preset", "preset-and-config", "quantize-after"])
+        "float-and-preset", "unknown-preset", "preset-and-config", "quantize-after", "empty-key", "body-size",
+        "shutdown-timeout"])
 def test_bad_options_fail_with_one_line(capsys, argv, message):
     rc = main(["serve", "--model", "/nonexistent/never-loaded", *argv])
     err = capsys.readouterr().err
@@ -39,6 +44,45 @@ def test_a_busy_port_fails_before_the_model_loads(capsys):
         rc = main(["serve", "--model", "/nonexistent/never-loaded", "--float-cache", "--port", str(port)])
     err = capsys.readouterr().err
     assert rc == 2 and f"cannot listen on 127.0.0.1:{port}" in err, err
+
+
+def test_an_empty_key_in_the_environment_fails_in_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("KIVI_API_KEY", "")
+    rc = main(["serve", "--model", "/nonexistent/never-loaded", "--float-cache"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "$KIVI_API_KEY is empty" in err and err.count("\n") == 1, err
+
+
+def test_the_port_is_held_from_before_the_model_loads(monkeypatch, capsys):
+    """Two servers started on one port: the second cannot bind while the first loads its model (the
+    port is bound and listening from the check on), so only one ever prints its banner."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    serve = importlib.import_module("kivi.cli.serve")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    seen = {}
+
+    def load_while_another_server_binds(args):
+        with socket.socket() as other:  # what a second `kivi serve` (uvicorn) does on the same port
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                other.bind(("127.0.0.1", port))
+                other.listen()
+                seen["other"] = "bound"
+            except OSError as e:
+                seen["other"] = e.errno
+        raise serve.CliError("stop before loading")
+
+    monkeypatch.setattr(serve, "load_model_from_args", load_while_another_server_binds)
+    rc = main(["serve", "--model", "/nonexistent/never-loaded", "--float-cache", "--port", str(port)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "stop before loading" in err and "on http://" not in err, err
+    assert seen["other"] == errno.EADDRINUSE
+    with socket.socket() as again:  # and it is released when the command ends
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        again.bind(("127.0.0.1", port))
 
 
 def test_serve_is_listed_in_the_help(capsys):

@@ -61,10 +61,10 @@ def free_port() -> int:
 class ServeProcess:
     """`python -m kivi serve ...` on a free localhost port; :meth:`stop` ends it (SIGINT, then SIGKILL)."""
 
-    def __init__(self, args: list[str], *, timeout: float = 60.0) -> None:
+    def __init__(self, args: list[str], *, timeout: float = 60.0, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "KIVI_DEBUG": "1"}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "KIVI_DEBUG": "1", **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "kivi", "serve", "--port", str(self.port), *args],
                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         import httpx
@@ -98,3 +98,10 @@ class ServeProcess:
                 self.proc.wait()
         self.output = self.proc.stdout.read()
         return self.proc.returncode
+
+    def stop_cleanly(self) -> None:
+        """:meth:`stop`, checking that Ctrl-C ended the server as every kivi command ends: status 130 and
+        one line after the banner."""
+        rc = self.stop()
+        after_banner = self.output.split(" new tokens per request", 1)[-1].splitlines()[1:]
+        assert rc == 130 and after_banner == ["kivi serve: interrupted"], f"kivi serve exited with {rc}:\n{self.output}"

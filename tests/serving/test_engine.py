@@ -9,7 +9,7 @@ import torch
 from kivi import KiviConfig
 from kivi.batching import init_continuous_batching
 from kivi.batching.manager import KiviBatchingManager
-from kivi.serving.engine import Engine, RequestRefused, Sampling
+from kivi.serving.engine import GREEDY_BELOW, Engine, RequestRefused, Sampling
 from tests.serving.server import tiny_chat_model, tiny_tokenizer
 
 
@@ -51,9 +51,97 @@ def test_plan_refusals(engine, prompt, max_tokens, code, param):
 
 
 def test_greedy_and_sampling_processor_arguments():
-    assert Sampling(5).processor_kwargs() == {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
+    greedy = {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
+    assert Sampling(5).processor_kwargs() == greedy
     kw = Sampling(5, temperature=0.7, top_p=0.9).processor_kwargs()
     assert kw["temperature"] == 0.7 and kw["top_p"] == 0.9 and kw["top_k"] > 10**6
+    for tiny in (0.0, 1e-300, 5e-324, 1e-40, GREEDY_BELOW * 0.999):  # would divide float32 logits into inf/nan
+        assert Sampling(5, temperature=tiny, top_p=0.5).processor_kwargs() == greedy, tiny
+    assert Sampling(5, temperature=GREEDY_BELOW).processor_kwargs()["temperature"] == GREEDY_BELOW
+
+
+@pytest.mark.parametrize(("kw", "field"), [
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": -1e-9}, "temperature"), ({"temperature": 1.0, "top_p": 0.0}, "top_p"),
+    ({"temperature": 1.0, "top_p": 1.5}, "top_p"), ({"temperature": 1.0, "top_p": float("nan")}, "top_p"),
+])
+def test_sampling_refuses_values_the_processors_cannot_take(kw, field):
+    with pytest.raises(ValueError, match=field):
+        Sampling(5, **kw)
+
+
+async def _run_to_end(engine, ids, sampling):
+    """The last output of one request (``generated_tokens``, ``error``)."""
+    seen = asyncio.Queue()
+    engine.submit(ids, sampling, seen.put_nowait)
+    while True:
+        out = await seen.get()
+        if out.is_finished():
+            return out
+
+
+def test_tiny_temperatures_are_greedy_and_the_loop_survives(engine):
+    """``temperature=1e-300`` (0 in float32) and ``1e-40`` (logits overflow) used to stop the loop for
+    good with a nan multinomial; they are greedy now, token for token."""
+    ids = list(range(2, 30))
+
+    async def run():
+        return [await _run_to_end(engine, ids, Sampling(8, temperature=t, top_p=p))
+                for t, p in ((None, 1.0), (1e-300, 1.0), (1e-40, 0.9), (1e-6, 1e-300))]
+
+    outs = asyncio.run(run())
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    assert all(o.generated_tokens == outs[0].generated_tokens for o in outs) and len(outs[0].generated_tokens) == 8
+    assert engine.fatal_error() is None
+
+
+def test_a_request_that_fails_inside_sampling_fails_alone(engine, monkeypatch):
+    """An exception raised while sampling one request's token fails that request (its output carries the
+    error, its blocks are freed); the generation loop goes on and the next 5 requests succeed."""
+    runner = engine.manager.batch_processor.model_runner
+    real_sample, calls = runner._sample, []
+
+    def sample_failing_once(scores, output_ids):
+        calls.append(scores.shape)
+        if len(calls) == 1:
+            raise RuntimeError("injected sampling failure")
+        return real_sample(scores, output_ids)
+
+    monkeypatch.setattr(runner, "_sample", sample_failing_once)
+    before = engine.stats()
+
+    async def run():
+        failed = await _run_to_end(engine, list(range(2, 20)), Sampling(6))
+        later = [await _run_to_end(engine, list(range(3 + k, 25)), Sampling(6)) for k in range(5)]
+        return failed, later
+
+    failed, later = asyncio.run(run())
+    assert failed.error is not None and "injected sampling failure" in failed.error
+    assert [o.error for o in later] == [None] * 5 and all(len(o.generated_tokens) == 6 for o in later)
+    assert engine.fatal_error() is None
+    after = engine.stats()
+    assert after.requests_failed == before.requests_failed + 1 and after.requests_done == before.requests_done + 5
+    assert after.blocks_held == 0 and after.requests_open == 0
+
+
+def test_an_error_with_no_request_to_blame_stays_fatal():
+    """A failure outside any request's step (here the scheduler, with nothing in flight) still stops the
+    loop, and /health says why: nothing is hidden."""
+    e = Engine(tiny_chat_model(), tiny_tokenizer(), None, cache_memory=2**20, max_new_tokens=8,
+               factory=init_continuous_batching)
+    try:
+        def broken(*_a, **_k):
+            raise RuntimeError("scheduler broke")
+
+        e.manager.batch_processor.scheduler.schedule_batch = broken
+
+        async def run():
+            return await _run_to_end(e, [2, 3, 4], Sampling(2))
+
+        out = asyncio.run(run())
+        assert out.error is not None and "scheduler broke" in str(e.fatal_error())
+    finally:
+        e.stop()
 
 
 def test_cancel_frees_the_blocks_of_a_running_request(engine):

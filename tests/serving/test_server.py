@@ -7,28 +7,11 @@ import json
 import time
 
 import pytest
-import torch
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from tests.serving.server import tiny_tokenizer  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint):
-    """Greedy ``model.generate`` (a float DynamicCache) on the same checkpoint: ``f(ids, n) -> text``."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
-    tok = tiny_tokenizer()
-
-    def greedy(ids: list[int], n: int) -> str:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n, eos_token_id=1)
-        return tok.decode(out[0, len(ids):], skip_special_tokens=True)
-
-    return greedy
 
 
 def client(server) -> "openai.AsyncOpenAI":
