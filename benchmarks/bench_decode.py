@@ -29,6 +29,19 @@ Without ``--isolate`` this delta is meaningless for later rows (freed memory of 
     python benchmarks/bench_decode.py --contexts 8192 --batches 1 4 --configs dynamic kivi2-cpu \
         results/configs/pareto12_cfg_heads_k2v2_3p3.json --isolate --repeat 3
 
+Long contexts: a context beyond the model's ``max_position_embeddings`` (SmolLM2: 8192) is refused unless
+``--ignore-max-context`` is given; such rows measure speed only (the model was not trained that far, its
+outputs there mean nothing) and say so (``"beyond_max_context": true``). Nothing else changes past the
+limit: the prompt is random token ids (no source text to run out of) and the rotary embeddings are
+computed for any position. Building a long context costs far more than the timed decode (a 32K-token
+prefill is quadratic in attention), so ``--fill random`` appends random keys/values to the cache
+directly (``kivi.eval.fill_random``: the same cache updates as a prefill, no model forward; decode speed
+does not depend on the numbers), and ``--prefill-chunk N`` runs a real prefill N tokens at a time to
+bound its activations. Either way only the decode steps are timed::
+
+    python benchmarks/bench_decode.py --contexts 16384 32768 --batches 1 4 --configs dynamic kivi2-cpu \
+        --ignore-max-context --fill random --threads 1 --isolate --repeat 3
+
 A ``--configs`` argument ending in ``.json`` is a ``KiviConfig`` file (``KiviConfig.to_json``, ``kivi profile
 --write-config``): its row is named after the file's stem and runs on the backend the file names
 (``"auto"``: the machine's default, the fused numba kernel on CPU).
@@ -40,6 +53,7 @@ import argparse
 import gc
 import json
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -49,7 +63,8 @@ import torch
 
 from common import run_fresh, set_threads, write_json
 from kivi import KiviConfig, dequantize_model, quantize_model
-from kivi.eval import cache_nbytes, make_cache
+from kivi.eval import cache_nbytes, fill_random, make_cache
+from kivi.memory import model_spec
 from kivi.models import load_model
 
 
@@ -83,15 +98,34 @@ FLOOR_CONTEXT = 32
 BASELINE_SPECS = {"dynamic": None, "floor": None, "quanto2": "quanto-int2", "quanto4": "quanto-int4"}
 
 
+#: how a row's context gets into the cache (``--fill``)
+FILLS = ("prefill", "random")
+
+
 @torch.no_grad()
-def run_one(model, spec, context, batch, steps, vocab, warmup_steps=2):
+def build_context(model, cache, context, batch, vocab, *, fill="prefill", prefill_chunk=0):
+    """Put ``context`` tokens into ``cache``; returns the first decode step's input ids ``[batch, 1]``.
+
+    ``"prefill"``: the model runs on random token ids, ``prefill_chunk`` tokens per forward (0: all at
+    once). ``"random"``: :func:`kivi.eval.fill_random` (random keys/values, no forward).
+    """
     torch.manual_seed(0)
+    if fill == "random":
+        fill_random(model, cache, context, batch=batch)
+        return torch.randint(10, vocab, (batch, 1))
     ids = torch.randint(10, vocab, (batch, context))
+    step = prefill_chunk or context
+    for start in range(0, context, step):
+        out = model(input_ids=ids[:, start:start + step], cache=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1:].argmax(-1)
+
+
+@torch.no_grad()
+def run_one(model, spec, context, batch, steps, vocab, warmup_steps=2, *, fill="prefill", prefill_chunk=0):
     gc.collect()
     with PeakRSS() as mem:
         cache = make_cache(model, spec)
-        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        nxt = out.logits[:, -1:].argmax(-1)
+        nxt = build_context(model, cache, context, batch, vocab, fill=fill, prefill_chunk=prefill_chunk)
         for _ in range(warmup_steps):  # first steps after a prefill: allocations, thread pools (all configs alike)
             out = model(input_ids=nxt, cache=cache, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
@@ -148,23 +182,28 @@ def _prepare(model, name):
     return BASELINE_SPECS[name]
 
 
-def _row(model, name, ctx, bs, steps, warmup_steps):
+def _row(model, name, ctx, bs, steps, warmup_steps, *, fill="prefill", prefill_chunk=0, max_context=None):
     spec = _prepare(model, name)
+    floor = name == "floor"
     try:
-        r = run_one(model, spec, FLOOR_CONTEXT if name == "floor" else ctx, bs, steps, model.config.vocab_size,
-                    warmup_steps)
+        r = run_one(model, spec, FLOOR_CONTEXT if floor else ctx, bs, steps, model.config.vocab_size,
+                    warmup_steps, fill="prefill" if floor else fill, prefill_chunk=prefill_chunk)
     except Exception as e:  # noqa: BLE001 - report (e.g. quanto missing)
         r = {"error": f"{type(e).__name__}: {e}"[:200]}
-    r.update(config=row_name(name), context=ctx, batch=bs)
+    r.update(config=row_name(name), context=ctx, batch=bs, fill="prefill" if floor else fill)
+    if max_context is not None and not floor and ctx > max_context:
+        r.update(beyond_max_context=True, max_context=max_context)
     if is_config_file(name):
         r.update(config_file=name)
     return r
 
 
-def _row_isolated(name, ctx, bs, steps, warmup_steps, threads, pin):
+def _row_isolated(name, ctx, bs, steps, warmup_steps, threads, pin, a):
     """The row in a fresh interpreter (nothing left over from other rows: allocator state, caches)."""
     args = [__file__, "--one-row", name, str(ctx), str(bs), "--steps", str(steps),
-            "--warmup-steps", str(warmup_steps), "--threads", str(threads)] + (["--pin-allocator"] if pin else [])
+            "--warmup-steps", str(warmup_steps), "--threads", str(threads), "--model", a.model,
+            "--fill", a.fill, "--prefill-chunk", str(a.prefill_chunk)] + (["--pin-allocator"] if pin else [])
+    args += ["--ignore-max-context"] if a.ignore_max_context else []
     out = run_fresh(args)
     if out.returncode or out.result is None:
         return {"error": f"row process failed ({out.returncode}): {out.stderr.strip()[-300:]}",
@@ -206,6 +245,19 @@ def main():
                     help="call kivi.allocator.reduce_fragmentation() first (as the kivi CLI does). Off by default: "
                          "the pinned mmap threshold makes every large temporary a fresh mapping, which slowed "
                          "DynamicCache decoding (a torch.cat of the whole cache per layer and step) by ~35%% at 2K")
+    ap.add_argument("--model", default="smollm2",
+                    help="the model (any name kivi.load_model accepts: an alias, a .gguf file, a checkpoint folder)")
+    ap.add_argument("--ignore-max-context", action="store_true",
+                    help="allow contexts beyond the model's max_position_embeddings (SmolLM2: 8192): for decode "
+                         "speed only, the model's outputs there mean nothing; such rows carry "
+                         "\"beyond_max_context\": true")
+    ap.add_argument("--fill", choices=FILLS, default="prefill",
+                    help="how the context gets into the cache: 'prefill' runs the model on random token ids; "
+                         "'random' appends random keys/values without a forward (kivi.eval.fill_random: fast, "
+                         "for long contexts; decode speed does not depend on the numbers). Decode is timed alike")
+    ap.add_argument("--prefill-chunk", type=int, default=0, metavar="N",
+                    help="with --fill prefill: feed the prompt N tokens per forward, bounding the prefill's "
+                         "activations (0: the whole prompt in one forward)")
     ap.add_argument("--one-row", nargs=3, metavar=("CONFIG", "CONTEXT", "BATCH"), help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
     ap.add_argument("--json-out", metavar="FILE",
@@ -217,6 +269,16 @@ def main():
         reduce_fragmentation()
     if a.repeat < 1:
         ap.error(f"--repeat={a.repeat} must be at least 1")
+    if a.prefill_chunk < 0:
+        ap.error(f"--prefill-chunk={a.prefill_chunk} must be 0 (whole prompt) or a positive number of tokens")
+    contexts = a.contexts + ([int(a.one_row[1])] if a.one_row else [])
+    if min(contexts) < 1 or (a.one_row and int(a.one_row[2]) < 1) or min(a.batches) < 1:
+        ap.error(f"--contexts {a.contexts} and --batches {a.batches} must be positive")
+    max_context = model_spec(a.model).max_context  # reads only the model's config
+    if max_context and max(contexts) > max_context and not a.ignore_max_context:
+        print(f"bench_decode.py: error: --contexts {max(contexts)} is longer than {a.model}'s max_position_embeddings "
+              f"({max_context}); add --ignore-max-context to measure decode speed there anyway", file=sys.stderr)
+        raise SystemExit(2)
     import re
 
     for name in a.configs + ([a.one_row[0]] if a.one_row else []):
@@ -234,12 +296,13 @@ def main():
         ap.error(f"--configs: two rows would share a name ({names}); rename a config file")
     model = None
     if not a.isolate:
-        model = load_model("smollm2")[0]
+        model = load_model(a.model)[0]
         _warm(model)
+    row_kw = dict(fill=a.fill, prefill_chunk=a.prefill_chunk, max_context=max_context)
     set_threads(a.threads)  # the numba kernels load now, not inside the first timed decode
     if a.one_row:
         name, ctx, bs = a.one_row[0], int(a.one_row[1]), int(a.one_row[2])
-        r = _row(model, name, ctx, bs, a.steps, a.warmup_steps)
+        r = _row(model, name, ctx, bs, a.steps, a.warmup_steps, **row_kw)
         r.update(steps=a.steps)
         print(json.dumps(r))
         return
@@ -248,9 +311,9 @@ def main():
     for rep in range(a.repeat):
         for ctx, bs, name in rows:
             if a.isolate:
-                r = _row_isolated(name, ctx, bs, a.steps, a.warmup_steps, a.threads, a.pin_allocator)
+                r = _row_isolated(name, ctx, bs, a.steps, a.warmup_steps, a.threads, a.pin_allocator, a)
             else:
-                r = _row(model, name, ctx, bs, a.steps, a.warmup_steps)
+                r = _row(model, name, ctx, bs, a.steps, a.warmup_steps, **row_kw)
             r.update(steps=a.steps, round=rep)
             runs[(ctx, bs, name)].append(r)
             if a.repeat > 1 and not a.json:
@@ -272,7 +335,8 @@ def main():
 
 def _document(results, a, rounds_done: int) -> dict:
     return {"threads": torch.get_num_threads(), "steps": a.steps, "warmup_steps": a.warmup_steps,
-            "repeat": a.repeat, "rounds_done": rounds_done, "isolate": a.isolate,
+            "repeat": a.repeat, "rounds_done": rounds_done, "isolate": a.isolate, "model": a.model,
+            "fill": a.fill, "prefill_chunk": a.prefill_chunk, "ignore_max_context": a.ignore_max_context,
             "configs": a.configs, "results": results}
 
 
@@ -324,7 +388,7 @@ def _results(runs, contexts, batches, configs):
 def _print_row(r, repeat):
     name, ctx, bs = r["config"], r["context"], r["batch"]
     if "error" in r:
-        print(f"ctx={ctx:6d} bs={bs} {name:28s} ERROR {r['error']}", flush=True)
+        print(f"ctx={ctx:6d} bs={bs} {name:28s} ERROR {r['error']}{_marks(r)}", flush=True)
         return
     spread = f" [{min(r['tok_s_all']):.2f}-{max(r['tok_s_all']):.2f}]" if repeat > 1 else ""
     vq = f"  x{r['speed_vs_kivi2']:5.2f} vs kivi2" if "speed_vs_kivi2" in r else ""
@@ -338,8 +402,16 @@ def _print_row(r, repeat):
     ctx_s = f"{FLOOR_CONTEXT:6d}" if name == "floor" else f"{ctx:6d}"
     print(f"ctx={ctx_s} bs={bs} {name:28s} {r['tok_s']:8.2f} tok/s{spread}  {r['ms_per_step']:7.1f} ms/step  "
           f"x{r.get('speed_vs_dynamic', 1):5.2f}{vq}{ca}  peakRSSΔ {r['peak_rss_delta_MiB']:8.1f} MiB  "
-          f"cache {r['cache_MiB']:.1f} MiB",
+          f"cache {r['cache_MiB']:.1f} MiB{_marks(r)}",
           flush=True)
+
+
+def _marks(r):
+    """What the table line must say about how a row was measured: a random fill, a context past the model's."""
+    marks = ["random K/V fill"] if r.get("fill") == "random" else []
+    if r.get("beyond_max_context"):
+        marks.append(f"beyond max context {r['max_context']}: speed only")
+    return f"  [{'; '.join(marks)}]" if marks else ""
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ demo`` and the benchmarks use too.
 # list of baselines) must not import the evaluation loop and, with it, the attention stack.
 _LAZY = {
     "caches": ("BASELINES", "BaselineUnavailable", "baseline_unavailable_reason", "bits_per_element", "cache_nbytes",
-               "make_cache", "spec_kind", "spec_name", "synthetic_bits"),
+               "fill_random", "make_cache", "spec_kind", "spec_name", "synthetic_bits"),
     "comparison": ("compare", "kl_divergence", "perplexity"),
     "protocol": ("score_continuation",),
     "metrics": ("Accumulator", "token_agreement"),
@@ -33,6 +33,7 @@ __all__ = [
     "bits_per_element",
     "cache_nbytes",
     "compare",
+    "fill_random",
     "kl_divergence",
     "make_cache",
     "perplexity",

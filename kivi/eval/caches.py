@@ -194,23 +194,38 @@ def bits_per_element(model: Any, cache: Any, tokens: int, batch: int = 1) -> flo
     return cache_nbytes(cache) * 8 / denom
 
 
+def fill_random(model: Any, cache: Any, tokens: int, *, batch: int = 1, prefix: int | None = None, chunk: int = 16,
+                dtype: torch.dtype | None = None, seed: int = 0) -> Any:
+    """Append ``tokens`` tokens of random keys/values (standard normal) to every layer of ``cache``; returns it.
+
+    No model forward runs: the cache sees the same ``update`` calls a prefill of ``prefix`` tokens
+    (default: all of them) followed by forwards of ``chunk`` tokens would make, so block allocation,
+    quantization and the full-precision window are as in a real run; only the numbers are not the
+    model's. For sizes and decode speed, not for quality.
+    """
+    for name, n in (("tokens", tokens), ("batch", batch), ("chunk", chunk)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name}={n!r} must be a positive int")
+    layers, kv, hd = kv_geometry(model)
+    dtype = dtype or next(model.parameters()).dtype
+    prefix = tokens if prefix is None else min(prefix, tokens)
+    g = torch.Generator().manual_seed(seed)
+    spans = [(0, prefix)] + [(s, min(s + chunk, tokens)) for s in range(prefix, tokens, chunk)]
+    for a, b in spans:
+        for li in range(layers):
+            k = torch.randn(batch, kv, b - a, hd, generator=g).to(dtype)
+            v = torch.randn(batch, kv, b - a, hd, generator=g).to(dtype)
+            cache.update(k, v, li)
+    return cache
+
+
 def synthetic_bits(model: Any, spec: CacheSpec, tokens: int, *, prefix: int | None = None, chunk: int = 16,
                    dtype: torch.dtype | None = None) -> float:
     """Bits per element of ``spec``'s cache after ``tokens`` tokens, without running the model.
 
-    Fills a fresh cache with random keys/values in the same prefill + chunk pattern as the
+    Fills a fresh cache with :func:`fill_random` in the same prefill + chunk pattern as the
     evaluation (prefill ``prefix`` tokens, then ``chunk`` tokens at a time), so block allocation and
     the full-precision window are exactly as in a real run; only the model forward is skipped.
     """
-    layers, kv, hd = kv_geometry(model)
-    dtype = dtype or next(model.parameters()).dtype
-    prefix = tokens if prefix is None else min(prefix, tokens)
-    cache = make_cache(model, spec)
-    g = torch.Generator().manual_seed(0)
-    spans = [(0, prefix)] + [(s, min(s + chunk, tokens)) for s in range(prefix, tokens, chunk)]
-    for a, b in spans:
-        for li in range(layers):
-            k = torch.randn(1, kv, b - a, hd, generator=g).to(dtype)
-            v = torch.randn(1, kv, b - a, hd, generator=g).to(dtype)
-            cache.update(k, v, li)
+    cache = fill_random(model, make_cache(model, spec), tokens, prefix=prefix, chunk=chunk, dtype=dtype)
     return bits_per_element(model, cache, tokens)

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_decode.py"
 spec = importlib.util.spec_from_file_location("bench_decode", _PATH)
@@ -72,3 +76,67 @@ def test_results_compare_every_row_with_kivi2_and_dynamic_and_skip_rows_not_run_
     assert "cpu_speed_vs_kivi2" not in rows[0]  # the dynamic row had no CPU time recorded
     assert bd._kivi2_row(["dynamic", "kivi2-reference", "kivi2-cpu"]) == "kivi2-cpu"
     assert bd._kivi2_row(["dynamic"]) is None
+
+
+# --------------------------------------------------------------------------- contexts past max_position_embeddings
+
+TINY_MAX_CONTEXT = 64
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A tiny random Llama whose max_position_embeddings is 64, saved with a word-level tokenizer."""
+    from tokenizers import Tokenizer, models as tk_models
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.helpers import tiny_model
+
+    folder = tmp_path_factory.mktemp("tiny-ctx64")
+    tiny_model(max_position_embeddings=TINY_MAX_CONTEXT).save_pretrained(folder)
+    backend = Tokenizer(tk_models.WordLevel({"[UNK]": 0, "[EOS]": 1}, unk_token="[UNK]"))
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="[EOS]").save_pretrained(folder)
+    return folder
+
+
+def _bench(*args):
+    return subprocess.run([sys.executable, str(_PATH), *map(str, args)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_context_past_max_position_embeddings_is_refused_in_one_line_without_the_flag(tiny_checkpoint):
+    p = _bench("--model", tiny_checkpoint, "--contexts", 32, 96, "--batches", 1, "--configs", "dynamic")
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    assert "--contexts 96" in lines[0] and f"max_position_embeddings ({TINY_MAX_CONTEXT})" in lines[0]
+    assert "--ignore-max-context" in lines[0]
+    assert p.stdout == ""  # refused before any row ran
+
+
+def test_ignore_max_context_measures_and_marks_rows_past_the_limit(tiny_checkpoint):
+    p = _bench("--model", tiny_checkpoint, "--contexts", 48, 96, "--batches", 2, "--configs", "dynamic", "kivi2-cpu",
+               "--steps", 2, "--ignore-max-context", "--fill", "random", "--isolate", "--json")
+    assert p.returncode == 0, p.stderr[-2000:]
+    doc = json.loads(p.stdout)
+    assert doc["ignore_max_context"] is True and doc["fill"] == "random"
+    rows = {(r["context"], r["config"]): r for r in doc["results"]}
+    assert len(rows) == 4
+    for (ctx, _), r in rows.items():
+        assert "error" not in r, r
+        assert r["tok_s"] > 0 and r["fill"] == "random"
+        assert r.get("beyond_max_context", False) is (ctx > TINY_MAX_CONTEXT)
+    assert rows[(96, "dynamic")]["max_context"] == TINY_MAX_CONTEXT
+    # the cache really holds the context: 96 + 2 warm-up + 2 timed tokens of fp32 K/V (2 layers, 2 heads, 32 dims)
+    assert rows[(96, "dynamic")]["cache_MiB"] * 2**20 == 2 * 2 * 2 * 32 * 4 * 100 * 2
+
+
+def test_chunked_prefill_fills_the_same_cache_as_one_forward(tiny_checkpoint):
+    from kivi.models import load_model
+
+    model = load_model(str(tiny_checkpoint))[0]
+    for name in ("dynamic", "kivi2-cpu"):
+        whole = bd._row(model, name, 96, 2, 2, 1, max_context=TINY_MAX_CONTEXT)
+        chunked = bd._row(model, name, 96, 2, 2, 1, prefill_chunk=40, max_context=TINY_MAX_CONTEXT)
+        assert "error" not in whole and "error" not in chunked, (whole, chunked)
+        assert chunked["cache_MiB"] == whole["cache_MiB"] and chunked["beyond_max_context"] is True
+    bd._prepare(model, "dynamic")

@@ -86,6 +86,19 @@ def test_bits_per_element_from_real_cache(peaked_model, windows):
         bits_per_element(peaked_model, cache, 0)
 
 
+def test_fill_random_appends_a_batch_of_tokens_to_every_layer_without_a_forward(peaked_model):
+    from kivi.eval import fill_random
+
+    for spec in (None, KiviConfig(residual_length=32)):
+        cache = fill_random(peaked_model, make_cache(peaked_model, spec), 100, batch=3)
+        assert cache.get_seq_length() == 100
+        assert all(cache.get_seq_length(i) == 100 for i in range(peaked_model.config.num_hidden_layers))
+        assert bits_per_element(peaked_model, cache, 100, batch=3) == pytest.approx(
+            bits_per_element(peaked_model, fill_random(peaked_model, make_cache(peaked_model, spec), 100), 100))
+    with pytest.raises(ValueError, match="batch=0 must be a positive int"):
+        fill_random(peaked_model, make_cache(peaked_model, None), 8, batch=0)
+
+
 def test_bad_input_raises_value_error(peaked_model, windows):
     with pytest.raises(ValueError, match="prefix"):
         perplexity(peaked_model, None, windows, None, prefix=192, progress=False)
