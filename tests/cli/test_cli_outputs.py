@@ -15,11 +15,11 @@ from tests.cli.test_eval_cli import PROTO, cli_on_tiny_model  # noqa: F401 - fix
 @pytest.fixture()
 def loads(monkeypatch):
     """Counts model loads (the checks must come before any)."""
-    import kivi.models
+    import kivi.models.load
 
     calls = []
-    real = kivi.models.load_model
-    monkeypatch.setattr(kivi.models, "load_model", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    real = kivi.models.load.load_model
+    monkeypatch.setattr(kivi.models.load, "load_model", lambda *a, **kw: calls.append(a) or real(*a, **kw))
     return calls
 
 
