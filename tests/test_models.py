@@ -251,12 +251,13 @@ def test_content_hash_is_remembered_per_path_size_mtime(monkeypatch, tmp_path):
     monkeypatch.setattr(conversion_cache, "_file_sha256", lambda p, *a: calls.append(p) or real(p, *a))
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF" + bytes(100))
-    key = conversion_cache.gguf_content_key(gguf, tmp_path / "cache")
-    assert conversion_cache.gguf_content_key(gguf, tmp_path / "cache") == key and len(calls) == 1  # from the index
+    key_of = conversion_cache.gguf_content_key
+    key = key_of(gguf, tmp_path / "cache")
+    assert key_of(gguf, tmp_path / "cache") == key and len(calls) == 1  # from the index
     os.utime(gguf, ns=(0, 987_654_321))
-    assert conversion_cache.gguf_content_key(gguf, tmp_path / "cache") == key and len(calls) == 2  # touched: hashed again
+    assert key_of(gguf, tmp_path / "cache") == key and len(calls) == 2  # touched: hashed again
     (tmp_path / "cache" / "models" / "hash-index.json").write_text("{damaged")
-    assert conversion_cache.gguf_content_key(gguf, tmp_path / "cache") == key and len(calls) == 3  # damaged index: rebuilt
+    assert key_of(gguf, tmp_path / "cache") == key and len(calls) == 3  # damaged index: rebuilt
 
 
 @pytest.fixture
@@ -308,7 +309,8 @@ def test_copy_from_before_content_keys_is_reused_not_converted(fake_conversion, 
     model, _ = load_model(gguf, cache_dir=cache)
     assert fake_conversion == [] and model.config.num_hidden_layers == 2
     new = converted_cache_path(gguf, cache)
-    assert conversion_cache.is_converted(new) and conversion_cache.is_converted(legacy)  # older kivi versions keep theirs
+    assert conversion_cache.is_converted(new)
+    assert conversion_cache.is_converted(legacy)  # older kivi versions keep theirs
     assert os.path.samefile(new / "model.safetensors", legacy / "model.safetensors")  # hard link, not a copy
     copies = conversion_cache.list_converted(cache)
     assert conversion_cache.disk_bytes(copies) < sum(c.nbytes for c in copies)
