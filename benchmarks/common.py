@@ -22,11 +22,11 @@ def set_threads(threads: int) -> float | None:
     """Load kivi's numba kernels, then give torch and numba ``threads`` threads (0: keep their defaults).
 
     The order matters: loading the kernels can reset torch's thread count to numba's
-    (``kivi.cli.common.set_cpu_threads``), so the count is set after the load, and the load itself
+    (``kivi.cli.threads.set_cpu_threads``), so the count is set after the load, and the load itself
     stays out of every timed region. Returns the seconds the load (or compilation) took, None without numba.
     """
     from kivi.attention.fused_cpu import fused_decode_available, warmup
-    from kivi.cli.common import set_cpu_threads
+    from kivi.cli.threads import set_cpu_threads
 
     seconds = warmup() if fused_decode_available() else None
     if threads:

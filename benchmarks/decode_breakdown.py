@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_decode  # noqa: E402 - the rows, their preparation and the warm-up are bench_decode's
 from kivi.cache.cache import KiviCache  # noqa: E402
-from kivi.cli.common import set_cpu_threads  # noqa: E402
+from kivi.cli.threads import set_cpu_threads  # noqa: E402
 from kivi.eval import make_cache  # noqa: E402
 from kivi.models import load_model  # noqa: E402
 

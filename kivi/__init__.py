@@ -23,7 +23,7 @@ _LAZY = {
     "PRESETS": "kivi.config",
     "quantize_model": "kivi.integration",
     "dequantize_model": "kivi.integration",
-    "load_model": "kivi.models",
+    "load_model": "kivi.models.load",
     "estimate_kv_memory": "kivi.memory",
 }
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .config import PRESETS, KiviConfig
     from .integration import dequantize_model, quantize_model
     from .memory import estimate_kv_memory
-    from .models import load_model
+    from .models.load import load_model
 
 
 def __getattr__(name: str):

@@ -3,7 +3,8 @@
 Every ``import`` statement counts, also those inside functions (lazy imports) and under
 ``TYPE_CHECKING``. A module may import modules of its own layer or of lower layers, never of a
 higher one, and no module may reach itself again through imports (no cycles). A new module must
-be given a layer in :data:`LAYERS` (the test fails until it is).
+be given a layer in :data:`LAYERS` (the test fails until it is). The split packages (``kivi.models``,
+``kivi.cli``) keep small modules that use each other's public names only.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ LAYERS: dict[str, int] = {
     "kivi.batching": 6,
     # 7 tools: planner, evaluation, model loading, data, command line; the package facade
     "kivi.memory": 7, "kivi.eval": 7, "kivi.models": 7, "kivi.data": 7, "kivi.cli": 7, "kivi.__main__": 7,
+    # models: errors and aliases, the converted-copy cache, loading, weight quantization (one job each)
+    "kivi.models.errors": 7, "kivi.models.aliases": 7, "kivi.models.conversion_cache": 7, "kivi.models.load": 7,
+    "kivi.models.weights": 7,
+    # the command line's shared pieces: argparse types, option groups, output, model loading, CPU threads
+    "kivi.cli.validators": 7, "kivi.cli.options": 7, "kivi.cli.output": 7, "kivi.cli.loading": 7,
+    "kivi.cli.threads": 7,
     "kivi.serving": 7,
     "kivi": 7,
 }
@@ -151,3 +158,27 @@ def test_the_checker_sees_a_cycle_and_an_upward_import():
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
     assert _layer("kivi.cache.layer") < _layer("kivi.integration")
     assert _layer("kivi.cache.store") < _layer("kivi.cache.layer")
+
+
+#: Packages split into modules with one job each: every module stays small, and uses its siblings' public names.
+SPLIT_PACKAGES = ("kivi.models", "kivi.cli")
+MAX_MODULE_LINES = 450
+
+
+@pytest.mark.parametrize("package", SPLIT_PACKAGES)
+def test_split_package_modules_are_small(package):
+    folder = ROOT.parent / package.replace(".", "/")
+    assert (folder / "__init__.py").is_file(), f"{package} is a package, not one module"
+    long = {p.name: n for p in folder.glob("*.py") if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}, f"modules of {package} over {MAX_MODULE_LINES} lines: {long}"
+
+
+@pytest.mark.parametrize("package", SPLIT_PACKAGES)
+def test_split_package_modules_import_no_private_names_of_each_other(package):
+    found = []
+    for path in (ROOT.parent / package.replace(".", "/")).glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                found += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")
+                          and not a.name.startswith("__")]  # __version__ is public
+    assert found == []

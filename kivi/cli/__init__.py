@@ -2,7 +2,7 @@
 
 Conventions (every subcommand):
 * bad user input raises :class:`CliError` (or ``ValueError``) -> one clear line on stderr, exit 2;
-  arguments are checked by the validators of :mod:`kivi.cli.common` before any model loads;
+  arguments are checked by the validators of :mod:`kivi.cli.validators` before any model loads;
 * ``--json`` prints one JSON object on stdout instead of tables (progress goes to stderr);
 * files the command writes are checked before the work starts; a write that still fails at the end
   prints the result on stdout and the error on stderr (exit 2): a computed result is never dropped;
@@ -41,7 +41,7 @@ def build_parser():
     import importlib
 
     from .. import __version__
-    from .common import KiviArgumentParser
+    from .options import KiviArgumentParser
 
     parser = KiviArgumentParser(
         prog="kivi",

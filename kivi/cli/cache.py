@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from . import CliError
-from .common import print_json
+from .output import print_json
 
 
 def _fmt_time(t: float) -> str:
@@ -17,7 +17,7 @@ def _fmt_time(t: float) -> str:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     from ..memory import format_bytes
-    from ..models import disk_bytes, kivi_cache_dir, list_converted
+    from ..models.conversion_cache import disk_bytes, kivi_cache_dir, list_converted
 
     copies = list_converted()
     root = kivi_cache_dir() / "models"
@@ -40,7 +40,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_clear(args: argparse.Namespace) -> int:
     from ..memory import format_bytes
-    from ..models import remove_converted
+    from ..models.conversion_cache import remove_converted
 
     if args.all and args.keys:
         raise CliError("give either --all or KEYs, not both")

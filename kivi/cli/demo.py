@@ -24,22 +24,11 @@ import time
 from typing import Any
 
 from . import CliError
-from .common import (
-    add_model_args,
-    add_text_args,
-    check_context_fits,
-    check_cli_backend,
-    load_config_file,
-    load_model_from_args,
-    non_negative_int,
-    output_path,
-    positive_int,
-    print_json,
-    print_rich,
-    set_cpu_threads,
-    write_json_file,
-    write_outputs,
-)
+from .loading import check_context_fits, load_model_from_args
+from .options import add_model_args, add_text_args, check_cli_backend, load_config_file
+from .output import print_json, print_rich, write_json_file, write_outputs
+from .threads import set_cpu_threads
+from .validators import non_negative_int, output_path, positive_int
 
 DEFAULT_PRESETS = "high,balanced,extreme"
 

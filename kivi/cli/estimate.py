@@ -7,17 +7,9 @@ from typing import Any
 
 from ..memory.weights import WEIGHT_BITS
 from . import CliError
-from .common import (
-    add_config_args,
-    byte_size,
-    config_from_args,
-    non_negative_float,
-    output_path,
-    positive_int,
-    print_json,
-    print_rich,
-    token_count,
-)
+from .options import add_config_args, config_from_args
+from .output import print_json, print_rich
+from .validators import byte_size, non_negative_float, output_path, positive_int, token_count
 
 EPILOG = """examples:
   kivi estimate --num-layers 40 --num-kv-heads 40 --head-dim 128 --dtype float16 --context 128k
@@ -296,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
                              device_memory=args.device_memory, prefill=args.prefill, weight_bits=args.weight_bits)
     failed = []
     if pick is not None and args.write_config:  # written first: the file exists whatever happens to stdout
-        from .common import write_outputs
+        from .output import write_outputs
 
         failed = write_outputs([("--write-config", args.write_config, pick.config.to_json)])
     if args.json:

@@ -4,23 +4,18 @@ from __future__ import annotations
 
 import argparse
 
-from .common import (
+from .loading import check_context_fits, load_model_and_windows, load_model_from_args
+from .options import (
     add_config_args,
     add_model_args,
     add_output_args,
     add_text_args,
     add_window_args,
-    check_context_fits,
     config_from_args,
-    emit,
-    fraction_list,
-    int_list,
     load_config_file,
-    load_model_and_windows,
-    load_model_from_args,
-    output_path,
-    positive_int,
 )
+from .output import emit
+from .validators import fraction_list, int_list, output_path, positive_int
 
 
 # ---------------------------------------------------------------------------- options of eval / sweep only

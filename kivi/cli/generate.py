@@ -8,19 +8,10 @@ import time
 from typing import Any
 
 from . import CliError
-from .common import (
-    add_config_args,
-    add_model_args,
-    byte_size,
-    check_context_fits,
-    config_from_args,
-    load_model_from_args,
-    positive_float,
-    positive_int,
-    print_json,
-    seed,
-    utf8_text,
-)
+from .loading import check_context_fits, load_model_from_args
+from .options import add_config_args, add_model_args, config_from_args
+from .output import print_json
+from .validators import byte_size, positive_float, positive_int, seed, utf8_text
 from .prefix import add_prefix_args, check_prefix_args, check_save_config, prefix_inputs
 
 

@@ -8,17 +8,9 @@ import sys
 from typing import Any
 
 from . import CliError
-from .common import (
-    add_config_args,
-    add_model_args,
-    byte_size,
-    config_from_args,
-    load_model_from_args,
-    non_negative_float,
-    port_number,
-    positive_int,
-    utf8_text,
-)
+from .loading import load_model_from_args
+from .options import add_config_args, add_model_args, config_from_args
+from .validators import byte_size, non_negative_float, port_number, positive_int, utf8_text
 
 DEFAULT_PRESET = "balanced"
 GRACEFUL_SHUTDOWN_S = 5.0
@@ -140,7 +132,7 @@ def _serve(args: argparse.Namespace, sock: Any, kivi_config: Any, cache_memory: 
     if not getattr(tokenizer, "is_fast", False):
         raise CliError(f"kivi serve streams text with a fast (Rust) tokenizer; {args.model!r} has a slow one")
     if args.threads is not None:
-        from .common import set_cpu_threads
+        from .threads import set_cpu_threads
 
         set_cpu_threads(args.threads)
     try:

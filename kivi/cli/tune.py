@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from . import CliError
-from .common import (
+from .loading import load_model_and_windows
+from .options import (
     add_config_args,
     add_model_args,
     add_output_args,
@@ -17,18 +18,10 @@ from .common import (
     add_window_args,
     check_window_args,
     config_from_args,
-    emit,
-    json_object,
     load_config_file,
-    load_model_and_windows,
-    non_negative_int,
-    positive_int,
-    token_count,
-    write_json_file,
-    write_outputs,
-    output_path,
-    positive_float,
 )
+from .output import emit, write_json_file, write_outputs
+from .validators import json_object, non_negative_int, output_path, positive_float, positive_int, token_count
 
 
 def upgrade_config(base: Any, upgrade: dict) -> None:

@@ -98,7 +98,7 @@ class ModelSpec:
 
 def _linear_layers(model: Any) -> list[tuple[int, int]]:
     """``(out, in)`` of the linear layers :func:`kivi.models.quantize_weights` quantizes."""
-    from ..models import quantizable_linears
+    from ..models.weights import quantizable_linears
 
     return [(int(m.out_features), int(m.in_features)) for _, m in quantizable_linears(model)]
 
@@ -244,7 +244,7 @@ def model_spec(model: Any, *, dtype: Any = None) -> ModelSpec:
             d["dtype"] = dtype
         return ModelSpec(**d)
     if hasattr(model, "config") and hasattr(model, "parameters"):  # a loaded PreTrainedModel
-        from ..models import weight_bytes
+        from ..models.weights import weight_bytes
 
         params = int(sum(p.numel() for p in model.parameters()))
         md = dtype if dtype is not None else getattr(model, "dtype", None)
@@ -257,7 +257,8 @@ def model_spec(model: Any, *, dtype: Any = None) -> ModelSpec:
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"cannot describe a model from {type(model).__name__}")
 
-    from ..models import KNOWN_ALIASES, alias_gguf_path, converted_cache_path
+    from ..models.aliases import KNOWN_ALIASES, alias_gguf_path
+    from ..models.conversion_cache import converted_cache_path
 
     name = os.fspath(model)
     key = name.strip().lower()

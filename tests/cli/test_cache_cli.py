@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kivi.cli import main
-from kivi.models import _CONVERTED_MARKER, gguf_sha256
+from kivi.models.conversion_cache import CONVERTED_MARKER, gguf_sha256
 
 
 @pytest.fixture()
@@ -22,7 +22,7 @@ def cache(monkeypatch, tmp_path):
         (models / name / "config.json").write_text("{}")
         (models / name / "model.safetensors").write_bytes(bytes(4096))
         sha = gguf_sha256(live, root) if src == live else "0" * 64
-        (models / name / _CONVERTED_MARKER).write_text(json.dumps({"source": str(src), "sha256": sha}))
+        (models / name / CONVERTED_MARKER).write_text(json.dumps({"source": str(src), "sha256": sha}))
     return models
 
 

@@ -150,7 +150,7 @@ def test_cpu_threads_survive_loading_the_numba_kernels():
     code = ("import torch; torch.set_num_threads(1); torch.get_num_threads()\n"
             "from kivi.attention.fused_cpu import fused_decode_available, warmup\n"
             "fused_decode_available() and warmup()\n"
-            "from kivi.cli.common import set_cpu_threads; set_cpu_threads(1)\n"
+            "from kivi.cli.threads import set_cpu_threads; set_cpu_threads(1)\n"
             "import sys; print(torch.get_num_threads(), sys.modules['numba'].get_num_threads() if 'numba' in sys.modules else 1)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 0, p.stderr

@@ -5,7 +5,7 @@ before any model loads.
 Each case runs in its own process: a "zygote" subprocess imports kivi once, then forks one child per
 case that runs ``kivi.cli.main(argv)`` and exits with its status, exactly as ``python -m kivi`` does
 (a fresh interpreter per case would cost ~2-8 s of imports each on this machine). In the children
-``kivi.models.load_model`` exits 99: "reached the model load" (allowed for argument lists that are
+``kivi.models.load.load_model`` exits 99: "reached the model load" (allowed for argument lists that are
 valid, a failure when the list holds a known-invalid value). The options of every subcommand are
 read from the parser itself, so a new option or subcommand is fuzzed without editing this file.
 """
@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kivi.cli import common
+from kivi.cli import validators
 from kivi.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ MAX_EXAMPLES = int(os.environ.get("KIVI_FUZZ_EXAMPLES", 120))  # more for a one-
 ZYGOTE = r"""
 import json, os, sys, traceback
 os.environ["HF_HUB_OFFLINE"] = "1"
-import kivi.models
+import kivi.models.load
 from kivi.cli import main, build_parser
 build_parser()  # every subcommand module imported before forking
 
@@ -42,7 +42,7 @@ def reached(*a, **kw):
     sys.stdout.flush(); sys.stderr.flush()
     os._exit(99)
 
-kivi.models.load_model = reached
+kivi.models.load.load_model = reached
 print("ready", flush=True)
 for line in sys.stdin:
     req = json.loads(line)
@@ -119,20 +119,20 @@ POOL = ["0", "1", "2", "4", "-1", "16", "64", "1k", "32k", "0.5", "1.5", "nan", 
 #: Values known to be invalid, by the option's argparse type (or destination): an argument list
 #: holding one must be refused before any model loads.
 INVALID_BY_TYPE = {
-    common.positive_int: ["0", "-1", "x", "1.5", "nan", ""],
-    common.non_negative_int: ["-1", "x", "inf"],
-    common.seed: ["-1", str(2**64), str(2**70), "x"],
-    common.finite_float: ["nan", "inf", "x"],
-    common.positive_float: ["0", "-1", "nan", "inf", "1e400", "x"],
-    common.non_negative_float: ["-1", "nan", "inf", "-inf"],
-    common.token_count: ["0", "-1", "lots", "1.5"],
-    common.byte_size: ["80XB", "0", "x"],
-    common.output_path: ["/nonexistent/dir/x.json", "adir", ""],
-    common.utf8_text: ["caf\udce9"],
-    common.int_list: ["0", "a,b", ""],
-    common.fraction_list: ["1.5", "x", "-0.1"],
-    common.json_object: ["[1]", "{", "5"],
-    common.model_dtype: ["fp8", "int4"],
+    validators.positive_int: ["0", "-1", "x", "1.5", "nan", ""],
+    validators.non_negative_int: ["-1", "x", "inf"],
+    validators.seed: ["-1", str(2**64), str(2**70), "x"],
+    validators.finite_float: ["nan", "inf", "x"],
+    validators.positive_float: ["0", "-1", "nan", "inf", "1e400", "x"],
+    validators.non_negative_float: ["-1", "nan", "inf", "-inf"],
+    validators.token_count: ["0", "-1", "lots", "1.5"],
+    validators.byte_size: ["80XB", "0", "x"],
+    validators.output_path: ["/nonexistent/dir/x.json", "adir", ""],
+    validators.utf8_text: ["caf\udce9"],
+    validators.int_list: ["0", "a,b", ""],
+    validators.fraction_list: ["1.5", "x", "-0.1"],
+    validators.json_object: ["[1]", "{", "5"],
+    validators.model_dtype: ["fp8", "int4"],
     int: ["x", "1.5"],
 }
 INVALID_BY_DEST = {

@@ -15,11 +15,11 @@ from tests.cli.test_eval_cli import PROTO, cli_on_tiny_model  # noqa: F401 - fix
 @pytest.fixture()
 def loads(monkeypatch):
     """Counts model loads (the checks must come before any)."""
-    import kivi.models
+    import kivi.models.load
 
     calls = []
-    real = kivi.models.load_model
-    monkeypatch.setattr(kivi.models, "load_model", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    real = kivi.models.load.load_model
+    monkeypatch.setattr(kivi.models.load, "load_model", lambda *a, **kw: calls.append(a) or real(*a, **kw))
     return calls
 
 
@@ -72,18 +72,18 @@ def test_eval_result_printed_when_the_write_fails_at_the_end(cli_on_tiny_model, 
 
 
 def test_tune_writes_what_it_can_and_prints_the_rest(cli_on_tiny_model, capsys, tmp_path, monkeypatch):
-    import kivi.eval.sweep
+    import kivi.eval.tuning
 
     gone = tmp_path / "gone"
     gone.mkdir()
-    real = kivi.eval.sweep.tune
+    real = kivi.eval.tuning.tune
 
     def tune_then_folder_gone(*a, **kw):
         r = real(*a, **kw)
         shutil.rmtree(gone)
         return r
 
-    monkeypatch.setattr(kivi.eval.sweep, "tune", tune_then_folder_gone)
+    monkeypatch.setattr(kivi.eval.tuning, "tune", tune_then_folder_gone)
     kept = tmp_path / "tune.json"
     rc = main(["tune", *PROTO, "--max-ppl-increase", "1000%", "--json", "-o", str(kept),
                "--write-config", str(gone / "cfg.json")])

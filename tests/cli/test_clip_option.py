@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from kivi.cli.common import add_config_args, config_from_args
+from kivi.cli.options import add_config_args, config_from_args
 
 
 def _parse(*argv):

@@ -21,10 +21,10 @@ PROTO = ["--context", "160", "--prefix", "64", "--chunk", "16", "--windows", "2"
 def cli_on_tiny_model(monkeypatch):
     """The CLI loads the default tiny Llama (256-token vocabulary) and scores random token windows."""
     import kivi.data
-    import kivi.models
+    import kivi.models.load
 
     model = tiny_model("llama", vocab_size=256)
-    monkeypatch.setattr(kivi.models, "load_model", lambda name="smollm2", dtype=None, **kw: (model, None))
+    monkeypatch.setattr(kivi.models.load, "load_model", lambda name="smollm2", dtype=None, **kw: (model, None))
 
     def windows(tok, text, context, num_windows, **kw):
         return torch.randint(0, 256, (num_windows, context), generator=torch.Generator().manual_seed(3))
@@ -118,11 +118,11 @@ def test_bad_input_is_one_line_exit_2(cli_on_tiny_model, capsys, argv, msg):
     (["--max-new-tokens", "0"], "argument --max-new-tokens: 0 is not a positive integer"),
 ])
 def test_passkey_bad_input_is_one_line_exit_2(cli_on_tiny_model, capsys, monkeypatch, argv, msg):
-    import kivi.models
+    import kivi.models.load
 
     loads = []
-    real = kivi.models.load_model
-    monkeypatch.setattr(kivi.models, "load_model", lambda *a, **kw: loads.append(1) or real(*a, **kw))
+    real = kivi.models.load.load_model
+    monkeypatch.setattr(kivi.models.load, "load_model", lambda *a, **kw: loads.append(1) or real(*a, **kw))
     rc = main(["eval", "passkey", "--no-progress", *argv])
     _, err = capsys.readouterr()
     assert rc == 2

@@ -17,11 +17,11 @@ BUDGET = ["--max-ppl-increase", "1000%"]  # the cheapest candidate fits: one is 
 def tiny_cli(monkeypatch):
     """The tiny-model CLI (tests/cli/test_eval_cli.py) that also records how many windows were loaded."""
     import kivi.data
-    import kivi.models
+    import kivi.models.load
     from tests.helpers import tiny_model
 
     model = tiny_model("llama", vocab_size=256)
-    monkeypatch.setattr(kivi.models, "load_model", lambda name="smollm2", dtype=None, **kw: (model, None))
+    monkeypatch.setattr(kivi.models.load, "load_model", lambda name="smollm2", dtype=None, **kw: (model, None))
     loaded = []
 
     def windows(tok, text, context, num_windows, **kw):

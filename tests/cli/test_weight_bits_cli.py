@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from kivi.cli.common import add_model_args, load_model_from_args
+from kivi.cli.loading import load_model_from_args
+from kivi.cli.options import add_model_args
 from kivi.memory import estimate_kv_memory, model_spec
 
 from tests.cli.test_cli_basic import assert_one_line_error, kivi
@@ -45,9 +46,9 @@ def test_estimate_weight_bits_errors(args, needles):
 @pytest.mark.parametrize("bits", [16, 8, 4])
 def test_load_model_from_args_quantizes_the_weights(monkeypatch, bits):
     pytest.importorskip("optimum.quanto")
-    import kivi.models
+    import kivi.models.load
 
-    monkeypatch.setattr(kivi.models, "load_model", lambda name, dtype=None: (tiny_model(), "tok"))
+    monkeypatch.setattr(kivi.models.load, "load_model", lambda name, dtype=None: (tiny_model(), "tok"))
     p = argparse.ArgumentParser()
     add_model_args(p)
     model, tok = load_model_from_args(p.parse_args(["--weight-bits", str(bits)]))

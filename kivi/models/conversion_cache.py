@@ -1,0 +1,334 @@
+"""The converted-copy cache of GGUF models: where a copy lives, its content key, writing, listing, clearing.
+
+GGUF files are dequantized by transformers on every load, which is slow (~16-30 s for SmolLM2).
+:func:`kivi.models.load_model` therefore keeps a converted copy (safetensors, config and tokenizer
+written with ``save_pretrained``) on the first load and reads it on later loads, in well under a second.
+A copy lives at :func:`converted_cache_path`, keyed by the SHA-256 of the GGUF file's content
+(:func:`gguf_sha256`, remembered per path, size and mtime in ``models/hash-index.json``). A copy is
+written in a temporary folder and renamed into place, its marker file last: a failed or interrupted
+write (a full disk) leaves the cache as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .aliases import KNOWN_ALIASES, alias_gguf_path
+
+logger = logging.getLogger(__name__)
+
+#: Written last inside a converted copy: a folder without it is never trusted.
+CONVERTED_MARKER = "kivi-converted.json"
+
+
+def kivi_cache_dir() -> Path:
+    """The root of kivi's user cache: ``$KIVI_CACHE_DIR``, else ``$XDG_CACHE_HOME/kivi``, else ``~/.cache/kivi``."""
+    if os.environ.get("KIVI_CACHE_DIR"):
+        return Path(os.environ["KIVI_CACHE_DIR"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "kivi"
+
+
+def converted_cache_path(
+    name_or_path: str | os.PathLike = "smollm2", cache_dir: str | os.PathLike | None = None
+) -> Path:
+    """Where the converted (safetensors) copy of a GGUF model lives, whether or not it exists yet.
+
+    ``<cache root>/models/<gguf stem>-<key>``: the cache root is ``cache_dir`` if given, else
+    :func:`kivi_cache_dir`; ``key`` is the start of the SHA-256 of the GGUF file's *content*
+    (:func:`gguf_content_key`), so identical copies of a file share one converted copy, and a
+    changed file gets a new one.
+
+    Args:
+        name_or_path: an alias from :data:`KNOWN_ALIASES` or a path to a ``.gguf`` file.
+        cache_dir: overrides the cache root.
+    """
+    gguf = _gguf_path(name_or_path)
+    root = _models_dir(cache_dir)
+    return root / f"{gguf.stem}-{gguf_content_key(gguf, cache_dir)}"
+
+
+def _gguf_path(name_or_path: str | os.PathLike) -> Path:
+    name = os.fspath(name_or_path)
+    return alias_gguf_path(name) if name.lower() in KNOWN_ALIASES else Path(name).expanduser().resolve()
+
+
+def _models_dir(cache_dir: str | os.PathLike | None) -> Path:
+    root = Path(cache_dir).expanduser() if cache_dir is not None else kivi_cache_dir()
+    return root / "models"
+
+
+#: Hex digits of the SHA-256 kept in a converted copy's folder name.
+KEY_DIGITS = 16
+_HASH_INDEX = "hash-index.json"  # {resolved path: {"size", "mtime_ns", "sha256"}} in <root>/models
+
+
+def _file_sha256(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _read_index(models_dir: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((models_dir / _HASH_INDEX).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}  # missing or damaged: rebuilt as files are hashed
+    return data if isinstance(data, dict) else {}
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def gguf_sha256(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> str:
+    """SHA-256 (hex) of a file's content, remembered per ``(path, size, mtime)`` in the cache's
+    ``models/hash-index.json``: a file is hashed once, not on every load (SmolLM2's 98 MB took 1.6 s on the
+    shared 2-core VM, load ~10: ``kivi.models.conversion_cache._file_sha256(alias_gguf_path("smollm2"))``)."""
+    path = Path(path).expanduser().resolve()
+    stat = path.stat()
+    models_dir = _models_dir(cache_dir)
+    index = _read_index(models_dir)
+    entry = index.get(str(path))
+    if isinstance(entry, dict) and entry.get("size") == stat.st_size and entry.get("mtime_ns") == stat.st_mtime_ns \
+            and isinstance(entry.get("sha256"), str):
+        return entry["sha256"]
+    sha = _file_sha256(path)
+    index[str(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha}
+    try:
+        _write_json_atomic(models_dir / _HASH_INDEX, index)
+    except OSError as error:  # a read-only cache: hash again next time
+        logger.debug("could not update %s: %s", models_dir / _HASH_INDEX, error)
+    return sha
+
+
+def gguf_content_key(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> str:
+    """The key of a GGUF file's converted copy: the first :data:`KEY_DIGITS` hex digits of its SHA-256."""
+    return gguf_sha256(path, cache_dir)[:KEY_DIGITS]
+
+
+# --------------------------------------------------------------------------- a copy: marker, reuse, write
+
+
+def is_converted(folder: Path) -> bool:
+    """Whether ``folder`` is a complete converted copy (its marker, written last, and a ``config.json``)."""
+    return (folder / CONVERTED_MARKER).is_file() and (folder / "config.json").is_file()
+
+
+def mark_used(folder: Path) -> None:
+    """Record a load of a converted copy: the marker file's modification time is its last use."""
+    with contextlib.suppress(OSError):
+        os.utime(folder / CONVERTED_MARKER)
+
+
+def _adopt_legacy_copy(gguf: Path, target: Path) -> None:
+    """Reuse a copy made before copies were keyed by content (that key hashed name, size and mtime):
+    a complete copy whose marker names this very file, at the size and mtime it has now, is linked
+    (hard links: no second 517 MB) into ``target`` instead of converting the GGUF again. The old
+    folder stays valid for older kivi versions that share the cache; ``kivi cache clear`` drops it."""
+    stat = gguf.stat()
+    for folder in sorted(target.parent.glob(f"{gguf.stem}-*")):
+        if folder == target or not is_converted(folder):
+            continue
+        info = read_marker(folder)
+        if "sha256" in info or info.get("source") != str(gguf):
+            continue
+        if (info.get("size"), info.get("mtime_ns")) != (stat.st_size, stat.st_mtime_ns):
+            continue
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            for item in folder.iterdir():
+                if item.name != CONVERTED_MARKER and item.is_file():
+                    os.link(item, tmp / item.name)
+            info["sha256"] = gguf_sha256(gguf, target.parent.parent)
+            (tmp / CONVERTED_MARKER).write_text(json.dumps(info, indent=2) + "\n")  # written last
+            os.rename(tmp, target)
+            logger.info("reusing the converted copy %s as %s", folder, target)
+        except OSError as error:  # no hard links here, or another process was first: convert / use theirs
+            logger.debug("could not reuse %s: %s", folder, error)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
+
+
+def read_marker(folder: Path) -> dict[str, Any]:
+    """What a converted copy records about its source (``{}`` when the marker is missing or damaged)."""
+    try:
+        info = json.loads((folder / CONVERTED_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def reuse_converted(gguf: Path, target: Path) -> bool:
+    """Whether ``target`` (``converted_cache_path(gguf, ...)``) holds a complete copy to load, adopting one made
+    before copies were keyed by content (:func:`_adopt_legacy_copy`); a copy that will be loaded is marked used."""
+    if not is_converted(target):
+        _adopt_legacy_copy(gguf, target)
+    if not is_converted(target):
+        return False
+    mark_used(target)
+    return True
+
+
+def write_converted(model: Any, tokenizer: Any, target: Path, source: Path, sha256: str | None = None) -> None:
+    """Write ``model`` and ``tokenizer`` to ``target`` atomically (temp folder, then rename); on any error
+    the temporary folder is removed: no partial copy is left."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        stat = source.stat()
+        info = {"source": str(source), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256}
+        (tmp / CONVERTED_MARKER).write_text(json.dumps(info, indent=2) + "\n")
+        if target.exists() and not is_converted(target):
+            shutil.rmtree(target)  # a stray folder without the marker: never trusted, replace it
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not is_converted(target):  # anything but "another process finished first" is an error
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- the converted-copy cache: list, clear
+
+
+#: A temporary conversion folder older than this is left over from a crash (not a running conversion).
+STALE_TEMP_SECONDS = 3600
+
+
+@dataclass(frozen=True)
+class ConvertedCopy:
+    """One folder under ``<cache root>/models``: a converted copy, or an unfinished conversion."""
+
+    key: str  # the folder's name (what ``kivi cache clear KEY`` takes)
+    path: Path
+    nbytes: int  # bytes of its files
+    source: str | None  # the GGUF file it was converted from (the latest one, for identical copies)
+    sha256: str | None  # content hash of that GGUF (None: made before copies were keyed by content)
+    last_used: float  # POSIX time of its last load (creation for unfinished folders)
+    stale: str | None  # why no load would use it any more, or None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "path": str(self.path), "bytes": self.nbytes, "source": self.source,
+                "sha256": self.sha256, "last_used": self.last_used, "stale": self.stale}
+
+
+def _folder_bytes(folder: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+def disk_bytes(copies: list[ConvertedCopy]) -> int:
+    """Bytes the copies take on disk: a file hard-linked into several copies counts once."""
+    seen, total = set(), 0
+    for c in copies:
+        for dirpath, _, files in os.walk(c.path):
+            for name in files:
+                try:
+                    st = os.lstat(os.path.join(dirpath, name))
+                except OSError:
+                    continue
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    total += st.st_size
+    return total
+
+
+def _staleness(folder: Path, info: dict[str, Any], cache_dir: str | os.PathLike | None) -> str | None:
+    if not is_converted(folder):
+        age = time.time() - folder.stat().st_mtime
+        if folder.name.startswith(".") and age < STALE_TEMP_SECONDS:
+            return None  # maybe a conversion running right now
+        return "unfinished conversion (no marker)"
+    source = info.get("source")
+    if not isinstance(source, str) or not Path(source).is_file():
+        return f"its source {source!r} is gone"
+    stat = Path(source).stat()
+    if info.get("sha256") is None:
+        if (info.get("size"), info.get("mtime_ns")) != (stat.st_size, stat.st_mtime_ns):
+            return "its source changed since (made before copies were keyed by content)"
+        return None
+    if gguf_sha256(source, cache_dir) != info["sha256"]:
+        return "its source's content changed since"
+    return None
+
+
+def list_converted(cache_dir: str | os.PathLike | None = None) -> list[ConvertedCopy]:
+    """Every folder of the converted-copy cache (``<cache root>/models``), most recently used first."""
+    models_dir = _models_dir(cache_dir)
+    if not models_dir.is_dir():
+        return []
+    out = []
+    for folder in models_dir.iterdir():
+        if not folder.is_dir():
+            continue
+        info = read_marker(folder)
+        marker = folder / CONVERTED_MARKER
+        try:
+            last = (marker if marker.is_file() else folder).stat().st_mtime
+        except OSError:
+            continue  # removed meanwhile
+        source, sha = info.get("source"), info.get("sha256")
+        out.append(ConvertedCopy(
+            key=folder.name, path=folder, nbytes=_folder_bytes(folder),
+            source=source if isinstance(source, str) else None, sha256=sha if isinstance(sha, str) else None,
+            last_used=last, stale=_staleness(folder, info, cache_dir)))
+    return sorted(out, key=lambda c: -c.last_used)
+
+
+def remove_converted(keys: list[str] | None = None, *, all: bool = False, stale: bool = False,
+                     cache_dir: str | os.PathLike | None = None) -> list[ConvertedCopy]:
+    """Delete converted copies: those named in ``keys`` (folder names; an unknown key raises
+    ``ValueError`` before anything is deleted), every one (``all``), or the stale ones (``stale``).
+    Returns what was deleted."""
+    copies = list_converted(cache_dir)
+    by_key = {c.key: c for c in copies}
+    if all:
+        chosen = copies
+    else:
+        unknown = [k for k in keys or [] if k not in by_key]
+        if unknown:
+            raise ValueError(f"no converted copy {unknown[0]!r} in {_models_dir(cache_dir)} "
+                             f"(known: {', '.join(sorted(by_key)) or 'none'})")
+        chosen = [by_key[k] for k in keys or []]
+        if stale:
+            chosen += [c for c in copies if c.stale and c not in chosen]
+    for c in chosen:
+        shutil.rmtree(c.path)
+    return chosen
+
+
+__all__ = ["CONVERTED_MARKER", "ConvertedCopy", "KEY_DIGITS", "STALE_TEMP_SECONDS",
+           "converted_cache_path", "disk_bytes", "gguf_content_key", "gguf_sha256", "is_converted", "kivi_cache_dir",
+           "list_converted", "mark_used", "read_marker", "remove_converted", "reuse_converted", "write_converted"]
