@@ -769,23 +769,34 @@ def _paged_rows(pool, lay, side, bt, b, h, ns, nst, nw, fp, w0, t0, t1, d, scr):
 
 
 @inline
-def _paged_task(q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, b, h, t0, t1, om, ol, oacc, valid):
-    """Kv head ``h`` of request ``b`` over its kv positions ``[t0, t1)``: :func:`_task` on the request's pieces."""
+def _paged_task(q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, b, h, t0, t1, om, ol, oacc, valid, kscr, vscr):
+    """Kv head ``h`` of request ``b`` over its kv positions ``[t0, t1)``: :func:`_task` on the request's pieces
+    (``kscr`` / ``vscr``: room for float32 copies of its pages' parameters, see :func:`_paged_rows`)."""
     P, G = lay[_PL_P], lay[_PL_G]
-    D = kfp.shape[3]
     npk, npv = (cnt[b, 1] + P - 1) // P, (cnt[b, 4] + P - 1) // P
     kd = np.empty((npk + 2, NCOL), dtype=np.int64)
     vd = np.empty((npv + 2, NCOL), dtype=np.int64)
-    copies = lay[_PL_PDT] != 0 or lay[_PL_KOFF] < 0
-    kscr = np.empty((npk if copies else 0, 2, (P // G) * D), dtype=np.float32)
-    vscr = np.empty((npv if copies else 0, 2, P * (D // G)), dtype=np.float32)
     nk = _paged_rows(pool, lay, 0, bt, b, h, cnt[b, 0], cnt[b, 1], cnt[b, 2], kfp, w0, t0, t1, kd, kscr)
     nv = _paged_rows(pool, lay, 1, bt, b, h, cnt[b, 3], cnt[b, 4], cnt[b, 5], vfp, w0, t0, t1, vd, vscr)
     prm = np.array([lay[_PL_KBITS], G, lay[_PL_VBITS], G], dtype=np.int64)
     # the rows address the request's data directly (sequence strides 0)
     _task(q, kd[:nk], vd[:nv], prm, valid, 0, scaling, b, h, t0, t1, om, ol, oacc)
-    # The rows hold raw addresses of the copies: numba frees an array after its last use, so use them after _task.
-    return kscr.shape[0] + vscr.shape[0]
+
+
+@inline
+def _paged_scratch(cnt, lay, D, ntask):
+    """Per task, room for float32 copies of a request's page parameters (scale and base of one head), needed
+    unless they are float32 and asymmetric (then the rows point into the pages). Allocated by the entry
+    points for all tasks: the rows hold raw addresses, and numba frees an array after its last visible use."""
+    P, G = lay[_PL_P], lay[_PL_G]
+    most = 0
+    for b in range(cnt.shape[0]):
+        most = max(most, (max(cnt[b, 1], cnt[b, 4]) + P - 1) // P)
+    if lay[_PL_PDT] == 0 and lay[_PL_KOFF] >= 0:
+        most = 0
+    kscr = np.empty((ntask, most, 2, (P // G) * D), dtype=np.float32)
+    vscr = np.empty((ntask, most, 2, P * (D // G)), dtype=np.float32)
+    return kscr, vscr
 
 
 @inline
@@ -815,7 +826,7 @@ def _paged_plan(cnt, hkv, chunk):
 
 @inline
 def _paged_slot_task(slot, nch, slot0, q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, hkv, chunk, pm, pl, pacc,
-                     valid):
+                     valid, kscr, vscr):
     """Run the task whose partial state goes to ``slot``."""
     b = 0
     while slot0[b + 1] <= slot:
@@ -825,7 +836,8 @@ def _paged_slot_task(slot, nch, slot0, q, pool, lay, bt, cnt, kfp, vfp, w0, scal
     c = r - h * nch[b]
     t0 = c * chunk
     t1 = min(cnt[b, 0] + cnt[b, 1] + cnt[b, 2], t0 + chunk)
-    _paged_task(q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, b, h, t0, t1, pm[slot], pl[slot], pacc[slot], valid)
+    _paged_task(q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, b, h, t0, t1, pm[slot], pl[slot], pacc[slot], valid,
+                kscr[slot], vscr[slot])
 
 
 @jit
@@ -870,9 +882,10 @@ def paged_decode_threaded(q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, hkv, chu
     pl = np.empty((ntask, g), dtype=np.float32)
     pacc = np.empty((ntask, g, out.shape[2]), dtype=np.float32)
     valid = np.ones((1, 1), dtype=np.bool_)
+    kscr, vscr = _paged_scratch(cnt, lay, q.shape[2], ntask)
     for k in prange(ntask):
         _paged_slot_task(order[k], nch, slot0, q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, hkv, chunk, pm, pl,
-                         pacc, valid)
+                         pacc, valid, kscr, vscr)
     _paged_merge(pm, pl, pacc, nch, slot0, out)
 
 
@@ -886,7 +899,8 @@ def paged_decode_serial(q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, hkv, chunk
     pl = np.empty((ntask, g), dtype=np.float32)
     pacc = np.empty((ntask, g, out.shape[2]), dtype=np.float32)
     valid = np.ones((1, 1), dtype=np.bool_)
+    kscr, vscr = _paged_scratch(cnt, lay, q.shape[2], ntask)
     for k in range(ntask):
         _paged_slot_task(order[k], nch, slot0, q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, hkv, chunk, pm, pl,
-                         pacc, valid)
+                         pacc, valid, kscr, vscr)
     _paged_merge(pm, pl, pacc, nch, slot0, out)
