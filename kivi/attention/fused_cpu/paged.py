@@ -122,24 +122,23 @@ def _check(q, pool, layout, block_table, counts, k_fp, v_fp, w0) -> None:
     for name, fp in (("k_fp", k_fp), ("v_fp", v_fp)):
         if fp.dtype != torch.float32 or fp.dim() != 4 or fp.shape[0] != N or tuple(fp.shape[2:]) != (H, D):
             raise ValueError(f"{name} must be float32 [{N}, slots, {H}, {D}], got {fp.dtype} {tuple(fp.shape)}")
-    if bool((counts < 0).any()):
+    # the per-request checks on numpy views (a handful of microseconds, once per layer)
+    c, table = counts.numpy(), block_table.numpy()
+    if (c < 0).any():
         raise ValueError("counts must be non-negative")
-    k_len, v_len = counts[:, :3].sum(1), counts[:, 3:].sum(1)
-    if not torch.equal(k_len, v_len) or bool((k_len == 0).any()):
-        raise ValueError(f"every request needs as many key as value positions, at least one: {counts.tolist()}")
-    for side, c in (("key", counts[:, :3]), ("value", counts[:, 3:])):
-        if bool((c[:, 0] > w0).any()) or bool((w0 + c[:, 2] > k_fp.shape[1]).any()):
-            raise ValueError(f"{side} sink / window rows do not fit the fp slots (w0={w0}, slots={k_fp.shape[1]})")
-        pages = (c[:, 1] + layout.page_size - 1) // layout.page_size
-        if bool((pages > block_table.shape[1]).any()):
-            raise ValueError(f"{side} stored tokens need more pages than block_table's {block_table.shape[1]} columns")
-    if bool((counts[:, 1] % layout.group_size).any()):
-        raise ValueError(f"stored keys must be whole groups of {layout.group_size}: {counts[:, 1].tolist()}")
+    total = c[:, :3].sum(1)
+    if (total != c[:, 3:].sum(1)).any() or (total == 0).any():
+        raise ValueError(f"every request needs as many key as value positions, at least one: {c.tolist()}")
+    pages = (np.maximum(c[:, 1], c[:, 4]) + layout.page_size - 1) // layout.page_size
+    if (pages > table.shape[1]).any():
+        raise ValueError(f"stored tokens need more pages than block_table's {table.shape[1]} columns")
+    if (c[:, [0, 3]] > w0).any() or (w0 + c[:, [2, 5]] > min(k_fp.shape[1], v_fp.shape[1])).any():
+        raise ValueError(f"sink / window rows do not fit the fp slots (w0={w0}, slots={k_fp.shape[1]})")
+    if (c[:, 1] % layout.group_size).any():
+        raise ValueError(f"stored keys must be whole groups of {layout.group_size}: {c[:, 1].tolist()}")
+    ids = table[np.arange(table.shape[1])[None, :] < pages[:, None]]
     nb = pool.numel() // layout.block_bytes
-    used = torch.arange(block_table.shape[1]) < ((counts[:, [1, 4]].max(1).values + layout.page_size - 1)
-                                                 // layout.page_size)[:, None]
-    ids = block_table[used]
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= nb):
+    if ids.size and (ids.min() < 0 or ids.max() >= nb):
         raise ValueError(f"block_table names blocks outside the pool's {nb}")
 
 
@@ -155,7 +154,7 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: PagedLay
     N, hq, D = q.shape
     H = layout.num_kv_heads
     scaling = D**-0.5 if scaling is None else scaling
-    lens = counts[:, :3].sum(1)
+    lens = counts.numpy()[:, :3].sum(1)
     total = int(lens.sum())
     if threaded is None:
         threaded = _use_threads(1, H, total)
