@@ -18,6 +18,7 @@ import cProfile
 import functools
 import inspect
 import json
+import os
 import pstats
 import sys
 import time
@@ -26,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# KIVI_ROOT=<checkout>: profile that checkout's kivi (e.g. the main branch, for a before/after comparison)
+sys.path.insert(0, os.environ.get("KIVI_ROOT", str(Path(__file__).resolve().parent.parent)))
 
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor  # noqa: E402
 
