@@ -8,7 +8,7 @@ cache ran: ``decode`` (every request one query token) or ``mixed`` (some request
 have (another version) are skipped. The box may be shared: compare shares of a step, not absolute times.
 
     PYTHONPATH=$PWD python benchmarks/profile_serving.py --model smollm2 --requests 8 --prompt-len 512 \\
-        --new-tokens 32 --threads 2 [--cprofile 25] [--out results/profile_serving.json]
+        --new-tokens 32 --threads 2 [--cprofile 25] [--out results/serving/profile_serving.json]
 """
 
 from __future__ import annotations

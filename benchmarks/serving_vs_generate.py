@@ -11,7 +11,7 @@ requests to the last token, prefill included, after an untimed warm-up):
 before/after comparison in one run:
 
     PYTHONPATH=$PWD python benchmarks/serving_vs_generate.py --all --kivi-root-before /work/main \\
-        --requests 8 --prompt-len 512 --new-tokens 64 --threads 2 --out results/serving_vs_generate.json
+        --requests 8 --prompt-len 512 --new-tokens 64 --threads 2 --out results/serving/serving_vs_generate_smollm2.json
 """
 
 from __future__ import annotations
