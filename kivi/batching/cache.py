@@ -96,7 +96,8 @@ class KiviPagedCache(PagedAttentionCache):
         #: per layer, the paged decode kernel's view of its fields (``None``: that layer's decoding requests are
         #: read one by one — materialized or reference mode, numba absent, a sliding window, compensation codes)
         self._kernel_layouts = [
-            layout.kernel_layout(i) if packed_backend == "cpu" and numba_available() and w is None else None
+            layout.kernel_layout(i) if getattr(packed_backend, "name", packed_backend) == "cpu" and numba_available()
+            and w is None else None
             for i, w in enumerate(layout.sliding_windows)]
         self._decode: DecodeStep | None = None  # the running forward's decoding requests
         self._next_batch: list[tuple[str, int, int]] = []  # filled while a batch is prepared

@@ -24,7 +24,7 @@ class DecodeStep:
 
     rows: tuple[int, ...]
     table: torch.Tensor
-    window_index: torch.Tensor
+    window_index: torch.Tensor  # padded to the longest request's slots
 
 
 def decode_step(batch: list[tuple[str, int, int]], states: list, block_tables: dict[str, list[int]]) -> DecodeStep | None:
@@ -36,7 +36,11 @@ def decode_step(batch: list[tuple[str, int, int]], states: list, block_tables: d
     tables = [block_tables.get(batch[i][0], []) for i in rows]
     width = max(1, max(len(t) for t in tables))
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    return DecodeStep(rows, table, torch.stack([states[i].window_index for i in rows]))
+    index = [states[i].window_index for i in rows]
+    slots = max(x.shape[2] for x in index)
+    # requests may hold different numbers of row slots: pad with (block 0, row 0), a valid row no count reaches
+    index = [x if x.shape[2] == slots else torch.nn.functional.pad(x, (0, 0, 0, slots - x.shape[2])) for x in index]
+    return DecodeStep(rows, table, torch.stack(index))
 
 
 def gather_rows(window_rows: torch.Tensor, index: torch.Tensor, new: torch.Tensor, windows: torch.Tensor,
