@@ -24,6 +24,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from ..attention.fused_cpu.paged import PagedLayout, paged_decode_attention
 from ..attention.interface import run_backend
 from ..cache.view import AttentionView
 
@@ -32,13 +33,37 @@ PAGED_ATTN_IMPLEMENTATION = "kivi_paged"
 
 
 @dataclass(frozen=True)
+class PagedDecode:
+    """The decoding requests of one layer's batch, read by one paged decode kernel call
+    (:func:`kivi.attention.fused_cpu.paged.paged_decode_attention`; argument meanings there): ``rows`` are
+    their positions in the batch; ``block_table`` / ``counts`` / ``k_fp`` / ``v_fp`` hold one row each."""
+
+    rows: tuple[int, ...]
+    pool: torch.Tensor
+    layout: PagedLayout
+    block_table: torch.Tensor
+    counts: torch.Tensor
+    k_fp: torch.Tensor
+    v_fp: torch.Tensor
+    w0: int
+
+    def attend(self, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """``query [N, Hq, D]`` (one token of each of ``rows``) -> ``[N, Hq, D]``."""
+        return paged_decode_attention(query, self.pool, self.layout, self.block_table, self.counts, self.k_fp,
+                                      self.v_fp, self.w0, scaling=scaling)
+
+
+@dataclass(frozen=True)
 class PagedBatchViews:
     """One side (keys or values) of one layer for the whole batch: ``views[i]`` for request ``i``,
-    whose ``q_lens[i]`` new tokens are consecutive in the batch's query axis; ``backend`` reads them."""
+    whose ``q_lens[i]`` new tokens are consecutive in the batch's query axis; ``backend`` reads them.
+    Requests in ``decode.rows`` (one query token, something quantized) have no view (``None``): one
+    kernel call reads them all (the same :class:`PagedDecode` on both sides)."""
 
-    views: tuple[AttentionView, ...]
+    views: tuple[AttentionView | None, ...]
     q_lens: tuple[int, ...]
     backend: str
+    decode: PagedDecode | None = None
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -88,17 +113,30 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: P
     if getattr(module, "sinks", None) is not None or kwargs.get("softcap") is not None:
         raise NotImplementedError("KIVI paged attention does not support attention sinks or logit softcapping")
     window = kwargs.get("sliding_window")  # a sliding layer's window (transformers passes it per layer)
-    outs = []
-    for q, kv, vv in zip(query.split(list(key.q_lens), dim=2), key.views, value.views):
+    decode = key.decode
+    if decode is not None and len(decode.rows) == len(key.q_lens):  # a decode step: one kernel call
+        out = decode.attend(query[0].transpose(0, 1), scaling)  # [N, Hq, D]
+        return out.unsqueeze(0), None
+    out = torch.empty_like(query)  # [1, Hq, n, D] (pages hold keys and values of one head_dim)
+    starts = [0]
+    for n in key.q_lens:
+        starts.append(starts[-1] + n)
+    if decode is not None:  # the decoding requests of a mixed batch: one call, their rows scattered back
+        pos = torch.tensor([starts[i] for i in decode.rows], device=query.device)
+        out[0, :, pos] = decode.attend(query[0, :, pos].transpose(0, 1), scaling).transpose(0, 1).to(out.dtype)
+    for i, (kv, vv) in enumerate(zip(key.views, value.views)):
+        if kv is None:
+            continue
+        q = query[:, :, starts[i]: starts[i + 1]]
         if kv.only_full_precision and vv.only_full_precision:
-            outs.append(fp_attention(module, q, kv.fp, vv.fp, scaling, window))
+            out[:, :, starts[i]: starts[i + 1]] = fp_attention(module, q, kv.fp, vv.fp, scaling, window)
         else:
             t = kv.split + kv.fp.shape[-2]  # the request's tokens (the views start at kv.start: pages left the window)
             mask = None
             if window is not None and t > window:
                 mask = window_mask(q.shape[-2], t, window, q.device)[..., kv.start:]  # covers [start, t)
-            outs.append(run_backend(key.backend, q, kv, vv, scaling=scaling, attention_mask=mask))
-    out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+            out[:, :, starts[i]: starts[i + 1]] = run_backend(key.backend, q, kv, vv, scaling=scaling,
+                                                              attention_mask=mask)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -110,5 +148,5 @@ def register() -> None:
 
 register()
 
-__all__ = ["PAGED_ATTN_IMPLEMENTATION", "PagedBatchViews", "paged_attention_forward", "fp_attention", "window_mask",
+__all__ = ["PAGED_ATTN_IMPLEMENTATION", "PagedBatchViews", "PagedDecode", "paged_attention_forward", "fp_attention", "window_mask",
            "register"]

@@ -29,6 +29,7 @@ and the first layer's ``update`` takes that list for the whole forward. Synchron
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -39,9 +40,11 @@ from transformers.generation.continuous_batching.requests import RequestStatus
 
 from ..cache.schedule import flush_count, prefill_exact_queries, query_boundaries, sink_take, window_exits
 from ..cache.view import AttentionView
+from ..optional import numba_available
 from ..quant.kv import dequantize_kv, quantize_kv
 from .allocator import KiviPageAllocator
-from .attention import PagedBatchViews
+from .attention import PagedBatchViews, PagedDecode
+from .decode import DecodeStep, decode_counts, decode_step, gather_rows
 from .layout import AXIS, SIDES, PageLayout, field_views, param_dtype, window_view
 from .pages import gather_pages, page_store, scatter_tokens, store_rows
 
@@ -91,6 +94,13 @@ class KiviPagedCache(PagedAttentionCache):
         self.max_tokens_read = layout.page_size * self.num_blocks
         self._views = field_views(self.cache_tensor, layout)
         self._rows = window_view(self.cache_tensor, layout)
+        #: per layer, the paged decode kernel's view of its fields (``None``: that layer's decoding requests are
+        #: read one by one — materialized or reference mode, numba absent, a sliding window, compensation codes)
+        self._kernel_layouts = [
+            layout.kernel_layout(i) if getattr(packed_backend, "name", packed_backend) == "cpu" and numba_available()
+            and w is None else None
+            for i, w in enumerate(layout.sliding_windows)]
+        self._decode: DecodeStep | None = None  # the running forward's decoding requests
         self._next_batch: list[tuple[str, int, int]] = []  # filled while a batch is prepared
         self._batch: list[tuple[str, int, int]] = []  # the batch of the running forward
         #: largest keys + values (bytes) one update handed to attention: the dequantized transient of one layer
@@ -160,6 +170,11 @@ class KiviPagedCache(PagedAttentionCache):
             if self.layout.evicting_window is not None:  # before the views: as KiviLayer, at a forward's start
                 for rid, past, _ in self._batch:
                     self.allocator.evict_pages(rid, past)
+            self._decode = None
+            if any(lay is not None for lay in self._kernel_layouts):
+                alloc = self.allocator
+                self._decode = decode_step(self._batch, [alloc.state(rid) for rid, _, _ in self._batch],
+                                           alloc.block_table)
         n = key_states.shape[-2]
         if sum(q for _, _, q in self._batch) != n:
             raise RuntimeError(
@@ -192,18 +207,40 @@ class KiviPagedCache(PagedAttentionCache):
                 raise RuntimeError(f"request {rid}: its window blocks hold {st.window_index.shape[2]} row slots, "
                                    f"{past + q} tokens need {lay.window_slots(past + q)} (allocated for fewer tokens?)")
         qs = [q for _, _, q in batch]
+        dec = self._decode_rows(layer, batch, states)
         # Both sides are read and quantized before either is written: a refused value (NaN) leaves the
         # layer's pages, windows and request states exactly as they were.
-        sides = [self._side_forward(layer, s, side, cfg, new.split(qs, dim=1), batch, states)
+        sides = [self._side_forward(layer, s, side, cfg, new.split(qs, dim=1), batch, states, dec)
                  for s, (side, new) in enumerate((("k", keys), ("v", values)))]
-        for _, commit in sides:
-            commit()
-        return sides[0][0], sides[1][0]
+        seen = [side[0] for side in sides]
+        if dec:
+            rows = [batch[j] for j, _ in dec]
+            picked = [k for _, k in dec]
+            table = self._decode.table if len(picked) == len(self._decode.rows) else self._decode.table[picked]
+            decode = PagedDecode(tuple(j for j, _ in dec), self.cache_tensor, self._kernel_layouts[layer], table,
+                                 decode_counts(layer, [p for _, p, _ in rows], [states[j] for j, _ in dec]),
+                                 sides[0][2].float(), sides[1][2].float(), cfg.sink_tokens)
+            seen = [dataclasses.replace(v, decode=decode) for v in seen]
+        for side in sides:
+            side[1]()
+        return seen[0], seen[1]
+
+    def _decode_rows(self, layer: int, batch: list[tuple[str, int, int]], states: list) -> list[tuple[int, int]]:
+        """``(batch position, row of the DecodeStep)`` of the requests one paged decode kernel call reads at
+        ``layer``: one query token and something quantized or in the sink (a request holding only its
+        window attends with SDPA, as one-request generate() does)."""
+        if self._decode is None or self._kernel_layouts[layer] is None:
+            return []
+        return [(j, k) for k, j in enumerate(self._decode.rows)
+                if any(states[j].sink[layer][s] or states[j].stored[layer][s] for s in range(2))]
 
     def _side_forward(self, layer: int, s: int, side: str, cfg: Any, news: tuple[torch.Tensor, ...],
-                      batch: list[tuple[str, int, int]], states: list) -> tuple[torch.Tensor, Any]:
-        """What attention sees of one side ``[H, sum(past + q), D]``, and the function that then writes the
-        side's moves (quantized tokens to pages, sink and window rows, request states)."""
+                      batch: list[tuple[str, int, int]], states: list,
+                      dec: list[tuple[int, int]]) -> tuple[Any, Any, torch.Tensor | None]:
+        """What attention sees of one side ``[H, sum(past + q), D]``, the function that then writes the
+        side's moves (quantized tokens to pages, sink and window rows, request states), and the
+        full-precision rows of the requests in ``dec`` (:func:`~kivi.batching.decode.gather_rows`, the
+        paged decode kernel's input; they get no view)."""
         alloc, lay = self.allocator, self.layout
         P = lay.page_size
         dtype = news[0].dtype
@@ -221,11 +258,24 @@ class KiviPagedCache(PagedAttentionCache):
         if blocks and self.packed_backend is None:
             seg = gather_pages(views, torch.tensor(blocks, dtype=torch.long, device=self.cache_tensor.device), **meta)
             deq = dequantize_kv(seg, dtype)[0]  # [H, N * P, D]
-        # 2. what attention sees, request by request: sink, pages, window, new tokens
+        # 2. what attention sees, request by request: sink, pages, window, new tokens (the decoding requests
+        # of ``dec``: their rows in one gather, read by one kernel call)
+        rows_buf, in_buf = None, {}
+        if dec:
+            windows = [batch[j][1] - states[j].sink[layer][s] - states[j].stored[layer][s] for j, _ in dec]
+            rows_buf = gather_rows(self._rows, self._decode.window_index[[k for _, k in dec], layer, s],
+                                   torch.cat([news[j] for j, _ in dec], dim=1).transpose(0, 1),
+                                   torch.tensor(windows), cfg.sink_tokens)  # [N, slots + 1, H, D]
+            in_buf = {j: (i, w) for i, ((j, _), w) in enumerate(zip(dec, windows))}
         parts: list[torch.Tensor] = []
         pendings: list[torch.Tensor] = []
-        attn_views: list[AttentionView] = []
-        for (rid, past, q), st, new, start in zip(batch, states, news, starts):
+        attn_views: list[AttentionView | None] = []
+        for j, ((rid, past, q), st, new, start) in enumerate(zip(batch, states, news, starts)):
+            if j in in_buf:  # window + new token: a view of the gathered rows
+                i, w = in_buf[j]
+                pendings.append(rows_buf[i, cfg.sink_tokens: cfg.sink_tokens + w + 1].transpose(0, 1))
+                attn_views.append(None)
+                continue
             sink, stored = st.sink[layer][s], st.stored[layer][s]
             wlen = past - sink - stored
             idx = st.window_index[layer, s]
@@ -297,7 +347,7 @@ class KiviPagedCache(PagedAttentionCache):
             for st, (sink, stored) in zip(states, new_state):
                 st.sink[layer][s], st.stored[layer][s] = sink, stored
 
-        return seen, commit
+        return seen, commit, rows_buf
 
     @staticmethod
     def _set_boundary(view: AttentionView, side: str, cfg: Any, pending: torch.Tensor, window: int, q: int,

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..attention.fused_cpu.paged import PagedLayout
 from ..cache.schedule import layer_sink_tokens, sliding_cut
 from ..cache.support import check_head_dim, model_head_dim, plan_layers, text_config
 from ..config import KiviConfig
@@ -160,6 +161,22 @@ class PageLayout:
         r = torch.arange(slots * per_slot).view(slots, self.num_layers, 2).permute(1, 2, 0)  # [layers, 2, slots]
         blocks = torch.tensor(window_blocks, dtype=torch.long)[r // self.rows_per_block]
         return torch.stack([blocks, r % self.rows_per_block], dim=-1)
+
+    def kernel_layout(self, layer: int) -> PagedLayout | None:
+        """Where layer ``layer``'s fields sit in a block, for the paged decode kernel
+        (:class:`kivi.attention.fused_cpu.paged.PagedLayout`); ``None`` when the kernel cannot read them
+        (compensation codes, a width or group size it does not read)."""
+        k, v = self.layer_fields(layer, "k"), self.layer_fields(layer, "v")
+        if "comp" in k or "comp" in v:
+            return None
+        cfg = self.layer_configs[layer]
+        out = PagedLayout(block_bytes=self.block_bytes, page_size=self.page_size, group_size=cfg.group_size,
+                          num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, k_bits=cfg.k_bits, v_bits=cfg.v_bits,
+                          param_dtype=k["scale"].dtype, k_row_bytes=k["packed"].shape[-1],
+                          v_row_bytes=v["packed"].shape[-1], k_packed=k["packed"].offset, k_scale=k["scale"].offset,
+                          k_offset=k["offset"].offset if "offset" in k else None, v_packed=v["packed"].offset,
+                          v_scale=v["scale"].offset, v_offset=v["offset"].offset if "offset" in v else None)
+        return None if out.unsupported() else out
 
     def requests_that_fit(self, cache_memory: int, tokens: int) -> int:
         """Requests of ``tokens`` tokens each that ``cache_memory`` bytes of blocks hold at once."""

@@ -46,6 +46,11 @@ def test_greedy_tokens_equal_single_request_generate(backend, monkeypatch):
         record(self, request_id, past_length, query_length, read_index, write_index)
 
     monkeypatch.setattr(KiviPagedCache, "extend_read_and_write_indices", spy)
+    from kivi.batching.attention import PagedDecode
+
+    per_call: list[int] = []  # requests read by each paged decode kernel call
+    attend = PagedDecode.attend
+    monkeypatch.setattr(PagedDecode, "attend", lambda self, q, s: per_call.append(len(self.rows)) or attend(self, q, s))
     inputs = _inputs()
     cfg = KiviConfig(**CFG, attention_backend=backend)
     model = tiny_model()
@@ -62,6 +67,8 @@ def test_greedy_tokens_equal_single_request_generate(backend, monkeypatch):
             assert o.generated_tokens == _single({}, cfg, x, 24), len(x)
         elif backend == "auto":
             assert o.generated_tokens == _single({}, cfg, x, 24, prefill_chunk_size=first_chunk[rid]), len(x)
+    # packed pages: the decoding requests holding quantized tokens (6 of 8 here) are read by one call per layer
+    assert (max(per_call) >= 5) if backend == "auto" else not per_call
 
 
 def _single_scored(cfg: KiviConfig, prompt: list[int], new: int, **qkw) -> tuple[list[int], list[float]]:

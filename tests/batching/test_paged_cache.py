@@ -13,6 +13,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from kivi import KiviConfig, KiviLayer
 from kivi.batching.cache import KiviPagedCache
+from kivi.batching.decode import decode_step
 from kivi.batching.layout import build_layout
 from kivi.cache.view import materialize
 from tests.helpers import tiny_model
@@ -42,11 +43,11 @@ class _Req:
 
 
 def _cache(cfg: KiviConfig, dtype: torch.dtype, page_size: int = 32, memory: int = 2 * 1024**2,
-           sharing: bool = False) -> KiviPagedCache:
+           sharing: bool = False, packed_backend: str | None = None) -> KiviPagedCache:
     model = tiny_model()
     layout = build_layout(model.config, cfg, page_size, dtype)
     cb = ContinuousBatchingConfig(page_size=page_size, max_batch_tokens=512, allow_block_sharing=sharing)
-    return KiviPagedCache(model.config, cb, "cpu", layout=layout, cache_memory=memory)
+    return KiviPagedCache(model.config, cb, "cpu", layout=layout, cache_memory=memory, packed_backend=packed_backend)
 
 
 def _run(cfg: KiviConfig, dtype: torch.dtype, schedule: list[list[tuple[str, int]]], seed: int = 0) -> None:
@@ -168,9 +169,8 @@ def test_packed_attention_matches_materialized_pages(name, backend):
 
     cfg = CONFIGS[name]
     torch.manual_seed(1)
-    packed, plain = _cache(cfg, torch.float32), _cache(cfg, torch.float32)
-    packed.packed_backend = backend
-    reqs = {}
+    packed, plain = _cache(cfg, torch.float32, packed_backend=backend), _cache(cfg, torch.float32)
+    reqs, batched = {}, 0
     schedule = [[("a", 45), ("b", 3)], [("a", 1), ("b", 70)]] + [[("a", 1), ("b", 1), ("c", 30 if i == 0 else 1)]
                                                                   for i in range(20)]
     for step in schedule:
@@ -183,15 +183,20 @@ def test_packed_attention_matches_materialized_pages(name, backend):
         k = torch.randn(H, n, D) * 3 + torch.randn(1, 1, D)
         v = torch.randn(H, n, D)
         query = torch.randn(1, 4, n, D)  # GQA: 4 query heads over 2 kv heads
+        packed._decode = decode_step(batch, [packed.allocator.state(rid) for rid, _, _ in batch],
+                                     packed.allocator.block_table) if backend == "cpu" else None
         pk, pv = packed.layer_forward(0, k, v, batch)
         mk, mv = plain.layer_forward(0, k, v, batch)
         assert isinstance(pk, PagedBatchViews)
+        batched += pk.decode is not None
         got, _ = paged_attention_forward(_ATTN, query, pk, pv, None, scaling=D**-0.5)
         off_q = off_k = 0
         for i, (rid, past, q) in enumerate(batch):
             keys, vals = mk[None, :, off_k: off_k + past + q], mv[None, :, off_k: off_k + past + q]
             qry = query[:, :, off_q: off_q + q]
-            if pk.views[i].fp_from is None and pv.views[i].fp_from is None:
+            if pk.views[i] is None:  # a decoding request, read by the one paged decode kernel call
+                assert q == 1 and backend == "cpu" and i in pk.decode.rows and pv.decode is pk.decode
+            if pk.views[i] is None or (pk.views[i].fp_from is None and pv.views[i].fp_from is None):
                 want = fp_attention(_ATTN, qry, keys, vals, D**-0.5).transpose(1, 2)
             else:
                 rows = []
@@ -215,6 +220,7 @@ def test_packed_attention_matches_materialized_pages(name, backend):
         for rid, q in step:
             reqs[rid].position_offset += q
     assert packed.max_dequantized_bytes == 0
+    assert batched == (21 if backend == "cpu" else 0)  # every step after the prefills: the paged decode kernel
 
 
 def test_fp_attention_is_bottom_right_causal():

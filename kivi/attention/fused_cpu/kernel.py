@@ -657,3 +657,250 @@ def decode_serial(q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, 
     for task in range(ntask):
         _run_task(task, nch, q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, pm, pl, pacc)
     _merge(pm, pl, pacc, nch, out)
+
+
+# --------------------------------------------------------------------------------------------- paged batch decode
+# One call per layer for a batch of requests whose quantized tokens live in pages of a block pool (kivi's
+# page layout: kivi.batching.layout) and whose full-precision rows (sink, window, new token) come as a
+# padded float32 array. Each task ``(request, kv head, chunk)`` writes the descriptor rows of its request's
+# pieces (the same rows :mod:`.tables` builds on the host for a view) and runs :func:`_task` on them, so the
+# unpack loops, head passes and online softmax are the single-sequence kernel's. The layout vector's
+# columns are the ones :class:`.paged.PagedLayout` writes (checked in paged.py).
+_PL_BLOCK, _PL_P, _PL_G, _PL_KBITS, _PL_VBITS, _PL_KROW, _PL_VROW = 0, 1, 2, 3, 4, 5, 6
+_PL_KPACK, _PL_KSC, _PL_KOFF, _PL_VPACK, _PL_VSC, _PL_VOFF, _PL_PDT = 7, 8, 9, 10, 11, 12, 13
+PAGED_NCOL = 14
+_u16p = _pointer(types.uint16)
+
+
+@intrinsic
+def _u32_f32(typingctx, x):
+    """The float32 whose bit pattern is the uint32 ``x``."""
+    sig = types.float32(types.uint32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.float32))
+
+    return sig, codegen
+
+
+@inline
+def _half_f32(x, pdt):
+    """The 16-bit float ``x`` (uint32 holding its bits) as float32: ``pdt`` 1 = bfloat16, 2 = float16."""
+    if pdt == 1:
+        return _u32_f32(x << np.uint32(16))
+    sign = (x & np.uint32(0x8000)) << np.uint32(16)
+    e = (x >> np.uint32(10)) & np.uint32(0x1F)
+    m = x & np.uint32(0x3FF)
+    if e == 0:  # zero or subnormal: m * 2**-24
+        f = np.float32(m) * np.float32(5.9604644775390625e-08)
+        return -f if sign else f
+    if e == 31:  # inf / nan
+        return _u32_f32(sign | np.uint32(0x7F800000) | (m << np.uint32(13)))
+    return _u32_f32(sign | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13)))
+
+
+@inline
+def _param_rows(addr, pdt, n, sym_qmax, out_sc, out_bs, base_addr):
+    """Head rows of a page's scale (at ``addr``) and base (offset at ``base_addr``, or ``-qmax * scale`` when
+    ``base_addr < 0``) as float32 into ``out_sc`` / ``out_bs`` (``n`` values each; params of dtype ``pdt``)."""
+    for i in range(n):
+        if pdt == 0:
+            s = _f32_rows(addr, i, 1)[0]
+        else:
+            s = _half_f32(np.uint32(carray(_u16p(addr + 2 * i), (1,))[0]), pdt)
+        out_sc[i] = s
+        if base_addr < 0:
+            out_bs[i] = -sym_qmax * s
+        elif pdt == 0:
+            out_bs[i] = _f32_rows(base_addr, i, 1)[0]
+        else:
+            out_bs[i] = _half_f32(np.uint32(carray(_u16p(base_addr + 2 * i), (1,))[0]), pdt)
+
+
+@inline
+def _paged_rows(pool, lay, side, bt, b, h, ns, nst, nw, fp, w0, t0, t1, d, scr):
+    """Descriptor rows (``d``) of one side of request ``b`` for kv head ``h``: its sink (full-precision rows
+    ``[0, ns)`` of ``fp[b]``), its pages (store positions ``[0, nst)`` after the sink, page ``j`` in block
+    ``bt[b, j]``) and its window (rows ``[w0, w0 + nw)`` of ``fp[b]``). Pages outside ``[t0, t1)`` are left
+    out. A page whose parameters are not float32 asymmetric gets float32 copies of head ``h``'s rows in
+    ``scr[j]``. Returns the number of rows."""
+    P, G = lay[_PL_P], lay[_PL_G]
+    bits = lay[_PL_KBITS + side]
+    rowb = lay[_PL_KROW + side]
+    pack, sco, offo = lay[_PL_KPACK + 3 * side], lay[_PL_KSC + 3 * side], lay[_PL_KOFF + 3 * side]
+    pdt = lay[_PL_PDT]
+    _, slots, H, D = fp.shape
+    prow = P // G if side == 0 else P  # parameter rows per page and head
+    pcol = D if side == 0 else D // G  # parameters per row
+    fpa = fp.ctypes.data + 4 * b * slots * H * D
+    direct = pdt == 0 and offo >= 0
+    qmax = np.float32(2 ** (bits - 1) - 1)
+    n = 0
+    if ns > 0:
+        d[n, :] = 0
+        d[n, _LO], d[n, _HI], d[n, _DATA], d[n, _DS1], d[n, _DS2], d[n, _H1] = 0, ns, fpa, D, H * D, H
+        n += 1
+    for j in range((nst + P - 1) // P):
+        lo = ns + j * P
+        hi = min(ns + nst, lo + P)
+        if hi <= t0 or lo >= t1:
+            continue
+        blk = pool.ctypes.data + np.int64(bt[b, j]) * lay[_PL_BLOCK]
+        d[n, :] = 0
+        d[n, _LO], d[n, _HI], d[n, _QUANT], d[n, _BITS], d[n, _H1] = lo, hi, 1, bits, H
+        d[n, _DATA], d[n, _DS1], d[n, _DS2] = blk + pack, P * rowb, rowb
+        if direct:
+            d[n, _SC], d[n, _SS1], d[n, _SS2] = blk + sco, prow * pcol, pcol
+            d[n, _BS], d[n, _BS1], d[n, _BS2] = blk + offo, prow * pcol, pcol
+        else:
+            size = 4 if pdt == 0 else 2
+            at = h * prow * pcol * size
+            _param_rows(blk + sco + at, pdt, prow * pcol, qmax, scr[j, 0], scr[j, 1], blk + offo + at if offo >= 0 else -1)
+            # the copies hold head h only: head strides 0
+            d[n, _SC], d[n, _SS2] = scr[j, 0].ctypes.data, pcol
+            d[n, _BS], d[n, _BS2] = scr[j, 1].ctypes.data, pcol
+        n += 1
+    if nw > 0:
+        d[n, :] = 0
+        lo = ns + nst
+        d[n, _LO], d[n, _HI], d[n, _DATA], d[n, _DS1], d[n, _DS2], d[n, _H1] = lo, lo + nw, fpa + 4 * w0 * H * D, D, H * D, H
+        n += 1
+    return n
+
+
+@inline
+def _paged_task(q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, b, h, t0, t1, om, ol, oacc, valid, kscr, vscr):
+    """Kv head ``h`` of request ``b`` over its kv positions ``[t0, t1)``: :func:`_task` on the request's pieces
+    (``kscr`` / ``vscr``: room for float32 copies of its pages' parameters, see :func:`_paged_rows`)."""
+    P, G = lay[_PL_P], lay[_PL_G]
+    npk, npv = (cnt[b, 1] + P - 1) // P, (cnt[b, 4] + P - 1) // P
+    kd = np.empty((npk + 2, NCOL), dtype=np.int64)
+    vd = np.empty((npv + 2, NCOL), dtype=np.int64)
+    nk = _paged_rows(pool, lay, 0, bt, b, h, cnt[b, 0], cnt[b, 1], cnt[b, 2], kfp, w0, t0, t1, kd, kscr)
+    nv = _paged_rows(pool, lay, 1, bt, b, h, cnt[b, 3], cnt[b, 4], cnt[b, 5], vfp, w0, t0, t1, vd, vscr)
+    prm = np.array([lay[_PL_KBITS], G, lay[_PL_VBITS], G], dtype=np.int64)
+    # the rows address the request's data directly (sequence strides 0)
+    _task(q, kd[:nk], vd[:nv], prm, valid, 0, scaling, b, h, t0, t1, om, ol, oacc)
+
+
+@inline
+def _paged_scratch(cnt, lay, D, ntask):
+    """Per task, room for float32 copies of a request's page parameters (scale and base of one head), needed
+    unless they are float32 and asymmetric (then the rows point into the pages). Allocated by the entry
+    points for all tasks: the rows hold raw addresses, and numba frees an array after its last visible use."""
+    P, G = lay[_PL_P], lay[_PL_G]
+    most = 0
+    for b in range(cnt.shape[0]):
+        most = max(most, (max(cnt[b, 1], cnt[b, 4]) + P - 1) // P)
+    if lay[_PL_PDT] == 0 and lay[_PL_KOFF] >= 0:
+        most = 0
+    kscr = np.empty((ntask, most, 2, (P // G) * D), dtype=np.float32)
+    vscr = np.empty((ntask, most, 2, P * (D // G)), dtype=np.float32)
+    return kscr, vscr
+
+
+@inline
+def _paged_plan(cnt, hkv, chunk):
+    """Split-K tasks of a ragged batch: per request ``nch[b]`` chunks of ``chunk`` kv positions, partial-state
+    slots from ``slot0[b]`` (``(h, c)`` at ``slot0[b] + h * nch[b] + c``), and the task order: chunk index
+    outermost, so numba's contiguous shares of the tasks mix long and short requests."""
+    N = cnt.shape[0]
+    nch = np.empty(N, dtype=np.int64)
+    slot0 = np.empty(N + 1, dtype=np.int64)
+    slot0[0] = 0
+    most = 0
+    for b in range(N):
+        nch[b] = max(1, (cnt[b, 0] + cnt[b, 1] + cnt[b, 2] + chunk - 1) // chunk)
+        slot0[b + 1] = slot0[b] + nch[b] * hkv
+        most = max(most, nch[b])
+    order = np.empty(slot0[N], dtype=np.int64)
+    k = 0
+    for c in range(most):
+        for b in range(N):
+            if c < nch[b]:
+                for h in range(hkv):
+                    order[k] = slot0[b] + h * nch[b] + c
+                    k += 1
+    return nch, slot0, order
+
+
+@inline
+def _paged_slot_task(slot, nch, slot0, q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, hkv, chunk, pm, pl, pacc,
+                     valid, kscr, vscr):
+    """Run the task whose partial state goes to ``slot``."""
+    b = 0
+    while slot0[b + 1] <= slot:
+        b += 1
+    r = slot - slot0[b]
+    h = r // nch[b]
+    c = r - h * nch[b]
+    t0 = c * chunk
+    t1 = min(cnt[b, 0] + cnt[b, 1] + cnt[b, 2], t0 + chunk)
+    _paged_task(q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, b, h, t0, t1, pm[slot], pl[slot], pacc[slot], valid,
+                kscr[slot], vscr[slot])
+
+
+@jit
+def _paged_merge(pm, pl, pacc, nch, slot0, out):
+    """Combine each ``(request, kv head)``'s ``nch[b]`` partial states (log-sum-exp) into ``out``."""
+    N, Hq, Dv = out.shape
+    g = pm.shape[1]
+    hkv = Hq // g
+    for b in range(N):
+        for h in range(hkv):
+            s0 = slot0[b] + h * nch[b]
+            for i in range(g):
+                mx = _NEG32
+                for c in range(nch[b]):
+                    mx = max(mx, pm[s0 + c, i])
+                tot = _F0
+                o = out[b, h * g + i]
+                o[:] = 0.0
+                for c in range(nch[b]):
+                    w = np.exp(pm[s0 + c, i] - mx)
+                    tot += w * pl[s0 + c, i]
+                    pa = pacc[s0 + c, i]
+                    for k in range(Dv):
+                        o[k] += w * pa[k]
+                for k in range(Dv):
+                    o[k] /= tot
+
+
+_PAGED_SIGNATURE = (
+    "void(float32[:,:,::1], uint8[::1], int64[::1], int32[:,::1], int64[:,::1], float32[:,:,:,::1], "
+    "float32[:,:,:,::1], int64, float32, int64, int64, float32[:,:,::1])"
+)
+
+
+@numba.njit(_PAGED_SIGNATURE, parallel=True, fastmath=True, cache=True)
+def paged_decode_threaded(q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, hkv, chunk, out):
+    """Paged entry point, threaded: tasks ``(request, kv head, chunk)`` in ``prange``, then merge."""
+    nch, slot0, order = _paged_plan(cnt, hkv, chunk)
+    g = q.shape[1] // hkv
+    ntask = order.shape[0]
+    pm = np.empty((ntask, g), dtype=np.float32)
+    pl = np.empty((ntask, g), dtype=np.float32)
+    pacc = np.empty((ntask, g, out.shape[2]), dtype=np.float32)
+    valid = np.ones((1, 1), dtype=np.bool_)
+    kscr, vscr = _paged_scratch(cnt, lay, q.shape[2], ntask)
+    for k in prange(ntask):
+        _paged_slot_task(order[k], nch, slot0, q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, hkv, chunk, pm, pl,
+                         pacc, valid, kscr, vscr)
+    _paged_merge(pm, pl, pacc, nch, slot0, out)
+
+
+@numba.njit(_PAGED_SIGNATURE, fastmath=True, cache=True)
+def paged_decode_serial(q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, hkv, chunk, out):
+    """Paged entry point, calling thread only; same tasks as above."""
+    nch, slot0, order = _paged_plan(cnt, hkv, chunk)
+    g = q.shape[1] // hkv
+    ntask = order.shape[0]
+    pm = np.empty((ntask, g), dtype=np.float32)
+    pl = np.empty((ntask, g), dtype=np.float32)
+    pacc = np.empty((ntask, g, out.shape[2]), dtype=np.float32)
+    valid = np.ones((1, 1), dtype=np.bool_)
+    kscr, vscr = _paged_scratch(cnt, lay, q.shape[2], ntask)
+    for k in range(ntask):
+        _paged_slot_task(order[k], nch, slot0, q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, hkv, chunk, pm, pl,
+                         pacc, valid, kscr, vscr)
+    _paged_merge(pm, pl, pacc, nch, slot0, out)
