@@ -168,7 +168,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--scheduler", nargs="+", choices=("fifo", "prefill_first"), default=None,
                     help="transformers' scheduler; each value is a separate row (default: kivi's default)")
     ap.add_argument("--float-attention", choices=("sdpa", "paged|eager"), default=None,
-                    help="attention of the float rows (default: what kivi's --float-cache path uses)")
+                    help="attention of the float rows (default: sdpa, what kivi's float path runs on CPU)")
     ap.add_argument("--capacity-at", type=int, default=4096)
     ap.add_argument("--capacity-budget", type=int, default=4 * 1024**3)
     ap.add_argument("--threads", type=int, default=1)
