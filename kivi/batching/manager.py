@@ -219,7 +219,8 @@ def init_continuous_batching(model: Any, kivi_config: KiviConfig | None, *, cach
     (``page_size``, ``max_batch_tokens``, ``scheduler_type``, ``max_requests_per_batch``, ``allow_block_sharing``,
     ...), and ``workload_hints=``. ``max_batch_tokens`` unset: :data:`DEFAULT_MAX_BATCH_TOKENS`.
     ``cache_memory=None``: for the float cache, transformers sizes it from the free memory as usual; KIVI pages
-    need a budget (``ValueError``). Returns transformers' ``ContinuousBatchingManager`` (``add_request`` / ``get_result`` / ``start`` / ``stop``).
+    need a budget (``ValueError``). Returns transformers' ``ContinuousBatchingManager`` (``add_request`` /
+    ``get_result`` / ``start`` / ``stop``).
     """
     workload_hints = kwargs.pop("workload_hints", None)
     cb = _cb_config(kwargs)
