@@ -21,7 +21,7 @@ of one layer (materialized KIVI rows), prompt tokens served from shared pages. `
 a fresh process (``--same-process``: all in this one). ``--plot F.png``: generated tokens/s vs budget.
 
     OMP_NUM_THREADS=2 python benchmarks/bench_serving.py --model smollm2 --workload decode-heavy --requests 12 \\
-        --budgets 64MiB 128MiB 256MiB --baselines dynamic kivi-2/2 --threads 2 \\
+        --budgets 400MiB 800MiB 1600MiB --baselines dynamic kivi-2/2 --threads 2 \\
         --out results/serving/serving_decode_heavy_smollm2.json --plot results/serving/serving_decode_heavy_smollm2.png
     OMP_NUM_THREADS=1 python benchmarks/bench_serving.py --model smollm2 --requests 16 --prompt-len 1024 \\
         --new-tokens 64 --fp-requests 4 --threads 1 --out results/serving/serving_smollm2.json
