@@ -1,126 +1,133 @@
-"""Serving throughput under one fixed cache budget: transformers' continuous batching with its float paged
-cache vs KIVI pages (2/2 and ``balanced``), in the same run.
+"""Serving throughput in a fixed cache budget: transformers' continuous batching with its float paged cache vs
+KIVI pages (2/2 and ``balanced``), and the same requests served one at a time by ``generate()``.
 
-Every row gets the same byte budget (``--cache-memory``, or by default what the float cache needs to hold
-``--fp-requests`` requests at once) and the same requests, all submitted at once: ``--requests`` prompts of
-``--prompt-len`` tokens (independent, or ``--shared-prefix F``: the first ``F`` of every prompt is one
-common prefix) and ``--new-tokens`` greedy tokens each (no EOS). Columns: requests held at once (the most
-active requests the scheduler held, sampled every 20 ms), the budget's computed capacity, total tokens/s
-(prompt + generated over the wall time, and generated only), p50/p95 time to first token, p50/p95
-per-token latency (a request's decode time / its tokens after the first), the largest dequantized
-transient of one layer (KIVI rows), prompt tokens served from shared pages.
+Every continuous-batching row gets the same byte budget (each of ``--budgets``; by default what the float
+cache needs to hold ``--fp-requests`` of the longest requests at once) and the same requests, all submitted
+at once, greedy, no EOS. Workloads:
 
-The capacity table at 4K tokens (``--capacity-at``) is computed from page sizes for float16 pages and the
-KIVI configs (``PageLayout.requests_that_fit``).
+* ``uniform``: ``--requests`` random-id prompts of ``--prompt-len`` tokens (independent, or
+  ``--shared-prefix F``: the first ``F`` of every prompt is one common prefix), ``--new-tokens`` each;
+* ``decode-heavy``: ``--requests`` prompts of WikiText-2 text with lengths spread over ``--prompt-range``
+  and new tokens over ``--new-range`` (default 512-4096 and 128-256), more requests than the default
+  budget's float pages hold.
 
+``--baselines dynamic kivi-2/2`` adds the one-at-a-time rows: each request through ``model.generate()``
+(DynamicCache, or a ``quantize_model``-ed model), one after another, all counted as submitted at the start.
+Columns: generated tokens/s (the headline), tokens/s with the prompts, p50/p95 time to first token,
+p50/p95 per-token latency (a request's decode time / its tokens after the first), requests held at once
+(sampled every 20 ms) and the budget's capacity for the longest request, the largest dequantized transient
+of one layer (materialized KIVI rows), prompt tokens served from shared pages. ``--max-batch-tokens`` and
+``--scheduler`` take several values: every row runs under each (default: kivi's defaults). Each row runs in
+a fresh process (``--same-process``: all in this one). ``--plot F.png``: generated tokens/s vs budget.
+
+    OMP_NUM_THREADS=2 python benchmarks/bench_serving.py --model smollm2 --workload decode-heavy --requests 12 \\
+        --budgets 400MiB 800MiB 1600MiB --baselines dynamic kivi-2/2 --threads 2 \\
+        --out results/serving/serving_decode_heavy_smollm2.json --plot results/serving/serving_decode_heavy_smollm2.png
     OMP_NUM_THREADS=1 python benchmarks/bench_serving.py --model smollm2 --requests 16 --prompt-len 1024 \\
         --new-tokens 64 --fp-requests 4 --threads 1 --out results/serving/serving_smollm2.json
-    # full size (not run on the 2-core CI box):
-    python benchmarks/bench_serving.py --model smollm2 --requests 16 --prompt-len 4096 --new-tokens 256 --fp-requests 4
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
+import itertools
+import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from transformers import GenerationConfig  # noqa: E402
+from common import command_line, environment, run_fresh, set_threads, write_json  # noqa: E402
+from kivi.batching import build_layout, fp_block_bytes, generate_batch  # noqa: E402
+from kivi.memory.units import parse_bytes  # noqa: E402
+from serving_report import format_table, plot_budgets  # noqa: E402
+from serving_rows import (  # noqa: E402
+    BASELINES,
+    ROWS,
+    Workload,
+    batch_row,
+    decode_heavy,
+    generate_row,
+    identical,
+    uniform,
+)
 
-from common import write_json  # noqa: E402
-from kivi import KiviConfig  # noqa: E402
-from kivi.batching import build_layout, fp_block_bytes, generate_batch, init_continuous_batching  # noqa: E402
-
-ROWS = {"float": None, "kivi-2/2": KiviConfig(k_bits=2, v_bits=2), "balanced": KiviConfig.preset("balanced"),
-        # the materialized path: pages dequantized one layer at a time, transformers' SDPA (not run by default)
-        "kivi-2/2-sdpa": KiviConfig(k_bits=2, v_bits=2, attention_backend="reference")}
 DEFAULT_ROWS = ["float", "kivi-2/2", "balanced"]
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+def _model(name: str):
+    """``(model, tokenizer or None, vocab size)``: ``tiny`` is a random 4-layer model without a tokenizer."""
+    if name == "tiny":
+        from tests.helpers import tiny_model
+
+        return tiny_model(num_hidden_layers=4), None, 128
+    from kivi.models import load_model
+
+    model, tok = load_model(name)
+    return model, tok, model.config.vocab_size
 
 
-def make_prompts(n: int, length: int, shared: float, vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    common = torch.randint(100, vocab - 1, (int(length * shared),), generator=g).tolist()
-    return [common + torch.randint(100, vocab - 1, (length - len(common),), generator=g).tolist() for _ in range(n)]
+def workloads(args, tok, vocab: int) -> list[Workload]:
+    """The request sets of this run (the same in every process: deterministic from the arguments)."""
+    if args.workload == "uniform":
+        return [uniform(args.requests, args.prompt_len, args.new_tokens, f, vocab, args.seed)
+                for f in args.shared_prefix]
+    ids = None
+    if tok is not None:
+        from kivi.data import load_text, token_ids
+
+        ids = token_ids(tok, load_text()).tolist()
+    return [decode_heavy(args.requests, tuple(args.prompt_range), tuple(args.new_range), ids, vocab, args.seed)]
 
 
-def run_row(model, cfg, prompts, new_tokens, cache_memory, cb_kwargs) -> dict:
-    gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1)
-    manager = init_continuous_batching(model, cfg, cache_memory=cache_memory, generation_config=gen, **cb_kwargs)
-    for p in prompts:
-        manager.check_request_fits(len(p), new_tokens)
-    held, results = 0, {}
-    manager.start()
-    try:
-        t0 = time.perf_counter()
-        ids = manager.add_requests(inputs=prompts, max_new_tokens=new_tokens, record_timestamps=True)
-        while len(results) < len(ids):
-            out = manager.get_result(timeout=0.02)
-            bp = manager.batch_processor
-            if bp is not None:
-                held = max(held, len(bp.scheduler.active_requests))
-            if out is not None and out.is_finished():
-                if out.error is not None:
-                    raise RuntimeError(f"request {out.request_id} failed: {out.error}")
-                results[out.request_id] = out
-            elif out is None and not manager.is_running():
-                raise RuntimeError("the continuous-batching loop stopped")
-        wall = time.perf_counter() - t0
-        cache = manager.batch_processor.cache
-        transient = getattr(cache, "max_dequantized_bytes", None)
-        shared = getattr(cache, "shared_tokens", None)
-        blocks = cache.num_blocks
-    finally:
-        manager.stop(block=True, timeout=60)
-        manager.destroy()
-    ttft = [r.timestamps[0] - t0 for r in results.values()]
-    tpot = [(r.timestamps[-1] - r.timestamps[0]) / (len(r.timestamps) - 1) for r in results.values()
-            if len(r.timestamps) > 1]
-    gen_tokens = sum(len(r.generated_tokens) for r in results.values())
-    prompt_tokens = sum(len(p) for p in prompts)
-    return {
-        "requests_held_at_once": held,
-        "capacity_requests": blocks // manager.request_blocks(len(prompts[0]) + new_tokens),
-        "cache_blocks": blocks, "block_bytes": manager.block_bytes,
-        "wall_s": wall, "total_tokens_per_s": (prompt_tokens + gen_tokens) / wall,
-        "generated_tokens_per_s": gen_tokens / wall,
-        "ttft_p50_s": _pct(ttft, 0.5), "ttft_p95_s": _pct(ttft, 0.95),
-        "per_token_p50_s": _pct(tpot, 0.5), "per_token_p95_s": _pct(tpot, 0.95),
-        "dequantized_transient_bytes": transient, "shared_prompt_tokens": shared,
-        "tokens": {rid: r.generated_tokens for rid, r in results.items()},
-    }
-
-
-def check_single(model, prompts, new_tokens, rows, tokens) -> dict:
-    """Greedy tokens of the batch engine vs ``quantize_model`` + one ``generate()`` per request, same config."""
-    from kivi import dequantize_model, quantize_model
-
-    out = {}
-    for name in rows:
-        quantize_model(model, ROWS[name])
-        try:
-            same, first_diff = 0, []
-            for i, p in enumerate(prompts):
-                ref = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False,
-                                     eos_token_id=None)[0, len(p):].tolist()
-                got = tokens[name][f"req_{i}"]
-                same += got == ref
-                first_diff.append(next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), None))
-        finally:
-            dequantize_model(model)
-        out[name] = {"requests": len(prompts), "identical": same, "first_differing_token": first_diff}
-        print(f"{name}: {same}/{len(prompts)} requests token-identical to one-request generate()", flush=True)
+def settings(args) -> list[dict]:
+    """The scheduler settings every batch row runs under (an empty dict: kivi's defaults)."""
+    out = []
+    for mbt, sched in itertools.product(args.max_batch_tokens or [None], args.scheduler or [None]):
+        out.append({k: v for k, v in (("max_batch_tokens", mbt), ("scheduler_type", sched)) if v is not None})
     return out
+
+
+def default_budget(args, model, work: Workload) -> int:
+    """Bytes of float pages that hold ``--fp-requests`` of the workload's longest requests."""
+    text = model.config.get_text_config()
+    longest = max(len(p) + n for p, n in zip(work.prompts, work.new_tokens))
+    return args.fp_requests * -(-longest // args.page_size) * fp_block_bytes(text, model.dtype, args.page_size)
+
+
+def run_one(args, spec: dict) -> dict:
+    """One row in this process: ``spec`` names the kind (``batch`` / ``generate``), row, workload and budget."""
+    seconds = set_threads(args.threads)
+    from kivi.quant.fused_cpu import warmup as warm_quant
+
+    warm_quant()
+    model, tok, vocab = _model(args.model)
+    if args.float_attention and spec["kind"] == "batch" and ROWS[spec["row"]] is None:
+        model.set_attn_implementation(args.float_attention)
+    work = next(w for w in workloads(args, tok, vocab) if w.name == spec["workload"])
+    short = Workload("warmup", [work.prompts[0][: min(len(work.prompts[0]), 300)]], [3])
+    if spec["kind"] == "generate":
+        cfg = (ROWS if spec.get("table") == "rows" else BASELINES)[spec["row"]]
+        generate_row(model, cfg, short)  # first-call overheads out of the timed run
+        row = generate_row(model, cfg, work, spec.get("limit"))
+    else:
+        cb = {"page_size": args.page_size, **spec["settings"]}
+        generate_batch(model, short.prompts, ROWS[spec["row"]], cache_memory=spec["budget"], max_new_tokens=3, **cb)
+        row = batch_row(model, ROWS[spec["row"]], work, spec["budget"], cb)
+    row["kernel_load_s"] = seconds
+    return row
+
+
+def run(args, argv: list[str], spec: dict) -> dict:
+    """A row in a fresh process (this script with ``--child SPEC``), or here with ``--same-process``."""
+    if args.same_process:
+        return run_one(args, spec)
+    child = run_fresh([__file__, *argv, "--child", json.dumps(spec)], timeout=args.row_timeout)
+    if child.returncode != 0 or child.result is None:
+        raise RuntimeError(f"row {spec} failed (exit {child.returncode}):\n{child.stderr}")
+    return child.result
 
 
 def capacity_table(model_config, at: int, budget: int, page: int) -> dict:
@@ -132,125 +139,136 @@ def capacity_table(model_config, at: int, budget: int, page: int) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2", help="'smollm2' (embedded GGUF) or 'tiny' (random, for a smoke run)")
+    ap.add_argument("--workload", choices=("uniform", "decode-heavy"), default="uniform")
     ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--prompt-len", type=int, default=1024)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=1024, help="uniform: tokens of every prompt")
+    ap.add_argument("--new-tokens", type=int, default=64, help="uniform: new tokens of every request")
+    ap.add_argument("--prompt-range", type=int, nargs=2, default=[512, 4096], metavar=("MIN", "MAX"),
+                    help="decode-heavy: prompt lengths, spread evenly over [MIN, MAX]")
+    ap.add_argument("--new-range", type=int, nargs=2, default=[128, 256], metavar=("MIN", "MAX"),
+                    help="decode-heavy: new tokens per request, spread evenly over [MIN, MAX]")
     ap.add_argument("--fp-requests", type=int, default=4,
-                    help="budget = bytes the float cache needs to hold this many requests at once")
-    ap.add_argument("--cache-memory", type=int, default=None, help="budget in bytes (overrides --fp-requests)")
+                    help="default budget: bytes the float cache needs to hold this many of the longest requests")
+    ap.add_argument("--cache-memory", type=parse_bytes, default=None, help="one budget (same as --budgets B)")
+    ap.add_argument("--budgets", type=parse_bytes, nargs="+", default=None,
+                    help="budgets to sweep (bytes, 64MiB, 1GiB; overrides --fp-requests)")
     ap.add_argument("--shared-prefix", type=float, nargs="+", default=[0.0, 0.75],
-                    help="fractions of every prompt that are one common prefix; one variant each")
+                    help="uniform: fractions of every prompt that are one common prefix; one variant each")
     ap.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, choices=list(ROWS))
+    ap.add_argument("--baselines", nargs="*", default=[], choices=list(BASELINES),
+                    help="one-at-a-time generate() rows over the same requests (dynamic: DynamicCache)")
     ap.add_argument("--check-single", type=int, default=2,
-                    help="compare the first N requests of every KIVI row with one-request generate() (same config)")
+                    help="uniform: compare the first N requests of every KIVI row with one-request generate()")
     ap.add_argument("--page-size", type=int, default=256)
-    ap.add_argument("--max-batch-tokens", type=int, default=2048)
+    ap.add_argument("--max-batch-tokens", type=int, nargs="+", default=None,
+                    help="tokens per forward; each value is a separate row (default: kivi's default)")
+    ap.add_argument("--scheduler", nargs="+", choices=("fifo", "prefill_first"), default=None,
+                    help="transformers' scheduler; each value is a separate row (default: kivi's default)")
+    ap.add_argument("--float-attention", choices=("sdpa", "paged|eager"), default=None,
+                    help="attention of the float rows (default: sdpa, what kivi's float path runs on CPU)")
     ap.add_argument("--capacity-at", type=int, default=4096)
     ap.add_argument("--capacity-budget", type=int, default=4 * 1024**3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--same-process", action="store_true", help="run every row in this process (no fresh process)")
+    ap.add_argument("--row-timeout", type=float, default=None, help="seconds one row may take (fresh processes)")
     ap.add_argument("--out", default=None, help="write the JSON here (and a .txt table beside it)")
-    args = ap.parse_args(argv)
-    for name in ("requests", "prompt_len", "new_tokens", "fp_requests", "page_size", "max_batch_tokens", "threads"):
+    ap.add_argument("--plot", default=None, help="PNG of generated tokens/s vs budget (needs matplotlib)")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+def _check(ap: argparse.ArgumentParser, args) -> None:
+    for name in ("requests", "prompt_len", "new_tokens", "fp_requests", "page_size", "threads"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    for name in ("prompt_range", "new_range"):
+        lo, hi = getattr(args, name)
+        if not 1 <= lo <= hi:
+            ap.error(f"--{name.replace('_', '-')}={lo} {hi} must be 1 <= MIN <= MAX")
+    if any(m < 1 for m in args.max_batch_tokens or []):
+        ap.error(f"--max-batch-tokens={args.max_batch_tokens} must all be >= 1")
     if any(not 0 <= f < 1 for f in args.shared_prefix):
         ap.error(f"--shared-prefix={args.shared_prefix} must be fractions in [0, 1)")
-    torch.set_num_threads(args.threads)
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            ap.error("--plot needs matplotlib: pip install matplotlib")
 
-    if args.model == "tiny":
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from tests.helpers import tiny_model
 
-        model, vocab = tiny_model(num_hidden_layers=4), 128
-    else:
-        from kivi.models import load_model
-
-        model, tok = load_model(args.model)
-        vocab = model.config.vocab_size
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = _parser()
+    args = ap.parse_args(argv)
+    _check(ap, args)
+    if args.child is not None:
+        print(json.dumps(run_one(args, json.loads(args.child)), default=str), flush=True)
+        return 0
+    model, tok, vocab = _model(args.model)  # for shapes, the workloads and the budgets
     text = model.config.get_text_config()
-    total = args.prompt_len + args.new_tokens
-    budget = args.cache_memory or args.fp_requests * -(-total // args.page_size) * fp_block_bytes(
-        text, model.dtype, args.page_size)
-    cb = dict(page_size=args.page_size, max_batch_tokens=args.max_batch_tokens)
-    # warm-up: compile kivi's numba kernels, then one full-length request per row (first-call overheads)
-    from kivi.attention.fused_cpu import warmup as warm_attention
-    from kivi.quant.fused_cpu import warmup as warm_quant
-
-    warm_quant()
-    warm_attention()
-    for cfg in (ROWS[r] for r in args.rows):
-        generate_batch(model, [[101] * args.prompt_len], cfg, cache_memory=budget, max_new_tokens=3, **cb)
-
-    report = {"command": " ".join(sys.argv), "model": args.model, "dtype": str(model.dtype),
-              "threads": args.threads, "budget_bytes": budget, "requests": args.requests,
-              "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "page_size": args.page_size,
-              "max_batch_tokens": args.max_batch_tokens, "machine": platform.processor() or platform.machine(),
+    works = workloads(args, tok, vocab)
+    report = {"command": command_line(), "environment": environment(), "model": args.model, "dtype": str(model.dtype),
+              "workload": args.workload, "threads": args.threads, "requests": args.requests,
+              "page_size": args.page_size, "fresh_process_per_row": not args.same_process,
               "capacity": {"tokens_per_request": args.capacity_at, "budget_bytes": args.capacity_budget,
                            "requests_that_fit": capacity_table(text, args.capacity_at, args.capacity_budget,
                                                                args.page_size)},
-              "variants": {}}
-    for shared in args.shared_prefix:
-        prompts = make_prompts(args.requests, args.prompt_len, shared, vocab, args.seed)
-        rows = {}
-        for name in args.rows:
-            rows[name] = run_row(model, ROWS[name], prompts, args.new_tokens, budget, cb)
-            r = rows[name]
-            print(f"shared={shared:.2f} {name:9s} held {r['requests_held_at_once']:3d} "
-                  f"(fits {r['capacity_requests']:3d})  {r['total_tokens_per_s']:8.1f} tok/s  "
-                  f"ttft p50 {r['ttft_p50_s']:7.2f}s p95 {r['ttft_p95_s']:7.2f}s"
-                  f"  per-token p50 {r['per_token_p50_s'] * 1e3:7.1f} ms", flush=True)
-        base = rows.get("float")
-        tokens = {name: r["tokens"] for name, r in rows.items()}
-        for name, r in rows.items():
-            toks = r.pop("tokens")
-            if base is not None and name != "float":
-                ref = base.get("_tokens") or {}
-                r["greedy_tokens_equal_float"] = sum(toks[k] == ref.get(k) for k in toks)
-            if name == "float":
-                r["_tokens"] = toks
-        for r in rows.values():
-            r.pop("_tokens", None)
-        report["variants"][f"shared_prefix_{shared:.2f}"] = rows
-        if args.check_single and shared == args.shared_prefix[0]:
-            report["single_request_agreement"] = check_single(model, prompts[: args.check_single], args.new_tokens,
-                                                              [r for r in args.rows if ROWS[r] is not None], tokens)
-    text_out = format_table(report)
-    print(text_out)
+              "rows": []}
+    fixed = args.budgets or ([args.cache_memory] if args.cache_memory else None)
+    budgets_of = {w.name: fixed or [default_budget(args, model, w)] for w in works}
+    del model
+    for work in works:
+        budgets = budgets_of[work.name]
+        base = {"workload": work.name, "prompt_tokens": [len(p) for p in work.prompts], "new_tokens": work.new_tokens}
+        singles = {}
+        for name in args.baselines:
+            r = run(args, argv, {"kind": "generate", "row": name, "workload": work.name})
+            singles[name] = r.pop("tokens")
+            report["rows"].append({**base, "kind": "one-at-a-time", "cache": name, "budget_bytes": None, **r})
+            _progress(report["rows"][-1])
+        first_tokens = {}
+        for budget, st, name in itertools.product(budgets, settings(args), args.rows):
+            r = run(args, argv, {"kind": "batch", "row": name, "workload": work.name, "budget": budget, "settings": st})
+            tokens = r.pop("tokens")
+            first_tokens.setdefault(name, tokens)
+            if name in singles:
+                r["same_tokens_as_one_at_a_time"] = identical(tokens, singles[name])
+            report["rows"].append({**base, "kind": "batch", "cache": name, "budget_bytes": budget, **r})
+            _progress(report["rows"][-1])
+        if args.workload == "uniform" and args.check_single and work is works[0]:
+            report["single_request_agreement"] = check_single(args, argv, work, first_tokens)
+    table = format_table(report)
+    print(table)
     if args.out:
         write_json(args.out, report)
-        Path(args.out).with_suffix(".txt").write_text(text_out + "\n")
+        Path(args.out).with_suffix(".txt").write_text(table + "\n")
+    if args.plot:
+        plot_budgets(report, args.plot)
     return 0
 
 
-def format_table(report: dict) -> str:
-    lines = [f"# {report['command']}",
-             f"# model {report['model']} ({report['dtype']}), {report['requests']} requests x {report['prompt_len']} "
-             f"prompt + {report['new_tokens']} new tokens, budget {report['budget_bytes'] / 2**20:.1f} MiB, "
-             f"page {report['page_size']}, max_batch_tokens {report['max_batch_tokens']}, "
-             f"{report['threads']} thread(s)"]
-    hdr = (f"{'variant':18s} {'cache':9s} {'held':>4s} {'fits':>4s} {'tok/s':>8s} {'gen tok/s':>9s} {'TTFT p50':>9s} "
-           f"{'TTFT p95':>9s} {'tok p50':>8s} {'tok p95':>8s} {'transient':>10s} {'shared':>6s}")
-    lines.append(hdr)
-    for vname, rows in report["variants"].items():
-        for name, r in rows.items():
-            tr = r["dequantized_transient_bytes"]
-            lines.append(
-                f"{vname:18s} {name:9s} {r['requests_held_at_once']:4d} {r['capacity_requests']:4d} "
-                f"{r['total_tokens_per_s']:8.1f} {r['generated_tokens_per_s']:9.2f} {r['ttft_p50_s']:8.2f}s "
-                f"{r['ttft_p95_s']:8.2f}s {r['per_token_p50_s'] * 1e3:6.0f}ms {r['per_token_p95_s'] * 1e3:6.0f}ms "
-                f"{'-' if tr is None else f'{tr / 2**20:8.1f}Mi':>10s} {r['shared_prompt_tokens'] or 0:6d}")
-    for name, a in report.get("single_request_agreement", {}).items():
-        lines.append(f"greedy tokens vs one-request generate() with the same config ({name}): {a['identical']}/"
-                     f"{a['requests']} requests identical (first differing token: {a['first_differing_token']})")
-    cap = report["capacity"]
-    lines.append(f"computed: requests of {cap['tokens_per_request']} tokens held at once in "
-                 f"{cap['budget_bytes'] / 2**30:.1f} GiB (fp16 model, from page sizes): "
-                 + ", ".join(f"{k} {v}" for k, v in cap["requests_that_fit"].items()))
-    return "\n".join(lines)
+def check_single(args, argv: list[str], work: Workload, tokens: dict[str, list[list[int]]]) -> dict:
+    """Greedy tokens of each KIVI batch row (its first budget and setting) vs one-request ``generate()`` with the
+    same config, over the first ``--check-single`` requests."""
+    out = {}
+    for name in (r for r in args.rows if ROWS[r] is not None):
+        ref = run(args, argv, {"kind": "generate", "row": name, "table": "rows", "workload": work.name,
+                               "limit": args.check_single})["tokens"]
+        out[name] = identical(tokens[name][: len(ref)], ref)
+        print(f"{name}: {out[name]['identical']}/{out[name]['requests']} requests token-identical to one-request "
+              "generate()", file=sys.stderr, flush=True)
+    return out
+
+
+def _progress(r: dict) -> None:
+    s = r.get("settings", {})
+    print(f"{r['workload']} {r['kind']:13s} {r['cache']:9s} budget {(r['budget_bytes'] or 0) / 2**20:7.1f} MiB "
+          f"{s.get('scheduler', '-')}/{s.get('max_batch_tokens', '-')}  {r['generated_tokens_per_s']:7.2f} gen tok/s  "
+          f"held {r['requests_held_at_once']}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,13 @@ from .version import check_transformers_version
 
 CB_FIELDS = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
 
+#: Tokens per forward when the caller sets no ``max_batch_tokens`` (both caches; transformers' own default is
+#: 8192). With transformers' FIFO scheduler (kivi's default too) every decoding request is scheduled first and
+#: prefill chunks of admitted requests fill the rest of the step, so this bounds how long a decode step waits
+#: for them; on CPU 512 served the most generated tokens/s of 256 / 512 / 2048 and ``prefill_first`` for
+#: float and KIVI pages (docs/continuous-batching.md, "Scheduler setting").
+DEFAULT_MAX_BATCH_TOKENS = 512
+
 
 class KiviBatchingManager(ContinuousBatchingManager):
     """transformers' continuous batching manager over KIVI pages (or the float paged cache) of a fixed byte budget.
@@ -66,8 +73,16 @@ class KiviBatchingManager(ContinuousBatchingManager):
 
     def switch_to_cb_friendly_attn(self, model: Any, auto_switch_to_flash: bool = True) -> None:
         """With a packed backend the model runs ``"kivi_paged"`` attention (each request reads its pages);
-        otherwise transformers' choice, where kivi's ``"kivi"`` attention (quantize_model) becomes ``sdpa``."""
+        otherwise transformers' choice, where kivi's ``"kivi"`` attention (quantize_model) becomes ``sdpa``, and
+        so does ``eager`` on CPU when the model supports SDPA (transformers would run ``paged|eager``: the same
+        batch mask, about half the speed of SDPA there)."""
         current = model.config._attn_implementation
+        if (self.packed_backend is None and current == "eager" and getattr(model, "_supports_sdpa", False)
+                and getattr(model.device, "type", "cpu") == "cpu"):
+            model.set_attn_implementation("sdpa")
+            super().switch_to_cb_friendly_attn(model, auto_switch_to_flash)
+            self._original_attn_impl = current
+            return
         if self.packed_backend is not None:
             if current != PAGED_ATTN_IMPLEMENTATION:
                 model.set_attn_implementation(PAGED_ATTN_IMPLEMENTATION)
@@ -201,13 +216,16 @@ def init_continuous_batching(model: Any, kivi_config: KiviConfig | None, *, cach
     ``kivi_config=None``, transformers' float paged cache, in ``cache_memory`` bytes.
 
     ``kwargs``: ``continuous_batching_config=`` (a ``ContinuousBatchingConfig``), any of its fields
-    (``page_size``, ``max_batch_tokens``, ``max_requests_per_batch``, ``allow_block_sharing``, ...), and
-    ``workload_hints=``. ``cache_memory=None``: for the float cache, transformers sizes it from the free
-    memory as usual; KIVI pages need a budget (``ValueError``). Returns transformers'
-    ``ContinuousBatchingManager`` (``add_request`` / ``get_result`` / ``start`` / ``stop``).
+    (``page_size``, ``max_batch_tokens``, ``scheduler_type``, ``max_requests_per_batch``, ``allow_block_sharing``,
+    ...), and ``workload_hints=``. ``max_batch_tokens`` unset: :data:`DEFAULT_MAX_BATCH_TOKENS`.
+    ``cache_memory=None``: for the float cache, transformers sizes it from the free memory as usual; KIVI pages
+    need a budget (``ValueError``). Returns transformers' ``ContinuousBatchingManager`` (``add_request`` /
+    ``get_result`` / ``start`` / ``stop``).
     """
     workload_hints = kwargs.pop("workload_hints", None)
     cb = _cb_config(kwargs)
+    if cb.max_batch_tokens is None:
+        cb.max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS
     if kwargs:
         raise TypeError(f"unexpected keyword argument(s) {sorted(kwargs)}; allowed: continuous_batching_config, "
                         f"workload_hints and the ContinuousBatchingConfig fields {sorted(CB_FIELDS)}")
@@ -304,4 +322,5 @@ def generate_batch(model: Any, inputs: list[list[int]], kivi_config: KiviConfig 
     return {rid: results[rid] for rid in ids}
 
 
-__all__ = ["KiviBatchingManager", "init_continuous_batching", "generate_batch", "pages_attention_backend"]
+__all__ = ["KiviBatchingManager", "init_continuous_batching", "generate_batch", "pages_attention_backend",
+           "DEFAULT_MAX_BATCH_TOKENS"]
