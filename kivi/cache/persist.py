@@ -1,19 +1,19 @@
 """A :class:`KiviCache` saved to a file and loaded back, bit for bit (a "saved quantized prefix").
 
-The file is a safetensors file. Its tensors are the cache's state exactly as the cache holds it:
-per layer and side (``k`` / ``v``), the filled rows of every stored block (``packed`` codes,
-``scale``, ``offset`` zero-points, ``comp`` compensation codes, or ``data`` for an unquantized side),
-the full-precision ``window`` (and its padding mask ``window_valid``) and the ``sink``; plus the
-token ids the cache holds (``input_ids``) when the caller gives them. Nothing is re-quantized, so
+The file is a safetensors file. Its tensors are the cache's state exactly as the cache holds it: each
+layer's :meth:`~kivi.cache.layer.KiviLayer.state_dict` (per head group and side: the filled rows of
+every stored block of every position tier, the full-precision window, the sink, the padding marks),
+each tensor named by its path in that dict (``layer0.parts.0.k.store.blocks.0.packed``); plus the
+token ids the cache holds (``input_ids``) when the caller gives them. Every config (tiers, per-head
+widths) saves: this module knows no layer's fields. Nothing is re-quantized, so
 the file is about :attr:`KiviCache.nbytes` (less the unused tail of the last block of each side).
 
 Its safetensors header metadata holds (``__metadata__``):
 
-* ``kivi_format`` = ``"kivi-prefix"`` and ``kivi_format_version`` (this module reads version 1);
+* ``kivi_format`` = ``"kivi-prefix"`` and ``kivi_format_version`` (this module reads version 2);
 * ``kivi_meta``: JSON with the :class:`KiviConfig`, the caller's model/tokenizer ``fingerprint``,
-  the kivi / transformers / torch versions, the cache's structure (per layer: tokens seen, dtype,
-  sliding window; per side: block starts and capacities, evicted blocks, store start and length,
-  the segment template) and the sha256 of every tensor;
+  the kivi / transformers / torch versions, the cache's structure (each layer's state dict with its
+  tensors replaced by ``{"tensor": name}``) and the sha256 of every tensor;
 * ``kivi_meta_sha256``: the sha256 of ``kivi_meta`` (a changed header byte is caught).
 
 :func:`load_cache` checks, before it builds anything: the file is a kivi prefix file of a version
@@ -37,16 +37,13 @@ from typing import Any
 import torch
 
 from ..config import KiviConfig
-from ..quant.kv import PackedKV, token_divisor
+from .heads import build_layer
 from .layer import KiviLayer
-from .store import BlockStore, FpSegment
 
 FORMAT = "kivi-prefix"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 #: A safetensors header longer than this is not one kivi wrote (it would be a corrupt length field).
 MAX_HEADER_BYTES = 64 << 20
-_DTYPES = {name: getattr(torch, name) for name in (
-    "float32", "float16", "bfloat16", "float64", "uint8", "int8", "int16", "int32", "int64", "bool")}
 #: KiviConfig fields that say how attention reads the cache, not what it holds: not compared on load.
 READ_ONLY_FIELDS = ("attention_backend",)
 
@@ -91,18 +88,12 @@ def save_cache(cache: Any, path: str | os.PathLike, *, fingerprint: dict[str, An
         json.dumps(fingerprint)
     except TypeError as e:
         raise ValueError(f"fingerprint must be JSON-serialisable: {e}") from None
-    if getattr(cache.config, "head_bits", None):
-        raise ValueError("saving a cache with per-head widths (head_bits) is not supported; save one without "
-                         "head_bits, or keep this cache in memory")
     tensors: dict[str, torch.Tensor] = {}
     layers = []
     for i, layer in enumerate(cache.layers):
         if not isinstance(layer, KiviLayer):
             raise TypeError(f"layer {i} is a {type(layer).__name__}, not a KiviLayer; only KIVI layers can be saved")
-        if layer.k.older or layer.v.older:
-            raise ValueError(f"layer {i} has position tiers (tiers={[list(t) for t in layer.config.tiers]}): saving "
-                             "a tiered cache as a prefix is not supported yet; save a prefix built without tiers")
-        layers.append(_layer_meta(layer, f"layer{i}", tensors))
+        layers.append(_flatten(layer.state_dict(), f"layer{i}", tensors))
     seq = cache.get_seq_length() if cache.layers else 0
     if input_ids is not None:
         if input_ids.dim() != 2 or input_ids.shape[-1] != seq:
@@ -136,53 +127,28 @@ def save_cache(cache: Any, path: str | os.PathLike, *, fingerprint: dict[str, An
     return path
 
 
-def _layer_meta(layer: KiviLayer, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    sides = {}
-    for label, side in (("k", layer.k), ("v", layer.v)):
-        for field, t in (("window", side.window), ("window_valid", side.window_valid), ("sink", side.sink),
-                         ("stored_valid", side.stored_valid)):
-            if t is not None:
-                tensors[f"{name}.{label}.{field}"] = _cpu(t)
-        store = side.store
-        present = []
-        for j, blk in enumerate(store.blocks):
-            present.append(blk is not None)
-            if blk is None:
-                continue
-            filled = _filled(store, j)
-            for field, t in blk.items():
-                rows = filled // _divisor(store.template, field)
-                tensors[f"{name}.{label}.block{j}.{field}"] = _cpu(t[:, :, :rows])
-        sides[label] = {
-            "window": side.window is not None, "window_valid": side.window_valid is not None,
-            "sink": side.sink is not None, "stored_valid": side.stored_valid is not None,
-            "store": {"block_size": store.block_size, "length": store.length, "start": store.start,
-                      "starts": list(store.starts), "caps": list(store.caps), "present": present,
-                      "template": _template_meta(store.template)},
-        }
-    return {"seen": layer.seen, "initialized": bool(layer.is_initialized), "sliding_window": layer.sliding_window,
-            "due": bool(layer._due),  # past recording: the window still holds tokens due to move (next forward/crop)
-            "dtype": None if layer.dtype is None else _dtype_name(layer.dtype), "k": sides["k"], "v": sides["v"]}
+def _flatten(value: Any, name: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """``value`` (a :meth:`~kivi.cache.layer.KiviLayer.state_dict`) as JSON: every tensor goes into ``tensors``
+    under its dotted path and is replaced by ``{"tensor": path}``."""
+    if isinstance(value, torch.Tensor):
+        tensors[name] = _cpu(value)
+        return {"tensor": name}
+    if isinstance(value, dict):
+        return {k: _flatten(v, f"{name}.{k}", tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_flatten(v, f"{name}.{j}", tensors) for j, v in enumerate(value)]
+    return value
 
 
-def _filled(store: BlockStore, j: int) -> int:
-    """Tokens written into block ``j`` (the last block may be partly filled)."""
-    return max(0, min(store.caps[j], store.length - store.starts[j]))
-
-
-def _divisor(template: Any, field: str) -> int:
-    return token_divisor(template.axis, template.group_size, field)
-
-
-def _template_meta(template: Any) -> dict[str, Any] | None:
-    if template is None:
-        return None
-    fields = {k: {"dtype": _dtype_name(t.dtype), "shape": [t.shape[0], t.shape[1], *t.shape[3:]]}
-              for k, t in template.tensors().items()}
-    if isinstance(template, FpSegment):
-        return {"kind": "fp", "axis": template.axis, "group_size": template.group_size, "fields": fields}
-    return {"kind": "packed", "bits": template.bits, "group_size": template.group_size, "axis": template.axis,
-            "head_dim": template.head_dim, "residual_bits": template.residual_bits, "fields": fields}
+def _unflatten(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The state dict :func:`_flatten` wrote (a tensor name the file lacks is a ``KeyError``)."""
+    if isinstance(value, dict):
+        if set(value) == {"tensor"}:
+            return tensors[value["tensor"]]
+        return {k: _unflatten(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unflatten(v, tensors) for v in value]
+    return value
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
@@ -244,6 +210,9 @@ def read_header(path: str | os.PathLike) -> PrefixHeader:
     if not version.isdigit() or int(version) > FORMAT_VERSION:
         raise PrefixFileError(f"{path}: kivi prefix format version {version!r}; this kivi reads versions up to "
                               f"{FORMAT_VERSION} (upgrade kivi)")
+    if int(version) < FORMAT_VERSION:
+        raise PrefixFileError(f"{path}: kivi prefix format version {version!r} (an older kivi's layout); this kivi "
+                              f"reads version {FORMAT_VERSION}: save the prefix again with this kivi")
     try:
         offsets = {name: tuple(int(x) for x in info["data_offsets"]) for name, info in header.items()}
     except (TypeError, KeyError, ValueError):
@@ -343,62 +312,16 @@ def load_cache(path: str | os.PathLike, *, fingerprint: dict[str, Any], config: 
     except Exception as e:  # safetensors' own errors on a damaged header
         raise PrefixFileError(f"{header.path}: cannot read tensors ({str(e).splitlines()[0]})") from None
     cfg = config if config is not None else header.config
-    layers = [_build_layer(lm, cfg.for_layer(i), f"layer{i}", tensors, device, header.path)
-              for i, lm in enumerate(meta["cache"]["layers"])]
+    layers = []
+    for i, lm in enumerate(meta["cache"]["layers"]):
+        layer = build_layer(cfg, i, lm.get("sliding_window") if isinstance(lm, dict) else None)
+        try:
+            layer.load_state_dict(_unflatten(lm, tensors), device)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            raise PrefixFileError(f"{header.path}: layer {i} does not match this config's layout ({e})") from None
+        layers.append(layer)
     ids = tensors.get("input_ids")
     return cfg, layers, None if ids is None else ids.to(device)
-
-
-def _build_layer(lm: dict[str, Any], config: KiviConfig, name: str, tensors: dict[str, torch.Tensor],
-                 device: str | torch.device, path: Path) -> KiviLayer:
-    layer = KiviLayer(config, sliding_window=lm["sliding_window"])
-    layer.seen = lm["seen"]
-    layer._due = bool(lm["due"])
-    layer.dtype = None if lm["dtype"] is None else _DTYPES[lm["dtype"]]
-    if lm["initialized"]:
-        layer.device = torch.device(device)
-        layer.is_initialized = True
-    for label, side in (("k", layer.k), ("v", layer.v)):
-        sm = lm[label]
-        for field in ("window", "window_valid", "sink", "stored_valid"):
-            if sm[field]:
-                setattr(side, field, tensors[f"{name}.{label}.{field}"].to(device))
-        side.store = _build_store(sm["store"], f"{name}.{label}", tensors, device, path)
-    return layer
-
-
-def _build_store(sm: dict[str, Any], name: str, tensors: dict[str, torch.Tensor], device: str | torch.device,
-                 path: Path) -> BlockStore:
-    store = BlockStore(sm["block_size"])
-    tm = sm["template"]
-    if tm is not None:
-        empty = {k: torch.empty((f["shape"][0], f["shape"][1], 0, *f["shape"][2:]), dtype=_DTYPES[f["dtype"]],
-                                device=device) for k, f in tm["fields"].items()}
-        if tm["kind"] == "fp":
-            store.template = FpSegment(empty["data"], tm["axis"], tm["group_size"])
-        else:
-            store.template = PackedKV(packed=empty["packed"], scale=empty["scale"], offset=empty.get("offset"),
-                                      comp=empty.get("comp"), bits=tm["bits"], group_size=tm["group_size"],
-                                      axis=tm["axis"], head_dim=tm["head_dim"], residual_bits=tm["residual_bits"])
-    store.length, store.start = sm["length"], sm["start"]
-    store.starts, store.caps = list(sm["starts"]), list(sm["caps"])
-    for j, (present, cap) in enumerate(zip(sm["present"], sm["caps"])):
-        if not present:
-            store.blocks.append(None)
-            continue
-        blk = {}
-        for field, t in store.template.tensors().items():
-            saved = tensors[f"{name}.block{j}.{field}"]
-            rows = cap // _divisor(store.template, field)
-            want = (*t.shape[:2], _filled(store, j) // _divisor(store.template, field), *t.shape[3:])
-            if tuple(saved.shape) != want or saved.dtype != t.dtype:
-                raise PrefixFileError(f"{path}: tensor {name}.block{j}.{field} has shape {tuple(saved.shape)} "
-                                      f"{saved.dtype}, the metadata says {want} {t.dtype}")
-            full = torch.zeros((*t.shape[:2], rows, *t.shape[3:]), dtype=t.dtype, device=device)
-            full[:, :, : saved.shape[2]].copy_(saved)  # the unused tail of the block stays zero
-            blk[field] = full
-        store.blocks.append(blk)
-    return store
 
 
 __all__ = ["save_cache", "load_cache", "read_header", "check_fingerprint", "check_config", "check_layers",
