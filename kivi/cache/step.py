@@ -10,6 +10,7 @@ the layer's window once, whatever the number of groups.
 
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import torch
@@ -23,26 +24,31 @@ class SharedWindow:
 
     :meth:`set` hands every group its head slice and remembers the slices it handed out; :meth:`get`
     returns the tensor while every group still holds exactly its slice (a crop, batch edit or rollback
-    replaces a group's window: then the groups' windows are concatenated again)."""
+    replaces a group's window: then the groups' windows are concatenated again). It holds weak references
+    only: the groups' windows are what keeps the tensor alive, so a replaced window frees its memory."""
 
     def __init__(self, heads: Sequence[slice | None]):
         self.heads = tuple(heads)
-        self._full: torch.Tensor | None = None
-        self._slices: tuple[torch.Tensor | None, ...] = ()
+        self._full = None  # weakref to the [B, H, W, D] tensor
+        self._slices: tuple = ()  # weakrefs to the slices handed out
 
     def get(self, sides: Sequence[SideState]) -> torch.Tensor | None:
         windows = [s.window for s in sides]
         if len(windows) == 1 or windows[0] is None:
             return windows[0]
-        if self._full is not None and all(w is h for w, h in zip(windows, self._slices)):
-            return self._full
+        full = None if self._full is None else self._full()
+        if full is not None and all(w is h() for w, h in zip(windows, self._slices)):
+            return full
         return torch.cat(windows, dim=1)
 
     def set(self, sides: Sequence[SideState], window: torch.Tensor | None, valid: torch.Tensor | None) -> None:
         slices = tuple(None if window is None else _heads(window, h) for h in self.heads)
         for side, w in zip(sides, slices):
             side.set_window(w, valid)
-        self._full, self._slices = window, slices
+        if window is None or len(slices) == 1:
+            self._full, self._slices = None, ()
+        else:
+            self._full, self._slices = weakref.ref(window), tuple(weakref.ref(w) for w in slices)
 
 
 def _heads(x: torch.Tensor, heads: slice | None) -> torch.Tensor:
