@@ -26,7 +26,7 @@ from ..config import KiviConfig
 from ..quant.fused_cpu import quantize_tokens_into, token_quantizer_supported
 from ..quant.kv import PackedKV, dequantize_kv, quantize_kv
 from .boundary import SideCounts, TierLayout, set_boundary
-from .schedule import key_group_start
+from .schedule import key_group_start, window_exits
 from .store import FpSegment, token_slice
 from .tiers import TieredStore, new_storage
 from .view import AttentionView
@@ -76,7 +76,9 @@ class SideState:
 
     def exits(self, pending: int) -> tuple[int, int]:
         """``(to_sink, to_store)`` of a flush of ``pending`` tokens (the window and the new ones)."""
-        return self.counts().exits(pending)
+        cfg = self.config
+        return window_exits(self.axis, pending, cfg.residual_length, cfg.group_size, self.sink_len, self.sink_tokens,
+                            self.store.length, cfg.quantize_after)
 
     def pending_valid(self, valid: torch.Tensor | None, n: int) -> torch.Tensor | None:
         """``[B, W + n]`` padding marks of the window followed by ``n`` new tokens (``None``: all real)."""

@@ -71,6 +71,7 @@ class _TorchProxy:
 MODULE_FUNCTIONS = {
     layer_mod: ("prefill_exact_queries", "materialize", "check_head_dim"),
     side_mod: ("quantize_kv", "quantize_tokens_into", "token_quantizer_supported", "dequantize_kv", "key_group_start",
+               "window_exits",
                "FpSegment", "AttentionView", "token_slice", "set_boundary"),
     boundary_mod: ("window_exits", "query_boundaries", "dequantize_kv", "token_slice"),
     sliding_mod: ("sliding_cut",),
