@@ -481,3 +481,23 @@ def test_quantize_after_round_trip_below_n_continues_past_n(tmp_path):
     got = _decode(model, loaded.cache, q, 40)
     assert torch.equal(got, want) and cache.layers[0].k.store.length > 0
     _same_state(cache, loaded.cache)
+
+
+def test_past_recording_state_round_trips(tmp_path):
+    """A cache saved right after a recorded forward (its window still holds what is due to move) loads with
+    that pending move, so the next forward stores exactly what the saving cache stores."""
+    cfg = _config(sink_tokens=2)
+    cache = KiviCache(cfg)
+    g = torch.Generator().manual_seed(4)
+    k, v = torch.randn(1, 2, 70, 16, generator=g), torch.randn(1, 2, 70, 16, generator=g)
+    cache.update(k[:, :, :50], v[:, :, :50], 0)
+    cache.layers[0].activate_past_recording()
+    cache.update(k[:, :, 50:60], v[:, :, 50:60], 0)
+    assert cache.layers[0].due
+    cache.save(tmp_path / "due.safetensors", fingerprint={})
+    loaded = KiviCache.load(tmp_path / "due.safetensors", fingerprint={})
+    _same_state(cache, loaded)
+    loaded.layers[0].activate_past_recording()
+    for c in (cache, loaded):
+        c.update(k[:, :, 60:], v[:, :, 60:], 0)
+    _same_state(cache, loaded)
