@@ -34,23 +34,18 @@ import argparse
 import json
 import statistics
 import time
+from functools import partial
 
 import torch
 
+from common import set_threads, time_calls
 from kivi import KiviConfig
 from kivi.attention import blocked_attention, reference_attention
-from kivi.cli.common import set_cpu_threads
 from kivi.cache.layer import KiviLayer
 
 
 def timeit(fn, repeat: int, warmup: int = 2) -> dict:
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
+    ts = time_calls(fn, repeat, warmup)
     return {"min_s": min(ts), "median_s": statistics.median(ts)}
 
 
@@ -84,17 +79,10 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--skip", default="", help="comma-separated methods to skip: reference,blocked,bf16")
     a = ap.parse_args()
-    from kivi.attention.fused_cpu import fused_decode_available
+    from kivi.attention.fused_cpu import fused_decode_attention
 
-    fused = None
-    compile_s = None
-    if fused_decode_available():
-        from kivi.attention.fused_cpu import fused_decode_attention, warmup
-
-        compile_s = warmup()  # compile, or load numba's on-disk cache
-        fused = fused_decode_attention
-    if a.threads:  # after the kernel load, which can reset torch's thread count to numba's
-        set_cpu_threads(a.threads)
+    compile_s = set_threads(a.threads)  # compile, or load numba's on-disk cache; None without numba
+    fused = None if compile_s is None else fused_decode_attention
     torch.manual_seed(0)
     B, hq, hkv, D, T = a.batch, a.q_heads, a.kv_heads, a.head_dim, a.tokens
     k = torch.randn(B, hkv, T, D)
@@ -103,7 +91,8 @@ def main() -> None:
     scaling = D**-0.5
 
     def view_bytes(view):
-        st = sum(t.numel() * t.element_size() for _, seg in view.store.iter_blocks(view.split) for t in seg.tensors().values())
+        st = sum(t.numel() * t.element_size()
+                 for _, seg in view.store.iter_blocks(view.split) for t in seg.tensors().values())
         return st + view.fp.numel() * view.fp.element_size()
 
     views = {}  # bits -> (key view, value view, bytes read)
@@ -134,7 +123,7 @@ def main() -> None:
             continue
         kf, vf, qf = k.to(dt), v.to(dt), q.to(dt).reshape(B, hkv, g, D)  # pack GQA as transformers does
         methods.append((f"sdpa fp cache {str(dt).split('.')[-1]}", None,
-                        lambda kf=kf, vf=vf, qf=qf: torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, scale=scaling),
+                        partial(torch.nn.functional.scaled_dot_product_attention, qf, kf, vf, scale=scaling),
                         2 * kf.numel() * kf.element_size()))
     times = {i: [] for i in range(len(methods))}
     for _, _, fn, _ in methods:  # warm-up
@@ -193,12 +182,12 @@ def main() -> None:
     print(f"useful work per call: {flops / 1e6:.1f} MFLOP; reading the {a.bits[0]}-bit cache at 50% of copy bandwidth "
           f"would need {result['GFLOPs_needed_for_50pct_copy_bw']:.1f} GFLOP/s "
           f"({100 * result['GFLOPs_needed_for_50pct_copy_bw'] / mm:.0f}% of the matmul rate)")
-    print(f"{'method':30s} {'bits':>4s} {'ms(min)':>9s} {'ms(med)':>9s} {'MiB read':>9s} {'eff GB/s':>9s} {'%rw bw':>7s} "
-          f"{'%copy':>7s} {'GFLOP/s':>8s} {'%matmul':>8s}")
+    print(f"{'method':30s} {'bits':>4s} {'ms(min)':>9s} {'ms(med)':>9s} {'MiB read':>9s} {'eff GB/s':>9s} "
+          f"{'%rw bw':>7s} {'%copy':>7s} {'GFLOP/s':>8s} {'%matmul':>8s}")
     for r in rows:
-        print(f"{r['method']:30s} {r['bits'] or '-':>4} {r['ms_min']:9.3f} {r['ms_median']:9.3f} {r['bytes_read'] / 2**20:9.2f} "
-              f"{r['eff_GBps']:9.2f} {r['pct_of_rw_bw']:7.1f} {r['pct_of_copy_bw']:7.1f} "
-              f"{r['useful_GFLOPs']:8.1f} {100 * r['useful_GFLOPs'] / mm:8.1f}")
+        print(f"{r['method']:30s} {r['bits'] or '-':>4} {r['ms_min']:9.3f} {r['ms_median']:9.3f} "
+              f"{r['bytes_read'] / 2**20:9.2f} {r['eff_GBps']:9.2f} {r['pct_of_rw_bw']:7.1f} "
+              f"{r['pct_of_copy_bw']:7.1f} {r['useful_GFLOPs']:8.1f} {100 * r['useful_GFLOPs'] / mm:8.1f}")
     for bits, ratios in result["ratios_of_medians"].items():
         if ratios:
             print(f"{bits}-bit, ratios of medians: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))

@@ -24,8 +24,10 @@ key/value tensors of DynamicCache, the packed tensors of quanto's QuantizedCache
 Without ``--isolate`` this delta is meaningless for later rows (freed memory of earlier rows is reused).
 
     python benchmarks/bench_decode.py --contexts 1024 4096 --batches 1 4 [--steps 32] [--json]
-    python benchmarks/bench_decode.py --contexts 8192 --batches 1 --configs floor dynamic quanto2 kivi2-cpu --isolate --repeat 3
-    python benchmarks/bench_decode.py --contexts 8192 --batches 1 4 --configs dynamic kivi2-cpu results/pareto12_cfg_heads_k2v2_3p3.json --isolate --repeat 3
+    python benchmarks/bench_decode.py --contexts 8192 --batches 1 --configs floor dynamic quanto2 kivi2-cpu \
+        --isolate --repeat 3
+    python benchmarks/bench_decode.py --contexts 8192 --batches 1 4 --configs dynamic kivi2-cpu \
+        results/configs/pareto12_cfg_heads_k2v2_3p3.json --isolate --repeat 3
 
 A ``--configs`` argument ending in ``.json`` is a ``KiviConfig`` file (``KiviConfig.to_json``, ``kivi profile
 --write-config``): its row is named after the file's stem and runs on the backend the file names
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -44,8 +47,8 @@ from pathlib import Path
 import psutil
 import torch
 
+from common import run_fresh, set_threads, write_json
 from kivi import KiviConfig, dequantize_model, quantize_model
-from kivi.cli.common import set_cpu_threads
 from kivi.eval import cache_nbytes, make_cache
 from kivi.models import load_model
 
@@ -160,23 +163,13 @@ def _row(model, name, ctx, bs, steps, warmup_steps):
 
 def _row_isolated(name, ctx, bs, steps, warmup_steps, threads, pin):
     """The row in a fresh interpreter (nothing left over from other rows: allocator state, caches)."""
-    import subprocess
-    import sys
-
-    cmd = [sys.executable, __file__, "--one-row", name, str(ctx), str(bs), "--steps", str(steps),
-           "--warmup-steps", str(warmup_steps), "--threads", str(threads)] + (["--pin-allocator"] if pin else [])
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    if out.returncode or not lines:
-        return {"error": f"row process failed ({out.returncode}): {out.stderr.strip()[-300:]}", "config": row_name(name),
-                "context": ctx, "batch": bs}
-    return json.loads(lines[-1])
-
-
-def _median(xs):
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+    args = [__file__, "--one-row", name, str(ctx), str(bs), "--steps", str(steps),
+            "--warmup-steps", str(warmup_steps), "--threads", str(threads)] + (["--pin-allocator"] if pin else [])
+    out = run_fresh(args)
+    if out.returncode or out.result is None:
+        return {"error": f"row process failed ({out.returncode}): {out.stderr.strip()[-300:]}",
+                "config": row_name(name), "context": ctx, "batch": bs}
+    return out.result
 
 
 def _summarise(runs):
@@ -187,7 +180,7 @@ def _summarise(runs):
     out = dict(ok[0])
     for k in ("tok_s", "decode_s", "decode_cpu_s", "tok_per_cpu_s", "peak_rss_delta_MiB"):
         if all(k in r for r in ok):
-            out[k] = _median([r[k] for r in ok])
+            out[k] = statistics.median([r[k] for r in ok])
     out["tok_s_all"] = [round(r["tok_s"], 3) for r in ok]
     out["ms_per_step"] = 1e3 * out["decode_s"] / out["steps"]
     return out
@@ -200,7 +193,8 @@ def main():
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps after the prefill")
     ap.add_argument("--configs", nargs="+",
-                    default=["dynamic", "quanto2", "quanto4", "kivi2-reference", "kivi2-cpu", "kivi4-reference", "kivi4-cpu"],
+                    default=["dynamic", "quanto2", "quanto4", "kivi2-reference", "kivi2-cpu", "kivi4-reference",
+                             "kivi4-cpu"],
                     help="dynamic, floor, quanto2, quanto4, kivi{2,4}-{reference,cpu,triton}, kivitiers-{cpu,...} "
                          "(K4V4 + 4 sinks, tiers 128 FP / 1024 at 4 bits / the rest at 2 bits), kivifp-{cpu,...} "
                          "(K2V2 with quantize_after past the context: the full-precision phase), or a KiviConfig "
@@ -214,7 +208,8 @@ def main():
                          "DynamicCache decoding (a torch.cat of the whole cache per layer and step) by ~35%% at 2K")
     ap.add_argument("--one-row", nargs=3, metavar=("CONFIG", "CONTEXT", "BATCH"), help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
-    ap.add_argument("--json-out", metavar="FILE", help="also write the results as JSON to FILE (the table still prints)")
+    ap.add_argument("--json-out", metavar="FILE",
+                    help="also write the results as JSON to FILE (the table still prints)")
     a = ap.parse_args()
     if a.pin_allocator:
         from kivi.allocator import reduce_fragmentation
@@ -241,12 +236,7 @@ def main():
     if not a.isolate:
         model = load_model("smollm2")[0]
         _warm(model)
-        from kivi.attention.fused_cpu import fused_decode_available, warmup
-
-        if fused_decode_available():  # compile / load the numba kernel now, not inside the first timed decode
-            warmup()
-    if a.threads:  # after the kernel load, which can reset torch's thread count to numba's
-        set_cpu_threads(a.threads)
+    set_threads(a.threads)  # the numba kernels load now, not inside the first timed decode
     if a.one_row:
         name, ctx, bs = a.one_row[0], int(a.one_row[1]), int(a.one_row[2])
         r = _row(model, name, ctx, bs, a.steps, a.warmup_steps)
@@ -275,19 +265,19 @@ def main():
     if model is not None:
         dequantize_model(model)
     if a.json:
-        print(_document(results, a, a.repeat))
+        print(json.dumps(_document(results, a, a.repeat), indent=2))
     if a.json_out:
         _write_json(a.json_out, results, a, rounds_done=a.repeat)
 
 
-def _document(results, a, rounds_done: int) -> str:
-    return json.dumps({"threads": torch.get_num_threads(), "steps": a.steps, "warmup_steps": a.warmup_steps,
-                       "repeat": a.repeat, "rounds_done": rounds_done, "isolate": a.isolate,
-                       "configs": a.configs, "results": results}, indent=2)
+def _document(results, a, rounds_done: int) -> dict:
+    return {"threads": torch.get_num_threads(), "steps": a.steps, "warmup_steps": a.warmup_steps,
+            "repeat": a.repeat, "rounds_done": rounds_done, "isolate": a.isolate,
+            "configs": a.configs, "results": results}
 
 
 def _write_json(path, results, a, *, rounds_done: int) -> None:
-    Path(path).write_text(_document(results, a, rounds_done) + "\n")
+    write_json(path, _document(results, a, rounds_done))
 
 
 def _kivi2_row(configs):
@@ -347,7 +337,8 @@ def _print_row(r, repeat):
             ca += f" (quanto2 / this x{r['cache_attention_vs_quanto2']:5.2f})"
     ctx_s = f"{FLOOR_CONTEXT:6d}" if name == "floor" else f"{ctx:6d}"
     print(f"ctx={ctx_s} bs={bs} {name:28s} {r['tok_s']:8.2f} tok/s{spread}  {r['ms_per_step']:7.1f} ms/step  "
-          f"x{r.get('speed_vs_dynamic', 1):5.2f}{vq}{ca}  peakRSSΔ {r['peak_rss_delta_MiB']:8.1f} MiB  cache {r['cache_MiB']:.1f} MiB",
+          f"x{r.get('speed_vs_dynamic', 1):5.2f}{vq}{ca}  peakRSSΔ {r['peak_rss_delta_MiB']:8.1f} MiB  "
+          f"cache {r['cache_MiB']:.1f} MiB",
           flush=True)
 
 

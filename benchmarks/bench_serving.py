@@ -14,7 +14,7 @@ The capacity table at 4K tokens (``--capacity-at``) is computed from page sizes 
 KIVI configs (``PageLayout.requests_that_fit``).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_serving.py --model smollm2 --requests 16 --prompt-len 1024 \\
-        --new-tokens 64 --fp-requests 4 --threads 1 --out results/serving_smollm2.json
+        --new-tokens 64 --fp-requests 4 --threads 1 --out results/serving/serving_smollm2.json
     # full size (not run on the 2-core CI box):
     python benchmarks/bench_serving.py --model smollm2 --requests 16 --prompt-len 4096 --new-tokens 256 --fp-requests 4
 """
@@ -22,9 +22,7 @@ KIVI configs (``PageLayout.requests_that_fit``).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from transformers import GenerationConfig  # noqa: E402
 
+from common import write_json  # noqa: E402
 from kivi import KiviConfig  # noqa: E402
 from kivi.batching import build_layout, fp_block_bytes, generate_batch, init_continuous_batching  # noqa: E402
 
@@ -200,8 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.rows:
             rows[name] = run_row(model, ROWS[name], prompts, args.new_tokens, budget, cb)
             r = rows[name]
-            print(f"shared={shared:.2f} {name:9s} held {r['requests_held_at_once']:3d} (fits {r['capacity_requests']:3d})"
-                  f"  {r['total_tokens_per_s']:8.1f} tok/s  ttft p50 {r['ttft_p50_s']:7.2f}s p95 {r['ttft_p95_s']:7.2f}s"
+            print(f"shared={shared:.2f} {name:9s} held {r['requests_held_at_once']:3d} "
+                  f"(fits {r['capacity_requests']:3d})  {r['total_tokens_per_s']:8.1f} tok/s  "
+                  f"ttft p50 {r['ttft_p50_s']:7.2f}s p95 {r['ttft_p95_s']:7.2f}s"
                   f"  per-token p50 {r['per_token_p50_s'] * 1e3:7.1f} ms", flush=True)
         base = rows.get("float")
         tokens = {name: r["tokens"] for name, r in rows.items()}
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     text_out = format_table(report)
     print(text_out)
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.out, report)
         Path(args.out).with_suffix(".txt").write_text(text_out + "\n")
     return 0
 
@@ -230,7 +230,8 @@ def format_table(report: dict) -> str:
     lines = [f"# {report['command']}",
              f"# model {report['model']} ({report['dtype']}), {report['requests']} requests x {report['prompt_len']} "
              f"prompt + {report['new_tokens']} new tokens, budget {report['budget_bytes'] / 2**20:.1f} MiB, "
-             f"page {report['page_size']}, max_batch_tokens {report['max_batch_tokens']}, {report['threads']} thread(s)"]
+             f"page {report['page_size']}, max_batch_tokens {report['max_batch_tokens']}, "
+             f"{report['threads']} thread(s)"]
     hdr = (f"{'variant':18s} {'cache':9s} {'held':>4s} {'fits':>4s} {'tok/s':>8s} {'gen tok/s':>9s} {'TTFT p50':>9s} "
            f"{'TTFT p95':>9s} {'tok p50':>8s} {'tok p95':>8s} {'transient':>10s} {'shared':>6s}")
     lines.append(hdr)

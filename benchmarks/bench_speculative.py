@@ -12,9 +12,9 @@
     counted by wrapping transformers' candidate generator's ``update_candidate_strategy``).
 
     python benchmarks/bench_speculative.py --check --configs extreme balanced --new 200 --threads 1 \\
-        --out results/spec_lossless.json
+        --out results/speculative/spec_lossless.json
     python benchmarks/bench_speculative.py --speed --configs extreme balanced --new 200 --threads 1 \\
-        --repeat 3 --out results/spec_prompt_lookup.json
+        --repeat 3 --out results/speculative/spec_prompt_lookup.json
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import time
 
 import torch
 
+from common import set_threads, write_json
 from kivi import KiviConfig, load_model, quantize_model
-from kivi.cli.common import set_cpu_threads
 from kivi.data import load_text
 
 
@@ -53,11 +53,11 @@ class Acceptance:
         from transformers.generation import candidate_generator as cg
 
         self._orig = {}
+        acc = self
         for cls in (cg.PromptLookupCandidateGenerator, cg.AssistedCandidateGenerator):
             orig = cls.get_candidates
             upd = cls.update_candidate_strategy
             self._orig[cls] = (orig, upd)
-            acc = self
 
             def get_candidates(gen, input_ids, *a, _orig=orig, **k):
                 out = _orig(gen, input_ids, *a, **k)
@@ -152,7 +152,8 @@ def main(argv=None) -> None:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--check", action="store_true", help="(a) greedy token equality, speculative vs plain")
     mode.add_argument("--speed", action="store_true", help="(b) prompt lookup vs plain: tokens/s, acceptance")
-    p.add_argument("--configs", nargs="+", default=["extreme", "balanced"], help="KiviConfig presets or JSON files (*.json)")
+    p.add_argument("--configs", nargs="+", default=["extreme", "balanced"],
+                   help="KiviConfig presets or JSON files (*.json)")
     p.add_argument("--backend", default="cpu", choices=["cpu", "reference"])
     p.add_argument("--new", type=int, default=200, help="new tokens per generate call")
     p.add_argument("--doc-tokens", type=int, default=400, help="tokens of the WikiText document in the prompt")
@@ -164,7 +165,7 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
-    set_cpu_threads(args.threads)
+    set_threads(args.threads)  # the numba kernels load now, before any timed generate call
     model, tokenizer = load_model("smollm2")
     results = []
     for name in args.configs:
@@ -175,8 +176,7 @@ def main(argv=None) -> None:
     out = {"command": "python benchmarks/bench_speculative.py " + " ".join(argv or __import__("sys").argv[1:]),
            "results": results}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.out, out, indent=1)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@ kernels against the torch references (max abs error), then CUDA-event timings (m
 
 The KIVI cache mimics the real layout: keys quantized in whole groups of G=32 tokens with the last 128
 tokens in full precision, values quantized per token with the last 100 tokens in full precision (so the
-key and value tails differ, as in the cache). Effective GB/s = bytes the step must read / time. The fp16 baseline is the faster of SDPA with
-``enable_gqa=True`` and SDPA with the query-head group folded into the query axis (flash kernel, no
-repeated cache); both times are in the JSON.
+key and value tails differ, as in the cache). Effective GB/s = bytes the step must read / time. The fp16
+baseline is the faster of SDPA with ``enable_gqa=True`` and SDPA with the query-head group folded into the query
+axis (flash kernel, no repeated cache); both times are in the JSON.
 
 Then the cache layouts the ``"triton"`` attention backend reads in a model (``--layouts``, default on): a
 real :class:`~kivi.cache.layer.KiviLayer` filled with a prefill of ``context - extra`` tokens and ``extra``
@@ -41,10 +41,12 @@ import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+from functools import partial  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from common import time_calls  # noqa: E402
 from kivi.attention.blocked import blocked_attention  # noqa: E402
 from kivi.attention.reference import reference_attention  # noqa: E402
 from kivi.attention.triton_backend import triton_view_attention  # noqa: E402
@@ -119,12 +121,7 @@ def timeit(fn, warmup: int, iters: int, device) -> float:
             b.synchronize()
             times.append(a.elapsed_time(b))
         return statistics.median(times)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return 1e3 * statistics.median(time_calls(fn, iters, warmup=0))
 
 
 def correctness(models, device, dtype, T) -> list[dict]:
@@ -207,12 +204,9 @@ def layout_rows(models, device, dtype, contexts, batches, extra, geometry, warmu
                         scaling = m["d"] ** -0.5
                         blocks = sum(b is not None for b in layer.k.store.blocks)
 
-                        def kivi():
-                            return triton_view_attention(q, kv, vv, scaling=scaling, attention_mask=None)
-
-                        def blocked():
-                            return blocked_attention(q, kv, vv, scaling=scaling)
-
+                        # the timed calls, their arguments bound now (each is timed within this iteration)
+                        kivi = partial(triton_view_attention, q, kv, vv, scaling=scaling, attention_mask=None)
+                        blocked = partial(blocked_attention, q, kv, vv, scaling=scaling)
                         got = kivi()
                         ref = reference_attention(q, kv, vv, scaling=scaling)
                         err = (got.float() - ref.float()).abs().max().item()
@@ -220,10 +214,10 @@ def layout_rows(models, device, dtype, contexts, batches, extra, geometry, warmu
                         t_blocked = timeit(blocked, warmup, iters, device)
                         t_concat = None
                         if kv.sink is None:
-                            t_concat = timeit(lambda: concat_then_kernel(q, kv, vv, scaling), warmup, iters, device)
+                            t_concat = timeit(partial(concat_then_kernel, q, kv, vv, scaling), warmup, iters, device)
                         kd, vd = materialize(kv, dtype), materialize(vv, dtype)
                         qf = q.reshape(B, m["hkv"], m["hq"] // m["hkv"], m["d"])
-                        t_sdpa = timeit(lambda: F.scaled_dot_product_attention(qf, kd, vd, scale=scaling),
+                        t_sdpa = timeit(partial(F.scaled_dot_product_attention, qf, kd, vd, scale=scaling),
                                         warmup, iters, device)
                         row.update(blocks=blocks, kivi_ms=t_kivi, blocked_ms=t_blocked, concat_ms=t_concat,
                                    sdpa_ms=t_sdpa, blocked_over_kivi=t_blocked / t_kivi, max_abs_err=err,
@@ -231,7 +225,7 @@ def layout_rows(models, device, dtype, contexts, batches, extra, geometry, warmu
                         cc = f"{t_concat:8.3f}" if t_concat is not None else f"{'-':>8}"
                         print(f"{name:>13} {preset:>8} {B:>3} {T:>7} {blocks:>6} | {t_kivi:8.3f} {t_blocked:8.3f} "
                               f"{cc} {t_sdpa:8.3f} | {t_blocked / t_kivi:7.2f}x {err:9.2e}", flush=True)
-                        del layer, kv, vv, q, kd, vd
+                        del layer, kv, vv, q, kd, vd, kivi, blocked
                     except torch.OutOfMemoryError as e:  # pragma: no cover - GPU only
                         row["error"] = f"OOM: {e}"[:200]
                         print(f"{name:>13} {preset:>8} {B:>3} {T:>7} | OOM", flush=True)
@@ -316,20 +310,15 @@ def main(argv=None) -> int:
                                                             keep_fp=True)
                     scaling = m["d"] ** -0.5
                     kb = kivi_bytes(q, pk, kf, pv, vf)
-                    t_kivi = timeit(lambda: decode_attention_packed(q, pk, kf, pv, vf, scaling=scaling),
+                    t_kivi = timeit(partial(decode_attention_packed, q, pk, kf, pv, vf, scaling=scaling),
                                     warmup, iters, device)
                     fb = (k.numel() * k.element_size()) * 2 + q.numel() * q.element_size() * 2
 
-                    def sdpa_gqa():
-                        return F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=True)
-
+                    sdpa_gqa = partial(F.scaled_dot_product_attention, q, k, v, scale=scaling, enable_gqa=True)
                     # the query-head group folded into the query-length axis: same maths for one decode
                     # token, reads each kv head once with the flash kernel (no repeat, no enable_gqa)
                     qf = q.reshape(B, m["hkv"], m["hq"] // m["hkv"], m["d"])
-
-                    def sdpa_folded():
-                        return F.scaled_dot_product_attention(qf, k, v, scale=scaling)
-
+                    sdpa_folded = partial(F.scaled_dot_product_attention, qf, k, v, scale=scaling)
                     t_gqa = timeit(sdpa_gqa, warmup, iters, device)
                     t_fold = timeit(sdpa_folded, warmup, iters, device)
                     t_sdpa = min(t_gqa, t_fold)
@@ -339,7 +328,7 @@ def main(argv=None) -> int:
                                speedup=t_sdpa / t_kivi)
                     print(f"{name:>13} {B:>3} {T:>7} | {t_kivi:8.3f} {row['kivi_gbps']:7.0f} {kb / 1e6:8.1f} | "
                           f"{t_sdpa:8.3f} {row['sdpa_gbps']:7.0f} {fb / 1e6:8.1f} | {row['speedup']:6.2f}x", flush=True)
-                    del q, pk, kf, pv, vf, k, v
+                    del q, pk, kf, pv, vf, k, v, sdpa_gqa, sdpa_folded
                 except torch.OutOfMemoryError as e:  # pragma: no cover - GPU only
                     row["error"] = f"OOM: {e}"[:200]
                     print(f"{name:>13} {B:>3} {T:>7} | OOM", flush=True)

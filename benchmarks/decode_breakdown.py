@@ -10,7 +10,7 @@ in each. This says what a per-head layer costs over a plain one in the same mode
 process influence each other (use ``bench_decode.py --isolate`` for the speeds themselves).
 
     python benchmarks/decode_breakdown.py --context 8192 --steps 24 --threads 2 \\
-        --configs kivi2-cpu results/pareto12_cfg_tune5_first20.json
+        --configs kivi2-cpu results/configs/pareto12_cfg_tune5_first20.json
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_decode  # noqa: E402 - the rows, their preparation and the warm-up are bench_decode's
-
 from kivi.cache.cache import KiviCache  # noqa: E402
 from kivi.cli.common import set_cpu_threads  # noqa: E402
 from kivi.eval import make_cache  # noqa: E402

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Peak process memory of a long generation vs the cache it leaves behind (Linux).
 
-Issue 4 asks: during an 8K-token generation, peak process memory must stay within the model plus
+The budget checked: during an 8K-token generation, peak process memory stays within the model plus
 1.15x the steady-state cache plus one storage block's transient. For each configuration this runs
 one **fresh child process** (so no allocator state leaks between configurations):
 
@@ -17,10 +17,11 @@ Reported: ``peak_delta`` = VmHWM - baseline (what the generation added at its wo
 (``block_size`` tokens of every layer, both sides, at the model's precision: an upper bound on what
 one block append allocates); ``chunk_activations`` = RSS growth of one forward of ``--chunk``
 tokens without any cache, measured in the same child. Check:
-``peak_delta <= 1.15 * cache + block + chunk_activations`` (the issue's budget has no term for
+``peak_delta <= 1.15 * cache + block + chunk_activations`` (the budget has no term of its own for
 prefill activations; with chunked prefill they are those of one chunk, so they are counted).
 
-    python benchmarks/peak_memory.py --context 8192 --new-tokens 16 --configs fp,extreme,high --out results/peak_memory_8k.json
+    python benchmarks/peak_memory.py --context 8192 --new-tokens 16 --configs fp,extreme,high \
+        --out results/memory/peak_memory_8k.json
 
 ``--path generate`` measures ``model.generate()`` as a user calls it instead (a 2-D attention mask of
 ones, greedy, ``--new-tokens`` tokens, the cache generate builds: DynamicCache for ``fp``, the
@@ -35,20 +36,20 @@ import argparse
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from common import proc_status_bytes, run_fresh, set_threads, write_json
+
 
 def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
+    n = proc_status_bytes(field)
+    if n is None:
+        raise RuntimeError(f"{field} not in /proc/self/status")
+    return n
 
 
 def _reset_peak() -> None:
@@ -60,7 +61,6 @@ def child(args: argparse.Namespace) -> dict:
     from kivi import KiviConfig, quantize_model
     from kivi.allocator import reduce_fragmentation
     from kivi.attention import chunked_prefill
-    from kivi.cli.common import set_cpu_threads
     from kivi.eval import cache_nbytes, make_cache
     from kivi.models import load_model
 
@@ -116,7 +116,7 @@ def child(args: argparse.Namespace) -> dict:
     c = run(min(args.context, 2 * (args.chunk or 512)), 4)
     del c
     gc.collect()
-    set_cpu_threads(args.threads)  # loading the numba kernels can reset torch's thread count to numba's
+    set_threads(args.threads)  # loading the numba kernels can reset torch's thread count to numba's
     # activations of one chunk forward without any cache (what a prefill chunk costs beyond the cache)
     _reset_peak()
     base0 = _status("VmRSS")
@@ -139,7 +139,8 @@ def child(args: argparse.Namespace) -> dict:
     else:
         cfg_layers = model.config.num_hidden_layers
         heads = model.config.num_key_value_heads
-        head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+        head_dim = (getattr(model.config, "head_dim", None)
+                    or model.config.hidden_size // model.config.num_attention_heads)
         block = 2 * cfg_layers * args.batch * heads * head_dim * cfg.block_size * torch.finfo(model.dtype).bits // 8
     return {
         "config": args.config,
@@ -188,24 +189,24 @@ def main() -> int:
         return 0
     rows = []
     for name in [c.strip() for c in a.configs.split(",") if c.strip()]:
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--config", name, "--model", a.model,
-               "--context", str(a.context), "--new-tokens", str(a.new_tokens), "--batch", str(a.batch),
-               "--chunk", str(a.chunk), "--backend", a.backend, "--threads", str(a.threads), "--path", a.path]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode:
-            print(res.stderr[-3000:], file=sys.stderr)
-            return res.returncode
-        row = json.loads(res.stdout.strip().splitlines()[-1])
+        res = run_fresh([os.path.abspath(__file__), "--child", "--config", name, "--model", a.model,
+                         "--context", str(a.context), "--new-tokens", str(a.new_tokens), "--batch", str(a.batch),
+                         "--chunk", str(a.chunk), "--backend", a.backend, "--threads", str(a.threads),
+                         "--path", a.path])
+        if res.returncode or res.result is None:
+            print(res.stderr, file=sys.stderr)
+            return res.returncode or 1
+        row = res.result
         rows.append(row)
         mib = lambda b: b / 2**20  # noqa: E731
-        print(f"{row['description']:28s} peak +{mib(row['peak_delta']):8.1f} MiB  cache {mib(row['cache_bytes']):8.1f} MiB  "
-              f"budget {mib(row['budget_bytes']):8.1f} MiB  within: {row['within_budget']}  prefill {row['prefill_seconds']} s "
+        print(f"{row['description']:28s} peak +{mib(row['peak_delta']):8.1f} MiB  "
+              f"cache {mib(row['cache_bytes']):8.1f} MiB  budget {mib(row['budget_bytes']):8.1f} MiB  "
+              f"within: {row['within_budget']}  prefill {row['prefill_seconds']} s "
               f"({row['seconds']} s)",
               file=sys.stderr, flush=True)
     out = {"command": " ".join(sys.argv), "torch": torch.__version__, "rows": rows}
     if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+        write_json(a.out, out)
     else:
         print(json.dumps(out, indent=2))
     return 0

@@ -16,7 +16,7 @@ For each configuration (KIVI 2/2 = ``KiviConfig()``, ``balanced``), two fresh pr
    its parts, then the same continuation and questions, each from a fresh load of the file.
    Tokens and logits must equal the save process's.
 
-    python benchmarks/prefix_cache.py --tokens 4096 --threads 1 --out results/prefix_cache_4k.json
+    python benchmarks/prefix_cache.py --tokens 4096 --threads 1 --out results/prefix/prefix_cache_4k.json
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ import copy
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from common import run_fresh, set_threads, write_json
 
 QUESTIONS = (
     "\n\nQuestion: What is this text about?\nAnswer:",
@@ -50,12 +51,9 @@ def _config(name: str):
 
 
 def _setup(threads: int):
-    from kivi.attention.fused_cpu import warmup
-    from kivi.cli.common import set_cpu_threads
     from kivi.models import load_model
 
-    warmup()  # compile / load the numba kernels before anything is timed, then fix the thread count
-    set_cpu_threads(threads)
+    set_threads(threads)  # compile / load the numba kernels before anything is timed
     return load_model("smollm2")
 
 
@@ -111,7 +109,8 @@ def phase_save(a) -> dict:
     save_s = time.perf_counter() - t0
     kivi.dequantize_model(model)
     with torch.inference_mode():
-        fp = model(input_ids=ids, cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1).past_key_values
+        fp = model(input_ids=ids, cache=DynamicCache(config=model.config), use_cache=True,
+                   logits_to_keep=1).past_key_values
     fp16_bytes = sum(2 * (layer.keys.numel() + layer.values.numel()) for layer in fp.layers)
     del fp
     kivi.quantize_model(model, cfg)
@@ -165,7 +164,7 @@ def main() -> int:
     a = ap.parse_args()
     if a.phase:
         result = phase_save(a) if a.phase == "save" else phase_load(a)
-        json.dump(result, sys.stdout)
+        print(json.dumps(result))
         return 0
 
     rows = []
@@ -174,21 +173,22 @@ def main() -> int:
             if name not in CONFIGS:
                 raise SystemExit(f"--configs: {name!r} is not one of {list(CONFIGS)}")
             f = str(Path(d) / f"{name.replace('/', '_')}.kivi")
-            common = [sys.executable, __file__, "--tokens", str(a.tokens), "--new-tokens", str(a.new_tokens),
+            child = [__file__, "--tokens", str(a.tokens), "--new-tokens", str(a.new_tokens),
                       "--answer-tokens", str(a.answer_tokens), "--threads", str(a.threads), "--config", name,
                       "--file", f]
-            env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
+            env = {"OMP_NUM_THREADS": str(a.threads)}
             phases = {}
             for phase in ("save", "load"):
                 print(f"{name}: {phase} ...", file=sys.stderr, flush=True)
-                p = subprocess.run(common + ["--phase", phase], capture_output=True, text=True, env=env)
-                if p.returncode:
+                p = run_fresh(child + ["--phase", phase], env=env)
+                if p.returncode or p.result is None:
                     sys.stderr.write(p.stderr)
-                    return p.returncode
-                phases[phase] = json.loads(p.stdout)
+                    return p.returncode or 1
+                phases[phase] = p.result
             s, l_ = phases["save"], phases["load"]
             equal = {k: s["runs"][k] == l_["runs"][k] for k in s["runs"]}
-            row = {"config": name, "description": _config(name).describe(), **{k: v for k, v in s.items() if k != "runs"},
+            row = {"config": name, "description": _config(name).describe(),
+                   **{k: v for k, v in s.items() if k != "runs"},
                    **{k: v for k, v in l_.items() if k not in ("runs", "cache_nbytes")},
                    "loaded_cache_nbytes": l_["cache_nbytes"],
                    "file_vs_nbytes": s["file_bytes"] / s["cache_nbytes"],
@@ -203,7 +203,7 @@ def main() -> int:
                   f"{row['prefill_vs_load']:.1f}x; continuation equal: {equal}", file=sys.stderr, flush=True)
     result = {"command": "python " + " ".join(sys.argv), "tokens": a.tokens, "threads": a.threads, "rows": rows}
     if a.out:
-        Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(a.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "rows"} | {
         "rows": [{k: v for k, v in r.items() if not k.startswith("runs")} for r in rows]}, indent=2))
     return 0 if all(all(r["continuation_equal"].values()) for r in rows) else 1

@@ -8,7 +8,7 @@ of every tensor storage reachable from the cache object (``kivi.eval.reachable_t
 compared with ``cache.nbytes``. Models: the embedded SmolLM2 (full attention), and a random
 Mistral of SmolLM2's attention shape with ``sliding_window=1024`` (sliding-window eviction).
 
-    python benchmarks/reachable_bytes.py --context 4096 --out results/reachable_bytes_4k.json
+    python benchmarks/reachable_bytes.py --context 4096 --out results/memory/reachable_bytes_4k.json
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
+
+from common import write_json
 
 
 def measure(model, cfg, context: int, batch: int) -> list[dict]:
@@ -80,12 +81,10 @@ def main() -> int:
         print(label, file=sys.stderr)
         for r in measure(model_fn(), cfg, a.context, a.batch):
             out["rows"].append({"model_config": label, **r})
-    text = json.dumps(out, indent=2)
     if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(text + "\n")
+        write_json(a.out, out)
     else:
-        print(text)
+        print(json.dumps(out, indent=2))
     bad = [r for r in out["rows"] if r["difference"]]
     return 1 if bad else 0
 

@@ -20,8 +20,8 @@ enough that the decode kernel takes numba's thread pool). Reported: the child's 
 every thread's tokens equal a sequential run of the same prompts in the same child, and tok/s of the
 concurrent phase (all threads' tokens / its wall time).
 
-    python benchmarks/soak.py --tokens 20000 --every 500 --out results/soak_memory.json \\
-        --threads-out results/soak_threads.json --table results/soak.txt
+    python benchmarks/soak.py --tokens 20000 --every 500 --out results/soak/soak_memory.json \\
+        --threads-out results/soak/soak_threads.json --table results/soak/soak.txt
 
 ``--skip-memory`` / ``--skip-threads`` run one part.
 """
@@ -31,12 +31,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from common import ROOT, proc_status_bytes, run_fresh, write_json
+
 LAYERS = ("workqueue", "omp", "tbb")
 
 
@@ -58,14 +58,7 @@ def rss_anon_bytes() -> int | None:
     reloads under other processes' memory pressure: measured here, both soak runs' total RSS fell by
     212 MiB at the same moment (between two samples 500 tokens apart, their caches growing as before).
     """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return proc_status_bytes("RssAnon")
 
 
 def build_model(kind: str, args):
@@ -111,8 +104,9 @@ def memory_child(kind: str, args) -> dict:
             out = model(input_ids=tok, cache=cache, use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
             if i % args.every == 0:
-                rows.append({"tokens": i, "seq_len": cache.get_seq_length(), "rss": rss_bytes(), "rss_anon": rss_anon_bytes(),
-                             "nbytes": cache.nbytes, "seconds": round(time.perf_counter() - t0, 2)})
+                rows.append({"tokens": i, "seq_len": cache.get_seq_length(), "rss": rss_bytes(),
+                             "rss_anon": rss_anon_bytes(), "nbytes": cache.nbytes,
+                             "seconds": round(time.perf_counter() - t0, 2)})
                 if args.progress:  # one JSON line per sample, so a stopped run keeps what it measured
                     with open(f"{args.progress}.{kind}.jsonl", "a") as f:
                         f.write(json.dumps(rows[-1]) + "\n")
@@ -187,14 +181,8 @@ def layer_available(layer: str) -> bool:
 
 
 def _child(args, extra: list[str], env: dict | None = None) -> tuple[int, dict | None, str]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), *extra, *_sizes(args)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=args.child_timeout)
-    last = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
-    try:
-        return p.returncode, json.loads(last), p.stderr[-400:]
-    except json.JSONDecodeError:
-        return p.returncode, None, p.stderr[-400:]
+    p = run_fresh([Path(__file__).resolve(), *extra, *_sizes(args)], env=env, cwd=ROOT, timeout=args.child_timeout)
+    return p.returncode, p.result, p.stderr[-400:]
 
 
 def _sizes(args) -> list[str]:
@@ -205,7 +193,8 @@ def _sizes(args) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=20000, help="tokens generated per memory run")
     ap.add_argument("--every", type=int, default=500, help="sample RSS and nbytes every N tokens")
     ap.add_argument("--warmup", type=int, default=2000, help="tokens before the band is measured")
@@ -273,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{s['tok_per_s']:>8}")
             print(lines[-1], flush=True)
         if args.out:
-            args.out.write_text(json.dumps(mem, indent=1))
+            write_json(args.out, mem, indent=1)
     if not args.skip_threads:
         rows = []
         lines.append(f"threads: {args.thread_tokens} tokens per thread, prompts of ~{args.prompt} tokens, "
@@ -292,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"{row.get('tok_per_s', '-'):>8}")
                 print(lines[-1], flush=True)
         if args.threads_out:
-            args.threads_out.write_text(json.dumps({"args": {k: v for k, v in vars(args).items()
-                                                             if not isinstance(v, Path)}, "rows": rows}, indent=1))
+            write_json(args.threads_out, {"args": {k: v for k, v in vars(args).items() if not isinstance(v, Path)},
+                                          "rows": rows}, indent=1)
     if args.table:
         args.table.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

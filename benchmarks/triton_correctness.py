@@ -14,7 +14,7 @@ and what a decode step spends preparing the kernel's inputs.
 
 Usage::
 
-    OMP_NUM_THREADS=1 python benchmarks/triton_correctness.py --out results/triton12_correctness.json
+    OMP_NUM_THREADS=1 python benchmarks/triton_correctness.py --out results/triton/triton12_correctness.json
 """
 
 from __future__ import annotations
@@ -24,13 +24,12 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
 import argparse  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
 
+from common import environment, time_calls, write_json  # noqa: E402
 from kivi.attention.reference import reference_attention  # noqa: E402
 from kivi.attention.triton_backend import kernel_side_of, triton_view_attention  # noqa: E402
 from kivi.cache.layer import KiviLayer  # noqa: E402
@@ -67,7 +66,8 @@ def filled_layer(cfg, B, hkv, d, T, extra, dtype, seed=0):
 
 def correctness(args) -> list[dict]:
     rows = []
-    print(f"{'preset':>9} {'dtype':>5} {'Hq/Hkv':>6} {'T':>4} {'blocks k/v':>10} {'max|err|':>9} {'max|ref|':>8} {'rel':>8}")
+    print(f"{'preset':>9} {'dtype':>5} {'Hq/Hkv':>6} {'T':>4} {'blocks k/v':>10} {'max|err|':>9} {'max|ref|':>8} "
+          f"{'rel':>8}")
     for preset in args.presets:
         bits = PRESETS[preset]
         cfg = KiviConfig(group_size=16, residual_length=16, block_size=32, **bits)
@@ -86,7 +86,8 @@ def correctness(args) -> list[dict]:
                 nv = sum(b is not None for b in layer.v.store.blocks)
                 rows.append(dict(preset=preset, dtype=dname, hq=hq, hkv=hkv, context=T, key_blocks=nk, value_blocks=nv,
                                  sink_tokens=bits["sink_tokens"], max_abs_err=err, ref_max_abs=top, rel=err / top))
-                print(f"{preset:>9} {dname:>5} {hq:>3}/{hkv:<2} {T:>4} {nk:>5}/{nv:<4} {err:9.2e} {top:8.3f} {err / top:8.1e}",
+                print(f"{preset:>9} {dname:>5} {hq:>3}/{hkv:<2} {T:>4} {nk:>5}/{nv:<4} {err:9.2e} {top:8.3f} "
+                      f"{err / top:8.1e}",
                       flush=True)
     return rows
 
@@ -107,17 +108,13 @@ def preparation(args) -> dict:
     sides()  # builds and memoises the tables (once per set of blocks)
     out = {}
     for name, fn in (("kernel_sides", sides), ("blockstore_read", concat)):
-        times = []
-        for _ in range(args.repeat):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
-        out[name + "_us"] = statistics.median(times)
+        out[name + "_us"] = 1e6 * statistics.median(time_calls(fn, args.repeat, warmup=0))
     out.update(context=T, blocks=sum(b is not None for b in layer.k.store.blocks), kv_heads=3, head_dim=64,
                dtype="fp16", bits=2, repeat=args.repeat)
     out["ratio"] = out["blockstore_read_us"] / out["kernel_sides_us"]
     print(f"\nper-step preparation, T={T} ({out['blocks']} key blocks), SmolLM2 kv shapes, K2V2 fp16 (CPU tensors): "
-          f"kernel sides {out['kernel_sides_us']:.1f} us, BlockStore.read of both sides {out['blockstore_read_us']:.1f} us "
+          f"kernel sides {out['kernel_sides_us']:.1f} us, "
+          f"BlockStore.read of both sides {out['blockstore_read_us']:.1f} us "
           f"({out['ratio']:.1f}x)")
     return out
 
@@ -138,12 +135,10 @@ def main(argv=None) -> int:
     prep = preparation(args)
     import triton
 
-    result = dict(env=dict(torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-                           threads=torch.get_num_threads(), interpreter=os.environ.get("TRITON_INTERPRET")),
+    result = dict(env=dict(environment(), triton=triton.__version__, interpreter=os.environ.get("TRITON_INTERPRET")),
                   correctness=rows, preparation=prep, wall_s=time.time() - t0)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.out, result)
         print(f"wrote {args.out}")
     worst = max(r["rel"] for r in rows)
     return 0 if worst < 2e-2 else 1

@@ -9,7 +9,7 @@ with ``--measure-prefill N`` every (width, cache) pair also runs a real prefill 
 records the cache's bytes (``kivi.eval.cache_nbytes``) next to the planner's at N.
 
     OMP_NUM_THREADS=1 python benchmarks/weights_memory.py --context 8192 --measure-prefill 1024 \\
-        --threads 1 --out results/weights_memory_8k.json
+        --threads 1 --out results/weights/weights_memory_8k.json
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from common import set_threads, write_json
 from kivi import KiviConfig
 from kivi.data import load_text, token_windows
 from kivi.eval import cache_nbytes, make_cache
@@ -41,7 +41,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if a.threads:
-        torch.set_num_threads(a.threads)
+        set_threads(a.threads)
     rows = []
     ids = None
     for bits in (int(x) for x in a.weight_bits.split(",")):
@@ -73,12 +73,11 @@ def main() -> int:
     out = {"model": a.model, "command": " ".join(["python", *sys.argv]), "torch_threads": torch.get_num_threads(),
            "note": "cache bytes at --context from the planner (byte-exact vs KiviCache.nbytes in the tests); weights "
                    "measured from the loaded quantized model's tensors", "rows": rows}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(a.out, out)
     print(f"{'weights':>8s} {'cache':>9s} {'weights B':>12s} {'cache B':>12s} {'total MiB':>10s}")
     for r in rows:
-        print(f"{r['weight_bits']:>8d} {r['cache']:>9s} {r['weights_bytes_measured']:>12,d} {r['cache_bytes_planned']:>12,d} "
-              f"{r['total_bytes'] / 2**20:>10.1f}")
+        print(f"{r['weight_bits']:>8d} {r['cache']:>9s} {r['weights_bytes_measured']:>12,d} "
+              f"{r['cache_bytes_planned']:>12,d} {r['total_bytes'] / 2**20:>10.1f}")
     return 0
 
 

@@ -26,12 +26,10 @@ from typing import Any
 
 from .config import ATTENTION_BACKENDS
 from .optional import numba_available, triton_available
+from .quant.primitives import SUPPORTED_BITS
 
 #: Name of the attention implementation kivi registers with transformers (kivi.attention.interface).
 ATTN_IMPLEMENTATION = "kivi"
-
-#: Backends that make attention read the packed cache (the model then runs ``"kivi"`` attention).
-PACKED_BACKENDS = ("cpu", "triton")
 
 NUMBA_MISSING = (
     "kivi: numba is not installed, so the 'cpu' attention backend decodes through the blocked torch path "
@@ -57,79 +55,203 @@ def model_attention_unsupported(model_config: Any) -> str | None:
     return None
 
 
+def _layer_configs(config: Any) -> list:
+    """``config`` and each of its per-layer variants (every format a cache built from it stores)."""
+    return [config] + [config.for_layer(i) for i in config.layer_specific_config]
+
+
+class Backend:
+    """How attention reads a KIVI cache; one object per cache, resolved once (:func:`resolve_backend`).
+
+    ``name``: what users pass as ``attention_backend``; ``packed``: attention reads the packed storage
+    (the cache returns :class:`~kivi.cache.view.PackedStates`; the model runs the ``"kivi"`` attention);
+    ``config``: the :class:`~kivi.config.KiviConfig` of the cache it was resolved for (``None``: not known,
+    e.g. a backend named for one call). :meth:`supports` lists every reason it cannot run (empty: it can).
+    The attention each backend computes lives in the attention layer
+    (:func:`kivi.attention.interface.run_backend`, one function per backend class).
+    """
+
+    name: str = ""
+    packed: bool = False
+
+    def __init__(self, config: Any = None):
+        self.config = config
+
+    def supports(self, *, device: Any = None, config: Any = None, model_config: Any = None) -> list[str]:
+        """Every reason this backend cannot read caches of ``config`` for ``model_config`` on ``device``,
+        each a clause that follows ``attention_backend='<name>'`` in an error; empty when it can. ``None``
+        arguments are not checked."""
+        why = model_attention_unsupported(model_config) if self.packed else None
+        return [f"cannot run this model: {why}; use 'reference'"] if why else []
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    def __reduce__(self):  # pickle / deepcopy: the same backend for the same config
+        return (type(self), (self.config,))
+
+
+class ReferenceBackend(Backend):
+    """``"reference"``: the cache dequantizes a layer's history; ground truth, any model, any device."""
+
+    name = "reference"
+
+
+class CpuBackend(Backend):
+    """``"cpu"``: the fused numba decode kernel for one query token when the call qualifies, else the
+    blocked torch path (any torch device). Without numba it runs (blocked), announced by a warning.
+
+    The format part of "does a call qualify" is decided here once for the cache's config
+    (:attr:`kernel_reads_layouts`): a cache whose every layer stores a format the kernel reads skips
+    that scan at every decode step; only the query and mask are checked per call.
+    """
+
+    name = "cpu"
+    packed = True
+
+    def __init__(self, config: Any = None):
+        super().__init__(config)
+        #: True: every layer of a cache of ``config`` stores formats the fused kernel reads; False: some
+        #: layer does not (each call's views are checked); None: config unknown (each call checked).
+        self.kernel_reads_layouts: bool | None = (
+            None if config is None else not kernel_config_reasons(config, CpuBackend.format_reasons)
+        )
+
+    @staticmethod
+    def format_reasons(bits: int, axis: str, group_size: int) -> list[str]:
+        """Why the fused kernel cannot read a stored segment of this format (empty: it reads it)."""
+        why = []
+        if bits not in SUPPORTED_BITS:
+            why.append(f"{bits}-bit codes (the kernel reads {list(SUPPORTED_BITS)})")
+        if axis == "token" and group_size % 4:
+            why.append(f"value groups of {group_size} channels (the kernel reads 4 channels at a time)")
+        return why
+
+
+class TritonBackend(Backend):
+    """``"triton"``: :mod:`kivi.kernels` on a CUDA device; asymmetric codes without compensation, every
+    width, sink tokens and any number of stored blocks read in place. Position tiers are read by the
+    blocked path (one width per side in the kernel), chosen explicitly in the attention layer."""
+
+    name = "triton"
+    packed = True
+
+    def supports(self, *, device: Any = None, config: Any = None, model_config: Any = None) -> list[str]:
+        why = super().supports(model_config=model_config)
+        if not triton_available():
+            why.append("is not available: the 'triton' package is not installed (pip install 'kivi[triton]')")
+        dev = _device_type(device)
+        if dev is not None and dev != "cuda":
+            why.append(f"needs a CUDA device; the model is on {dev!r}")
+        if config is not None:
+            why += [f"does not implement {w}; use 'cpu' or 'reference'" for w in _triton_config_reasons(config)]
+        return why
+
+
+def _triton_config_reasons(config: Any) -> list[str]:
+    for c in _layer_configs(config):
+        if c.symmetric:
+            return ["symmetric quantization"]
+        if c.residual_bits:
+            return ["error compensation (residual_bits > 0)"]
+    return []  # every code width the config allows (per-head widths too) is read by the kernel
+
+
+def kernel_config_reasons(config: Any, format_reasons) -> list[str]:
+    """``format_reasons(bits, axis, group_size)`` over every stored format of caches made with ``config``
+    (per-layer configs, per-head widths, position tiers), without repeats."""
+    out: list[str] = []
+    for c in _layer_configs(config):
+        kb = {c.k_bits} | {b for _, w in (c.tiers or ())[1:] for b in w[:1]}
+        vb = {c.v_bits} | {b for _, w in (c.tiers or ())[1:] for b in w[1:]}
+        for entry in config.head_bits.values():
+            kb |= set(entry.get("k_bits", ()))
+            vb |= set(entry.get("v_bits", ()))
+        for quant, axis, widths in ((c.quantize_key, "channel", kb), (c.quantize_value, "token", vb)):
+            for b in sorted(widths) if quant else ():
+                out += [w for w in format_reasons(b, axis, c.group_size) if w not in out]
+    return out
+
+
+#: One backend class per ``attention_backend`` name (``"auto"`` resolves to one of them).
+BACKEND_CLASSES: dict[str, type[Backend]] = {b.name: b for b in (ReferenceBackend, CpuBackend, TritonBackend)}
+
+#: Backends that make attention read the packed cache (the model then runs ``"kivi"`` attention).
+PACKED_BACKENDS = tuple(name for name, cls in BACKEND_CLASSES.items() if cls.packed)
+
+
+def backend_named(name: str | Backend, config: Any = None) -> Backend:
+    """The backend called ``name`` for caches of ``config``, unchecked (for a name already resolved); a
+    :class:`Backend` is returned as it is."""
+    if isinstance(name, Backend):
+        return name
+    try:
+        return BACKEND_CLASSES[name](config)
+    except (KeyError, TypeError):
+        raise ValueError(f"attention backend {name!r} is not resolved; expected one of "
+                         f"{list(BACKEND_CLASSES)}") from None
+
+
 def kernel_config_unsupported(config: Any) -> str | None:
     """Why the Triton kernel cannot read caches made with ``config`` (a KiviConfig), or ``None``."""
-    if config is None:
-        return None
-    cfgs = [config] + [config.for_layer(i) for i in config.layer_specific_config]
-    for c in cfgs:
-        if c.symmetric:
-            return "symmetric quantization"
-        if c.residual_bits:
-            return "error compensation (residual_bits > 0)"
-    # Every code width the config allows (1, 2, 3, 4, 8; per-head widths too) is read by the kernel.
-    return None
+    why = [] if config is None else _triton_config_reasons(config)
+    return why[0] if why else None
+
+
+def resolve_backend(requested: str, device: Any = None, *, config: Any = None, model_config: Any = None) -> Backend:
+    """The backend for ``requested`` (one of ``ATTENTION_BACKENDS``) on ``device``; raise if it cannot run.
+
+    ``device=None`` (unknown) resolves ``"auto"`` to ``"cpu"``, the pure-torch path that runs on
+    any device. ``config`` (KiviConfig) and ``model_config`` narrow what can run (see module doc); the
+    error of an explicit request names every reason (:meth:`Backend.supports`).
+    """
+    if isinstance(requested, bool) or requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={requested!r} is not allowed; choose one of {list(ATTENTION_BACKENDS)}")
+    dev = _device_type(device)
+    if requested == "auto":
+        if model_attention_unsupported(model_config):
+            return ReferenceBackend(config)
+        if dev == "cuda" and not TritonBackend().supports(device=device, config=config, model_config=model_config):
+            return TritonBackend(config)
+        requested = "cpu"
+    backend = BACKEND_CLASSES[requested](config)
+    why = backend.supports(device=device, config=config, model_config=model_config)
+    if why:
+        missing = not triton_available() or (dev is not None and dev != "cuda")
+        error = RuntimeError if requested == "triton" and missing else ValueError
+        raise error(f"attention_backend={requested!r} " + "; and ".join(why))
+    if requested == "cpu" and dev in (None, "cpu") and not numba_available():
+        warnings.warn(NUMBA_MISSING, RuntimeWarning, stacklevel=2)
+    return backend
 
 
 def resolve_attention_backend(requested: str, device: Any = None, *, config: Any = None,
                               model_config: Any = None) -> str:
-    """Resolve ``requested`` (one of ``ATTENTION_BACKENDS``) for ``device``; raise if it cannot run.
-
-    ``device=None`` (unknown) resolves ``"auto"`` to ``"cpu"``, the pure-torch path that runs on
-    any device. ``config`` (KiviConfig) and ``model_config`` narrow what can run (see module doc).
-    """
-    if requested not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend={requested!r} is not allowed; choose one of {list(ATTENTION_BACKENDS)}")
-    dev = _device_type(device)
-    model_why = model_attention_unsupported(model_config)
-    if requested == "auto":
-        if model_why:
-            return "reference"
-        if dev == "cuda" and triton_available() and kernel_config_unsupported(config) is None:
-            return "triton"
-        if dev in (None, "cpu") and not numba_available():
-            warnings.warn(NUMBA_MISSING, RuntimeWarning, stacklevel=2)
-        return "cpu"
-    if requested in PACKED_BACKENDS and model_why:
-        raise ValueError(f"attention_backend={requested!r} cannot run this model: {model_why}; use 'reference'")
-    if requested == "triton":
-        if not triton_available():
-            raise RuntimeError(
-                "attention_backend='triton' was requested but is not available: the 'triton' package is not "
-                "installed (pip install 'kivi[triton]')"
-            )
-        if dev is not None and dev != "cuda":
-            raise RuntimeError(f"attention_backend='triton' needs a CUDA device; the model is on {dev!r}")
-        kwhy = kernel_config_unsupported(config)
-        if kwhy:
-            raise ValueError(f"attention_backend='triton' does not implement {kwhy}; use 'cpu' or 'reference'")
-    if requested == "cpu" and dev in (None, "cpu") and not numba_available():
-        warnings.warn(NUMBA_MISSING, RuntimeWarning, stacklevel=2)
-    return requested
+    """The name of :func:`resolve_backend`'s result (``"reference"``, ``"cpu"`` or ``"triton"``)."""
+    return resolve_backend(requested, device, config=config, model_config=model_config).name
 
 
-def cache_attention_backend(model: Any, config: Any) -> str:
+def cache_attention_backend(model: Any, config: Any) -> Backend:
     """The backend a cache built for ``model`` and ``config`` gives attention.
 
-    The result :func:`kivi.quantize_model` resolved, when ``config`` is the model's own KIVI
-    config; otherwise resolved now. A model whose attention implementation is not ``"kivi"`` reads
+    The one :func:`kivi.quantize_model` resolved, when ``config`` is the model's own KIVI config;
+    otherwise resolved now. A model whose attention implementation is not ``"kivi"`` reads
     dequantized tensors (``"reference"``), and an explicit packed backend for it raises: its
     attention could not read packed states.
     """
     runs_kivi = getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTN_IMPLEMENTATION
     if config is getattr(model, "kivi_config", None) and getattr(model, "kivi_attention_backend", None):
-        backend = model.kivi_attention_backend
+        backend = backend_named(model.kivi_attention_backend, config)
     else:
-        backend = resolve_attention_backend(
-            config.attention_backend, getattr(model, "device", None), config=config, model_config=model.config
-        )
-    if backend in PACKED_BACKENDS and not runs_kivi:
+        backend = resolve_backend(config.attention_backend, getattr(model, "device", None), config=config,
+                                  model_config=model.config)
+    if backend.packed and not runs_kivi:
         if config.attention_backend != "auto":
             raise ValueError(
                 f"attention_backend={config.attention_backend!r} needs the model's attention to read the packed "
                 f"cache, but it runs {model.config._attn_implementation!r}: call kivi.quantize_model(model, config) first"
             )
-        return "reference"
+        return ReferenceBackend(config)
     return backend
 
 
@@ -150,6 +272,13 @@ def attention_reads_views(model: Any, *, reading_views: bool = False) -> bool:
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "PACKED_BACKENDS",
+    "BACKEND_CLASSES",
+    "Backend",
+    "ReferenceBackend",
+    "CpuBackend",
+    "TritonBackend",
+    "backend_named",
+    "resolve_backend",
     "resolve_attention_backend",
     "cache_attention_backend",
     "attention_reads_views",

@@ -372,11 +372,16 @@ def _load_gguf(
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     _drop_gguf_quantization(model)
+    from safetensors import SafetensorError
+
     try:
         _save_converted(model, tokenizer, converted, gguf, sha256=gguf_sha256(gguf, cache_dir))
         logger.info("saved the converted copy of %s at %s", label, converted)
-    except OSError as error:  # a read-only cache must not stop the load itself
-        logger.warning("could not save a converted copy of %s at %s: %s", label, converted, _short_reason(error))
+    except (OSError, SafetensorError) as error:  # a read-only or full cache must not stop the load itself;
+        # SafetensorError: how save_pretrained's weights writer reports a failed write (a full disk). No partial
+        # copy is left (_save_converted removes its temporary folder); the next load converts again.
+        logger.warning("could not save a converted copy of %s at %s (loading without it; the next load converts "
+                       "again): %s", label, converted, _short_reason(error))
     return _finish(model, tokenizer, dtype, device)
 
 

@@ -6,6 +6,7 @@ Conftest files hold fixtures only; anything a test module imports lives here.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import transformers
@@ -97,3 +98,112 @@ def recording_bar(seen: list):
             seen.append(("done", self.n, self.total))
 
     return Bar
+
+
+# ------------------------------------------------------------- greedy decoding of two numerically different paths
+# Two paths that compute the same function with different arithmetic (the cpu kernel vs the reference
+# backend, bf16 vs float32 reads of a cache, a verify forward vs one-token decoding, ...) give logits
+# that differ in the last bits, by an amount that depends on the machine's CPU kernels. Their greedy
+# tokens are equal only until a step whose two best logits are closer than that difference (a near-tie):
+# there either token is a correct greedy choice. Comparing such runs token for token makes the test
+# depend on the machine; :func:`assert_greedy_close` bounds what it checks instead.
+
+#: Logit tolerance (absolute) between two paths that read the same quantized cache, by the dtype the model
+#: computes in, for the tiny test models (logits below ~8). float32 paths differ by summation order
+#: (~1e-5 here); bf16 paths by the rounding of activations and of dequantized keys/values to bf16 (one
+#: bf16 ulp at a logit of 4 is 1/32; the cpu kernel rounds its float32 result once, the reference backend
+#: rounds the dequantized cache first, then attends in bf16).
+LOGIT_ATOL = {torch.float32: 1e-3, torch.bfloat16: 0.25}
+
+
+@dataclass
+class Greedy:
+    """One greedy ``generate()`` run: ``sequences [B, P + n]``, ``scores [B, n, V]`` (float32, what each new
+    token was chosen from: the logits after generate's processors), the cache generate built, the prompt
+    length ``P``."""
+
+    sequences: torch.Tensor
+    scores: torch.Tensor
+    cache: object
+    prompt_length: int
+
+    def row(self, i: int) -> "Greedy":
+        """Batch row ``i`` alone (to compare a batched run with a run of that prompt alone)."""
+        return Greedy(self.sequences[i : i + 1], self.scores[i : i + 1], self.cache, self.prompt_length)
+
+
+def greedy(model, ids, *, new_tokens: int, mask=None, **generate_kwargs) -> Greedy:
+    """``model.generate`` greedily for exactly ``new_tokens`` tokens (``min_new_tokens`` too: no row stops
+    at EOS), keeping the scores of every step."""
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+              return_dict_in_generate=True, output_scores=True, **generate_kwargs)
+    if mask is not None:
+        kw["attention_mask"] = mask
+    with torch.no_grad():
+        out = model.generate(ids, **kw)
+    return Greedy(out.sequences, torch.stack(out.scores, 1).float(), out.cache, ids.shape[1])
+
+
+def assert_greedy_close(got: Greedy, want: Greedy, *, atol: float) -> list[int]:
+    """Two greedy runs of the same prompt by numerically different paths agree: per batch row, step by step
+    in lockstep while their tokens are equal (both paths then saw the same input), the scores differ by at
+    most ``atol`` (absolute, every finite entry; the same entries masked); a step whose tokens differ is
+    accepted only as a near-tie — each run's token is within ``atol`` of the other's in that run's own
+    scores — and the row's comparison stops there (the inputs differ after it). Returns, per row, the
+    number of steps compared. A real divergence (logits apart by more than ``atol``, or a token changed
+    at a step with a clear winner) fails with the row, step and numbers."""
+    P = want.prompt_length
+    assert got.prompt_length == P and torch.equal(got.sequences[:, :P], want.sequences[:, :P]), "different prompts"
+    assert got.scores.shape == want.scores.shape, (
+        f"scores of shape {tuple(got.scores.shape)} vs {tuple(want.scores.shape)}")
+    compared = []
+    for row in range(want.scores.shape[0]):
+        n = want.scores.shape[1]
+        for i in range(want.scores.shape[1]):
+            a, b = want.scores[row, i], got.scores[row, i]
+            finite = torch.isfinite(a)
+            assert torch.equal(finite, torch.isfinite(b)), f"row {row}, new token {i}: different entries masked"
+            diff = (a[finite] - b[finite]).abs().max().item()
+            assert diff <= atol, f"row {row}, new token {i}: scores differ by {diff:.4g} > atol {atol}"
+            tw, tg = int(want.sequences[row, P + i]), int(got.sequences[row, P + i])
+            for run, scores, tok in (("want", a, tw), ("got", b, tg)):
+                assert scores[tok] == scores.max(), f"row {row}, new token {i}: {run}'s token is not its argmax"
+            if tw != tg:
+                gaps = (a[tw] - a[tg]).item(), (b[tg] - b[tw]).item()
+                assert max(gaps) <= atol, (
+                    f"row {row}, new token {i}: tokens {tg} (got) and {tw} (want) differ at a clear winner: "
+                    f"logit gaps {gaps[0]:.4g} (want) / {gaps[1]:.4g} (got) > atol {atol}")
+                n = i + 1
+                break
+        compared.append(n)
+    return compared
+
+
+def teacher_forced_logits(model, sequences, prompt_length: int, mask=None) -> torch.Tensor:
+    """``[B, n, V]`` float32: the logits ``model`` gives for each of the ``n`` tokens after the prompt when it
+    is fed ``sequences [B, P + n]`` (the prompt in one forward, then one token per forward, through
+    ``KiviCache.from_model(model)``; ``mask``: the prompt's padding mask, the new tokens are real)."""
+    n = sequences.shape[1] - prompt_length
+    if mask is not None:
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], n)], dim=1)
+    logits, _ = forward_in_steps(model, sequences[:, :-1], [prompt_length] + [1] * (n - 1), mask)
+    return logits[:, prompt_length - 1 :].float()
+
+
+def assert_decode_close(model, reference, ids, *, new_tokens: int, atol: float, mask=None, **generate_kwargs):
+    """Greedy decoding of ``model`` against ``reference`` (the same weights read by another path):
+    :func:`assert_greedy_close` on their ``generate()`` runs, then, when a near-tie stopped a row early, both
+    models teacher-forced on the reference's tokens (one token per forward, the path generate's decode
+    steps take) with logits within ``atol`` at every step, so that every step is still checked.
+    Returns ``(got, want)`` (:class:`Greedy`)."""
+    want = greedy(reference, ids, new_tokens=new_tokens, mask=mask, **generate_kwargs)
+    got = greedy(model, ids, new_tokens=new_tokens, mask=mask, **generate_kwargs)
+    if min(assert_greedy_close(got, want, atol=atol)) < new_tokens:
+        P = want.prompt_length
+        lw = teacher_forced_logits(reference, want.sequences, P, mask)
+        lg = teacher_forced_logits(model, want.sequences, P, mask)
+        diff = (lw - lg).abs().amax(dim=-1)  # [B, n]
+        worst = int(diff.argmax())
+        assert diff.max() <= atol, (f"teacher-forced on the reference's tokens: logits differ by {diff.max():.4g} > "
+                                    f"atol {atol} (row {worst // new_tokens}, new token {worst % new_tokens})")
+    return got, want

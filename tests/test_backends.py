@@ -32,3 +32,80 @@ def test_no_warning_with_numba_or_for_reference(monkeypatch):
 def test_unknown_backend_names_the_choices():
     with pytest.raises(ValueError, match=r"attention_backend='fast'.*'auto', 'reference', 'cpu', 'triton'"):
         resolve_attention_backend("fast")
+
+
+class _Softcapped:
+    attn_logit_softcapping = 50.0
+
+
+def test_each_backend_lists_every_reason_it_cannot_run(monkeypatch):
+    """``supports`` returns one list of reasons (empty = it runs); an explicit request's error names them all."""
+    from kivi import KiviConfig
+    from kivi.backends import CpuBackend, ReferenceBackend, TritonBackend, resolve_backend
+
+    monkeypatch.setattr(backends, "triton_available", lambda: False)
+    sym = KiviConfig(symmetric=True)
+    why = TritonBackend().supports(device="cpu", config=sym, model_config=_Softcapped())
+    assert len(why) == 4 and any("softcapping" in w for w in why) and any("'triton' package" in w for w in why)
+    assert any("CUDA device" in w for w in why) and any("symmetric quantization" in w for w in why)
+    assert CpuBackend().supports(model_config=_Softcapped()) and not CpuBackend().supports(device="cpu", config=sym)
+    assert ReferenceBackend().supports(device="cpu", config=sym, model_config=_Softcapped()) == []
+    with pytest.raises(RuntimeError) as e:
+        resolve_backend("triton", "cpu", config=sym)
+    assert all(part in str(e.value) for part in ("'triton' package", "CUDA device", "symmetric quantization"))
+
+
+def test_resolution_gives_an_object_for_the_config():
+    from kivi import KiviConfig
+    from kivi.backends import CpuBackend, ReferenceBackend, resolve_backend
+
+    cfg = KiviConfig()
+    got = resolve_backend("auto", "cpu", config=cfg)
+    assert isinstance(got, CpuBackend) and got.config is cfg and got.packed
+    assert isinstance(resolve_backend("auto", "cpu", model_config=_Softcapped()), ReferenceBackend)
+
+
+@pytest.mark.parametrize("cfg,reads", [
+    ({}, True),
+    ({"group_size": 6, "residual_length": 0, "block_size": 24}, False),  # value groups of 6 channels
+    ({"layer_specific_config": {1: {"group_size": 6, "residual_length": 0}}, "block_size": 96}, False),
+    ({"layer_specific_config": {1: {"group_size": 6, "residual_length": 0, "quantize_value": False}},
+      "block_size": 96}, True),  # that layer stores no values: keys in any group size are read
+    ({"k_bits": 3, "v_bits": 1, "tiers": [(128, None), (256, (3, 1)), (None, (3, 1))]}, True),
+], ids=["default", "g6", "layer-g6", "layer-g6-fp-values", "tiers"])
+def test_cpu_backend_decides_the_stored_formats_once_per_config(cfg, reads):
+    from kivi import KiviConfig
+    from kivi.backends import CpuBackend
+
+    assert CpuBackend(KiviConfig(**cfg)).kernel_reads_layouts is reads
+    assert CpuBackend().kernel_reads_layouts is None  # no config: each call's views are checked
+
+
+def test_decode_steps_of_a_cache_do_not_rescan_formats(monkeypatch):
+    """The cache's backend decided its formats when it was built: decode steps check only query and mask,
+    and still run the fused kernel (same logits as a backend that scans every call)."""
+    pytest.importorskip("numba")
+    import torch
+
+    import kivi.attention.fused_cpu as fused
+    from kivi import KiviConfig, quantize_model
+    from kivi.backends import CpuBackend
+    from kivi.cache import KiviCache
+    from tests.helpers import tiny_model
+
+    cfg = KiviConfig(group_size=8, residual_length=8, block_size=16, attention_backend="cpu")
+    model = quantize_model(tiny_model("llama", num_key_value_heads=2), cfg)
+    scans, kernel_calls = [], []
+    real_reasons, real_kernel = CpuBackend.format_reasons, fused.fused_decode_attention
+    monkeypatch.setattr(CpuBackend, "format_reasons", staticmethod(lambda *a: scans.append(a) or real_reasons(*a)))
+    monkeypatch.setattr(fused, "fused_decode_attention", lambda *a, **k: kernel_calls.append(1) or real_kernel(*a, **k))
+    cache = KiviCache.from_model(model)
+    assert isinstance(cache.backend, CpuBackend) and cache.backend.kernel_reads_layouts is True
+    scans.clear()
+    ids = torch.randint(1, 100, (1, 40))
+    with torch.no_grad():
+        out = model(ids, cache=cache, use_cache=True).logits
+        for t in range(3):
+            out = model(ids[:, t:t + 1], cache=cache, use_cache=True).logits
+    assert scans == [] and len(kernel_calls) == 3 * model.config.num_hidden_layers
+    assert torch.isfinite(out).all()

@@ -188,8 +188,8 @@ def test_head_bits_round_trip_and_layer_widths(tmp_path):
 
 
 @pytest.mark.parametrize("head_bits, match", [
-    ({0: {"k_bits": [5, 2]}}, r"head_bits\[0\]\.k_bits has 5; allowed widths are \[1, 2, 3, 4, 8\]"),
-    ({0: {"k_bits": [2, True]}}, r"head_bits\[0\]\.k_bits has True"),
+    ({0: {"k_bits": [5, 2]}}, r"head_bits\[0\]\.k_bits=5 is not supported; allowed values are \[1, 2, 3, 4, 8\]"),
+    ({0: {"k_bits": [2, True]}}, r"head_bits\[0\]\.k_bits=True is not supported"),
     ({0: {"q_bits": [2]}}, r"head_bits\[0\] has unknown field\(s\) \['q_bits'\]; allowed: \['k_bits', 'v_bits'\]"),
     ({0: {"k_bits": [2, 2], "v_bits": [2]}}, r"k_bits has 2 widths but v_bits 1"),
     ({0: {"k_bits": []}}, r"head_bits\[0\]\.k_bits=\[\] must be a non-empty list"),
@@ -252,3 +252,19 @@ def test_bad_tiers_are_one_line_errors(kwargs, needle):
     with pytest.raises(ValueError) as e:
         KiviConfig(**kwargs)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_one_list_of_bit_widths():
+    """Every code-width list is SUPPORTED_BITS itself (kivi/quant/primitives.py), and every config width
+    (layer, per-head, tier) is checked by its one validator, with the same message."""
+    import kivi.config as config_module
+    from kivi.attention.fused_cpu import KERNEL_BITS
+    from kivi.kernels._common import ATTENTION_BITS
+    from kivi.quant.primitives import SUPPORTED_BITS, check_bits
+
+    assert KERNEL_BITS is SUPPORTED_BITS and ATTENTION_BITS is SUPPORTED_BITS
+    assert config_module.check_bits is check_bits
+    for kw, name in ((dict(v_bits=6), "v_bits"), (dict(head_bits={0: {"v_bits": [6]}}), r"head_bits\[0\]\.v_bits"),
+                     (dict(tiers=[(128, None), (256, (2, 2)), (None, (6, 2))]), r"tiers\[2\] k_bits")):
+        with pytest.raises(ValueError, match=rf"^{name}=6 is not supported; allowed values are \[1, 2, 3, 4, 8\]$"):
+            KiviConfig(**kw)

@@ -222,8 +222,8 @@ def test_cache_root_rule(monkeypatch, tmp_path):
 
 
 def test_converted_path_keyed_on_content(monkeypatch, tmp_path):
-    """Issue 15 item 9: the key hashed the GGUF's name, size and mtime: a touched or copied file got a
-    second 517 MB copy. Now identical bytes share one key, wherever they are and whatever their mtime."""
+    """The key is the GGUF's content (SHA-256), not its name, size and mtime: identical bytes share one key, wherever
+    they are and whatever their mtime, so a touched or copied file does not get a second 517 MB copy."""
     monkeypatch.setenv("KIVI_CACHE_DIR", str(tmp_path / "cache"))
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF" + bytes(10))
@@ -365,3 +365,58 @@ def test_model_max_context_accepts_config():
     assert model_max_context(LlamaConfig(max_position_embeddings=77)) == 77
     with pytest.raises(ValueError, match="max_position_embeddings"):
         model_max_context(object())
+
+
+def _no_partial_copy(cache: Path) -> None:
+    models_dir = cache / "models"
+    left = sorted(p.name for p in models_dir.iterdir()) if models_dir.is_dir() else []
+    assert [n for n in left if n != "hash-index.json"] == [], left
+
+
+def test_full_cache_disk_loads_without_the_copy(fake_conversion, tmp_path, monkeypatch, caplog):
+    """save_pretrained's weights writer fails as on a full disk (safetensors' own error type): one warning, the
+    model loads and runs, no partial copy is left, and the next load converts again."""
+    from safetensors import SafetensorError
+    from transformers import PreTrainedModel
+
+    def full(self, *a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF full disk")
+    cache = tmp_path / "cache"
+    with caplog.at_level("WARNING", logger="kivi.models"):
+        model, _ = load_model(gguf, cache_dir=cache)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "could not save a converted copy" in warnings[0] and \
+        "No space left on device" in warnings[0] and "\n" not in warnings[0]
+    with torch.no_grad():
+        assert model(torch.tensor([[2, 3, 4]])).logits.shape == (1, 3, 12)
+    _no_partial_copy(cache)
+    load_model(gguf, cache_dir=cache)
+    assert fake_conversion == [gguf.resolve()] * 2  # nothing cached: converted again
+
+
+def test_real_full_cache_disk_loads_without_the_copy(fake_conversion, tmp_path, monkeypatch, caplog):
+    """``KIVI_CACHE_DIR`` on a real 64 KiB file system (tmpfs; needs root, skipped otherwise)."""
+    import subprocess
+
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
+                                           capture_output=True, check=False).returncode:
+        pytest.skip("a tiny tmpfs needs root (mount -t tmpfs)")
+    try:
+        monkeypatch.setenv("KIVI_CACHE_DIR", str(mnt))
+        gguf = tmp_path / "m.gguf"
+        gguf.write_bytes(b"GGUF real full disk")
+        with caplog.at_level("WARNING", logger="kivi.models"):
+            model, _ = load_model(gguf)
+        assert ["No space left on device" in r.getMessage() for r in caplog.records if r.levelname == "WARNING"] \
+            == [True]
+        with torch.no_grad():
+            assert model(torch.tensor([[2, 3]])).logits.shape == (1, 2, 12)
+        _no_partial_copy(mnt)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

@@ -1,5 +1,8 @@
 """Speculative decoding on a KIVI cache is lossless: greedy assisted generation (a draft model) and
-prompt-lookup decoding give exactly the tokens of plain greedy decoding with the same KIVI config.
+prompt-lookup decoding give the tokens of plain greedy decoding with the same KIVI config. The verify
+forward attends over k + 1 queries at once, one-token decoding over one (another kernel, another
+summation order), so the two agree up to rounding: logits within LOGIT_ATOL at every step, tokens equal
+up to a near-tie (tests.helpers.assert_greedy_close).
 
 The verify forward of k + 1 tokens gives each query the precision one-token decoding would give it
 (kivi.cache.schedule.query_boundaries), crop after it is exact (past recording, KiviLayer), and the
@@ -13,7 +16,7 @@ import pytest
 import torch
 
 from kivi import KiviCache, KiviConfig, quantize_model
-from tests.helpers import tiny_model
+from tests.helpers import LOGIT_ATOL, Greedy, assert_greedy_close, greedy, tiny_model
 
 # GQA (4 query heads over 2 kv heads), a small window so that tokens leave it every step, a peaked
 # random model (weight_scale) so that quantization changes its greedy tokens.
@@ -29,6 +32,7 @@ NEW = 200
 SCALE = 3.0
 # Each case generates 2 x 200 tokens (about 20-60 s on the shared 2-core box): the default suite runs
 # one case per kind of speculation, KIVI_SLOW=1 runs all of them.
+SMOLLM2_ATOL = 2e-3  # float32; SmolLM2's logits reach ~40 (the tiny models': ~3), the two paths differ by ~1e-4
 FAST = {("cpu", "2-2"), ("cpu", "balanced"), ("cpu", "tiers")}
 CASES = [pytest.param(b, c, id=f"{c}-{b}", marks=() if (b, c) in FAST else pytest.mark.slow)
          for b in ("reference", "cpu") for c in CONFIGS]
@@ -45,24 +49,19 @@ def _prompt(length: int = 40, seed: int = 1) -> torch.Tensor:
     return torch.cat([half, half], dim=1)  # repeated text: prompt lookup finds candidates
 
 
-def _plain(model, prompt: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model.generate(prompt, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
-
-
-def _speculative(model, prompt: torch.Tensor, **spec) -> torch.Tensor:
-    with torch.no_grad():
-        return model.generate(prompt, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, **spec)
+def _greedy(model, prompt: torch.Tensor, **spec) -> Greedy:
+    """NEW greedy tokens, plain (no ``spec``) or speculative (``spec``: generate's speculation arguments)."""
+    return greedy(model, prompt, new_tokens=NEW, **spec)
 
 
 @pytest.mark.parametrize("backend,config", CASES)
 def test_prompt_lookup_equals_greedy(backend, config):
     model = _model(backend, CONFIGS[config])
     prompt = _prompt()
-    want = _plain(model, prompt)
-    assert len(set(want[0, prompt.shape[1]:].tolist())) > 5  # the model does not emit one constant token
-    got = _speculative(model, prompt, prompt_lookup_num_tokens=8, max_matching_ngram_size=2)
-    assert torch.equal(got, want)
+    want = _greedy(model, prompt)
+    assert len(set(want.sequences[0, prompt.shape[1]:].tolist())) > 5  # the model does not emit one constant token
+    got = _greedy(model, prompt, prompt_lookup_num_tokens=8, max_matching_ngram_size=2)
+    assert_greedy_close(got, want, atol=LOGIT_ATOL[torch.float32])
 
 
 @pytest.mark.parametrize("backend,config", CASES)
@@ -71,9 +70,9 @@ def test_assisted_generation_with_a_kivi_draft_equals_greedy(backend, config):
     # A smaller draft (one layer), also on a KIVI cache (quantize_model makes generate build one).
     draft = _model(backend, CONFIGS[config], seed=3, num_hidden_layers=1)
     prompt = _prompt()
-    want = _plain(model, prompt)
-    got = _speculative(model, prompt, assistant_model=draft, num_assistant_tokens=6)
-    assert torch.equal(got, want)
+    want = _greedy(model, prompt)
+    got = _greedy(model, prompt, assistant_model=draft, num_assistant_tokens=6)
+    assert_greedy_close(got, want, atol=LOGIT_ATOL[torch.float32])
 
 
 # --------------------------------------------------------------------------- the first forward
@@ -141,7 +140,8 @@ def test_generate_tells_the_cache_the_prompt_length(mask):
 @pytest.mark.parametrize("preset", ["extreme", "balanced"])
 def test_smollm2_speculative_equals_greedy(smollm2, preset):
     """The embedded model, a WikiText document the model is asked to restate: greedy prompt lookup and assisted
-    generation (SmolLM2 as its own draft, with its own KIVI cache) give the tokens of plain greedy decoding."""
+    generation (SmolLM2 as its own draft, with its own KIVI cache) give the tokens of plain greedy decoding
+    (up to a near-tie; SmolLM2's logits reach ~40, so the float32 tolerance is wider than the tiny models')."""
     from kivi import dequantize_model
     from kivi.data import load_text
 
@@ -151,8 +151,8 @@ def test_smollm2_speculative_equals_greedy(smollm2, preset):
     prompt = tok(text, return_tensors="pt").input_ids
     try:
         quantize_model(model, KiviConfig.preset(preset, attention_backend="cpu"))
-        want = _plain(model, prompt)
-        assert torch.equal(_speculative(model, prompt, prompt_lookup_num_tokens=10), want)
-        assert torch.equal(_speculative(model, prompt, assistant_model=model, num_assistant_tokens=5), want)
+        want = _greedy(model, prompt)
+        for spec in (dict(prompt_lookup_num_tokens=10), dict(assistant_model=model, num_assistant_tokens=5)):
+            assert_greedy_close(_greedy(model, prompt, **spec), want, atol=SMOLLM2_ATOL)
     finally:
         dequantize_model(model)

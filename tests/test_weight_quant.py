@@ -13,7 +13,7 @@ from kivi.memory import estimate_kv_memory
 from kivi.memory.weights import quanto_group_size
 from kivi.models import WeightQuantizationUnavailable, quantizable_linears, quantize_weights, weight_bytes
 
-from tests.helpers import tiny_model
+from tests.helpers import LOGIT_ATOL, assert_decode_close, assert_greedy_close, greedy, tiny_model
 
 pytest.importorskip("optimum.quanto")
 
@@ -52,17 +52,17 @@ def test_linear_layers_become_quanto_and_lm_head_stays_float(bits):
 @pytest.mark.parametrize("bits", BITS, ids=BITS_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_generate_cpu_backend_equals_reference_backend(bits, dtype):
-    """The packed cpu backend on a weight-quantized model gives the tokens of the reference backend (the same
-    weight-quantized model, KIVI cache dequantized for every forward), and the cache is a KiviCache."""
+    """The packed cpu backend on a weight-quantized model decodes like the reference backend (the same
+    weight-quantized model, KIVI cache dequantized for every forward): logits within LOGIT_ATOL at every
+    step, tokens equal up to a near-tie (in bf16 the two backends round differently, and this model's
+    top-2 logits tie within one bf16 ulp after a few tokens); the cache is a KiviCache."""
     ids = torch.randint(1, 128, (1, 150), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     ref = quantize_model(_wq_model(bits, dtype, **GROUPED), KiviConfig.from_dict({**CFG.to_dict(), "attention_backend": "reference"}))
     fast = quantize_model(_wq_model(bits, dtype, **GROUPED), KiviConfig.from_dict({**CFG.to_dict(), "attention_backend": "cpu"}))
     assert fast.config._attn_implementation == "kivi"
-    want, _ = _generate(ref, ids, mask)
-    got, cache = _generate(fast, ids, mask)
-    assert isinstance(cache, KiviCache) and cache.memory_breakdown()["codes"] > 0
-    assert torch.equal(got, want)
+    got, _ = assert_decode_close(fast, ref, ids, new_tokens=24, atol=LOGIT_ATOL[dtype], mask=mask, pad_token_id=0)
+    assert isinstance(got.cache, KiviCache) and got.cache.memory_breakdown()["codes"] > 0
 
 
 def _padded_batch(pad: int = 0):
@@ -85,14 +85,15 @@ def test_left_padded_batch_cpu_equals_reference_and_pad_values_change_nothing(bi
     ref = quantize_model(_wq_model(bits, **GROUPED), KiviConfig.from_dict({**kw, "attention_backend": "reference"}))
     fast = quantize_model(_wq_model(bits, **GROUPED), KiviConfig.from_dict({**kw, "attention_backend": "cpu"}))
     batch, mask, long = _padded_batch()
-    got, cache = _generate(fast, batch, mask, n=16)
-    assert isinstance(cache, KiviCache)
-    assert torch.equal(got, _generate(ref, batch, mask, n=16)[0])
-    for pad in (7, 99):
-        other = _padded_batch(pad)[0]
-        assert torch.equal(_generate(fast, other, mask, n=16)[0][:, -16:], got[:, -16:])
-    alone, _ = _generate(fast, long, torch.ones_like(long), n=16)
-    assert torch.equal(got[0], alone[0])
+    atol = LOGIT_ATOL[torch.float32]
+    got, _ = assert_decode_close(fast, ref, batch, new_tokens=16, atol=atol, mask=mask, pad_token_id=0)
+    assert isinstance(got.cache, KiviCache)
+    for pad in (7, 99):  # the same path and arithmetic (padding is masked out of every sum): bit-identical
+        other = greedy(fast, _padded_batch(pad)[0], new_tokens=16, mask=mask, pad_token_id=0)
+        assert torch.equal(other.sequences[:, -16:], got.sequences[:, -16:])
+    # alone, the row runs through kernels of another batch size (another summation order): up to rounding
+    alone = greedy(fast, long, new_tokens=16, mask=torch.ones_like(long), pad_token_id=0)
+    assert_greedy_close(got.row(0), alone, atol=atol)
 
 
 @pytest.mark.parametrize("bits", BITS, ids=BITS_IDS)
@@ -190,6 +191,7 @@ def test_order_of_weight_and_cache_quantization_does_not_matter():
     first = quantize_model(_wq_model(4, **GROUPED), cfg)
     second = quantize_weights(quantize_model(tiny_model("llama", weight_scale=4.0, **GROUPED), cfg), 4)
     assert second.config._attn_implementation == "kivi"
+    # the same weights and cache config, hence the same arithmetic: bit-identical tokens
     assert torch.equal(_generate(first, ids, torch.ones_like(ids))[0], _generate(second, ids, torch.ones_like(ids))[0])
 
 

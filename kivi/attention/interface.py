@@ -30,13 +30,14 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..backends import ATTN_IMPLEMENTATION, model_attention_unsupported
+from ..backends import ATTN_IMPLEMENTATION, Backend, model_attention_unsupported
 from ..cache.heads import HeadViews
 from ..cache.view import AttentionView, PackedStates
+from .backend_attention import attend, fused_heads
 
 
 def run_backend(
-    backend: str,
+    backend: Backend | str,
     query: torch.Tensor,
     k_view: AttentionView,
     v_view: AttentionView,
@@ -44,32 +45,9 @@ def run_backend(
     scaling: float | None,
     attention_mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Attention ``[B, Hq, n, D]`` of ``query`` over the views with the resolved ``backend``."""
-    if backend == "cpu":
-        # Documented dispatch (kivi.attention.fused_cpu): the fused numba decode kernel for one
-        # query token when numba is installed and the format/mask qualify; blocked torch path otherwise.
-        from .fused_cpu import fused_decode_attention, fused_decode_supported
-
-        if fused_decode_supported(query, k_view, v_view, attention_mask):
-            return fused_decode_attention(query, k_view, v_view, scaling=scaling, attention_mask=attention_mask)
-        from .blocked import blocked_attention
-
-        return blocked_attention(query, k_view, v_view, scaling=scaling, attention_mask=attention_mask)
-    if backend == "reference":
-        from .reference import reference_attention
-
-        return reference_attention(query, k_view, v_view, scaling=scaling, attention_mask=attention_mask)
-    if backend == "triton" and (k_view.tiered or v_view.tiered):
-        # The Triton kernels read one width per side; position tiers (docs/tiers.md) are read by the
-        # blocked torch path (any device), chosen here explicitly.
-        from .blocked import blocked_attention
-
-        return blocked_attention(query, k_view, v_view, scaling=scaling, attention_mask=attention_mask)
-    if backend == "triton":
-        from .triton_backend import triton_view_attention  # raises if triton is absent: explicit choice
-
-        return triton_view_attention(query, k_view, v_view, scaling=scaling, attention_mask=attention_mask)
-    raise ValueError(f"attention backend {backend!r} is not resolved; expected 'cpu', 'reference' or 'triton'")
+    """Attention ``[B, Hq, n, D]`` of ``query`` over the views with the resolved ``backend`` (the object the
+    cache carries in its :class:`PackedStates`, or a backend's name): :func:`.backend_attention.attend`."""
+    return attend(backend, query, k_view, v_view, scaling=scaling, attention_mask=attention_mask)
 
 
 def _check_unsupported(module: torch.nn.Module, kwargs: dict) -> None:
@@ -161,7 +139,7 @@ def _later_queries(view: AttentionView, exact: int) -> AttentionView:
 
 
 def _head_groups_forward(module: torch.nn.Module, query: torch.Tensor, k_views: HeadViews, v_views: HeadViews,
-                         attention_mask: torch.Tensor | None, backend: str, *, scaling: float | None,
+                         attention_mask: torch.Tensor | None, backend: Backend, *, scaling: float | None,
                          is_causal: bool | None, **kwargs) -> tuple[torch.Tensor, None]:
     """Attention over a layer with per-head widths: each head group's views with its own query heads.
 
@@ -175,19 +153,16 @@ def _head_groups_forward(module: torch.nn.Module, query: torch.Tensor, k_views: 
     if k_views.only_full_precision and v_views.only_full_precision:  # a prefill: exact attention over all heads
         return sdpa_attention_forward(module, query, k_views.fp, v_views.fp, attention_mask, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    if backend == "cpu":
-        # Documented dispatch (kivi.attention.fused_cpu): a decode step reads every head group of the layer
-        # in one fused kernel call when each group qualifies on its own; otherwise one run per group.
-        from .fused_cpu import fused_decode_heads, fused_decode_heads_supported
-
-        if fused_decode_heads_supported(query, k_views, v_views, attention_mask):
-            out = fused_decode_heads(query, k_views, v_views, scaling=scaling, attention_mask=attention_mask)
-            return out.transpose(1, 2).contiguous(), None
+    # "cpu": a decode step reads every head group of the layer in one fused kernel call when each group
+    # qualifies on its own (kivi.attention.fused_cpu); otherwise one run per group.
+    out = fused_heads(backend, query, k_views, v_views, scaling=scaling, attention_mask=attention_mask)
+    if out is not None:
+        return out.transpose(1, 2).contiguous(), None
     out = head_groups_attention(backend, query, k_views, v_views, scaling=scaling, attention_mask=attention_mask)
     return out.transpose(1, 2).contiguous(), None
 
 
-def head_groups_attention(backend: str, query: torch.Tensor, k_views: HeadViews, v_views: HeadViews, *,
+def head_groups_attention(backend: Backend | str, query: torch.Tensor, k_views: HeadViews, v_views: HeadViews, *,
                           scaling: float | None, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """``[B, Hq, n, D]``: :func:`run_backend` of every head group with its query heads, concatenated in head
     order (the plain path over a layer with per-head widths; the reference of the one-call fused decode)."""

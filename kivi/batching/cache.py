@@ -53,7 +53,7 @@ class KiviPagedCache(PagedAttentionCache):
     """A ``PagedAttentionCache`` of KIVI pages holding at most ``cache_memory`` bytes (see the module docstring)."""
 
     def __init__(self, config: Any, continuous_batching_config: Any, device: torch.device | str, *,
-                 layout: PageLayout, cache_memory: int, packed_backend: str | None = None) -> None:
+                 layout: PageLayout, cache_memory: int, packed_backend: Any = None) -> None:
         if isinstance(cache_memory, bool) or not isinstance(cache_memory, int) or cache_memory < 1:
             raise ValueError(f"cache_memory={cache_memory!r} must be a positive number of bytes")
         self.config = config
@@ -61,7 +61,8 @@ class KiviPagedCache(PagedAttentionCache):
         self.device = device
         self.layout = layout
         #: ``None``: update returns the batch's keys / values dequantized (transformers' SDPA reads them);
-        #: ``"cpu"`` / ``"reference"``: it returns :class:`PagedBatchViews` that kivi's backend reads packed
+        #: a backend (``"cpu"`` / ``"reference"``: a :class:`kivi.backends.Backend` or its name): it returns
+        #: :class:`PagedBatchViews` that kivi's backend reads packed
         self.packed_backend = packed_backend
         self.max_blocks_per_request = 0  # no decode fast path: no kernel reads KIVI pages by block table
         allocator = KiviPageAllocator(0, list(range(layout.num_layers)), layout,

@@ -30,7 +30,7 @@ from transformers.generation.continuous_batching.continuous_api import (
 )
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
-from ..backends import ATTN_IMPLEMENTATION, model_attention_unsupported
+from ..backends import ATTN_IMPLEMENTATION, Backend, backend_named, model_attention_unsupported
 from ..config import KiviConfig
 from .attention import PAGED_ATTN_IMPLEMENTATION
 from .cache import KiviPagedCache
@@ -50,7 +50,7 @@ class KiviBatchingManager(ContinuousBatchingManager):
 
     def __init__(self, model: Any, generation_config: GenerationConfig, continuous_batching_config: ContinuousBatchingConfig,
                  workload_hints: WorkloadHints | None, *, kivi_config: KiviConfig | None, cache_memory: int | None,
-                 layout: PageLayout | None, packed_backend: str | None = None) -> None:
+                 layout: PageLayout | None, packed_backend: Backend | None = None) -> None:
         self.kivi_config = kivi_config
         self.packed_backend = packed_backend
         self.cache_memory = cache_memory
@@ -250,7 +250,8 @@ def init_continuous_batching(model: Any, kivi_config: KiviConfig | None, *, cach
     if gen.eos_token_id is None:
         gen.eos_token_id = -1
     return KiviBatchingManager(model, gen, cb, workload_hints, kivi_config=kivi_config, cache_memory=cache_memory,
-                               layout=layout, packed_backend=packed_backend)
+                               layout=layout, packed_backend=None if packed_backend is None
+                               else backend_named(packed_backend, kivi_config))
 
 
 def generate_batch(model: Any, inputs: list[list[int]], kivi_config: KiviConfig | None, *,

@@ -9,11 +9,11 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from ..backends import PACKED_BACKENDS, attention_reads_views, cache_attention_backend, resolve_attention_backend
+from ..backends import Backend, attention_reads_views, cache_attention_backend, resolve_backend
 from ..config import KiviConfig
 from .heads import KIVI_LAYERS, build_layer, kv_heads_of
 from .padding import install_padding_hook
-from .support import model_layer_types, plan_layers
+from .support import model_head_dim, model_layer_types, plan_layers, text_config
 from .view import PackedStates
 
 
@@ -40,16 +40,23 @@ class KiviCache(Cache):
     """
 
     def __init__(self, config: KiviConfig | None = None, layers: list | None = None, *,
-                 attention_backend: str = "reference"):
+                 attention_backend: str | Backend = "reference"):
         self.config = config if config is not None else KiviConfig()
         self._attention_mask: torch.Tensor | None = None
         self._prompt_length: int | None = None  # see set_prompt_length
         self._record_past = False  # see activate_past_recording
-        # Fixed for the cache's life: "reference" materialises, "cpu"/"triton" return PackedStates.
-        self.attention_backend = resolve_attention_backend(attention_backend)
+        # Fixed for the cache's life: "reference" materialises, "cpu"/"triton" return PackedStates that
+        # carry this object (a name is resolved once here, for this cache's config).
+        self.backend: Backend = (attention_backend if isinstance(attention_backend, Backend)
+                                 else resolve_backend(attention_backend, config=self.config))
         # Layers given (one per decoder layer of a model): their number is fixed; else created in order.
         self.num_layers: int | None = len(layers) if layers is not None else None
         super().__init__(layers=list(layers) if layers is not None else [])
+
+    @property
+    def attention_backend(self) -> str:
+        """The name of :attr:`backend` (``"reference"``, ``"cpu"`` or ``"triton"``)."""
+        return self.backend.name
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -88,7 +95,7 @@ class KiviCache(Cache):
 
     @classmethod
     def from_model_config(cls, model_config: Any, config: KiviConfig, *,
-                          attention_backend: str = "reference") -> "KiviCache":
+                          attention_backend: str | Backend = "reference") -> "KiviCache":
         plan = plan_layers(model_config, config)
         kv_heads = kv_heads_of(model_config)
         if config.head_bits and kv_heads is not None:
@@ -156,11 +163,11 @@ class KiviCache(Cache):
             if not isinstance(layer, KIVI_LAYERS):
                 return layer.update(key_states, value_states, *args, **kwargs)
             valid = self._new_token_valid(key_states.shape[-2], key_states.shape[0])
-            if self.attention_backend not in PACKED_BACKENDS:
+            if not self.backend.packed:
                 return layer.update(key_states, value_states, valid=valid)
             with layer.all_or_nothing():  # one checkpoint for the append and the views handed to attention
                 k_view, v_view = layer._append(key_states, value_states, valid)
-                return PackedStates(k_view, self.attention_backend), PackedStates(v_view, self.attention_backend)
+                return PackedStates(k_view, self.backend), PackedStates(v_view, self.backend)
         except BaseException:
             del self.layers[nlayers:]  # layers this call created
             raise
@@ -286,12 +293,14 @@ class KiviCache(Cache):
         """:meth:`load`, also returning the token ids saved with the cache (``None`` if none were)."""
         from .persist import load_cache
 
-        windows, device = None, "cpu"
+        windows, device, shape = None, "cpu", {}
         if model is not None:
             config = config if config is not None else getattr(model, "kivi_config", None)
             windows = [window for _, window in model_layer_types(model.config)]
             device = getattr(model, "device", "cpu")
-        config, layers, ids = load_cache(path, fingerprint=fingerprint, config=config, windows=windows, device=device)
+            shape = {"kv_heads": kv_heads_of(model.config), "head_dim": model_head_dim(text_config(model.config))}
+        config, layers, ids = load_cache(path, fingerprint=fingerprint, config=config, windows=windows, device=device,
+                                         **shape)
         if model is not None:
             install_padding_hook(model)
             if attention_backend is not None:  # checked against the model (packed needs its "kivi" attention)

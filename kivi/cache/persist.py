@@ -10,17 +10,18 @@ the file is about :attr:`KiviCache.nbytes` (less the unused tail of the last blo
 
 Its safetensors header metadata holds (``__metadata__``):
 
-* ``kivi_format`` = ``"kivi-prefix"`` and ``kivi_format_version`` (this module reads version 2);
+* ``kivi_format`` = ``"kivi-prefix"`` and ``kivi_format_version`` (this module reads version 2; an
+  older file is refused with a line saying to save it again);
 * ``kivi_meta``: JSON with the :class:`KiviConfig`, the caller's model/tokenizer ``fingerprint``,
   the kivi / transformers / torch versions, the cache's structure (each layer's state dict with its
   tensors replaced by ``{"tensor": name}``) and the sha256 of every tensor;
 * ``kivi_meta_sha256``: the sha256 of ``kivi_meta`` (a changed header byte is caught).
 
-:func:`load_cache` checks, before it builds anything: the file is a kivi prefix file of a version
-it reads, it is complete (size against the header's offsets), the header is intact, the
-fingerprint and the config equal the caller's, the layers match the model's, and every tensor's
-checksum. Each failure is a :class:`PrefixFileError` (a ``ValueError``) with a one-line message
-naming what differs.
+:func:`load_cache` reads the file as untrusted input (docs/prefix-cache.md "Trust"): the structure
+comes from the configuration, and every tensor's name, dtype and shape is derived from it and the
+file's checked token counts before a byte is read or allocated (:mod:`kivi.cache.persist_plan`,
+:mod:`kivi.cache.persist_checks`); the saved structure is never taken as a template. Each failure is a
+:class:`PrefixFileError` (a ``ValueError``) with a one-line message naming what differs.
 """
 
 from __future__ import annotations
@@ -28,44 +29,32 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..config import KiviConfig
-from .heads import build_layer
 from .layer import KiviLayer
-
-FORMAT = "kivi-prefix"
-FORMAT_VERSION = 2
-#: A safetensors header longer than this is not one kivi wrote (it would be a corrupt length field).
-MAX_HEADER_BYTES = 64 << 20
-#: KiviConfig fields that say how attention reads the cache, not what it holds: not compared on load.
-READ_ONLY_FIELDS = ("attention_backend",)
-
-
-class PrefixFileError(ValueError):
-    """A prefix file cannot be loaded here; the message names the file and what differs."""
-
-
-@dataclass
-class PrefixHeader:
-    """What a prefix file's header says (read without touching its tensors)."""
-
-    path: Path
-    config: KiviConfig
-    fingerprint: dict[str, Any]
-    meta: dict[str, Any]  # the whole ``kivi_meta`` JSON
-    offsets: dict[str, tuple[int, int]]  # tensor name -> byte range in the payload
-    data_start: int  # first payload byte in the file
-
-    @property
-    def seq_length(self) -> int:
-        return self.meta["cache"]["seq_length"]
+from .persist_checks import (
+    PrefixFileError,
+    _Reader,
+    check_allocation,
+    check_tensor_table,
+    check_values,
+    known_dims,
+)
+from .persist_header import (
+    FORMAT,
+    FORMAT_VERSION,
+    PrefixHeader,
+    check_config,
+    check_fingerprint,
+    check_layers,
+    read_header,
+)
+from .persist_plan import plan_cache, state_dict
 
 
 # ---------------------------------------------------------------------------------------------- save
@@ -77,8 +66,10 @@ def save_cache(cache: Any, path: str | os.PathLike, *, fingerprint: dict[str, An
     with (:func:`kivi.prefix.model_fingerprint`); :func:`load_cache` refuses a different one.
     ``input_ids [B, T]``: the tokens the cache holds (``T`` = the cache's length), stored with it.
     The file is written to a temporary name and renamed: a failed save leaves no partial file and
-    never changes the cache.
+    never changes the cache. A failed write (a full disk, ...) raises ``OSError`` (with the errno when the
+    system gave one), whoever wrote the bytes.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     if not isinstance(fingerprint, dict):
@@ -116,7 +107,10 @@ def save_cache(cache: Any, path: str | os.PathLike, *, fingerprint: dict[str, An
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata=header)
+        try:
+            save_file(tensors, tmp, metadata=header)
+        except SafetensorError as e:  # its I/O errors (a full disk) are OSErrors like any other failed write
+            raise write_error(e, path) from e
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 -> what open() would have given
@@ -125,6 +119,20 @@ def save_cache(cache: Any, path: str | os.PathLike, *, fingerprint: dict[str, An
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_error(error: BaseException, path: str | os.PathLike) -> OSError:
+    """``error`` (safetensors' ``SafetensorError`` from a failed write) as an ``OSError`` naming ``path``,
+    with the system's errno when its message carries one (``... (os error 28)`` -> ``ENOSPC``)."""
+    import errno as errnos
+    import re
+
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    m = re.search(r"os error (\d+)", text)
+    if m:
+        code = int(m.group(1))
+        return OSError(code, os.strerror(code) if code in errnos.errorcode else text, str(path))
+    return OSError(f"cannot write {str(path)!r}: {text}")
 
 
 def _flatten(value: Any, name: str, tensors: dict[str, torch.Tensor]) -> Any:
@@ -140,23 +148,8 @@ def _flatten(value: Any, name: str, tensors: dict[str, torch.Tensor]) -> Any:
     return value
 
 
-def _unflatten(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """The state dict :func:`_flatten` wrote (a tensor name the file lacks is a ``KeyError``)."""
-    if isinstance(value, dict):
-        if set(value) == {"tensor"}:
-            return tensors[value["tensor"]]
-        return {k: _unflatten(v, tensors) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_unflatten(v, tensors) for v in value]
-    return value
-
-
 def _cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous()
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
@@ -178,113 +171,26 @@ def _versions() -> dict[str, str]:
             "safetensors": safetensors.__version__}
 
 
-# ---------------------------------------------------------------------------------------------- checks
-def read_header(path: str | os.PathLike) -> PrefixHeader:
-    """Read and check a prefix file's header: kivi format and version, complete file, intact metadata."""
-    path = Path(path)
-    if not path.is_file():
-        raise PrefixFileError(f"prefix file {str(path)!r} does not exist" if not path.exists()
-                              else f"prefix file {str(path)!r} is not a file")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise PrefixFileError(f"{path}: not a kivi prefix file ({size} bytes, too short for a safetensors header)")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES:
-            raise PrefixFileError(f"{path}: not a kivi prefix file (not a safetensors file: header length {n})")
-        if 8 + n > size:
-            raise PrefixFileError(f"{path}: file is truncated: {size} bytes, its header alone needs {8 + n}")
-        raw = f.read(n)
-    try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("not a JSON object")
-    except (ValueError, UnicodeDecodeError):
-        raise PrefixFileError(f"{path}: not a kivi prefix file (its header is not safetensors JSON)") from None
-    md = header.pop("__metadata__", None) or {}
-    if md.get("kivi_format") != FORMAT:
-        raise PrefixFileError(f"{path}: a safetensors file but not a kivi prefix file (no kivi_format={FORMAT!r} "
-                              "in its metadata)")
-    version = md.get("kivi_format_version", "")
-    if not version.isdigit() or int(version) > FORMAT_VERSION:
-        raise PrefixFileError(f"{path}: kivi prefix format version {version!r}; this kivi reads versions up to "
-                              f"{FORMAT_VERSION} (upgrade kivi)")
-    if int(version) < FORMAT_VERSION:
-        raise PrefixFileError(f"{path}: kivi prefix format version {version!r} (an older kivi's layout); this kivi "
-                              f"reads version {FORMAT_VERSION}: save the prefix again with this kivi")
-    try:
-        offsets = {name: tuple(int(x) for x in info["data_offsets"]) for name, info in header.items()}
-    except (TypeError, KeyError, ValueError):
-        raise PrefixFileError(f"{path}: header is corrupted (bad tensor entries)") from None
-    expected = 8 + n + max((end for _, end in offsets.values()), default=0)
-    if size < expected:
-        raise PrefixFileError(f"{path}: file is truncated: {size} of {expected} bytes")
-    if size > expected:
-        raise PrefixFileError(f"{path}: file has {size - expected} bytes after its data ({size} bytes, expected "
-                              f"{expected}); it is not the file kivi wrote")
-    text = md.get("kivi_meta", "")
-    if hashlib.sha256(text.encode()).hexdigest() != md.get("kivi_meta_sha256"):
-        raise PrefixFileError(f"{path}: metadata checksum mismatch (the header was altered or corrupted)")
-    meta = json.loads(text)
-    config = KiviConfig.from_dict(meta["config"])
-    return PrefixHeader(path, config, meta["fingerprint"], meta, offsets, 8 + n)
-
-
-def check_fingerprint(header: PrefixHeader, fingerprint: dict[str, Any]) -> None:
-    """Raise naming what differs between the file's fingerprint and ``fingerprint`` (this model's)."""
-    saved = header.fingerprint
-    diffs = [k for k in sorted(set(saved) | set(fingerprint)) if saved.get(k) != fingerprint.get(k)]
-    if not diffs:
-        return
-
-    def show(v: Any) -> str:
-        if v is None:
-            return "none"
-        s = str(v)
-        return s[:12] + "…" if isinstance(v, str) and len(s) == 64 else s
-
-    what = "; ".join(f"{k} {show(saved.get(k))} vs {show(fingerprint.get(k))}" for k in diffs)
-    if "weights_sha256" in diffs:
-        lead = (f"prefix file was saved for model {saved.get('architecture')} (weights {show(saved.get('weights_sha256'))}), "
-                f"this model is {fingerprint.get('architecture')} (weights {show(fingerprint.get('weights_sha256'))})")
-        raise PrefixFileError(f"{header.path}: {lead}; differs (file vs this): {what}")
-    raise PrefixFileError(f"{header.path}: prefix file was saved for a different model or tokenizer; differs "
-                          f"(file vs this): {what}")
-
-
-def check_config(header: PrefixHeader, config: KiviConfig) -> None:
-    """Raise naming every field where ``config`` differs from the file's (``attention_backend`` aside)."""
-    saved, given = header.config.to_dict(), config.to_dict()
-    diffs = [k for k in saved if k not in READ_ONLY_FIELDS and saved[k] != given.get(k)]
-    if diffs:
-        what = ", ".join(f"{k} {saved[k]} vs {given.get(k)}" for k in diffs)
-        raise PrefixFileError(f"{header.path}: config differs (file vs given): {what}")
-
-
-def check_layers(header: PrefixHeader, windows: list[int | None]) -> None:
-    """Raise when the file's layers (count, sliding windows) are not the model's (``windows``: one per layer,
-    ``None`` for full attention; :func:`kivi.cache.support.model_layer_types`)."""
-    layers = header.meta["cache"]["layers"]
-    if len(layers) != len(windows):
-        raise PrefixFileError(f"{header.path}: the prefix has {len(layers)} layers, the model has {len(windows)}")
-    for i, (lm, window) in enumerate(zip(layers, windows)):
-        if lm["sliding_window"] != window:
-            raise PrefixFileError(f"{header.path}: layer {i} has sliding window {lm['sliding_window']} in the file, "
-                                  f"{window} in the model")
-
-
 # ---------------------------------------------------------------------------------------------- load
 def load_cache(path: str | os.PathLike, *, fingerprint: dict[str, Any], config: KiviConfig | None = None,
-               windows: list[int | None] | None = None, device: str | torch.device = "cpu") -> tuple[KiviConfig, list[KiviLayer], torch.Tensor | None]:
+               windows: list[int | None] | None = None, device: str | torch.device = "cpu",
+               kv_heads: int | None = None, head_dim: int | None = None,
+               ) -> tuple[KiviConfig, list[KiviLayer], torch.Tensor | None]:
     """``(config, layers, input_ids or None)`` of the cache in a file written by :func:`save_cache`
     (:meth:`KiviCache.load <kivi.cache.cache.KiviCache.load>` builds the cache from them).
 
-    Checks in this order, each failure a :class:`PrefixFileError` before anything is built: the
-    header (:func:`read_header`), ``fingerprint`` (:func:`check_fingerprint`), ``config`` when
-    given (:func:`check_config`), the layers against the model's ``windows`` when given (:func:`check_layers`),
-    every tensor's checksum and shape. The layers live on ``device``; the config is ``config`` when
-    given (it may differ in ``attention_backend``), else the file's.
+    The file is untrusted input. Checks in this order, each failure a :class:`PrefixFileError` before
+    anything is built: the header (:func:`read_header`: format, version, size, the tensor table's byte
+    ranges, the metadata checksum), ``fingerprint`` (:func:`check_fingerprint`), ``config`` when given
+    (:func:`check_config`), the layers against the model's ``windows`` when given (:func:`check_layers`),
+    the structure against the config and the schedule and every tensor's dtype and shape against what
+    that structure needs (:func:`~kivi.cache.persist_plan.plan_cache`, built from the config's layers:
+    plain, sliding, tiered, head-split; :func:`~kivi.cache.persist_checks.check_tensor_table`;
+    ``kv_heads`` / ``head_dim``: the model's, else the fingerprint's, else the file's), the memory the
+    cache allocates beyond the file's bytes (:func:`~kivi.cache.persist_checks.check_allocation`), then,
+    tensor by tensor, its checksum and values (:func:`~kivi.cache.persist_checks.check_values`). The
+    layers live on ``device``; the config is ``config`` when given (it may differ in
+    ``attention_backend``), else the file's.
     """
     from safetensors import safe_open
 
@@ -294,35 +200,41 @@ def load_cache(path: str | os.PathLike, *, fingerprint: dict[str, Any], config: 
         check_config(header, config)
     if windows is not None:
         check_layers(header, windows)
-    meta = header.meta
-    sums = meta["tensor_sha256"]
-    if set(sums) != set(header.offsets):
-        missing = sorted(set(sums) - set(header.offsets)) or sorted(set(header.offsets) - set(sums))
-        raise PrefixFileError(f"{header.path}: tensor list does not match the metadata (e.g. {missing[0]!r})")
+    cfg = config if config is not None else header.config
+    plans, expected, tails, _ = plan_cache(header.path, header.meta, header.table, cfg,
+                                           known_dims(fingerprint, kv_heads, head_dim))
+    check_tensor_table(header.path, header.table, expected)
+    check_allocation(header.path, tails, header.payload)
+    sums = _Reader(header.path).get(header.meta, "tensor_sha256", "", "dict")
+    if set(sums) != set(expected) or not all(isinstance(v, str) for v in sums.values()):
+        odd = sorted(set(sums) ^ set(expected)) or sorted(k for k, v in sums.items() if not isinstance(v, str))
+        raise PrefixFileError(f"{header.path}: metadata field tensor_sha256 does not list the file's tensors "
+                              f"(e.g. {odd[0]!r})")
+    vocab = fingerprint.get("vocab_size")
+    vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
     tensors: dict[str, torch.Tensor] = {}
     try:
         with safe_open(str(header.path), framework="pt") as f:
-            for name in sorted(sums):
+            for name in sorted(expected):
                 t = f.get_tensor(name)
                 if tensor_sha256(t) != sums[name]:
                     raise PrefixFileError(f"{header.path}: checksum mismatch in tensor {name}")
+                check_values(header.path, name, t, vocab)
                 tensors[name] = t
     except PrefixFileError:
         raise
-    except Exception as e:  # safetensors' own errors on a damaged header
+    except Exception as e:  # safetensors' own errors on a damaged file
         raise PrefixFileError(f"{header.path}: cannot read tensors ({str(e).splitlines()[0]})") from None
-    cfg = config if config is not None else header.config
     layers = []
-    for i, lm in enumerate(meta["cache"]["layers"]):
-        layer = build_layer(cfg, i, lm.get("sliding_window") if isinstance(lm, dict) else None)
+    for i, plan in enumerate(plans):
         try:
-            layer.load_state_dict(_unflatten(lm, tensors), device)
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
-            raise PrefixFileError(f"{header.path}: layer {i} does not match this config's layout ({e})") from None
-        layers.append(layer)
+            plan.layer.load_state_dict(state_dict(plan, f"layer{i}", tensors), device)
+        except (KeyError, TypeError, ValueError) as e:  # the checks above leave none: a bug, named as such
+            raise PrefixFileError(f"{header.path}: layer {i} does not load its checked state ({e})") from None
+        layers.append(plan.layer)
     ids = tensors.get("input_ids")
     return cfg, layers, None if ids is None else ids.to(device)
 
 
-__all__ = ["save_cache", "load_cache", "read_header", "check_fingerprint", "check_config", "check_layers",
-           "tensor_sha256", "PrefixFileError", "PrefixHeader", "FORMAT", "FORMAT_VERSION"]
+__all__ = ["save_cache", "write_error", "load_cache", "read_header", "check_fingerprint", "check_config",
+           "check_layers", "tensor_sha256", "PrefixFileError", "PrefixHeader", "FORMAT", "FORMAT_VERSION"]

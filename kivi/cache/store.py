@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 
 from ..quant.kv import PackedKV, token_divisor
-from .schedule import new_block_tokens
+from .schedule import new_block_tokens, saved_capacity
 
 
 @dataclass
@@ -313,14 +313,25 @@ class BlockStore:
         return sum(self.nbytes_by_field().values())
 
     # ------------------------------------------------------------------ saving
+    def saved_rows(self, j: int) -> tuple[int, int]:
+        """Tokens ``[lo, hi)`` of block ``j``, relative to its first position, that :meth:`state_dict` keeps:
+        the ones still held (rows before ``start`` were evicted or skipped and are never read again)."""
+        b0 = self.starts[j]
+        return max(self.start, b0) - b0, max(0, min(self.caps[j], self.length - b0))
+
     def state_dict(self) -> dict[str, Any]:
-        """The store as plain values and tensors (the filled rows of every block; ``None`` for a freed one)."""
-        blocks = []
+        """The store as plain values and tensors: per block the rows of the tokens it still holds
+        (:meth:`saved_rows`; ``None`` for a freed block), and the last block's capacity as a fresh append of
+        its tokens gives it (:func:`~kivi.cache.schedule.saved_capacity`: a crop may have left more)."""
+        blocks, caps = [], list(self.caps)
         for j, blk in enumerate(self.blocks):
-            filled = max(0, min(self.caps[j], self.length - self.starts[j]))
-            blocks.append(None if blk is None else {k: t[:, :, : filled // self._divisor(k)] for k, t in blk.items()})
+            lo, hi = self.saved_rows(j)
+            blocks.append(None if blk is None else
+                          {k: t[:, :, lo // self._divisor(k): hi // self._divisor(k)] for k, t in blk.items()})
+        if caps and self.blocks[-1] is not None:
+            caps[-1] = saved_capacity(self.length - self.starts[-1], self.block_size)
         return {"block_size": self.block_size, "length": self.length, "start": self.start,
-                "starts": list(self.starts), "caps": list(self.caps), "template": segment_meta(self.template),
+                "starts": list(self.starts), "caps": caps, "template": segment_meta(self.template),
                 "blocks": blocks}
 
     def load_state_dict(self, state: dict[str, Any], device: str | torch.device = "cpu") -> None:
@@ -334,17 +345,17 @@ class BlockStore:
             if saved is None:
                 self.blocks.append(None)
                 continue
-            filled = max(0, min(cap, self.length - self.starts[j]))
+            lo, hi = self.saved_rows(j)
             blk = {}
             for name, t in self.template.tensors().items():
                 d = self._divisor(name)
                 got = saved.get(name)
-                want = (*t.shape[:2], filled // d, *t.shape[3:])
+                want = (*t.shape[:2], hi // d - lo // d, *t.shape[3:])
                 if got is None or tuple(got.shape) != want or got.dtype != t.dtype:
                     what = "missing" if got is None else f"{tuple(got.shape)} {got.dtype}"
                     raise ValueError(f"block {j} field {name!r}: {what}, the layout says {want} {t.dtype}")
                 full = torch.zeros((*t.shape[:2], cap // d, *t.shape[3:]), dtype=t.dtype, device=device)
-                full[:, :, : want[2]].copy_(got)  # the unused tail of the block stays zero
+                full[:, :, lo // d: hi // d].copy_(got)  # rows not held (before start, the unused tail) stay zero
                 blk[name] = full
             self.blocks.append(blk)
 

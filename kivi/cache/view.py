@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..backends import Backend, backend_named
 from ..quant.kv import dequantize_kv
 from .tiers import TierChain
 
@@ -140,21 +141,26 @@ def materialize(view: AttentionView, dtype: torch.dtype | None = None, *, left: 
 class PackedStates:
     """The keys or values ``KiviCache.update`` returns when attention reads packed storage.
 
-    ``view``: what attention must see of this side; ``backend``: the attention backend the cache
-    was built for (``"cpu"`` or ``"triton"``, resolved once when the cache was built), or
+    ``view``: what attention must see of this side; ``backend``: the :class:`~kivi.backends.Backend`
+    the cache was built for (``"cpu"`` or ``"triton"``, resolved once when the cache was built), or
     ``"reference"``: a materialising cache returns these instead of tensors for a forward whose
-    queries read tokens at different precisions (plain tensors cannot say that). Not a
+    queries read tokens at different precisions (plain tensors cannot say that). A name given here is
+    turned into its backend object once (:func:`kivi.backends.backend_named`). Not a
     tensor: any torch function that receives one, or a tensor attribute read on it (``.shape``:
     the model's attention is not ``"kivi"``), raises a ``TypeError`` saying how to build a cache
     that attention reads, instead of computing over the wrong tokens.
     """
 
     view: AttentionView
-    backend: str
+    backend: Backend
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, Backend):
+            object.__setattr__(self, "backend", backend_named(self.backend))
 
     def _refusal(self, what: str) -> TypeError:
         """The error for ``what`` ("<torch function> received", "attention read .<attribute> of") this object."""
-        if self.backend == "reference":
+        if not self.backend.packed:
             return TypeError(
                 f"{what} kivi PackedStates from a 'reference' KiviCache: this forward of several tokens "
                 "into a non-empty cache (chunked prefill or evaluation, a speculative verify forward) gives each "
@@ -175,7 +181,7 @@ class PackedStates:
         name = getattr(func, "__name__", repr(func))
         flat = [b for a in (*args, *(kwargs or {}).values()) for b in (a if isinstance(a, (list, tuple)) else (a,))]
         found = [a for a in flat if isinstance(a, PackedStates)]  # (torch.cat takes a list of tensors)
-        ref = [a for a in found if a.backend == "reference"]
+        ref = [a for a in found if not a.backend.packed]
         raise (ref or found)[0]._refusal(f"{name} received")
 
     def __getattr__(self, name: str):

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import PRESETS, KiviConfig
+from ..memory.weights import WEIGHT_BITS
 from .errors import CliError
 
 
@@ -202,7 +203,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="model alias (smollm2), local checkpoint folder, .gguf file or hub id (default: smollm2)")
     p.add_argument("--dtype", default=None, type=model_dtype,
                    help="float32 | bfloat16 | float16 (default: as loaded; float32 for GGUF)")
-    p.add_argument("--weight-bits", type=int, default=16, choices=(16, 8, 4),
+    p.add_argument("--weight-bits", type=int, default=16, choices=WEIGHT_BITS,
                    help="weights of the linear layers: 16 = as loaded, 8 / 4 = optimum-quanto qint8 / qint4 "
                    "(pip install 'kivi[quanto]'); docs/weight-quantization.md (default: 16)")
 

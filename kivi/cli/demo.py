@@ -120,7 +120,7 @@ def run_one(model: Any, cfg: Any, prompt: Any, cont: Any, max_new: int, chunk: i
     import torch
 
     from ..eval.caches import cache_nbytes, make_cache
-    from ..eval.stream import score_continuation
+    from ..eval.protocol import score_continuation
 
     res: dict[str, Any] = {}
     cache = make_cache(model, cfg)
@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..data import load_text
     from ..eval.progress import progress_bar
-    from ..eval.stream import token_agreement
+    from ..eval.metrics import token_agreement
 
     threads = args.threads or auto_threads(torch.get_num_threads())
     torch.set_num_threads(threads)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..memory.weights import WEIGHT_BITS
 from . import CliError
 from .common import (
     add_config_args,
@@ -55,7 +56,7 @@ def register(sub: Any) -> None:
                    "'N:M' = N sliding layers then M full ones, repeated (Gemma 3: 5:1)")
     m.add_argument("--params", type=non_negative_float, default=None, help="weight parameters (e.g. 13e9) for the fit computation")
     m.add_argument("--weights-bytes", default=None, type=byte_size, help="weight bytes instead of --params (e.g. 26GB)")
-    m.add_argument("--weight-bits", type=int, default=None, choices=(16, 8, 4),
+    m.add_argument("--weight-bits", type=int, default=None, choices=WEIGHT_BITS,
                    help="plan the weights as `--weight-bits` loads them: 16 = the model dtype, 8 / 4 = optimum-quanto "
                    "qint8 / qint4 linear layers (codes + scales); needs a model, not an explicit shape "
                    "(default: params x dtype, or --weights-bytes)")

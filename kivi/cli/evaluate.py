@@ -115,7 +115,8 @@ def _list_arg(v: str | None) -> list[str]:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from ..config import KiviConfig
     from ..eval.caches import check_spec
-    from ..eval.sweep import default_grid, pareto_plot, sweep, write_rows
+    from ..eval.report import pareto_plot, write_rows
+    from ..eval.sweep import default_grid, sweep
 
     specs: list = []
     if args.grid == "default":

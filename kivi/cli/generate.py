@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
 
             render_pick(pick, file=sys.stderr)
     quantize_model(model, cfg)
-    ids, prefix_kwargs, prefix_info = prefix_inputs(args, model, tokenizer, prompt, ids.to(model.device))
+    ids, prefix_kwargs, prefix_info, saver = prefix_inputs(args, model, tokenizer, prompt, ids.to(model.device))
     n_prompt = ids.shape[-1]
     check_context_fits(model, n_prompt + args.max_new_tokens,
                        f"the prompt ({n_prompt} tokens) + --max-new-tokens {args.max_new_tokens}")
@@ -196,8 +196,12 @@ def run(args: argparse.Namespace) -> int:
         "tokens_per_s": len(new_ids) / elapsed if elapsed > 0 else None,
         **prefix_info,
     }
+    if saver is not None:
+        result["prefix_saved"] = saver.error is None
     if args.json:
         print_json(result)
+        if saver is not None:
+            saver.check()  # a failed --save-prefix: one line after the result, exit 2
         return 0
     from ..memory import format_bytes
 
@@ -212,4 +216,6 @@ def run(args: argparse.Namespace) -> int:
         line += (f" (only {cache_tokens} tokens: they are all still in the full-precision window of "
                  f"R={cfg.residual_length}, so nothing is quantized yet; try a longer prompt)")
     print(line, file=sys.stderr)
+    if saver is not None:
+        saver.check()  # a failed --save-prefix: one line after the result, exit 2
     return 0

@@ -42,11 +42,36 @@ def check_prefix_args(args: argparse.Namespace) -> KiviConfig | None:
     return None
 
 
+class PrefixSaver:
+    """Saves the cache right after the prefill (``--save-prefix``); a failed write (a full disk, a folder
+    removed meanwhile) is kept in :attr:`error` instead of stopping the generation, so the generated text
+    is still printed and the command ends with that one line (exit 2)."""
+
+    def __init__(self, path: Path, option: str, model: Any, tokenizer: Any, ids: Any):
+        self.path, self.option, self.model, self.tokenizer, self.ids = path, option, model, tokenizer, ids
+        self.error: str | None = None
+
+    def __call__(self, cache: Any) -> None:
+        from ..prefix import save_prefix
+
+        try:
+            save_prefix(self.path, cache, self.model, self.tokenizer, self.ids)
+        except OSError as e:  # save_cache reports every failed write as an OSError (no partial file is left)
+            reason = e.strerror or (str(e).splitlines() or [type(e).__name__])[0]
+            self.error = f"--save-prefix {self.option!r} was not saved: {reason} (the generated text above is complete)"
+
+    def check(self) -> None:
+        """After the result is printed: raise the one-line error of a failed save."""
+        if self.error is not None:
+            raise CliError(self.error)
+
+
 def prefix_inputs(args: argparse.Namespace, model: Any, tokenizer: Any, prompt: str, ids: Any
-                  ) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    """``(input ids, extra generate() arguments, extra result fields)`` for the prefix options (none: unchanged)."""
+                  ) -> tuple[Any, dict[str, Any], dict[str, Any], PrefixSaver | None]:
+    """``(input ids, extra generate() arguments, extra result fields, the --save-prefix saver or None)`` for
+    the prefix options (none: unchanged). Call the saver's ``check()`` once the result is printed."""
     from ..cache.cache import KiviCache
-    from ..prefix import SaveAfterPrefill, load_prefix, save_prefix
+    from ..prefix import SaveAfterPrefill, load_prefix
 
     if args.load_prefix:
         prefix = load_prefix(Path(args.load_prefix).expanduser(), model, tokenizer)
@@ -55,13 +80,13 @@ def prefix_inputs(args: argparse.Namespace, model: Any, tokenizer: Any, prompt: 
         new = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
         full = prefix.continuation_ids(new.to(prefix.input_ids.device))
         return full, {"cache": prefix.cache}, {"prefix_file": args.load_prefix,
-                                               "prefix_tokens": prefix.input_ids.shape[-1]}
+                                               "prefix_tokens": prefix.input_ids.shape[-1]}, None
     if args.save_prefix:
         from transformers import LogitsProcessorList
 
         cache = KiviCache.from_model(model)
-        path = Path(args.save_prefix).expanduser()
-        saver = SaveAfterPrefill(cache, lambda c: save_prefix(path, c, model, tokenizer, ids))
-        return ids, {"cache": cache, "logits_processor": LogitsProcessorList([saver])}, {
-            "prefix_file": args.save_prefix, "prefix_tokens": ids.shape[-1]}
-    return ids, {}, {}
+        saver = PrefixSaver(Path(args.save_prefix).expanduser(), args.save_prefix, model, tokenizer, ids)
+        after = SaveAfterPrefill(cache, saver)
+        return ids, {"cache": cache, "logits_processor": LogitsProcessorList([after])}, {
+            "prefix_file": args.save_prefix, "prefix_tokens": ids.shape[-1]}, saver
+    return ids, {}, {}, None

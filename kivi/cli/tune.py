@@ -157,7 +157,7 @@ def bits_at_arg(text: str) -> int | None:
 def cmd_tune(args: argparse.Namespace) -> int:
     from ..config import KiviConfig
     from ..eval.candidates import candidate_grid, tiers_comparable
-    from ..eval.sweep import NoCandidateFits, parse_percent, tune
+    from ..eval.tuning import NoCandidateFits, parse_percent, tune
 
     if args.max_ppl_increase is None and args.max_bits is None:
         raise ValueError("give a budget: --max-ppl-increase 5%% and/or --max-bits 4".replace("%%", "%"))
@@ -257,7 +257,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--candidates", nargs="*", default=None, help="extra KiviConfig JSON files to consider")
     p.add_argument("--bits-at", type=bits_at_arg, default=32768,
                    help="rank and budget candidates by bits per element as the planner counts them for a float16 "
-                   "model at this many tokens (default 32k, the issue's definition; byte-exact against cache.nbytes), "
+                   "model at this many tokens (default 32k, where the window and sinks weigh little; byte-exact against cache.nbytes), "
                    "or 'eval': what the cache held at the end of an evaluation window (model dtype; the FP window "
                    "weighs a lot at 1K). Position tiers are searched only when bits are counted at no more than "
                    "--context tokens (docs/evaluation.md)")

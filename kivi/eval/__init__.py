@@ -2,7 +2,10 @@
 per-layer sensitivity, sweeps and budgeted config selection.
 
 Everything here measures a *real* cache (``KiviCache``, transformers' ``DynamicCache`` or a
-``QuantizedCache`` baseline) the way generation uses it; see :mod:`kivi.eval.stream`. The caches
+``QuantizedCache`` baseline) the way generation uses it. One job per module: :mod:`.protocol` (how a window
+goes through a cache), :mod:`.metrics` (scores), :mod:`.comparison` (specs against full precision),
+:mod:`.sweep` (grids of specs), :mod:`.tuning` (budgeted selection), :mod:`.report` (CSV, Pareto plot);
+:mod:`.stream` keeps the names it had. The caches
 themselves are built by :func:`make_cache` and measured by :func:`cache_nbytes`, the ones ``kivi
 demo`` and the benchmarks use too.
 """
@@ -12,10 +15,14 @@ demo`` and the benchmarks use too.
 _LAZY = {
     "caches": ("BASELINES", "BaselineUnavailable", "baseline_unavailable_reason", "bits_per_element", "cache_nbytes",
                "make_cache", "spec_kind", "spec_name", "synthetic_bits"),
-    "stream": ("compare", "kl_divergence", "perplexity", "score_continuation", "token_agreement"),
+    "comparison": ("compare", "kl_divergence", "perplexity"),
+    "protocol": ("score_continuation",),
+    "metrics": ("Accumulator", "token_agreement"),
     "passkey": ("passkey", "passkey_prompt"),
     "profile": ("layer_profile", "recommend_layer_config"),
-    "sweep": ("sweep", "select_config", "tune", "default_grid", "pareto_plot", "write_rows"),
+    "sweep": ("sweep", "default_grid"),
+    "tuning": ("select_config", "tune"),
+    "report": ("pareto_plot", "write_rows"),
     "candidates": ("candidate_grid",),
 }
 

@@ -2,12 +2,12 @@
 
 * **uniform widths** ``UNIFORM_WIDTHS`` x group sizes ``GROUP_SIZES`` x sinks ``SINKS`` (0 and 4 sink
   tokens: the sinks cost 4 full-precision tokens per layer, nothing at long context, and helped
-  every config measured, results/README.md; 0 is there so that tune measures rather than assumes it);
+  every config measured, docs/evaluation-results.md; 0 is there so that tune measures rather than assumes it);
 * **per-layer key upgrades** (given a ``kivi profile --json`` layer profile): 2/2 with the 2/4/8 most
   sensitive layers' keys at 4 bits;
 * **per-head widths** (given a head profile, :func:`kivi.eval.head_profile.head_profile`): from each
   base of ``HEAD_BASES`` (K2V2, K3V2, K3V3 and K4V2, 4 sink tokens; K3V2 / K3V3 + widened heads were the
-  best mixes near 4.3 bits in results/pareto12_screen43_w24_4w.json and results/pareto12b_20w.json), the head-sides that pay most widened to 4 bits
+  best mixes near 4.3 bits in results/quality/pareto12_screen43_w24_4w.json and results/quality/pareto12b_20w.json), the head-sides that pay most widened to 4 bits
   at budgets ``HEAD_STEPS`` bits per element above the base (and at any extra budget asked for, e.g.
   ``--max-bits``), counted by the planner for a float16 model (:func:`recommend_head_bits`);
 * **position tiers** ``tier_candidates``: 128 FP / 256 at 4 bits / the rest at 2 bits (K4V4 and K4V2
@@ -34,7 +34,7 @@ HEAD_GROUP_SIZES = (32, 64)
 HEAD_STEPS = (0.125, 0.25, 0.5, 0.75)
 HEAD_UPGRADE = 4
 TIER_MIDDLE = 256
-PLANNER_TOKENS = 32768  # the issue's bits per element: planner, float16 model, 32K tokens
+PLANNER_TOKENS = 32768  # bits per element as the planner counts them: float16 model, 32K tokens
 
 
 def uniform_candidates(group_sizes: Sequence[int] = GROUP_SIZES, sinks: Sequence[int] = SINKS) -> list[KiviConfig]:

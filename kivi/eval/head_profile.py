@@ -13,13 +13,13 @@ exact), attention of the head's query heads is recomputed for the scored queries
 the share of the layer's attention output that quantizing this one head-side perturbs. It costs one
 forward per window (no forward per candidate: a (layer x head) KL profile of SmolLM2 would need 90
 evaluation passes); it is a proxy, ranked per head within and across layers, and the choices it makes
-are then measured end to end (``benchmarks/per_head_study.py``, docs/per-head.md).
+are then measured end to end (``studies/per_head_study.py``, docs/per-head.md).
 
 :func:`recommend_head_bits` turns a profile into a config within a bit budget: starting from ``base``,
 it widens the head-sides (or, ``granularity="layer"``, whole layer-sides: the per-layer mix at the
 same budget) with the largest error reduction per byte, as long as the planner
-(:func:`kivi.memory.estimate.estimate_kv_memory`, the issue's definition: float16 model at
-``context`` tokens) keeps bits per element within ``max_bits``.
+(:func:`kivi.memory.estimate.estimate_kv_memory` for a float16 model at ``context`` tokens) keeps bits
+per element within ``max_bits``.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def head_profile(model: Any, windows: torch.Tensor, base: KiviConfig | None = No
 
 
 def bits_per_element(spec: Any, cfg: KiviConfig, context: int | str = 32768) -> float:
-    """The issue's bits per element: the planner's cache bytes for a float16 model at ``context`` tokens,
+    """Bits per element as the planner counts them: its cache bytes for a float16 model at ``context`` tokens,
     over 2 x layers x kv heads x head_dim x tokens."""
     from ..memory.estimate import estimate_kv_memory
 

@@ -20,7 +20,7 @@ import torch
 
 from ..config import KiviConfig
 from .caches import kv_geometry, synthetic_bits
-from .stream import compare
+from .comparison import compare
 
 
 def only_layer_config(base: KiviConfig, layer: int) -> KiviConfig:

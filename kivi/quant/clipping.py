@@ -20,7 +20,7 @@ increases a group's squared error over min/max. The error is accumulated element
 order (``G - 1`` vectorised additions over all groups and candidates) so that the compiled
 per-token quantizer (:mod:`kivi.quant.fused_cpu`) reproduces the choice bit for bit.
 
-Measured on SmolLM2 (results/quality12_screen.md): K2V2 +97.5 % -> +80.9 / +84.1 % perplexity in the
+Measured on SmolLM2 (results/quality/quality12_screen.md): K2V2 +97.5 % -> +80.9 / +84.1 % perplexity in the
 fake-quantization screen; see docs/quality.md for the real-cache numbers.
 """
 

@@ -8,7 +8,7 @@ import torch
 
 from kivi import KiviCache, KiviConfig, quantize_model
 from kivi.cache.heads import HeadSplitLayer
-from tests.helpers import tiny_model
+from tests.helpers import LOGIT_ATOL, assert_decode_close, tiny_model
 
 # 6 query heads over 3 kv heads (GQA 2), head_dim 32: head groups with 1 and 2 kv heads.
 MODEL = dict(hidden_size=192, head_dim=32, num_attention_heads=6, num_key_value_heads=3)
@@ -73,13 +73,9 @@ def test_greedy_generate_identical_reference_and_cpu():
     ids = torch.randint(1, 128, (2, 45))
     mask = torch.ones_like(ids)
     mask[0, :5] = 0
-    kw = dict(max_new_tokens=20, do_sample=False, attention_mask=mask, pad_token_id=0)
-    outs = []
-    for backend in ("reference", "cpu"):
-        model = quantize_model(tiny_model(**MODEL), KiviConfig(**CFG, sink_tokens=3, attention_backend=backend))
-        with torch.no_grad():
-            outs.append(model.generate(ids, **kw))
-    assert torch.equal(outs[0], outs[1])
+    ref, fast = (quantize_model(tiny_model(**MODEL), KiviConfig(**CFG, sink_tokens=3, attention_backend=b))
+                 for b in ("reference", "cpu"))
+    assert_decode_close(fast, ref, ids, new_tokens=20, atol=LOGIT_ATOL[torch.float32], mask=mask, pad_token_id=0)
 
 
 def test_bf16_model_close_to_reference():

@@ -1,11 +1,14 @@
-"""Real model: greedy tokens identical between the "cpu" and "reference" backends (slow)."""
+"""Real model: greedy decoding of the "cpu" and "reference" backends agrees (slow): logits within a
+tolerance at every step, tokens equal up to a near-tie (the two backends sum in different orders)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kivi import KiviConfig, dequantize_model, quantize_model
+from tests.helpers import assert_greedy_close, greedy
+
+SMOLLM2_ATOL = 2e-3  # float32; SmolLM2's logits reach ~40, the backends differ by ~1e-4
 
 
 @pytest.mark.slow
@@ -18,8 +21,7 @@ def test_smollm2_greedy_cpu_equals_reference(smollm2, preset):
     try:
         for backend in ("reference", "cpu"):
             quantize_model(model, KiviConfig.preset(preset, attention_backend=backend))
-            with torch.no_grad():
-                outs[backend] = model.generate(ids, max_new_tokens=40, do_sample=False)
+            outs[backend] = greedy(model, ids, new_tokens=40)
     finally:
         dequantize_model(model)
-    assert torch.equal(outs["cpu"], outs["reference"])
+    assert_greedy_close(outs["cpu"], outs["reference"], atol=SMOLLM2_ATOL)

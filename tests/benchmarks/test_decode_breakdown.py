@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
-
 
 from kivi import KiviCache, KiviConfig, quantize_model
 from tests.helpers import tiny_model
 
 _DIR = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(_DIR))  # decode_breakdown imports bench_decode from its own folder
 spec = importlib.util.spec_from_file_location("decode_breakdown", _DIR / "decode_breakdown.py")
 db = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(db)

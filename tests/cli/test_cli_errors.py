@@ -1,4 +1,4 @@
-"""Issue 15, items 5 and 8: bad input on every subcommand is one line naming the option and the
+"""Bad input on every subcommand is one line naming the option and the
 value, exit 2 — never a traceback; Ctrl-C, a closed stdout and a closed pipe are handled quietly.
 
 In-process through ``kivi.cli.main`` where that is the same code path; in a subprocess where the

@@ -1,4 +1,4 @@
-"""Issue 15, item 6: files the CLI writes are checked before the work; a write that still fails at
+"""Files the CLI writes are checked before the work; a write that still fails at
 the end prints the result on stdout and one error line (exit 2) — a computed result is never dropped."""
 
 from __future__ import annotations

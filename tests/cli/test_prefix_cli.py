@@ -103,3 +103,122 @@ def test_prefix_errors_are_one_line(folders, tmp_path, capsys):
                                               "--load-prefix", str(f), "--prompt", "w3")
     assert "not allowed with argument" in _main_error(capsys, "generate", "--prompt", "w3", "--load-prefix", str(f),
                                                       "--save-prefix", str(f))
+
+
+def _full_disk(monkeypatch):
+    """safetensors' writer failing as it does on a full disk (its own error type, errno 28 in the text)."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+
+
+@pytest.mark.parametrize("json_out", [True, False], ids=["json", "text"])
+def test_save_prefix_on_a_full_disk_prints_the_result_then_one_line(folders, tmp_path, capsys, monkeypatch,
+                                                                    json_out):
+    from kivi.cli import main
+
+    model_dir, _, doc = folders
+    args = ["generate", "--model", str(model_dir), "--prompt-file", str(doc), "--raw", *QUANT,
+            "--max-new-tokens", "6", *(["--json"] if json_out else [])]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    _full_disk(monkeypatch)
+    f = tmp_path / "doc.kivi"
+    assert main([*args, "--save-prefix", str(f)]) == 2
+    out, err = capsys.readouterr()
+    if json_out:  # the whole result, saying the prefix was not saved
+        got, want = json.loads(out), json.loads(plain)
+        assert got["tokens"] == want["tokens"] and got["text"] == want["text"] and got["prefix_saved"] is False
+    else:  # the streamed text, as without the option
+        assert out == plain and out.strip()
+    lines = [line for line in err.splitlines() if line.startswith("kivi")]
+    assert lines == [f"kivi generate: error: --save-prefix {str(f)!r} was not saved: No space left on device (the generated "
+                     "text above is complete)"]
+    assert "Traceback" not in err and list(tmp_path.iterdir()) == []  # no partial file
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A real 8 KiB file system (tmpfs; needs root, skipped otherwise), unmounted afterwards."""
+    import os
+    import subprocess
+
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(mnt)],
+                                           capture_output=True, check=False).returncode:
+        pytest.skip("a tiny tmpfs needs root (mount -t tmpfs)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_save_prefix_on_a_real_full_disk(folders, tiny_tmpfs):
+    model_dir, _, doc = folders
+    f = tiny_tmpfs / "doc.kivi"
+    p = kivi("generate", "--model", str(model_dir), "--prompt-file", str(doc), "--raw", *QUANT,
+             "--max-new-tokens", "6", "--json", "--save-prefix", str(f))
+    assert p.returncode == 2, p.stderr
+    assert json.loads(p.stdout)["prefix_saved"] is False and json.loads(p.stdout)["new_tokens"] == 6
+    assert [line for line in p.stderr.splitlines() if line.startswith("kivi")] == [
+        f"kivi generate: error: --save-prefix {str(f)!r} was not saved: No space left on device (the generated text above "
+        "is complete)"]
+    assert list(tiny_tmpfs.iterdir()) == []
+
+
+@pytest.mark.parametrize("extra", [dict(tiers=[(32, None), (64, (4, 4)), (None, 2)]),
+                                   dict(head_bits={0: {"k_bits": [4, 2], "v_bits": [2, 4]}})],
+                         ids=["tiers", "per-head"])
+def test_save_prefix_saves_tiers_and_per_head_widths(folders, tmp_path, capsys, extra):
+    """A tiered or per-head configuration saves with --save-prefix and --load-prefix continues from it."""
+    from kivi.cli import main
+    from kivi.config import KiviConfig
+
+    model_dir, _, doc = folders
+    cfg = tmp_path / "cfg.json"
+    KiviConfig(k_bits=4, v_bits=4, group_size=16, residual_length=32, **extra).to_json(cfg)
+    f = tmp_path / "p.kivi"
+    assert main(["generate", "--model", str(model_dir), "--prompt-file", str(doc), "--raw", "--config", str(cfg),
+                 "--max-new-tokens", "2", "--json", "--save-prefix", str(f)]) == 0
+    saved = json.loads(capsys.readouterr().out)
+    assert f.is_file() and saved["prefix_tokens"] == 150
+    assert main(["generate", "--model", str(model_dir), "--load-prefix", str(f), "--prompt", "w5 w6",
+                 "--max-new-tokens", "2", "--json"]) == 0
+    loaded = json.loads(capsys.readouterr().out)
+    assert loaded["prefix_tokens"] == 150 and loaded["config"] == saved["config"]
+
+
+def test_forged_prefix_files_are_one_line(folders, tmp_path, capsys):
+    """A file whose checksums were recomputed after forging: NaNs in a window, a tensor retyped, a layer dtype."""
+    from kivi.cli import main
+    from tests.cache.test_persist_fuzz import read_parts, write_parts
+
+    model_dir, _, doc = folders
+    f = tmp_path / "p.kivi"
+    assert main(["generate", "--model", str(model_dir), "--prompt-file", str(doc), "--raw", *QUANT,
+                 "--max-new-tokens", "1", "--json", "--save-prefix", str(f)]) == 0
+    capsys.readouterr()
+
+    def nan_window(h, meta, p):
+        lo, hi = h["layer0.parts.0.k.window"]["data_offsets"]
+        return p[:lo] + b"\xff" * (hi - lo) + p[hi:]  # all NaN
+
+    def retyped(h, meta, p):
+        h["layer1.parts.0.v.window"]["dtype"] = "I32"
+
+    def dtype(h, meta, p):
+        meta["cache"]["layers"][1]["dtype"] = "complex64"
+
+    for fn, want in ((nan_window, "tensor layer0.parts.0.k.window: found 2176 non-finite values, expected finite values only"),
+                     (retyped, "tensor layer1.parts.0.v.window: found int32 [1, 2, 32, 32], expected float32"),
+                     (dtype, "cache.layers[1].dtype: found 'complex64', expected one of")):
+        header, meta, payload = read_parts(f)
+        out = tmp_path / f"{fn.__name__}.kivi"
+        write_parts(out, header, meta, fn(header, meta, payload) or payload)
+        line = _main_error(capsys, "generate", "--model", str(model_dir), "--load-prefix", str(out), "--prompt", "w3")
+        assert want in line, line

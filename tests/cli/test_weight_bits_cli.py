@@ -56,3 +56,14 @@ def test_load_model_from_args_quantizes_the_weights(monkeypatch, bits):
     assert getattr(model, "kivi_weight_bits", 16) == bits
     with torch.inference_mode():
         assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+
+
+def test_weight_bits_choices_are_the_librarys():
+    """Every ``--weight-bits`` offers the library's list (kivi.memory.weights.WEIGHT_BITS), not a copy."""
+    from kivi.cli import build_parser
+    from kivi.memory.weights import WEIGHT_BITS
+
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    found = [a for sp in subs.choices.values() for a in sp._actions if "--weight-bits" in a.option_strings]
+    assert found and all(a.choices is WEIGHT_BITS for a in found)

@@ -68,7 +68,7 @@ def test_fast_equals_reference(peaked_model, odd_windows):
 def test_progress_bar_names_config_and_window(peaked_model, odd_windows, monkeypatch):
     seen = []
 
-    import kivi.eval.stream as stream
+    import kivi.eval.comparison as stream  # compare() runs the bar
 
     monkeypatch.setattr(stream, "progress_bar", recording_bar(seen))
     compare(peaked_model, odd_windows, [CONFIGS[0]], prefix=61, chunk=16)
@@ -87,3 +87,18 @@ def test_tune_fast_picks_as_reference_and_stops_early(peaked_model, model_text):
     two_bit = [r for r in fast["evaluated"] if r["name"] == cands[0].describe()][0]
     assert "stopped_early" in two_bit and two_bit["windows"] == 1  # far over 2 x 2 %: one window was enough
     assert "stopped_early" not in slow["evaluated"][0] and slow["evaluated"][0]["windows"] == 2
+
+
+def test_eval_modules_import_no_private_names_of_each_other():
+    """Each evaluation module uses its siblings' public names only (the accumulator is ``metrics.Accumulator``)."""
+    import ast
+    from pathlib import Path
+
+    import kivi.eval
+
+    found = []
+    for path in Path(kivi.eval.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                found += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    assert found == []

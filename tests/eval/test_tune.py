@@ -80,7 +80,7 @@ def test_per_head_candidates_come_from_a_profile_of_other_windows(peaked_model, 
 def test_progress_names_the_fp_reference_and_each_candidate(peaked_model, windows, monkeypatch):
     seen = []
 
-    import kivi.eval.sweep as sweep
+    import kivi.eval.tuning as sweep  # tune() runs the bar
 
     monkeypatch.setattr(sweep, "progress_bar", recording_bar(seen))
     tune(peaked_model, windows, [A, B], max_bits=1e6, prefix=64, chunk=16)

@@ -90,3 +90,12 @@ def test_invalid_candidates_are_skipped_with_the_reason():
     p = config_for_budget(spec, "1GiB", 512)
     bad = [c for c in p.considered if "invalid" in c]
     assert [c["name"] for c in bad] == ["K2V2 G64"] and "group_size" in bad[0]["invalid"]
+
+
+def test_ladder_reads_the_presets_from_the_config():
+    """The presets on the ladder are KiviConfig's preset table itself, not a copy of its fields."""
+    from kivi.config import PRESETS
+
+    rungs = {name: fields for name, fields, _ in QUALITY_LADDER}
+    for name in ("high", "balanced", "extreme"):
+        assert rungs[name] is PRESETS[name]

@@ -7,12 +7,11 @@ import numba).
 
 Threads: both entry points run the same split-K tasks, ``prange`` on numba's pool or serially on
 the calling thread; :func:`fused_decode_attention` takes the serial one below :data:`SERIAL_BELOW`
-``batch x kv heads x kv positions`` (measured) or as told by ``threaded=``. ``NUMBA_NUM_THREADS``
+``batch x kv heads x kv positions`` or as told by ``threaded=``. ``NUMBA_NUM_THREADS``
 / ``numba.set_num_threads`` size the pool and ``NUMBA_THREADING_LAYER`` picks it (numba's default
-order: tbb, omp, workqueue). Measured on the 2-core development machine with torch matmuls between
-calls (as in a decoder): the ``omp`` pool 1.15-1.9x faster than serial from 3K units, the
-``workqueue`` pool slower than serial at every size (0.68-0.94x). With other processes busy on the
-cores, ``omp``'s spinning threads can lose; set the variable then.
+order: tbb, omp, workqueue). Between torch matmuls (as in a decoder) the ``omp`` pool beats the
+calling thread from 3K units and the ``workqueue`` pool never does (docs/results.md). With other
+processes busy on the cores, ``omp``'s spinning threads can lose; set the variable then.
 
 Python threads (e.g. one ``generate()`` per thread, one ``KiviCache`` each): numba's ``tbb`` and
 ``omp`` layers accept parallel calls from several threads at once, ``workqueue`` does not (it aborts
@@ -33,8 +32,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ...backends import CpuBackend
 from ...optional import numba_available
 from ...quant.fused_cpu import warmup as _warmup_quantizer
+from ...quant.primitives import SUPPORTED_BITS
 from ..reference import view_geometry
 from .tables import heads_table, side_table, valid_row
 
@@ -44,17 +45,18 @@ if TYPE_CHECKING:
 
 _ALL_VALID = np.ones((1, 1), dtype=np.bool_)  # the kernel's mask argument when there is no mask
 
-#: Code widths the kernel reads: 1, 2, 4, 8 bits as codes packed in bytes, 3 bits as runs of 8 codes in
-#: 3 bytes (:func:`.kernel._row_layout`). A width outside this tuple goes to the blocked path.
-KERNEL_BITS = (1, 2, 3, 4, 8)
+#: Code widths the kernel reads: every width of ``SUPPORTED_BITS`` (kivi/quant/primitives.py, the one
+#: list): 1, 2, 4, 8 bits as codes packed in bytes, 3 bits as runs of 8 codes in 3 bytes
+#: (:func:`.kernel._row_layout`). What it cannot read: :meth:`kivi.backends.CpuBackend.format_reasons`.
+KERNEL_BITS = SUPPORTED_BITS
 
 
 def _kernel():
     """The :mod:`.kernel` module: imports numba and compiles (or loads) the entry points on first use.
 
-    Loading the threaded entry starts numba's OpenMP layer, which resets the shared OpenMP thread
-    count, so torch's thread count (``torch.set_num_threads``) is put back as it was (measured: 1
-    became 2, and oversubscribed threads made decoding several times slower).
+    Loading the threaded entry starts numba's OpenMP layer, which sets the shared OpenMP thread count
+    to numba's, so torch's thread count (``torch.set_num_threads``) is put back as it was: more CPU
+    threads than the caller asked for oversubscribe the cores and slow decoding several times.
     """
     kernel = sys.modules.get(f"{__package__}.kernel")
     if kernel is None:
@@ -81,14 +83,16 @@ def _np(t: torch.Tensor):
 
 
 def fused_decode_supported(q: torch.Tensor, k_view: AttentionView, v_view: AttentionView,
-                           attention_mask: torch.Tensor | None = None) -> bool:
+                           attention_mask: torch.Tensor | None = None, *, formats_checked: bool = False) -> bool:
     """Whether :func:`fused_decode_attention` handles this call (numba present, n == 1, formats).
 
     One query reads every token at one precision: a per-query boundary (``fp_from``) exists only for
     ``n > 1`` (:func:`kivi.cache.schedule.query_boundaries`), so it never reaches the kernel; a view
     that carries one anyway is refused here rather than read at the wrong precision.
+    ``formats_checked``: the stored formats are known to be ones the kernel reads (decided once for the
+    cache's config: :attr:`kivi.backends.CpuBackend.kernel_reads_layouts`), so they are not scanned.
     """
-    return (_query_supported(q, attention_mask) and _views_supported(k_view, v_view)
+    return (_query_supported(q, attention_mask) and _views_supported(k_view, v_view, formats_checked)
             and q.shape[1] % k_view.fp.shape[1] == 0)
 
 
@@ -108,26 +112,25 @@ def _query_supported(q: torch.Tensor, attention_mask: torch.Tensor | None) -> bo
     return True
 
 
-def _views_supported(k_view: AttentionView, v_view: AttentionView) -> bool:
+def _views_supported(k_view: AttentionView, v_view: AttentionView, formats_checked: bool = False) -> bool:
     """The views part of :func:`fused_decode_supported`: no per-query boundary, formats the kernel reads."""
     if k_view.fp_from is not None or v_view.fp_from is not None:
         return False
+    if formats_checked:
+        return True
     for view in (k_view, v_view):
         for store in (view.store.stores if view.tiered else (view.store,)):  # position tiers: every width
             if view.quantized and store.template is not None:
                 t = store.template
-                if t.bits not in KERNEL_BITS:
+                if CpuBackend.format_reasons(t.bits, t.axis, t.group_size):
                     return False
-                if t.axis == "token" and t.group_size % 4:
-                    return False  # the kernel reads value channels 4 at a time, within one group
     return True
 
 
-#: Below this many ``batch x kv heads x kv positions`` a call runs on the calling thread only.
-#: Measured on the idle 2-core development machine with ``benchmarks/bench_fused_threads.py``
-#: (omp pool, a torch matmul before each call, medians of 30, 9q/3kv heads, D=64, 2-bit):
-#: serial / threaded = 0.89-1.01 at 1.5K units, 1.15-1.19 at 3K, 1.2-1.35 at 6K-12K, 1.4-1.9 from
-#: 24K (B=1 and B=4 alike; ``results/bench_fused_threads.txt``).
+#: Below this many ``batch x kv heads x kv positions`` a call runs on the calling thread only: smaller
+#: calls do not pay for waking numba's pool (serial / threaded is ~1.0 at 1.5K units and 1.15 from 3K on
+#: a 2-core CPU, omp pool, SmolLM2 shapes; ``studies/fused_threads.py``,
+#: ``results/attention/bench_fused_threads.txt``).
 SERIAL_BELOW = 3072
 
 
@@ -136,7 +139,7 @@ def _use_threads(batch: int, hkv: int, kv_len: int) -> bool:
     return batch * hkv * kv_len >= SERIAL_BELOW
 
 
-def _chunk_tokens(ntok: int, tasks_bh: int, threads: int) -> int:
+def _chunk_tokens(ntok: int, tasks_bh: int, threads: int, sub: int | None = None) -> int:
     """Tokens per split-K task: at least 2 tasks per thread, a task count divisible by ``threads``.
 
     numba's ``prange`` (omp layer) hands each thread an equal contiguous share of the tasks, so a
@@ -145,7 +148,7 @@ def _chunk_tokens(ntok: int, tasks_bh: int, threads: int) -> int:
     (3 + 3). Chunks are multiples of 64 tokens (whole key groups of 32 or 64 tokens) and at least
     one step of the kernel (:data:`.kernel.SUB` tokens).
     """
-    SUB = _kernel().SUB
+    SUB = _kernel().SUB if sub is None else sub  # the caller's kernel module gives it: one lookup per call
     tasks_bh = max(tasks_bh, 1)
     want = max(1, -(-2 * threads // tasks_bh))
     for extra in range(threads):  # smallest count >= want whose total divides evenly
@@ -207,15 +210,18 @@ def fused_decode_attention(
 
 
 def fused_decode_heads_supported(q: torch.Tensor, k_views: HeadViews, v_views: HeadViews,
-                                 attention_mask: torch.Tensor | None = None) -> bool:
+                                 attention_mask: torch.Tensor | None = None, *, formats_checked: bool = False) -> bool:
     """Whether :func:`fused_decode_heads` handles this call: every head group's views qualify for
-    :func:`fused_decode_supported` (with that group's query heads) and the groups share a group size."""
+    :func:`fused_decode_supported` (with that group's query heads) and the groups share a group size
+    (``formats_checked``: as for :func:`fused_decode_supported`; one layer's groups share its group size)."""
     hkv = k_views.groups[-1].stop
     if q.dim() != 4 or q.shape[1] % hkv or not _query_supported(q, attention_mask):
         return False
     # each group's query heads, (stop - start) * Hq / Hkv, are a multiple of its kv heads
-    if not all(_views_supported(kv, vv) for kv, vv in zip(k_views.views, v_views.views)):
+    if not all(_views_supported(kv, vv, formats_checked) for kv, vv in zip(k_views.views, v_views.views)):
         return False
+    if formats_checked:
+        return True
     sizes = {view.store.template.group_size for side in (k_views, v_views) for view in side.views
              if view.quantized and not view.tiered and view.store.template is not None}
     return len(sizes) <= 1
@@ -277,7 +283,7 @@ def _decode(q, kside, vside, kv_len: int, hkv: int, dv: int, keep: list, *, scal
     if threaded:
         import numba  # loaded with the kernel
 
-        chunk = _chunk_tokens(kv_len, B * hkv, numba.get_num_threads())
+        chunk = _chunk_tokens(kv_len, B * hkv, numba.get_num_threads(), kernel.SUB)
     else:
         chunk = kv_len
     args = (q32, kd, vd, prm, valid_np, int(has_mask), np.float32(scaling), hkv, kv_len, chunk,
