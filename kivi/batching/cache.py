@@ -38,7 +38,8 @@ from transformers.generation.continuous_batching.cache_allocators import FULL_AT
 from transformers.generation.continuous_batching.requests import RequestState as HFRequestState
 from transformers.generation.continuous_batching.requests import RequestStatus
 
-from ..cache.schedule import flush_count, prefill_exact_queries, query_boundaries, sink_take, window_exits
+from ..cache.boundary import SideCounts, set_boundary
+from ..cache.schedule import flush_count, prefill_exact_queries, sink_take
 from ..cache.view import AttentionView
 from ..optional import numba_available
 from ..quant.kv import dequantize_kv, quantize_kv
@@ -353,24 +354,15 @@ class KiviPagedCache(PagedAttentionCache):
     def _set_boundary(view: AttentionView, side: str, cfg: Any, pending: torch.Tensor, window: int, q: int,
                       past: int, sink: int) -> None:
         """Give one request's ``view`` the per-query boundary of its ``q`` new tokens, as
-        :class:`kivi.cache.KiviLayer` does (:func:`kivi.cache.schedule.query_boundaries`): query ``i`` reads
+        :class:`kivi.cache.KiviLayer` does (:func:`kivi.cache.boundary.set_boundary`): query ``i`` reads
         the tokens one-token decoding would have moved out of the window by its step as they are once
         moved (``view.left``: sink tokens exact, stored tokens quantized and dequantized — bit-identical
         to what the pages then hold). A forward into an empty request (``past == 0``: a prompt's first
         chunk) is an exact prefill (no boundary). ``pending [H, window + q, D]``: window + new tokens."""
-        if q <= 1:
-            return
-        args = (cfg.residual_length, cfg.group_size, sink, cfg.sink_tokens)
-        bounds = query_boundaries(AXIS[side], window, q, *args, exact=prefill_exact_queries(past, q, None))
-        if bounds is None:
-            return
-        take, stored = window_exits(AXIS[side], window + q - 1, *args)  # the last query's exits
-        parts = [pending[:, :take]] if take else []
-        if stored:
-            seg = _quantize(cfg, side, pending[:, take: take + stored])
-            parts.append(dequantize_kv(seg, pending.dtype)[0])
-        view.left = (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).unsqueeze(0)  # [1, H, M, D]
-        view.fp_from = tuple(view.split + b for b in bounds)
+        counts = SideCounts(AXIS[side], cfg.residual_length, cfg.group_size, sink, cfg.sink_tokens)
+        x = pending.unsqueeze(0)  # [1, H, window + q, D]: the layout the boundary reads
+        set_boundary(view, counts, x, q, prefill_exact_queries(past, q, None),
+                     lambda lo, hi: _quantize(cfg, side, pending[:, lo:hi]))
 
 
 def _quantize(cfg: Any, side: str, x: torch.Tensor):

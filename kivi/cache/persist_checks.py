@@ -4,10 +4,11 @@ A prefix file (:mod:`kivi.cache.persist`) carries a sha256 of its metadata and o
 anyone can recompute those: they catch damage, not a forged file. So the loader trusts no size the
 file states. From the configuration (the caller's, or the file's when none is given), the model's
 shape where known and the file's token counts (checked against each other and against the cache's
-schedule, :mod:`kivi.cache.schedule`), :func:`expected_tensors` derives the name, dtype and shape of
-every tensor the file must hold; :func:`check_tensor_table` compares the file's safetensors table
-with it before a byte is read; :func:`check_allocation` bounds what the built cache allocates beyond
-the file's own bytes (the unused tail of each side's last block, less than ``block_size`` tokens);
+schedule, :mod:`kivi.cache.schedule`), :mod:`kivi.cache.persist_plan` derives the name, dtype and
+shape of every tensor the file must hold; :func:`check_tensor_table` compares the file's safetensors
+table with it before a byte is read; :func:`check_allocation` bounds what the built cache allocates
+beyond the file's own bytes (block rows the file does not hold: the unused tail of a side's last block,
+the rows before a store's start in its first block held);
 :func:`check_values` refuses non-finite floats, non-boolean masks and token ids outside the
 vocabulary. Every failure is a :class:`PrefixFileError` with one line naming the file, the field,
 what was found and what was expected.
@@ -21,10 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from ..quant.kv import token_divisor
-from .schedule import layer_sink_tokens, side_tokens, sliding_cut
-from .store import FpSegment
 
 #: safetensors dtype names -> torch dtypes (the ones a prefix file may hold).
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -57,26 +54,6 @@ class TensorSpec:
 
     def describe(self) -> str:
         return f"{dtype_name(self.dtype)} [{', '.join('?' if n is None else str(n) for n in self.shape)}]"
-
-
-@dataclass(frozen=True)
-class SidePlan:
-    """One side of one layer as the file's counts say, checked: what the loader builds."""
-
-    origin: int  # first stored position (the sink's length; 0 for an unquantized side)
-    length: int  # store.length
-    start: int  # store.start (after sliding-window evictions)
-    starts: tuple[int, ...]
-    caps: tuple[int, ...]
-    present: tuple[bool, ...]
-    template: Any  # a zero-token segment for B=1, H=1 (PackedKV / FpSegment) or None
-    window: int  # tokens in the full-precision window
-    sink: int
-    window_valid: bool
-    stored_valid: int | None  # columns of the stored keys' padding mask (None: no mask)
-
-    def filled(self, j: int) -> int:
-        return max(0, min(self.caps[j], self.length - self.starts[j]))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -203,172 +180,10 @@ def cache_dims(table: dict[str, TensorSpec], known: dict[str, int | None], meta:
     if dims["batch"] is None and ids is not None and len(ids.shape) == 2:  # a cache holding no tensor yet
         dims["batch"] = ids.shape[0]
     if dims.get("head_dim") is None:  # only packed blocks hold channels: their template names head_dim
-        for lm in meta.get("layers") if isinstance(meta.get("layers"), list) else []:
-            for label in ("k", "v"):
-                sm = lm.get(label) if isinstance(lm, dict) else None
-                st = sm.get("store") if isinstance(sm, dict) else None
-                tm = st.get("template") if isinstance(st, dict) else None
-                if isinstance(tm, dict) and _is_int(tm.get("head_dim")) and tm["head_dim"] > 0:
-                    dims["head_dim"] = tm["head_dim"]
+        for tm in _templates_in(meta):
+            if _is_int(tm.get("head_dim")) and tm["head_dim"] > 0:
+                dims["head_dim"] = tm["head_dim"]
     return dims
-
-
-def _template(path: Path, layer: Any, side: Any, dtype: torch.dtype, head_dim: int, where: str) -> Any:
-    """The zero-token segment this side stores (B=1, H=1): quantized by the layer's own rule, so dtypes and
-    trailing shapes come from the code that writes them, never from the file."""
-    cfg = layer.config
-    if not side.quantize:
-        return FpSegment(torch.empty((1, 1, 0, head_dim), dtype=dtype))  # what KiviLayer stores unquantized
-    try:
-        seg = layer._quantize(side, torch.zeros((1, 1, cfg.group_size, head_dim), dtype=dtype), None)
-    except ValueError as e:  # e.g. group_size does not divide head_dim
-        raise PrefixFileError(f"{path}: {where}: this configuration cannot store head_dim={head_dim}: {e}") from None
-    return seg.with_tensors(**{k: t[:, :, :0] for k, t in seg.tensors().items()})
-
-
-def template_meta(template: Any, batch: int | None = None, heads: int | None = None) -> dict[str, Any]:
-    """What a prefix file records of a store's template (its fields for ``batch`` x ``heads``, by default
-    the template's own): the saver writes it, the loader compares it with the one it derives."""
-    fields = {k: {"dtype": dtype_name(t.dtype),
-                  "shape": [t.shape[0] if batch is None else batch, t.shape[1] if heads is None else heads,
-                            *t.shape[3:]]}
-              for k, t in template.tensors().items()}
-    if isinstance(template, FpSegment):
-        return {"kind": "fp", "axis": template.axis, "group_size": template.group_size, "fields": fields}
-    return {"kind": "packed", "bits": template.bits, "group_size": template.group_size, "axis": template.axis,
-            "head_dim": template.head_dim, "residual_bits": template.residual_bits, "fields": fields}
-
-
-def plan_side(path: Path, r: _Reader, sm: dict[str, Any], layer: Any, side: Any, seen: int, due: bool,
-              dtype: torch.dtype | None, dims: dict[str, int | None], table: dict[str, TensorSpec],
-              where: str) -> SidePlan:
-    """Check one side's metadata against the configuration and the schedule; what the loader builds."""
-    cfg = layer.config
-    flags = {f: r.get(sm, f, where, "bool") for f in ("window", "window_valid", "sink", "stored_valid")}
-    st = r.get(sm, "store", where, "dict")
-    sw = f"{where}.store"
-    block_size = r.get(st, "block_size", sw, "int", minimum=1)
-    if block_size != cfg.block_size:
-        raise fail(path, f"{sw}.block_size", block_size, f"{cfg.block_size} (the configuration's block_size)")
-    length, start = r.get(st, "length", sw, "int"), r.get(st, "start", sw, "int")
-    starts, caps, present = r.get(st, "starts", sw, "ints"), r.get(st, "caps", sw, "ints"), r.get(st, "present", sw, "bools")
-    if not len(starts) == len(caps) == len(present):
-        raise fail(path, f"{sw}.starts/caps/present", [len(starts), len(caps), len(present)], "three lists of one length")
-    if length > seen:
-        raise fail(path, f"{sw}.length", length, f"at most the {seen} tokens the layer has seen")
-    sink_cap = layer_sink_tokens(cfg.sink_tokens, layer.sliding_window) if side.quantize else 0
-    sink = min(sink_cap, length) if sink_cap else 0
-    if flags["sink"] != (sink > 0):
-        raise fail(path, f"{where}.sink", flags["sink"], f"{sink > 0} (store length {length}, sink_tokens {sink_cap})")
-    origin = sink
-    if not start >= origin or start > length:
-        raise fail(path, f"{sw}.start", start, f"between the first stored position {origin} and the length {length}")
-    if start > origin and layer.sliding_window is None:
-        raise fail(path, f"{sw}.start", start, f"{origin} (only sliding-window layers drop tokens)")
-    if start > origin:  # dropped at the start of a forward, up to the cut of the tokens before it
-        cut = sliding_cut(seen - 1, layer.sliding_window, cfg.residual_length, cfg.group_size, block_size)
-        if start > cut or (start % block_size and start != length):
-            raise fail(path, f"{sw}.start", start, f"a multiple of block_size {block_size} (or the length {length}) "
-                                                    f"up to {cut}, the sliding window's cut")
-    if sink_cap and length < sink_cap and starts:
-        raise fail(path, f"{sw}.starts", starts, "no blocks while the sink is not full")
-    window = seen - length if side.quantize else 0
-    if not side.quantize and length != seen:
-        raise fail(path, f"{sw}.length", length, f"{seen}: an unquantized side stores every token")
-    if flags["window"] != (window > 0):
-        raise fail(path, f"{where}.window", flags["window"], f"{window > 0} ({window} tokens after the store)")
-    if side.quantize and not due and window:
-        most = side_tokens(side.axis, seen, cfg.residual_length, cfg.group_size, sink_cap, True, cfg.quantize_after)[2]
-        if window > most:
-            raise fail(path, f"{sw}.length", length, f"at least {seen - most} (the window holds at most {most} of "
-                                                      f"{seen} tokens)")
-    divisor = token_divisor(side.axis, cfg.group_size, "scale") if side.quantize else 1
-    if (length - origin) % divisor:
-        raise fail(path, f"{sw}.length", length, f"{origin} + a multiple of group_size {divisor} (keys are stored "
-                                                  "in whole groups)")
-    if flags["window_valid"] and not window:
-        raise fail(path, f"{where}.window_valid", True, "false (no window)")
-    stored_valid = None
-    if flags["stored_valid"]:
-        spec = table.get(f"{where}.stored_valid")
-        cols = spec.shape[-1] if spec is not None and spec.shape else None
-        if side.axis != "channel" or not side.quantize or cols is None or not 1 <= cols <= length:
-            raise fail(path, f"{where}.stored_valid", cols, f"a padding mask of 1 to {length} stored keys" if
-                       side.axis == "channel" else "none (values keep no stored padding mask)")
-        stored_valid = cols
-    # Blocks: back to back from the first stored position; all full but the last, whose capacity is what
-    # a fresh append gives (block_size, or exactly its tokens when more); dropped iff wholly before `start`.
-    if (length > origin) != bool(starts):
-        raise fail(path, f"{sw}.starts", starts, f"{'at least one block' if length > origin else 'no blocks'} for "
-                                                 f"stored tokens [{origin}, {length})")
-    pos = origin
-    for j, (b0, cap) in enumerate(zip(starts, caps)):
-        if b0 != pos:
-            raise fail(path, f"{sw}.starts[{j}]", b0, f"{pos} (blocks are back to back)")
-        last = j == len(starts) - 1
-        if last:
-            filled = length - b0
-            if filled < 1 or cap != max(block_size, filled):
-                raise fail(path, f"{sw}.caps[{j}]", cap, f"{max(block_size, max(filled, 1))} (the last block holds "
-                                                         f"{filled} tokens, block_size {block_size})")
-        elif cap < block_size or b0 + cap >= length:
-            raise fail(path, f"{sw}.caps[{j}]", cap, f"a full block of at least {block_size} tokens before the last")
-        if cap % divisor:
-            raise fail(path, f"{sw}.caps[{j}]", cap, f"a multiple of group_size {divisor}")
-        if present[j] != (b0 + cap > start):
-            raise fail(path, f"{sw}.present[{j}]", present[j], f"{b0 + cap > start} (store start {start})")
-        pos = b0 + cap
-    tm = r.get(st, "template", sw, "any") if "template" in st else None
-    template = None
-    if dtype is not None and (starts or tm is not None):
-        if dims.get("head_dim") is None:
-            raise PrefixFileError(f"{path}: {sw}.template: no tensor or model gives head_dim")
-        template = _template(path, layer, side, dtype, dims["head_dim"], sw)
-        want = template_meta(template, dims["batch"], dims["heads"])
-        if tm != want:
-            diff = next((k for k in want if not isinstance(tm, dict) or tm.get(k) != want[k]), "template")
-            raise fail(path, f"{sw}.template.{diff}", tm.get(diff) if isinstance(tm, dict) else tm, _show(want[diff]))
-    elif starts:
-        raise fail(path, f"{where}", "blocks", "none in an uninitialized layer")
-    return SidePlan(origin, length, start, tuple(starts), tuple(caps), tuple(present), template, window, sink,
-                    flags["window_valid"], stored_valid)
-
-
-def expected_tensors(name: str, plan: SidePlan, dtype: torch.dtype | None, dims: dict[str, int | None]
-                     ) -> dict[str, TensorSpec]:
-    """Every tensor the saver writes for one side (``name``: ``layer{i}.{k,v}``), derived from its plan."""
-    if dtype is None:
-        return {}
-    B, H, D = dims.get("batch"), dims.get("heads"), dims.get("head_dim")
-    out: dict[str, TensorSpec] = {}
-    if plan.window:
-        out[f"{name}.window"] = TensorSpec(dtype, (B, H, plan.window, D))
-        if plan.window_valid:
-            out[f"{name}.window_valid"] = TensorSpec(torch.bool, (B, plan.window))
-    if plan.sink:
-        out[f"{name}.sink"] = TensorSpec(dtype, (B, H, plan.sink, D))
-    if plan.stored_valid is not None:
-        out[f"{name}.stored_valid"] = TensorSpec(torch.bool, (B, plan.stored_valid))
-    for j, present in enumerate(plan.present):
-        if not present:
-            continue
-        for field, t in plan.template.tensors().items():
-            rows = plan.filled(j) // token_divisor(plan.template.axis, plan.template.group_size, field)
-            out[f"{name}.block{j}.{field}"] = TensorSpec(t.dtype, (B, H, rows, *t.shape[3:]))
-    return out
-
-
-def tail_bytes(plan: SidePlan, dims: dict[str, int | None]) -> int:
-    """Bytes the loader allocates for this side beyond the file's tensors: the unused tail of its last block."""
-    if not plan.present or not plan.present[-1]:
-        return 0
-    j = len(plan.caps) - 1
-    total = 0
-    for field, t in plan.template.tensors().items():
-        d = token_divisor(plan.template.axis, plan.template.group_size, field)
-        rows = plan.caps[j] // d - plan.filled(j) // d
-        total += TensorSpec(t.dtype, (dims["batch"], dims["heads"], rows, *t.shape[3:])).nbytes
-    return total
 
 
 def check_allocation(path: Path, tails: int, payload: int) -> None:
@@ -378,6 +193,18 @@ def check_allocation(path: Path, tails: int, payload: int) -> None:
     if tails > allowed:
         raise fail(path, "unused block capacity", Described(f"{tails} bytes"), f"at most {allowed} bytes beyond the file's "
                                                                      f"{payload} bytes of tensors")
+
+
+def _templates_in(obj: Any) -> Any:
+    """Every store ``template`` object in a file's cache metadata (whatever its nesting: parts, tiers)."""
+    if isinstance(obj, dict):
+        if isinstance(obj.get("template"), dict):
+            yield obj["template"]
+        for v in obj.values():
+            yield from _templates_in(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _templates_in(v)
 
 
 # ---------------------------------------------------------------------------------------------- values
@@ -415,6 +242,6 @@ def known_dims(fingerprint: dict[str, Any], heads: int | None, head_dim: int | N
     return {"heads": pick(heads, "num_key_value_heads"), "head_dim": pick(head_dim, "head_dim")}
 
 
-__all__ = ["PrefixFileError", "TensorSpec", "SidePlan", "parse_table", "check_tensor_table", "cache_dims", "plan_side",
-           "expected_tensors", "tail_bytes", "check_allocation", "template_meta", "dtype_name", "check_values", "known_dims", "layer_dtype",
-           "SAFETENSORS_DTYPES", "LAYER_DTYPES", "TAIL_ALLOWANCE_BYTES"]
+__all__ = ["PrefixFileError", "TensorSpec", "Described", "fail", "parse_table", "check_tensor_table", "cache_dims",
+           "check_allocation", "dtype_name", "check_values", "known_dims", "layer_dtype", "SAFETENSORS_DTYPES",
+           "LAYER_DTYPES", "TAIL_ALLOWANCE_BYTES"]

@@ -21,7 +21,7 @@ from ..config import KiviConfig
 from .persist_checks import PrefixFileError, TensorSpec, _Reader, parse_table
 
 FORMAT = "kivi-prefix"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 #: A safetensors header longer than this is not one kivi wrote (it would be a corrupt length field).
 MAX_HEADER_BYTES = 64 << 20
 #: KiviConfig fields that say how attention reads the cache, not what it holds: not compared on load.
@@ -85,6 +85,9 @@ def read_header(path: str | os.PathLike) -> PrefixHeader:
     if not isinstance(version, str) or not version.isdigit() or int(version) > FORMAT_VERSION:
         raise PrefixFileError(f"{path}: kivi prefix format version {version!r}; this kivi reads versions up to "
                               f"{FORMAT_VERSION} (upgrade kivi)")
+    if int(version) < FORMAT_VERSION:
+        raise PrefixFileError(f"{path}: kivi prefix format version {version!r} (an older kivi's layout); this kivi "
+                              f"reads version {FORMAT_VERSION}: save the prefix again with this kivi")
     end = 8 + n + _table_end(header)
     if size < end:
         raise PrefixFileError(f"{path}: file is truncated: {size} of {end} bytes")

@@ -239,6 +239,12 @@ def new_block_tokens(remaining: int, block_size: int) -> int:
     return max(block_size, remaining)
 
 
+def saved_capacity(filled: int, block_size: int) -> int:
+    """Capacity a saved block holding ``filled`` tokens gets back on load: what a fresh append of them opens
+    (:func:`new_block_tokens`), whatever a crop left; a loader derives it, never reads it."""
+    return new_block_tokens(filled, block_size)
+
+
 def first_block_tokens(first_append: int, block_size: int) -> int:
     """Capacity of the first block when the first append writes ``first_append`` tokens."""
     return new_block_tokens(first_append, block_size)

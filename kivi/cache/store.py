@@ -14,12 +14,12 @@ Blocks that a sliding-window layer no longer needs can be dropped from the front
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
 from ..quant.kv import PackedKV, token_divisor
-from .schedule import new_block_tokens
+from .schedule import new_block_tokens, saved_capacity
 
 
 @dataclass
@@ -42,6 +42,36 @@ class FpSegment:
 
 
 Segment = PackedKV | FpSegment
+#: The dtypes a saved segment may name (by their torch names without the ``torch.`` prefix).
+DTYPES = {name: getattr(torch, name) for name in (
+    "float32", "float16", "bfloat16", "float64", "uint8", "int8", "int16", "int32", "int64", "bool")}
+
+
+class Storage(Protocol):
+    """What a side of a layer keeps its stored tokens ``[start, length)`` in: a :class:`BlockStore`, or a
+    :class:`~kivi.cache.tiers.TieredStore` (position tiers are a storage layout). The layer's side reads and
+    writes storage through these methods only."""
+
+    start: int
+    length: int
+    #: Whether :meth:`BlockStore.append_in_place` may write quantized tokens straight into the storage.
+    writes_in_place: bool
+
+    def append(self, seg: Segment) -> None: ...
+    def iter_blocks(self, end: int | None = None) -> Iterator[tuple[int, Segment]]: ...
+    def read_range(self, a: int, b: int) -> Segment: ...
+    def truncate(self, new_length: int) -> None: ...
+    def check_truncate(self, new_length: int) -> None: ...
+    def evict(self, before: int) -> None: ...
+    def restart(self, position: int) -> None: ...
+    def snapshot(self) -> Any: ...
+    def tier_stores(self) -> tuple["BlockStore", ...]: ...
+    def checkpoint(self) -> tuple: ...
+    def rollback(self, checkpoint: tuple) -> None: ...
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None: ...
+    def nbytes_by_field(self) -> dict[str, int]: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any], device: str | torch.device = "cpu") -> None: ...
 
 
 @dataclass
@@ -71,6 +101,8 @@ class BlockStore:
         for name, value in self.__dict__.items():
             setattr(new, name, {} if name == "derived" else copy.deepcopy(value, memo))
         return new
+
+    writes_in_place = True
 
     # ------------------------------------------------------------------ writing
     def _divisor(self, name: str) -> int:
@@ -161,6 +193,21 @@ class BlockStore:
             self.length += n
             self.evict(self.length)
 
+    def restart(self, position: int) -> None:
+        """Drop every block and start empty at ``position`` (the sink's end: nothing is stored before it)."""
+        self.blocks, self.starts, self.caps = [], [], []
+        self.template = None
+        self.start = self.length = position
+        self.derived = {}
+
+    def snapshot(self) -> "BlockStore":
+        """What a view of this forward reads: the store itself (its rows below ``length`` never change)."""
+        return self
+
+    def tier_stores(self) -> tuple["BlockStore", ...]:
+        """The block stores of this storage, oldest tier first: just this one."""
+        return (self,)
+
     def frozen(self) -> "BlockStore":
         """A read-only snapshot of the tokens ``[start, length)`` held now: shares the block tensors
         (no copy), unaffected by later evictions or appends of this store (rows below ``length``
@@ -202,6 +249,15 @@ class BlockStore:
         names = parts[0].tensors().keys()
         return parts[0].with_tensors(**{k: torch.cat([p.tensors()[k] for p in parts], dim=2) for k in names})
 
+    def read_range(self, a: int, b: int) -> Segment:
+        """Tokens ``[a, b)`` as one segment (views where they lie in one block; key bounds on group boundaries)."""
+        parts = [token_slice(seg, max(a, t0) - t0, min(b, t0 + seg.num_tokens) - t0)
+                 for t0, seg in self.iter_blocks(b) if t0 + seg.num_tokens > a]
+        if len(parts) == 1:
+            return parts[0]
+        names = parts[0].tensors().keys()
+        return parts[0].with_tensors(**{k: torch.cat([p.tensors()[k] for p in parts], dim=2) for k in names})
+
     # ------------------------------------------------------------------ editing
     def truncate(self, new_length: int) -> None:
         """Forget tokens ``[new_length, length)``; blocks past the end are freed."""
@@ -216,6 +272,11 @@ class BlockStore:
         keep = sum(1 for b0 in self.starts if b0 < new_length)
         del self.blocks[keep:], self.starts[keep:], self.caps[keep:]
         self.derived.clear()
+
+    def check_truncate(self, new_length: int) -> None:
+        """Raise unless :meth:`truncate` can keep exactly the tokens before ``new_length``."""
+        if new_length < self.start:
+            raise ValueError(f"cannot truncate to {new_length} tokens: tokens before {self.start} were evicted")
 
     def evict(self, before: int) -> None:
         """Stop exposing tokens ``< before`` and free the blocks that hold only such tokens."""
@@ -250,6 +311,90 @@ class BlockStore:
     @property
     def nbytes(self) -> int:
         return sum(self.nbytes_by_field().values())
+
+    # ------------------------------------------------------------------ saving
+    def saved_rows(self, j: int) -> tuple[int, int]:
+        """Tokens ``[lo, hi)`` of block ``j``, relative to its first position, that :meth:`state_dict` keeps:
+        the ones still held (rows before ``start`` were evicted or skipped and are never read again)."""
+        b0 = self.starts[j]
+        return max(self.start, b0) - b0, max(0, min(self.caps[j], self.length - b0))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The store as plain values and tensors: per block the rows of the tokens it still holds
+        (:meth:`saved_rows`; ``None`` for a freed block), and the last block's capacity as a fresh append of
+        its tokens gives it (:func:`~kivi.cache.schedule.saved_capacity`: a crop may have left more)."""
+        blocks, caps = [], list(self.caps)
+        for j, blk in enumerate(self.blocks):
+            lo, hi = self.saved_rows(j)
+            blocks.append(None if blk is None else
+                          {k: t[:, :, lo // self._divisor(k): hi // self._divisor(k)] for k, t in blk.items()})
+        if caps and self.blocks[-1] is not None:
+            caps[-1] = saved_capacity(self.length - self.starts[-1], self.block_size)
+        return {"block_size": self.block_size, "length": self.length, "start": self.start,
+                "starts": list(self.starts), "caps": caps, "template": segment_meta(self.template),
+                "blocks": blocks}
+
+    def load_state_dict(self, state: dict[str, Any], device: str | torch.device = "cpu") -> None:
+        """Put back a :meth:`state_dict` (tensors moved to ``device``); ``ValueError`` naming a tensor whose
+        shape or dtype is not the one the template and block layout give."""
+        self.block_size, self.length, self.start = state["block_size"], state["length"], state["start"]
+        self.starts, self.caps = list(state["starts"]), list(state["caps"])
+        self.template = segment_from_meta(state["template"], device)
+        self.blocks, self.derived = [], {}
+        for j, (saved, cap) in enumerate(zip(state["blocks"], self.caps)):
+            if saved is None:
+                self.blocks.append(None)
+                continue
+            lo, hi = self.saved_rows(j)
+            blk = {}
+            for name, t in self.template.tensors().items():
+                d = self._divisor(name)
+                got = saved.get(name)
+                want = (*t.shape[:2], hi // d - lo // d, *t.shape[3:])
+                if got is None or tuple(got.shape) != want or got.dtype != t.dtype:
+                    what = "missing" if got is None else f"{tuple(got.shape)} {got.dtype}"
+                    raise ValueError(f"block {j} field {name!r}: {what}, the layout says {want} {t.dtype}")
+                full = torch.zeros((*t.shape[:2], cap // d, *t.shape[3:]), dtype=t.dtype, device=device)
+                full[:, :, lo // d: hi // d].copy_(got)  # rows not held (before start, the unused tail) stay zero
+                blk[name] = full
+            self.blocks.append(blk)
+
+
+def segment_meta(template: Segment | None) -> dict[str, Any] | None:
+    """A segment type's metadata (kind, widths, field dtypes and shapes without the token axis), JSON-able."""
+    if template is None:
+        return None
+    fields = {k: {"dtype": str(t.dtype).removeprefix("torch."), "shape": [t.shape[0], t.shape[1], *t.shape[3:]]}
+              for k, t in template.tensors().items()}
+    if isinstance(template, FpSegment):
+        return {"kind": "fp", "axis": template.axis, "group_size": template.group_size, "fields": fields}
+    return {"kind": "packed", "bits": template.bits, "group_size": template.group_size, "axis": template.axis,
+            "head_dim": template.head_dim, "residual_bits": template.residual_bits, "fields": fields}
+
+
+def segment_from_meta(meta: dict[str, Any] | None, device: str | torch.device = "cpu") -> Segment | None:
+    """The zero-token template :func:`segment_meta` describes."""
+    if meta is None:
+        return None
+    for f in meta["fields"].values():
+        if f["dtype"] not in DTYPES:
+            raise ValueError(f"segment dtype {f['dtype']!r} is not one kivi stores (allowed: {', '.join(DTYPES)})")
+    empty = {k: torch.empty((f["shape"][0], f["shape"][1], 0, *f["shape"][2:]), dtype=DTYPES[f["dtype"]],
+                            device=device) for k, f in meta["fields"].items()}
+    if meta["kind"] == "fp":
+        return FpSegment(empty["data"], meta["axis"], meta["group_size"])
+    return PackedKV(packed=empty["packed"], scale=empty["scale"], offset=empty.get("offset"), comp=empty.get("comp"),
+                    bits=meta["bits"], group_size=meta["group_size"], axis=meta["axis"], head_dim=meta["head_dim"],
+                    residual_bits=meta["residual_bits"])
+
+
+def token_slice(seg: Segment, a: int, b: int) -> Segment:
+    """Tokens ``[a, b)`` of a segment (views; key bounds on group boundaries)."""
+    if a == 0 and b == seg.num_tokens:
+        return seg
+    return seg.with_tensors(**{k: v[:, :, a // token_divisor(seg.axis, seg.group_size, k):
+                                      b // token_divisor(seg.axis, seg.group_size, k)]
+                               for k, v in seg.tensors().items()})
 
 
 def _no_tokens(t: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,8 @@ from . import CliError
 from .loading import check_context_fits, load_model_from_args
 from .options import add_config_args, add_model_args, config_from_args
 from .output import print_json
+from .prefix import add_prefix_args, check_prefix_args, prefix_inputs
 from .validators import byte_size, positive_float, positive_int, seed, utf8_text
-from .prefix import add_prefix_args, check_prefix_args, check_save_config, prefix_inputs
 
 
 def register(sub: Any) -> None:
@@ -106,7 +106,6 @@ def run(args: argparse.Namespace) -> int:
     if args.full_precision_first and args.cache_budget is None:
         raise CliError("--full-precision-first goes with --cache-budget (it sets how long the budget allows "
                        "full precision)")
-    check_save_config(args, cfg)  # before loading; again below for a config picked by --cache-budget
     prompt = read_prompt(args)
 
     import torch
@@ -134,7 +133,6 @@ def run(args: argparse.Namespace) -> int:
             from .estimate import render_pick
 
             render_pick(pick, file=sys.stderr)
-    check_save_config(args, cfg)
     quantize_model(model, cfg)
     ids, prefix_kwargs, prefix_info, saver = prefix_inputs(args, model, tokenizer, prompt, ids.to(model.device))
     n_prompt = ids.shape[-1]

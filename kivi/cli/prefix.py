@@ -42,17 +42,6 @@ def check_prefix_args(args: argparse.Namespace) -> KiviConfig | None:
     return None
 
 
-def check_save_config(args: argparse.Namespace, config: KiviConfig) -> None:
-    """Before the model runs: --save-prefix with a configuration whose caches cannot be saved is refused."""
-    if args.save_prefix:
-        from ..cache.persist import check_savable
-
-        try:
-            check_savable(config)
-        except ValueError as e:
-            raise CliError(f"--save-prefix: {e}") from None
-
-
 class PrefixSaver:
     """Saves the cache right after the prefill (``--save-prefix``); a failed write (a full disk, a folder
     removed meanwhile) is kept in :attr:`error` instead of stopping the generation, so the generated text

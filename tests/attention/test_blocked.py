@@ -8,6 +8,7 @@ import torch
 from kivi import KiviConfig
 from kivi.attention import blocked_attention, dense_attention, reference_attention
 from kivi.cache.layer import KiviLayer
+from kivi.cache.sliding import SlidingKiviLayer
 
 
 def _fill(cfg, B, hkv, D, lengths, dtype, valid=None, seed=0):
@@ -109,7 +110,7 @@ def test_left_padding_mask(float_mask, n):
 def test_sliding_window_eviction_and_mask():
     W = 24
     cfg = KiviConfig(group_size=8, residual_length=8, block_size=16)
-    layer = KiviLayer(cfg, sliding_window=W)
+    layer = SlidingKiviLayer(cfg, sliding_window=W)
     B, hkv, D = 1, 2, 16
     g = torch.Generator().manual_seed(1)
     for step, n in enumerate([40, 30, 1, 1, 17, 1]):

@@ -19,6 +19,7 @@ from kivi.attention.fused_cpu import (  # noqa: E402
     fused_decode_supported,
 )
 from kivi.cache.layer import KiviLayer  # noqa: E402
+from kivi.cache.sliding import SlidingKiviLayer  # noqa: E402
 
 
 def _fill(cfg, B, hkv, D, lengths, dtype, valid=None, seed=0, const=False):
@@ -278,7 +279,7 @@ def test_sliding_eviction_with_memo():
     cfg = KiviConfig(group_size=8, residual_length=16, block_size=32)
     B, hkv, D = 1, 2, 32
     g = torch.Generator().manual_seed(4)
-    layer = KiviLayer(cfg, sliding_window=40)
+    layer = SlidingKiviLayer(cfg, sliding_window=40)
     layer.append(torch.randn(B, hkv, 90, D, generator=g), torch.randn(B, hkv, 90, D, generator=g))
     views = _decode_and_check(layer, B, hkv, D, 120, g)
     assert layer.k.store.start > 0 and layer.k.store.blocks[0] is None  # blocks were evicted

@@ -90,5 +90,6 @@ def test_sliding_window_mistral_matches_reference():
     chunks = [70, 1, 1, 30, 1, 7]
     lr, _ = _run("reference", chunks, ids, model_type="mistral", model_kw={"sliding_window": 24})
     lf, cache = _run("cpu", chunks, ids, model_type="mistral", model_kw={"sliding_window": 24})
-    assert cache.layers[0].kv_offset > 0 and all(p.kv_offset == cache.layers[0].kv_offset for p in cache.layers[0].parts)
+    layer = cache.layers[0]
+    assert layer.kv_offset > 0 and len({(p.k.store.start, p.v.store.start) for p in layer.parts}) == 1  # evicted alike
     torch.testing.assert_close(lf, lr, atol=2e-4, rtol=2e-4)

@@ -11,6 +11,7 @@ from kivi.cache.layer import KiviLayer
 from kivi.cache.store import BlockStore
 from kivi.cache.view import materialize
 from kivi.config import KiviConfig
+from kivi.cache.sliding import new_layer
 
 pytestmark = pytest.mark.triton
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -24,7 +25,7 @@ def _decoded_layer(cfg, B, H, D, prefill, steps, dtype=torch.float32, seed=0, sl
     k = (torch.randn(B, H, n, D, generator=g) * 1.5).to(dtype)
     k[..., 3] += 5.0  # an outlier channel
     v = torch.randn(B, H, n, D, generator=g).to(dtype)
-    layer = KiviLayer(cfg, sliding_window=sliding_window)
+    layer = new_layer(cfg, sliding_window)
     layer.append(k[:, :, :prefill], v[:, :, :prefill])
     for t in range(prefill, n - 1):
         layer.append(k[:, :, t : t + 1], v[:, :, t : t + 1])

@@ -21,12 +21,17 @@ import pytest
 import torch
 
 import kivi.cache.cache as cache_mod
+import kivi.cache.boundary as boundary_mod
 import kivi.cache.layer as layer_mod
+import kivi.cache.side as side_mod
+import kivi.cache.sliding as sliding_mod
+import kivi.cache.step as step_mod
 import kivi.cache.store as store_mod
 import kivi.cache.view as view_mod
 from kivi import KiviCache, KiviConfig
 from kivi.cache.layer import KiviLayer
 from kivi.cache.view import PackedStates, materialize
+from kivi.cache.sliding import SlidingKiviLayer
 
 
 class Injected(Exception):
@@ -64,10 +69,12 @@ class _TorchProxy:
 
 
 MODULE_FUNCTIONS = {
-    layer_mod: ("quantize_kv", "quantize_tokens_into", "token_quantizer_supported", "dequantize_kv", "window_exits",
-                "query_boundaries", "prefill_exact_queries", "key_group_start", "sliding_cut", "materialize",
-                "check_head_dim", "FpSegment",
-                "AttentionView", "BlockStore", "_slice_tokens"),
+    layer_mod: ("prefill_exact_queries", "materialize", "check_head_dim"),
+    side_mod: ("quantize_kv", "quantize_tokens_into", "token_quantizer_supported", "dequantize_kv", "key_group_start",
+               "window_exits",
+               "FpSegment", "AttentionView", "token_slice", "set_boundary"),
+    boundary_mod: ("window_exits", "query_boundaries", "dequantize_kv", "token_slice"),
+    sliding_mod: ("sliding_cut",),
     store_mod: ("new_block_tokens", "token_divisor"),
     view_mod: ("dequantize_kv",),
     cache_mod: ("PackedStates",),
@@ -75,9 +82,10 @@ MODULE_FUNCTIONS = {
 METHODS = {
     store_mod.BlockStore: ("append", "append_in_place", "_new_block", "_divisor", "evict", "truncate", "read",
                            "iter_blocks", "map_tensors", "checkpoint"),
-    layer_mod._Side: ("map_tensors", "checkpoint"),
-    KiviLayer: ("lazy_initialization", "append", "_pending_valid", "_flush", "_fast_tokens", "_param_dtype", "_cut",
-                "_evict", "_crop_side", "_map", "checkpoint"),
+    side_mod.SideState: ("map_tensors", "checkpoint", "pending_valid", "view", "flush", "_store_moved", "_fast_tokens",
+                         "_param_dtype", "quantize_tokens", "crop"),
+    KiviLayer: ("lazy_initialization", "append", "_flush_due", "_map", "checkpoint"),
+    sliding_mod.SlidingKiviLayer: ("_cut", "_before_forward"),
     KiviCache: ("_new_token_valid",),
     KiviConfig: ("for_layer",),
     torch.Tensor: ("clone", "copy_", "to", "index_select", "repeat_interleave"),
@@ -89,7 +97,7 @@ def _install(mp: pytest.MonkeyPatch, inj: Injector) -> None:
         for name in names:
             if hasattr(mod, name):
                 mp.setattr(mod, name, inj.wrap(name, getattr(mod, name)))
-    for mod in (layer_mod, store_mod, view_mod):
+    for mod in (layer_mod, side_mod, step_mod, boundary_mod, store_mod, view_mod):
         mp.setattr(mod, "torch", _TorchProxy(inj))
     for cls, names in METHODS.items():
         for name in names:
@@ -118,7 +126,8 @@ def snapshot(cache: KiviCache) -> dict:
     out = {"layers": len(cache.layers), "nbytes": cache.nbytes, "seq": cache.get_seq_length(),
            "breakdown": cache.memory_breakdown()}
     for i, layer in enumerate(cache.layers):
-        d = {"seen": layer.seen, "dtype": layer.dtype, "init": layer.is_initialized, "fast": dict(layer._fast),
+        d = {"seen": layer.seen, "dtype": layer.dtype, "init": layer.is_initialized,
+             "fast": (dict(layer.k._fast), dict(layer.v._fast)),
              "device": vars(layer).get("device"), "kv_offset": layer.kv_offset,
              "mask": layer.get_mask_sizes(1) if layer.is_initialized else None}
         for name, side in (("k", layer.k), ("v", layer.v)):
@@ -163,7 +172,7 @@ def _build(kind: str, history: tuple[int, ...] = LONG) -> tuple[KiviCache, torch
         cfg, dtype, backend = KiviConfig(**CFG, sink_tokens=2), torch.float32, "cpu"
     else:
         raise AssertionError(kind)
-    layers = [KiviLayer(cfg), KiviLayer(cfg, sliding_window=24), KiviLayer(dataclasses.replace(cfg, v_bits=8))]
+    layers = [KiviLayer(cfg), SlidingKiviLayer(cfg, sliding_window=24), KiviLayer(dataclasses.replace(cfg, v_bits=8))]
     cache = KiviCache(cfg, layers=layers, attention_backend=backend)
     mask = torch.ones(B, 200, dtype=torch.long)
     mask[1, :5] = 0  # row 1 left-padded
@@ -284,7 +293,7 @@ def test_the_injector_reaches_the_quantizers_and_the_store():
             break
         names.add(inj.fired)
     assert {"quantize_kv", "BlockStore.append_in_place", "torch.cat", "window_exits",
-            "KiviLayer._flush", "Tensor.clone"} <= names, names
+            "SideState.flush", "Tensor.clone"} <= names, names
 
 
 def test_a_crop_refused_by_a_sliding_layer_leaves_every_layer_as_it_was():

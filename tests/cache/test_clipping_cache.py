@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kivi.cache.layer as layer_mod
+import kivi.cache.side as side_mod
 from kivi import KiviCache, KiviConfig, quantize_model
 from kivi.backends import kernel_config_unsupported
 from kivi.memory.estimate import estimate_kv_memory
@@ -50,10 +50,10 @@ def test_fast_value_writer_equals_torch_quantizer(monkeypatch):
     ids = torch.randint(1, 128, (2, 70), generator=torch.Generator().manual_seed(2))
     chunks = [40] + [1] * 16
     fast, cache = _run(_model("reference"), ids, chunks)
-    assert any(fast for lay in cache.layers for fast in lay._fast.values())  # the compiled path was taken
-    monkeypatch.setattr(layer_mod, "token_quantizer_supported", lambda *a, **k: False)
+    assert any(fast for lay in cache.layers for fast in lay.v._fast.values())  # the compiled path was taken
+    monkeypatch.setattr(side_mod, "token_quantizer_supported", lambda *a, **k: False)
     slow, cache = _run(_model("reference"), ids, chunks)
-    assert not any(fast for lay in cache.layers for fast in lay._fast.values())
+    assert not any(fast for lay in cache.layers for fast in lay.v._fast.values())
     assert torch.equal(fast, slow)
 
 

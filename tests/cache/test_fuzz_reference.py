@@ -28,6 +28,7 @@ from kivi.cache.layer import KiviLayer  # noqa: E402
 from kivi.cache.view import materialize  # noqa: E402
 from kivi.config import KiviConfig  # noqa: E402
 from kivi.quant.kv import dequantize_kv, quantize_kv  # noqa: E402
+from kivi.cache.sliding import new_layer  # noqa: E402
 
 H, D = 2, 16
 EXAMPLES = int(os.environ.get("KIVI_FUZZ_EXAMPLES", "300"))
@@ -164,7 +165,7 @@ def _check(out, ref, what: str) -> None:
 @given(setup=layer_setups(), data=st.data())
 def test_layer_matches_the_plain_reference(setup, data):
     cfg, window, dtype, B = setup
-    layer, ref = KiviLayer(cfg, sliding_window=window), RefLayer(cfg, window, dtype)
+    layer, ref = new_layer(cfg, window), RefLayer(cfg, window, dtype)
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label="seed"))
     for step in range(data.draw(st.integers(1, 14), label="steps")):
         op = data.draw(st.sampled_from(["append", "append", "append", "decode", "crop", "reorder", "select",

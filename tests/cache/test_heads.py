@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from kivi import KiviCache, KiviConfig
 from kivi.cache.heads import HeadGroup, HeadSplitLayer, build_layer, head_groups, materialize_heads
 from kivi.cache.layer import KiviLayer
+from kivi.cache.view import materialize
 from tests.helpers import tiny_model
 
 LAYER = dict(group_size=8, residual_length=16, block_size=32)
@@ -89,21 +91,18 @@ def test_crop_is_all_or_nothing_across_groups(monkeypatch):
     cfg = KiviConfig(**LAYER)
     layer = HeadSplitLayer(cfg, K_BITS, V_BITS)
     _feed(layer, _inputs([50, 1, 1]))
-    before = [p.nbytes for p in layer.parts], layer.get_seq_length()
-    want = [layer.parts[i].checkpoint() for i in range(3)]
+    before = _state(layer)
 
-    def boom(n):
+    def boom(new_seen, dtype):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(layer.parts[2], "crop", boom)
+    monkeypatch.setattr(layer.parts[2].v, "crop", boom)  # the last group's last side fails
     with pytest.raises(RuntimeError, match="disk on fire"):
         layer.crop(-20)
-    assert ([p.nbytes for p in layer.parts], layer.get_seq_length()) == before
-    assert all(p.seen == 52 for p in layer.parts)
-    assert layer.parts[0].checkpoint()[0] == want[0][0]
+    assert _same(_state(layer), before) and layer.seen == 52
     monkeypatch.undo()
     layer.crop(-20)
-    assert all(p.seen == 32 for p in layer.parts)
+    assert layer.seen == 32
 
 
 def test_append_fails_whole_when_a_group_fails():
@@ -114,7 +113,7 @@ def test_append_fails_whole_when_a_group_fails():
     nb = [p.nbytes for p in layer.parts]
     with pytest.raises(ValueError):
         layer.update(k, v)
-    assert [p.nbytes for p in layer.parts] == nb and all(p.seen == 30 for p in layer.parts)
+    assert [p.nbytes for p in layer.parts] == nb and layer.seen == 30
 
 
 def test_wrong_number_of_heads_is_refused():
@@ -145,16 +144,6 @@ def test_reorder_deepcopy_and_padding():
     assert torch.equal(k0[0], twin.layers[0].parts[1].k.window[1])
 
 
-def test_persist_refuses_per_head(tmp_path):
-    from kivi.cache.persist import save_cache
-
-    cache = KiviCache(KiviConfig(**LAYER, head_bits={0: {"k_bits": [4, 2, 2]}}))
-    cache.update(*_inputs([20])[0], 0)
-    with pytest.raises(ValueError, match="head_bits"):
-        save_cache(cache, tmp_path / "x.safetensors", fingerprint={})
-    assert not (tmp_path / "x.safetensors").exists()
-
-
 def test_build_layer_reads_head_bits():
     cfg = KiviConfig(**LAYER, layer_specific_config={1: {"v_bits": 4}}, head_bits={1: {"k_bits": [2, 8]}})
     assert isinstance(build_layer(cfg, 0), KiviLayer)
@@ -172,11 +161,13 @@ def test_per_head_widths_with_tiers_are_refused_in_one_line():
         HeadSplitLayer(cfg, [4, 2], [4, 4])
 
 
-def _state(layer: HeadSplitLayer) -> list:
-    """Everything the groups hold (windows, sinks, stored tensors up to their length), for bit-exact comparison."""
-    out = []
-    for p in layer.parts:
-        out.append((p.seen, p._due))
+def _state(layer) -> list:
+    """Everything the groups hold (windows, sinks, stored tensors up to their length), for bit-exact comparison;
+    ``layer``: a HeadSplitLayer, or a list of plain KiviLayers (one per group)."""
+    layers = [layer] if isinstance(layer, HeadSplitLayer) else list(layer)
+    assert len({(lay.seen, lay.due) for lay in layers}) == 1  # plain layers fed the same steps agree
+    out = [(layers[0].seen, layers[0].due)]
+    for p in [p for lay in layers for p in lay.parts]:
         for side in (p.k, p.v):
             out += [side.window, side.sink, side.window_valid, side.stored_valid, side.store.start, side.store.length,
                     list(side.store.starts), list(side.store.caps)]
@@ -197,38 +188,47 @@ def _same(a: list, b: list) -> bool:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("sink, quantize_after, batch", [(0, 0, 1), (3, 0, 2), (2, 70, 2)])
-def test_joint_decode_write_equals_each_groups_own_append(dtype, sink, quantize_after, batch):
-    """The one-pass decode write (``joint_decode``) leaves every group exactly as its own append does, and
-    returns the same views, across key flushes, block boundaries, multi-token forwards, crops and reorders."""
+def test_split_layer_equals_one_plain_layer_per_group(dtype, sink, quantize_after, batch):
+    """Every step of a split layer (the shared window written once for all heads) leaves every group exactly
+    as a plain KiviLayer of that group's width fed that group's heads, and returns the same views, across
+    key flushes, block boundaries, multi-token forwards, crops and reorders."""
     cfg = KiviConfig(**LAYER, sink_tokens=sink, quantize_after=quantize_after)
-    joint, each = HeadSplitLayer(cfg, K_BITS, V_BITS), HeadSplitLayer(cfg, K_BITS, V_BITS)
-    each.joint_decode = False
+    split = HeadSplitLayer(cfg, K_BITS, V_BITS)
+    plain = [KiviLayer(dataclasses.replace(cfg, k_bits=g.k_bits, v_bits=g.v_bits)) for g in split.groups]
     chunks = [29] + [1] * 45 + [7] + [1] * 30
     for i, (k, v) in enumerate(_inputs(chunks, dtype=dtype, batch=batch)):
-        got, want = joint.append(k, v), each.append(k, v)
-        for gs, ws in zip(got, want):
-            assert _same([materialize_heads(gs, dtype)], [materialize_heads(ws, dtype)])
-        assert _same(_state(joint), _state(each)), f"forward {i}"
-        assert joint.memory_breakdown() == each.memory_breakdown()
+        got = split.append(k, v)
+        want = [p.append(k[:, g.start:g.stop].contiguous(), v[:, g.start:g.stop].contiguous())
+                for g, p in zip(split.groups, plain)]
+        for s in range(2):
+            assert _same([materialize_heads(got[s], dtype)],
+                         [torch.cat([materialize(w[s], dtype) for w in want], dim=1)])
+        assert _same(_state(split), _state(plain)), f"forward {i}"
+        assert split.memory_breakdown() == {k: sum(p.memory_breakdown()[k] for p in plain)
+                                            for k in split.memory_breakdown()}
         if i == 60:
-            for layer in (joint, each):
-                layer.crop(-5)
-                layer.reorder_cache(torch.arange(batch).flip(0))
-    assert joint.nbytes == sum(p.nbytes for p in joint.parts)
+            for lay in (split, *plain):
+                lay.crop(-5)
+                lay.reorder_cache(torch.arange(batch).flip(0))
+    assert split.nbytes == sum(p.nbytes for p in split.parts)
 
 
-def test_joint_decode_shares_one_window_and_counts_it_once():
-    """After a joint decode step the groups' windows are slices of one tensor that holds nothing else
+def test_decode_shares_one_window_and_counts_it_once():
+    """After a decode step the groups' windows are head slices of one tensor that holds nothing else
     (the bytes reported are the bytes kept alive), and the next step reuses it without a copy."""
     layer = HeadSplitLayer(KiviConfig(**LAYER), K_BITS, V_BITS)
     for k, v in _inputs([40, 1, 1]):
         layer.append(k, v)
     for side in ("k", "v"):
+        full = layer.window(side)
         windows = [getattr(p, side).window for p in layer.parts]
-        base = windows[0]._base
-        assert base is not None and all(w._base is base for w in windows)
-        assert base.numel() == sum(w.numel() for w in windows)
-        assert layer._window([getattr(p, side) for p in layer.parts]) is base
+        assert full.shape[1] == layer.num_kv_heads and full.numel() == sum(w.numel() for w in windows)
+        for g, w in zip(layer.groups, windows):
+            assert w.data_ptr() == full[:, g.start:g.stop].data_ptr()  # a view, no copy
+        assert layer.window(side) is full
+    layer.parts[1].k.set_window(layer.parts[1].k.window.clone(), None)  # a group's window replaced
+    assert layer.window("k") is not None and torch.equal(layer.window("k"), torch.cat(
+        [p.k.window for p in layer.parts], dim=1))
 
 
 def test_joint_decode_step_fails_whole(monkeypatch):
@@ -240,15 +240,15 @@ def test_joint_decode_step_fails_whole(monkeypatch):
     before = _state(layer)
     calls = []
 
-    def boom(side, x, valid):
-        calls.append(side.axis)
+    def boom(x, valid):
+        calls.append("token")
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(layer.parts[2], "_store_moved", boom)
+    monkeypatch.setattr(layer.parts[2].v, "_store_moved", boom)
     with pytest.raises(RuntimeError, match="disk on fire"):
         layer.append(*_inputs([1], seed=3)[0])
-    assert calls == ["token"]  # the joint write ran: groups 0 and 1 stored their value token first
+    assert calls == ["token"]  # groups 0 and 1 stored their value token first
     assert _same(_state(layer), before)
     monkeypatch.undo()
     layer.append(*_inputs([1], seed=3)[0])
-    assert all(p.seen == 49 for p in layer.parts)
+    assert layer.seen == 49

@@ -5,6 +5,7 @@ from kivi.cache.layer import KiviLayer
 from kivi.cache.view import materialize
 from kivi.config import KiviConfig
 from kivi.quant.kv import dequantize_kv
+from kivi.cache.sliding import SlidingKiviLayer
 
 
 def _kv(b=2, h=2, t=1, d=64, seed=0, dtype=torch.float32):
@@ -168,7 +169,7 @@ def test_group_size_must_divide_head_dim():
 
 
 def test_sliding_layer_frees_blocks_and_reports_offset():
-    layer = KiviLayer(KiviConfig(residual_length=32, block_size=64), sliding_window=64)
+    layer = SlidingKiviLayer(KiviConfig(residual_length=32, block_size=64), sliding_window=64)
     k, v = _kv(t=1000)
     for s in range(0, 1000, 50):
         _seen(layer, k[:, :, s : s + 50], v[:, :, s : s + 50])
@@ -238,7 +239,7 @@ def test_sink_reorder_and_sliding_layers_have_none():
     layer.reorder_cache(torch.tensor([1, 0]))
     keys, _ = _seen(layer, k[:, :, :1], v[:, :, :1])
     assert torch.equal(keys[:, :, :2], k.flip(0)[:, :, :2])
-    sliding = KiviLayer(KiviConfig(residual_length=32, sink_tokens=2), sliding_window=64)
+    sliding = SlidingKiviLayer(KiviConfig(residual_length=32, sink_tokens=2), sliding_window=64)
     _seen(sliding, k, v)
     assert sliding.k.sink_len == 0 and sliding.kv_offset == 0
 
@@ -253,13 +254,13 @@ def test_value_fast_path_stores_what_the_torch_path_stores(monkeypatch, bits):
     for fast in (True, False):
         layer = KiviLayer(cfg)
         if not fast:
-            monkeypatch.setattr(layer, "_fast_tokens", lambda side, dtype: False)
+            monkeypatch.setattr(layer.v, "_fast_tokens", lambda x: False)
         _seen(layer, k[:, :, :50], v[:, :, :50])
         for t in range(50, 120):  # crosses several 32-token blocks
             _seen(layer, k[:, :, t : t + 1], v[:, :, t : t + 1])
         layers.append(layer)
     fast, slow = layers
-    assert fast._fast_tokens(fast.v, torch.float32)
+    assert fast.v._fast_tokens(v[:, :, :1])
     assert fast.v.store.length == slow.v.store.length == 120 - 16
     a, b = fast.v.store.read(), slow.v.store.read()
     for name in ("packed", "scale", "offset"):
@@ -285,7 +286,7 @@ def test_nan_in_a_decode_value_raises_and_leaves_the_store_as_it_was():
 def test_failed_update_leaves_the_cache_as_it_was(fail_at, sink, monkeypatch):
     """An error inside update (either side, any step) leaves the layer bit-identical to before."""
     from kivi import KiviCache
-    import kivi.cache.layer as layer_mod
+    import kivi.cache.side as side_mod
     import kivi.cache.store as store_mod
 
     cfg = KiviConfig(group_size=8, residual_length=16, block_size=32, sink_tokens=sink)
@@ -300,7 +301,7 @@ def test_failed_update_leaves_the_cache_as_it_was(fail_at, sink, monkeypatch):
     if fail_at == "nan-value":
         v[0, 0, 50, 3] = float("nan")
     elif fail_at == "key-quantizer":
-        monkeypatch.setattr(layer_mod, "quantize_kv", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("boom")))
+        monkeypatch.setattr(side_mod, "quantize_kv", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("boom")))
     else:
         calls = []
         orig = store_mod.BlockStore.append_in_place

@@ -56,10 +56,14 @@ def _same_state(a: KiviCache, b: KiviCache) -> None:
     for la, lb in zip(a.layers, b.layers):
         assert (la.seen, la.dtype, la.sliding_window, la.kv_offset, la.is_initialized) == \
                (lb.seen, lb.dtype, lb.sliding_window, lb.kv_offset, lb.is_initialized)
-        for sa, sb in ((la.k, lb.k), (la.v, lb.v)):
-            for t, u in ((sa.window, sb.window), (sa.window_valid, sb.window_valid), (sa.sink, sb.sink)):
+        assert type(la) is type(lb) and len(la.parts) == len(lb.parts) and la.due == lb.due
+        sides = [(getattr(pa, n), getattr(pb, n)) for pa, pb in zip(la.parts, lb.parts) for n in ("k", "v")]
+        for sa, sb in sides:
+            for t, u in ((sa.window, sb.window), (sa.window_valid, sb.window_valid), (sa.sink, sb.sink),
+                         (sa.stored_valid, sb.stored_valid)):
                 assert (t is None) == (u is None) and (t is None or (t.dtype == u.dtype and torch.equal(t, u)))
-            x, y = sa.store, sb.store
+            assert type(sa.store) is type(sb.store) and len(sa.chain) == len(sb.chain)
+        for x, y in ((x, y) for sa, sb in sides for x, y in zip(sa.chain, sb.chain)):
             assert (x.start, x.length, x.starts, x.caps, x.block_size) == (y.start, y.length, y.starts, y.caps,
                                                                           y.block_size)
             assert [blk is None for blk in x.blocks] == [blk is None for blk in y.blocks]
@@ -73,6 +77,48 @@ def _same_state(a: KiviCache, b: KiviCache) -> None:
             for (_, g), (_, w) in zip(got, want):
                 assert g.keys() == w.keys()
                 assert all(g[k].dtype == w[k].dtype and torch.equal(g[k], w[k]) for k in g)
+
+
+@pytest.mark.parametrize("extra", [
+    dict(tiers=[(32, None), (48, 4), (None, 2)], k_bits=4, v_bits=4),
+    dict(tiers=[(32, None), (32, 8), (48, 4), (None, 2)], k_bits=8, v_bits=8, sink_tokens=4),
+    dict(head_bits={0: {"k_bits": [4, 2], "v_bits": [2, 2]}, 1: {"k_bits": [2, 2], "v_bits": [4, 2]}}),
+    dict(head_bits={0: {"k_bits": [4, 2], "v_bits": [2, 3]}}, sink_tokens=3),
+], ids=["tiers", "tiers4-sink", "per-head", "per-head-sink"])
+def test_saved_mid_generation_continues_as_the_uninterrupted_run(tmp_path, extra):
+    """Position tiers and per-head widths save and load: a generation saved half way, loaded into a new
+    cache and continued gives the logits of the run that never stopped, bit for bit."""
+    cfg = _config(**{"k_bits": 2, "v_bits": 2, **extra})
+    model = _model("llama-gqa", cfg)
+    ids, steps, stop = _ids(90), 60, 25  # 90 + 60 tokens: tokens reach every tier
+    whole = prefill(model, ids)
+    tokens = []
+    with torch.inference_mode():  # the uninterrupted greedy run, recording its tokens
+        logits = []
+        out = model(input_ids=_ids(1, seed=3), cache=whole, use_cache=True)
+        for _ in range(steps):
+            logits.append(out.logits[:, -1])
+            x = out.logits[:, -1:].argmax(-1)
+            tokens.append(x)
+            out = model(input_ids=x, cache=whole, use_cache=True)
+        want = torch.stack(logits, 1)
+    half = prefill(model, ids)
+    with torch.inference_mode():
+        logits = []
+        out = model(input_ids=_ids(1, seed=3), cache=half, use_cache=True)
+        for t in range(stop):
+            logits.append(out.logits[:, -1])
+            out = model(input_ids=tokens[t], cache=half, use_cache=True)
+    path = tmp_path / "mid.safetensors"
+    half.save(path, fingerprint=model_fingerprint(model, None))
+    loaded = KiviCache.load(path, fingerprint=model_fingerprint(model, None), model=model)
+    _same_state(half, loaded)
+    with torch.inference_mode():
+        for t in range(stop, steps):
+            logits.append(out.logits[:, -1])
+            out = model(input_ids=tokens[t], cache=loaded, use_cache=True)
+    assert torch.equal(torch.stack(logits, 1), want)
+    assert len(loaded.layers[0].parts[0].k.chain) > 1 if "tiers" in extra else len(loaded.layers[0].parts) == 2
 
 
 CASES = [
@@ -318,9 +364,10 @@ def _flip(path, pos):
 def test_flipped_payload_byte_names_the_tensor(saved):
     model, _, path = saved
     h = read_header(path)
-    lo, hi = h.offsets["layer1.v.block0.scale"]
+    name = "layer1.parts.0.v.store.blocks.0.scale"
+    lo, hi = h.offsets[name]
     _flip(path, h.data_start + (lo + hi) // 2)
-    with pytest.raises(PrefixFileError, match=r"checksum mismatch in tensor layer1\.v\.block0\.scale$"):
+    with pytest.raises(PrefixFileError, match=rf"checksum mismatch in tensor {name.replace('.', '[.]')}$"):
         load_prefix(path, model, None)
 
 
@@ -376,11 +423,13 @@ def test_newer_format_version_is_refused(tmp_path, saved):
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + n])
-    header["__metadata__"]["kivi_format_version"] = "2"
-    raw = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
-    with pytest.raises(PrefixFileError, match=r"format version '2'; this kivi reads versions up to 1"):
-        load_prefix(path, model, None)
+    for version, message in (("3", r"format version '3'; this kivi reads versions up to 2"),
+                             ("1", r"format version '1' \(an older kivi's layout\); this kivi reads version 2")):
+        header["__metadata__"]["kivi_format_version"] = version
+        raw = json.dumps(header).encode()
+        path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+        with pytest.raises(PrefixFileError, match=message):
+            load_prefix(path, model, None)
 
 
 # ---------------------------------------------------------------------------------------------- saving
@@ -432,3 +481,23 @@ def test_quantize_after_round_trip_below_n_continues_past_n(tmp_path):
     got = _decode(model, loaded.cache, q, 40)
     assert torch.equal(got, want) and cache.layers[0].k.store.length > 0
     _same_state(cache, loaded.cache)
+
+
+def test_past_recording_state_round_trips(tmp_path):
+    """A cache saved right after a recorded forward (its window still holds what is due to move) loads with
+    that pending move, so the next forward stores exactly what the saving cache stores."""
+    cfg = _config(sink_tokens=2)
+    cache = KiviCache(cfg)
+    g = torch.Generator().manual_seed(4)
+    k, v = torch.randn(1, 2, 70, 16, generator=g), torch.randn(1, 2, 70, 16, generator=g)
+    cache.update(k[:, :, :50], v[:, :, :50], 0)
+    cache.layers[0].activate_past_recording()
+    cache.update(k[:, :, 50:60], v[:, :, 50:60], 0)
+    assert cache.layers[0].due
+    cache.save(tmp_path / "due.safetensors", fingerprint={})
+    loaded = KiviCache.load(tmp_path / "due.safetensors", fingerprint={})
+    _same_state(cache, loaded)
+    loaded.layers[0].activate_past_recording()
+    for c in (cache, loaded):
+        c.update(k[:, :, 60:], v[:, :, 60:], 0)
+    _same_state(cache, loaded)

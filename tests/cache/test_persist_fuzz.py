@@ -105,15 +105,24 @@ def meta_mutations(meta):
             for i, variant in enumerate(_variants(value)):
                 shown = "<del>" if variant is _DELETE else repr(variant)[:20]
                 yield f"{'.'.join(map(str, path))}={shown}#{i}", path, variant
-    lm = meta["cache"]["layers"][0]
     for label in ("k", "v"):
-        tm = lm[label]["store"]["template"]
-        for field in tm["fields"]:
-            for key, value in (("dtype", "int32"), ("dtype", "complex64"), ("shape", [1, 2]), ("shape", [1, 2, 99])):
-                yield f"template {label}.{field}.{key}={value}", (
-                    "cache", "layers", 0, label, "store", "template", "fields", field, key), value
-        yield f"template {label} extra field", ("cache", "layers", 0, label, "store", "template", "fields", "zz"), \
-            {"dtype": "uint8", "shape": [1, 2, 4]}
+        for where in _template_paths(meta["cache"]["layers"][0]["parts"][0][label]["store"],
+                                     ("cache", "layers", 0, "parts", 0, label, "store")):
+            tm = meta
+            for k in where:
+                tm = tm[k]
+            for field in tm["fields"]:
+                for key, value in (("dtype", "int32"), ("dtype", "complex64"), ("shape", [1, 2]), ("shape", [1, 2, 99])):
+                    yield f"template {'.'.join(map(str, where[3:]))}.{field}.{key}={value}", (
+                        *where, "fields", field, key), value
+            yield f"template {'.'.join(map(str, where[3:]))} extra field", (*where, "fields", "zz"), \
+                {"dtype": "uint8", "shape": [1, 2, 4]}
+
+
+def _template_paths(store, where):
+    """Paths of a side's store templates (one per tier store with position tiers) that hold a format."""
+    stores = [(st, (*where, "tiers", j)) for j, st in enumerate(store["tiers"])] if "tiers" in store else [(store, where)]
+    return [(*w, "template") for st, w in stores if st["template"] is not None]
 
 
 def table_mutations(header):
@@ -211,6 +220,16 @@ def _base(tmp_path, kind):
         with torch.inference_mode():
             model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
         save_ids = None
+    elif kind in ("tiers", "per-head"):  # tier stores of several widths; head groups of their own widths
+        extra = (dict(tiers=[(32, None), (32, 8), (48, 4), (None, 2)], k_bits=8, v_bits=8) if kind == "tiers" else
+                 dict(head_bits={0: {"k_bits": [4, 2], "v_bits": [2, 3]}}))
+        model = _model("llama-gqa", _config(sink_tokens=4, backend="cpu", **{"k_bits": 2, "v_bits": 2, **extra}))
+        ids = _ids(160)
+        cache = prefill(model, ids[:, :90])
+        _decode(model, cache, ids[:, 90:], 30)
+        layer = cache.layers[0]
+        assert len(layer.parts[0].k.chain) == 3 if kind == "tiers" else len(layer.parts) == 2
+        save_ids = None
     else:
         model = _model("mistral-sliding", _config(2, 2, 0, "cpu"))
         ids = _ids(240)
@@ -225,7 +244,7 @@ def _base(tmp_path, kind):
     return model, fp, path
 
 
-@pytest.mark.parametrize("kind", ["sinks-blocks-ids", "padded-batch", "sliding"])
+@pytest.mark.parametrize("kind", ["sinks-blocks-ids", "padded-batch", "sliding", "tiers", "per-head"])
 def test_forged_files_load_exactly_or_raise_prefix_error(tmp_path, monkeypatch, kind):
     model, fp, path = _base(tmp_path, kind)
     want = KiviCache.load(path, fingerprint=fp, model=model)
@@ -240,7 +259,8 @@ def test_forged_files_load_exactly_or_raise_prefix_error(tmp_path, monkeypatch, 
         except (KeyError, IndexError, TypeError):
             continue
         own = key[0] == "config" or key[-1:] == ("sliding_window",)  # what the file says the cache is
-        cases.append((label, header, m, payload, "own" if own else key[:1] == ("versions",) or key in FREE))
+        free = "own" if own else "due" if key in FREE else key[:1] == ("versions",)
+        cases.append((label, header, m, payload, free))
     for label, name, entry in table_mutations(header):
         h = copy.deepcopy(header)
         if entry is None:
@@ -268,10 +288,12 @@ def test_forged_files_load_exactly_or_raise_prefix_error(tmp_path, monkeypatch, 
             else:
                 loaded += 1
                 try:
-                    if free != "own" or with_model:  # else the file's own config / windows: another valid cache
+                    if free == "due":  # another valid state: the same tensors, tokens due to move or not
+                        assert got.nbytes == want.nbytes
+                    elif free != "own" or with_model:  # else the file's own config / windows: another valid cache
                         _same_state(want, got)
                     if not free:
-                        assert [la._due for la in got.layers] == [la._due for la in want.layers]
+                        assert [la.due for la in got.layers] == [la.due for la in want.layers]
                 except Exception as e:  # noqa: BLE001 - an assertion, or a state the comparison cannot even read
                     failures.append(f"{label} (model={with_model}): loaded a different state ({type(e).__name__})")
             finally:
@@ -305,7 +327,7 @@ def forge(tmp_path):
 
 
 def _store(meta, layer=0, side="k"):
-    return meta["cache"]["layers"][layer][side]["store"]
+    return meta["cache"]["layers"][layer]["parts"][0][side]["store"]
 
 
 @pytest.mark.parametrize("caps", [lambda c: c * 100, lambda c: 2 * 10**8, lambda c: 10**12, lambda c: 1e12],
@@ -319,7 +341,7 @@ def test_forged_block_capacity_is_refused_before_allocating(forge, monkeypatch, 
         st["caps"] = [*st["caps"][:-1], caps(st["caps"][-1])]
 
     msg = run(edit)
-    assert msg.startswith("layer0.k.store.caps")
+    assert msg.startswith("layer0.parts.0.k.store.caps")
     assert (", expected 64 (the last block holds" in msg) or "expected a list of integers" in msg
     assert rec.total < 1 << 20  # nothing of the claimed size was asked for
 
@@ -332,14 +354,14 @@ def test_forged_tensor_table_is_refused(forge):
             if name.endswith(".window"):
                 h[name]["dtype"] = "I32"
 
-    assert run(window_i32).startswith("tensor layer0.k.window: found int32 [1, 2, 41, 32], expected float32 "
+    assert run(window_i32).startswith("tensor layer0.parts.0.k.window: found int32 [1, 2, 41, 32], expected float32 "
                                       "[1, 2, 41, 32]")
 
     def window_shape(h, meta, p):
-        s = h["layer1.v.window"]["shape"]
-        h["layer1.v.window"]["shape"] = [s[0], s[1], s[2] * 2, s[3] // 2]
+        s = h["layer1.parts.0.v.window"]["shape"]
+        h["layer1.parts.0.v.window"]["shape"] = [s[0], s[1], s[2] * 2, s[3] // 2]
 
-    assert run(window_shape) == ("tensor layer1.v.window: found float32 [1, 2, 64, 16], expected float32 "
+    assert run(window_shape) == ("tensor layer1.parts.0.v.window: found float32 [1, 2, 64, 16], expected float32 "
                                  "[1, 2, 32, 32]")
 
     def ids_shape(h, meta, p):
@@ -360,15 +382,15 @@ def test_forged_metadata_is_refused(forge):
     def bits(h, meta, p):
         _store(meta, 1, "v")["template"]["bits"] = 3
 
-    assert run(bits) == "layer1.v.store.template.bits: found 3, expected 4"
+    assert run(bits) == "layer1.parts.0.v.store.template.bits: found 3, expected 4"
 
     def nan_window(h, meta, p):
-        lo, hi = h["layer0.v.window"]["data_offsets"]
+        lo, hi = h["layer0.parts.0.v.window"]["data_offsets"]
         t = torch.frombuffer(bytearray(p[lo:hi]), dtype=torch.float32).clone()
         t[:100] = float("nan")
         return p[:lo] + t.numpy().tobytes() + p[hi:]
 
-    assert run(nan_window) == "tensor layer0.v.window: found 100 non-finite values, expected finite values only"
+    assert run(nan_window) == "tensor layer0.parts.0.v.window: found 100 non-finite values, expected finite values only"
 
 
 def test_cropped_and_past_recording_caches_round_trip(tmp_path):
@@ -397,11 +419,11 @@ def test_cropped_and_past_recording_caches_round_trip(tmp_path):
     for layer in cache.layers:
         layer.activate_past_recording()
     _decode(model, cache, ids[:, 100:140], 1)
-    assert all(layer._due for layer in cache.layers)
+    assert all(layer.due for layer in cache.layers)
     cache.save(tmp_path / "due.kivi", fingerprint=fp)
     loaded = KiviCache.load(tmp_path / "due.kivi", fingerprint=fp, model=model)
     _same_state(cache, loaded)
-    assert [la._due for la in loaded.layers] == [True, True]
+    assert [la.due for la in loaded.layers] == [True, True]
 
 
 def test_unused_capacity_beyond_the_file_is_refused_before_allocating(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ from kivi.cache.layer import KiviLayer
 from kivi.cache.schedule import KEY_AXIS, VALUE_AXIS, quantizing, query_boundaries, side_tokens, window_exits
 from kivi.cache.view import materialize
 from kivi.optional import numba_available
+from kivi.cache.sliding import SlidingKiviLayer
 from tests.helpers import tiny_model
 
 BASE = dict(group_size=16, residual_length=32, block_size=64)
@@ -285,7 +286,7 @@ def test_sliding_layers_are_refused_in_one_line():
     with pytest.raises(ValueError, match="quantize_after is not supported on sliding-window layers"):
         KiviCache.from_model(model, KiviConfig(quantize_after=256))
     with pytest.raises(ValueError, match="quantize_after=256 is not supported on sliding-window layers"):
-        KiviLayer(KiviConfig(quantize_after=256), sliding_window=64)
+        SlidingKiviLayer(KiviConfig(quantize_after=256), sliding_window=64)
     # per-layer override to 0 on the sliding layers is the way out
     n = model.config.num_hidden_layers
     KiviCache.from_model(model, KiviConfig(quantize_after=256, layer_specific_config={

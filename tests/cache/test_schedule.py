@@ -24,6 +24,7 @@ from kivi.cache.schedule import (
 )
 from kivi.cache.store import BlockStore, FpSegment
 from kivi.config import KiviConfig
+from kivi.cache.sliding import new_layer
 
 # --------------------------------------------------------------------------- the rules, by example
 
@@ -133,7 +134,7 @@ def _kv(t, d=8, b=1, h=1, seed=0):
     (KiviConfig(group_size=8, residual_length=16, block_size=32, sink_tokens=3), 24),
 ])
 def test_kivilayer_state_matches_the_schedule(cfg, window):
-    layer = KiviLayer(cfg, sliding_window=window)
+    layer = new_layer(cfg, window)
     assert layer.sink_tokens == layer_sink_tokens(cfg.sink_tokens, window)
     k, v = _kv(400)
     rng = random.Random(1)

@@ -19,6 +19,8 @@ from kivi.cache.view import materialize
 from kivi.memory.storage import layer_bytes
 from kivi.quant.demote import demote_kv
 from kivi.quant.kv import dequantize_kv, quantize_kv
+from kivi.cache.sliding import SlidingKiviLayer
+from kivi.cache.store import BlockStore
 
 T3 = dict(k_bits=4, v_bits=4, group_size=16, residual_length=32, block_size=64,
           tiers=[(32, None), (48, 4), (None, 2)])
@@ -106,7 +108,7 @@ def test_old_tokens_are_demoted_codes_of_their_first_quantization():
 
 def test_untiered_config_keeps_one_store():
     layer = KiviLayer(KiviConfig())
-    assert layer.k.chain == [layer.k.store] and layer.k.older == []
+    assert layer.k.chain == [layer.k.store] and isinstance(layer.k.store, BlockStore)
 
 
 # --------------------------------------------------------------------------- every backend
@@ -255,7 +257,7 @@ def test_crop_within_window_and_newest_tier(kw):
     assert layer.get_seq_length() == 195
     assert torch.equal(layer.k.window[:, :, -3:], k[:, :, 192:195])
     # into the newest tier: allowed (what survives of the last key group comes back dequantized)
-    newest = layer.k.store
+    newest = layer.k.chain[-1]
     to = newest.start + cfg.group_size + 3
     layer.crop(to - 195)
     assert layer.get_seq_length() == to and materialize(_next_view(layer)).shape[-2] == to + 1
@@ -268,7 +270,7 @@ def test_crop_into_a_demoted_tier_is_refused_and_changes_nothing(kw):
     layer, _ = _fill(cfg, k, v, [260])
     before, nbytes = _stored(layer), layer.nbytes
     with pytest.raises(ValueError, match="demoted to a narrower position tier"):
-        layer.crop(-(260 - layer.k.store.start + 1))
+        layer.crop(-(260 - layer.k.chain[-1].start + 1))
     assert _stored(layer) == before and layer.nbytes == nbytes and layer.get_seq_length() == 260
 
 
@@ -301,18 +303,7 @@ def test_reorder_and_deepcopy_cover_every_tier():
 
 def test_sliding_layers_refuse_tiers():
     with pytest.raises(ValueError, match="sliding-window layers"):
-        KiviLayer(KiviConfig(**T3), sliding_window=64)
-
-
-def test_saving_a_tiered_prefix_is_refused(tmp_path):
-    from kivi import KiviCache
-
-    cache = KiviCache(KiviConfig(**T3))
-    k, v = _data(1, 2, 100, 32)
-    cache.update(k, v, 0)
-    with pytest.raises(ValueError, match="position tiers"):
-        cache.save(tmp_path / "p.safetensors", fingerprint={})
-    assert not (tmp_path / "p.safetensors").exists()
+        SlidingKiviLayer(KiviConfig(**T3), sliding_window=64)
 
 
 # --------------------------------------------------------------------------- the planner, byte for byte
@@ -337,4 +328,4 @@ def test_continuous_batching_refuses_tiers():
 
 def test_per_layer_tiers_override():
     cfg = KiviConfig(**{**T3, "layer_specific_config": {1: {"tiers": None}}})
-    assert KiviLayer(cfg.for_layer(0)).k.older and not KiviLayer(cfg.for_layer(1)).k.older
+    assert len(KiviLayer(cfg.for_layer(0)).k.chain) == 2 and len(KiviLayer(cfg.for_layer(1)).k.chain) == 1

@@ -171,15 +171,26 @@ def test_save_prefix_on_a_real_full_disk(folders, tiny_tmpfs):
     assert list(tiny_tmpfs.iterdir()) == []
 
 
-def test_save_prefix_refuses_an_unsavable_config_before_loading(tmp_path, capsys):
+@pytest.mark.parametrize("extra", [dict(tiers=[(32, None), (64, (4, 4)), (None, 2)]),
+                                   dict(head_bits={0: {"k_bits": [4, 2], "v_bits": [2, 4]}})],
+                         ids=["tiers", "per-head"])
+def test_save_prefix_saves_tiers_and_per_head_widths(folders, tmp_path, capsys, extra):
+    """A tiered or per-head configuration saves with --save-prefix and --load-prefix continues from it."""
+    from kivi.cli import main
     from kivi.config import KiviConfig
 
-    cfg = tmp_path / "tiers.json"
-    KiviConfig(k_bits=4, v_bits=4, group_size=16, residual_length=32,
-               tiers=[(32, None), (64, (4, 4)), (None, 2)]).to_json(cfg)
-    line = _main_error(capsys, "generate", "--model", str(tmp_path / "not-loaded"), "--prompt", "w3",
-                       "--config", str(cfg), "--save-prefix", str(tmp_path / "p.kivi"))
-    assert "--save-prefix: position tiers (all layers): saving a tiered cache" in line
+    model_dir, _, doc = folders
+    cfg = tmp_path / "cfg.json"
+    KiviConfig(k_bits=4, v_bits=4, group_size=16, residual_length=32, **extra).to_json(cfg)
+    f = tmp_path / "p.kivi"
+    assert main(["generate", "--model", str(model_dir), "--prompt-file", str(doc), "--raw", "--config", str(cfg),
+                 "--max-new-tokens", "2", "--json", "--save-prefix", str(f)]) == 0
+    saved = json.loads(capsys.readouterr().out)
+    assert f.is_file() and saved["prefix_tokens"] == 150
+    assert main(["generate", "--model", str(model_dir), "--load-prefix", str(f), "--prompt", "w5 w6",
+                 "--max-new-tokens", "2", "--json"]) == 0
+    loaded = json.loads(capsys.readouterr().out)
+    assert loaded["prefix_tokens"] == 150 and loaded["config"] == saved["config"]
 
 
 def test_forged_prefix_files_are_one_line(folders, tmp_path, capsys):
@@ -194,17 +205,17 @@ def test_forged_prefix_files_are_one_line(folders, tmp_path, capsys):
     capsys.readouterr()
 
     def nan_window(h, meta, p):
-        lo, hi = h["layer0.k.window"]["data_offsets"]
+        lo, hi = h["layer0.parts.0.k.window"]["data_offsets"]
         return p[:lo] + b"\xff" * (hi - lo) + p[hi:]  # all NaN
 
     def retyped(h, meta, p):
-        h["layer1.v.window"]["dtype"] = "I32"
+        h["layer1.parts.0.v.window"]["dtype"] = "I32"
 
     def dtype(h, meta, p):
         meta["cache"]["layers"][1]["dtype"] = "complex64"
 
-    for fn, want in ((nan_window, "tensor layer0.k.window: found 2176 non-finite values, expected finite values only"),
-                     (retyped, "tensor layer1.v.window: found int32 [1, 2, 32, 32], expected float32"),
+    for fn, want in ((nan_window, "tensor layer0.parts.0.k.window: found 2176 non-finite values, expected finite values only"),
+                     (retyped, "tensor layer1.parts.0.v.window: found int32 [1, 2, 32, 32], expected float32"),
                      (dtype, "cache.layers[1].dtype: found 'complex64', expected one of")):
         header, meta, payload = read_parts(f)
         out = tmp_path / f"{fn.__name__}.kivi"

@@ -9,6 +9,7 @@ import torch
 from kivi import KiviCache, KiviConfig
 from kivi.cache.layer import KiviLayer
 from kivi.eval.reachable import reachable_tensor_bytes as reachable_storage_bytes
+from kivi.cache.sliding import SlidingKiviLayer
 
 
 def test_walker_sees_a_slice_pinning_its_base():
@@ -60,7 +61,7 @@ def test_reachable_bytes_equal_nbytes(cfg, backend):
 def test_reachable_bytes_with_sliding_window_eviction():
     g = torch.Generator().manual_seed(1)
     cfg = KiviConfig(**CFG)
-    cache = KiviCache(cfg, layers=[KiviLayer(cfg, sliding_window=48), KiviLayer(cfg)], attention_backend="cpu")
+    cache = KiviCache(cfg, layers=[SlidingKiviLayer(cfg, sliding_window=48), KiviLayer(cfg)], attention_backend="cpu")
     k, v = _kv(1, 200, g)
     for i in range(2):
         cache.update(k, v, i)
