@@ -70,11 +70,12 @@ def build_geometry(cfg: KiviConfig, *, page_size: int, num_kv_heads: int, head_d
 
 
 def block_field_views(cache: torch.Tensor, geo: KiviGeometry, side: str) -> dict[str, torch.Tensor]:
-    """``{field: [NB, *shape]}`` views of one layer's vLLM cache (``[NB, ...]``, each block's bytes contiguous,
-    blocks ``cache.stride(0)`` apart): element ``[b]`` is that field of block ``b``. The views alias the
+    """``{field: [NB, *shape]}`` views of one layer's vLLM cache (``[NB, ...]``: each block's bytes dense, in
+    whatever order vLLM's layout puts its logical ``[H, N, C]``; blocks ``cache.stride(0)`` apart): element ``[b]`` is that field of block ``b``. The views alias the
     cache's storage (no copy), whatever dtype vLLM gave the cache tensor."""
     nb, item = cache.shape[0], cache.element_size()
-    if not cache[0].is_contiguous() or cache[0].numel() * item < geo.page_bytes:
+    span = 1 + sum((n - 1) * st for n, st in zip(cache.shape[1:], cache.stride()[1:]))  # elements a block covers
+    if span != cache[0].numel() or span * item < geo.page_bytes:  # any order of [H, N, C] inside, but dense
         raise ValueError(f"a KIVI layer's cache must be blocks of at least {geo.page_bytes} contiguous bytes, got shape "
                          f"{tuple(cache.shape)} strides {cache.stride()} of {cache.dtype}")
     block_stride, first = cache.stride(0) * item, cache.storage_offset() * item  # bytes
