@@ -3,12 +3,14 @@
 * :class:`KiviAttentionBackend` replaces ``CPU_ATTN`` for every decoder attention layer when
   ``additional_config["kivi"]`` is set (:mod:`kivi.vllm.select`). ``customize_spec`` gives vLLM the packed
   page's bytes (:func:`kivi.vllm.geometry.build_geometry`), so vLLM's allocator counts KIVI pages.
-* Each :class:`KiviAttentionImpl` makes one :class:`KiviWindowLayer` next to its layer, registered in
-  vLLM's static forward context as ``kivi_window.<n>``: a sliding-window layer (window ``R + G``) whose
-  blocks hold the tokens still in KIVI's full-precision window. vLLM's hybrid allocator gives it its own
-  KV cache group, block table and slot mapping, and frees its blocks once they slide out; the layer is
-  never called, its impl reads and writes its cache. (vLLM's DeepSeek compressor state caches are built
-  the same way: an ``AttentionLayerBase`` module registered by name whose cache another layer uses.)
+* Each :class:`KiviAttentionImpl` makes ``k`` :class:`KiviWindowLayer` next to its layer
+  (:attr:`kivi.vllm.geometry.KiviGeometry.window_rings`), registered in vLLM's static forward context as
+  ``kivi_window.<n>``: each a circular-buffer layer (``CircularBufferSpec``: one block of ``Pw`` tokens per
+  request for its whole life, no prefix caching); together they are a ring of ``k * Pw >= R + G - 1`` slots
+  for the tokens still in KIVI's full-precision window. vLLM gives each its own KV cache group and block
+  table; the layer is never called, its impl reads and writes its cache. (vLLM's DeepSeek compressor state
+  caches are built the same way: an ``AttentionLayerBase`` module registered by name whose cache another
+  layer uses.)
 * :class:`KiviMetadataBuilder` (both groups) keeps what :func:`kivi.vllm.paged.paged_step` needs.
 
 Imports vLLM: loaded only by vLLM, through :mod:`kivi.vllm.select`.
@@ -32,7 +34,7 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import AttentionSpec, CircularBufferSpec, KVCacheSpec, SlidingWindowSpec
 
 from ..backends import resolve_attention_backend
 from ..config import KiviConfig
@@ -145,7 +147,7 @@ class KiviWindowBackend(AttentionBackend):
 
 
 class KiviWindowLayer(torch.nn.Module, AttentionLayerBase):
-    """Full-precision window blocks of one attention layer (see the module docstring)."""
+    """One full-precision window ring of one attention layer (see the module docstring)."""
 
     def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, prefix: str) -> None:
         super().__init__()
@@ -160,12 +162,13 @@ class KiviWindowLayer(torch.nn.Module, AttentionLayerBase):
         return KiviWindowBackend
 
     def get_kv_cache_spec(self, vllm_config) -> KVCacheSpec:
-        # the same geometry the packed layer's customize_spec gives vLLM (the block size is vLLM's)
+        # the same geometry the packed layer's customize_spec gives vLLM (the block size is vLLM's): one
+        # block of Pw tokens per request for its whole life (vLLM's circular-buffer manager)
         geo = build_geometry(_config(vllm_config), page_size=vllm_config.cache_config.block_size,
                              num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype)
         padded = None if geo.window_tokens * geo.fp_token_bytes == geo.block_bytes else geo.block_bytes
-        return SlidingWindowSpec(block_size=geo.window_tokens, num_kv_heads=self.num_kv_heads, head_size=self.head_dim,
-                                 dtype=self.dtype, sliding_window=geo.sliding_window, page_size_padded=padded)
+        return CircularBufferSpec(block_size=geo.window_tokens, num_kv_heads=self.num_kv_heads,
+                                  head_size=self.head_dim, dtype=self.dtype, page_size_padded=padded)
 
     def forward(self):  # pragma: no cover - never called
         raise RuntimeError("the KIVI window layer is read by its attention layer, never called")
@@ -189,8 +192,13 @@ class KiviAttentionImpl(AttentionImpl[KiviMetadata]):
         self.config = _config(vllm_config)
         self.backend = resolve_attention_backend(self.config.attention_backend, "cpu", config=self.config)
         context = vllm_config.compilation_config.static_forward_context
-        name = f"{WINDOW_PREFIX}{sum(1 for k in context if k.startswith(WINDOW_PREFIX))}"
-        self.window = KiviWindowLayer(self.num_kv_heads, head_size, torch.get_default_dtype(), name)
+        dtype = torch.get_default_dtype()
+        geo = build_geometry(self.config, page_size=vllm_config.cache_config.block_size,
+                             num_kv_heads=self.num_kv_heads, head_dim=head_size, dtype=dtype)
+        self.rings = []
+        for _ in range(geo.window_rings):
+            name = f"{WINDOW_PREFIX}{sum(1 for k in context if k.startswith(WINDOW_PREFIX))}"
+            self.rings.append(KiviWindowLayer(self.num_kv_heads, head_size, dtype, name))
         self._geometry: KiviGeometry | None = None
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
@@ -199,13 +207,14 @@ class KiviAttentionImpl(AttentionImpl[KiviMetadata]):
             raise NotImplementedError("fused output quantization is not supported by kivi's vLLM plugin")
         if attn_metadata is None:  # profiling / warm-up run
             return output
-        window_md = get_forward_context().attn_metadata[self.window.layer_name]
+        mds = get_forward_context().attn_metadata
         if self._geometry is None or self._geometry.page_size != kv_cache.shape[2]:
             self._geometry = build_geometry(self.config, page_size=kv_cache.shape[2], num_kv_heads=self.num_kv_heads,
-                                            head_dim=self.head_size, dtype=self.window.kv_cache.dtype)
-        batch = StepBatch(attn_metadata.query_start, attn_metadata.seq_lens, attn_metadata.block_table,
-                          window_md.block_table, window_md.slot_mapping)
+                                            head_dim=self.head_size, dtype=self.rings[0].kv_cache.dtype)
+        n_req = len(attn_metadata.seq_lens)
+        ring_table = torch.stack([mds[r.layer_name].block_table[:n_req, 0] for r in self.rings], dim=1)
+        batch = StepBatch(attn_metadata.query_start, attn_metadata.seq_lens, attn_metadata.block_table, ring_table)
         n = attn_metadata.num_actual_tokens
         paged_step(self.config, self._geometry, self.backend, query[:n], key[:n], value[:n], kv_cache,
-                   self.window.kv_cache, batch, self.scale, output[:n])
+                   [r.kv_cache for r in self.rings], batch, self.scale, output[:n])
         return output

@@ -5,9 +5,10 @@ Each attention layer has two KV cache groups in vLLM's hybrid allocator (docs/vl
 * **pages** (the layer's own full-attention group): block ``b`` holds tokens ``[b*P, (b+1)*P)`` of one
   request as one KIVI page (:func:`kivi.quant.page.page_fields`: keys per channel in groups of ``G``
   tokens, values per token), ``P`` = vLLM's block size, a multiple of ``G``;
-* **window** (a companion sliding-window layer, window ``R + G``): block ``w`` holds ``Pw`` tokens in
-  the model dtype, ``[H, Pw, 2D]`` (keys in ``[..., :D]``, values in ``[..., D:]``): the tokens that have
-  not left KIVI's full-precision window yet. vLLM frees those blocks once they slide out.
+* **window** (``k`` companion layers, each a vLLM circular-buffer group: one block per request for its
+  whole life): together ``k * Pw`` slots holding, in the model dtype ``[H, Pw, 2D]`` (keys in ``[..., :D]``,
+  values in ``[..., D:]``), the at most ``R + G - 1`` tokens that have not left KIVI's full-precision
+  window, token ``p`` at slot ``p mod (k * Pw)``.
 
 vLLM needs one page size for every group: ``Pw`` is the number of full-precision tokens that fit in one
 packed page, and the window page is padded to the packed page's bytes. Pure torch (no vLLM import).
@@ -35,7 +36,12 @@ class KiviGeometry:
     page_bytes: int  # bytes the fields take
     state_bytes: int  # vLLM's state_content_bytes: bytes per (kv head, token) so that H * P * it >= page_bytes
     window_tokens: int  # Pw: full-precision tokens one window block holds
-    sliding_window: int  # R + G: the span vLLM must keep in the window group
+    sliding_window: int  # R + G: the full-precision tokens after a step are at most R + G - 1
+
+    @property
+    def window_rings(self) -> int:
+        """k: window rings (one vLLM block each per request) that hold the R + G - 1 full-precision tokens."""
+        return -(-(self.sliding_window - 1) // self.window_tokens)
 
     @property
     def block_bytes(self) -> int:
@@ -90,9 +96,4 @@ def block_field_views(cache: torch.Tensor, geo: KiviGeometry, side: str) -> dict
     return out
 
 
-def window_rows(cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values ``[NB, H, Pw, D]`` of a window layer's cache ``[NB, H, Pw, 2D]`` (views)."""
-    return cache[..., :head_dim], cache[..., head_dim:]
-
-
-__all__ = ["KiviGeometry", "build_geometry", "block_field_views", "window_rows"]
+__all__ = ["KiviGeometry", "build_geometry", "block_field_views"]

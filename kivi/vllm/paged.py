@@ -4,13 +4,13 @@ vLLM hands an attention layer, per step, the batch's new tokens and, per request
 after the step) and ``query_len`` (tokens of the step); nothing else about a request. kivi's schedule
 depends on token counts only (:mod:`kivi.cache.schedule`), so ``past = seq_len - query_len`` and
 ``seq_len`` say where every token is: a side's tokens ``[0, stored)`` are in the packed pages
-(``side_tokens``), ``[stored, seq_len)`` are full precision, in the request's window blocks. No
+(``side_tokens``), ``[stored, seq_len)`` are full precision: those before the step in the request's window
+rings (token ``p`` at slot ``p mod (k * Pw)``, at most ``R + G - 1`` of them), the step's own from its input. No
 per-request state is kept here, so preemption (recompute) and prefix hits need nothing special.
 
 :func:`paged_step` does, for one layer:
 
-1. writes the new tokens' keys / values (full precision) to their window slots;
-2. builds, per request, the :class:`~kivi.cache.view.AttentionView` kivi's own cache would hand
+1-2. builds, per request, the :class:`~kivi.cache.view.AttentionView` kivi's own cache would hand
    attention (pages as a :class:`~kivi.cache.store.BlockStore` aliasing the page memory, then the
    full-precision tokens), with kivi's per-query precision for a chunk into a request that holds tokens
    (:func:`kivi.cache.schedule.query_boundaries`; a request's first chunk is an exact prefill);
@@ -20,7 +20,9 @@ per-request state is kept here, so preemption (recompute) and prefix hits need n
 4. attends: a request with nothing stored yet exactly (torch SDPA, causal bottom-right), the others
    through kivi's backend (:func:`kivi.attention.interface.run_backend`: ``"reference"`` dequantizes,
    ``"cpu"`` reads the packed pages: the fused numba kernel for one query token, the blocked path for a
-   chunk).
+   chunk);
+5. writes the new tokens still in the window after the step (the last ``R + G - 1`` tokens) to the rings,
+   after every read of the step (a ring slot is reused once its token has left the window).
 
 A batched decode kernel reading pages through the block table replaces step 4's per-request loop for
 decode rows where one exists (:func:`decode_rows` names them); until then each request is one call.
@@ -40,7 +42,7 @@ from ..cache.view import AttentionView
 from ..config import KiviConfig
 from ..quant.kv import dequantize_kv, quantize_kv
 from ..quant.page import AXIS, SIDES, param_dtype
-from .geometry import KiviGeometry, block_field_views, window_rows
+from .geometry import KiviGeometry, block_field_views
 
 
 @dataclass(frozen=True)
@@ -48,15 +50,50 @@ class StepBatch:
     """What vLLM says about one step's batch (CPU integers; tensors on the cache's device).
 
     ``query_start`` ``[R+1]`` and ``seq_lens`` ``[R]`` as lists; ``page_table`` ``[R, max_pages]`` (the layer's
-    full-attention group), ``window_table`` ``[R, max_window_blocks]`` and ``window_slots`` ``[n]`` (the
-    companion sliding-window group: block table, and ``block * Pw + offset`` of each new token).
+    full-attention group) and ``ring_table`` ``[R, k]`` (the request's one block in each of the layer's ``k``
+    window rings, vLLM's circular-buffer groups).
     """
 
     query_start: list[int]
     seq_lens: list[int]
     page_table: torch.Tensor
-    window_table: torch.Tensor
-    window_slots: torch.Tensor
+    ring_table: torch.Tensor
+
+
+def ring_slots(pos: torch.Tensor, ring_table_row: torch.Tensor, pw: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where positions ``pos`` live in a request's window rings: token ``p`` at ring slot ``p mod (k * Pw)``,
+    i.e. ring ``slot // Pw`` (its block ``ring_table_row[ring]``), row ``slot % Pw``. Returns (ring, block, row)."""
+    k = ring_table_row.shape[0]
+    slot = pos % (k * pw)
+    ring = slot // pw
+    return ring, ring_table_row[ring].long(), slot % pw
+
+
+def _ring_read(rings: list[torch.Tensor], pos: torch.Tensor, ring_table_row: torch.Tensor, head_dim: int,
+               side: str) -> torch.Tensor:
+    """Rows ``[H, len(pos), D]`` of one side at ``pos`` from the rings (a copy)."""
+    pw = rings[0].shape[2]
+    ring, block, row = ring_slots(pos, ring_table_row, pw)
+    h = rings[0].shape[1]
+    out = torch.empty(h, pos.numel(), head_dim, dtype=rings[0].dtype, device=rings[0].device)
+    cols = slice(0, head_dim) if side == "k" else slice(head_dim, 2 * head_dim)
+    for j, r in enumerate(rings):
+        sel = (ring == j).nonzero().flatten()
+        if sel.numel():
+            out[:, sel] = r[block[sel], :, row[sel], cols].transpose(0, 1)
+    return out
+
+
+def _ring_write(rings: list[torch.Tensor], pos: torch.Tensor, ring_table_row: torch.Tensor, k_rows: torch.Tensor,
+                v_rows: torch.Tensor) -> None:
+    """Write keys / values ``[len(pos), H, D]`` of positions ``pos`` to their ring slots."""
+    pw, d = rings[0].shape[2], k_rows.shape[-1]
+    ring, block, row = ring_slots(pos, ring_table_row, pw)
+    for j, r in enumerate(rings):
+        sel = (ring == j).nonzero().flatten()
+        if sel.numel():
+            r[block[sel], :, row[sel], :d] = k_rows[sel].to(r.dtype)
+            r[block[sel], :, row[sel], d:] = v_rows[sel].to(r.dtype)
 
 
 def _quantize(cfg: KiviConfig, side: str, x: torch.Tensor):
@@ -82,36 +119,34 @@ def decode_rows(batch: StepBatch) -> list[int]:
 
 
 def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor, pages: torch.Tensor, window: torch.Tensor, batch: StepBatch, scale: float,
+               value: torch.Tensor, pages: torch.Tensor, rings: list[torch.Tensor], batch: StepBatch, scale: float,
                out: torch.Tensor) -> torch.Tensor:
     """One layer's step: ``query [n, Hq, D]``, ``key / value [n, H, D]`` (the batch's new tokens, request by
-    request), ``pages`` the layer's vLLM cache, ``window`` its companion's ``[NBw, H, Pw, 2D]``; writes
-    ``[n, Hq, D]`` attention into ``out`` (returned)."""
-    n = batch.query_start[-1]
-    P, Pw = geo.page_size, window.shape[2]
-    wk, wv = window_rows(window, geo.head_dim)
-    slots = batch.window_slots[:n].long()
-    for rows, new in ((wk, key[:n]), (wv, value[:n])):  # 1. full-precision rows of the new tokens
-        rows[slots // Pw, :, slots % Pw] = new.to(rows.dtype)
+    request), ``pages`` the layer's vLLM cache, ``rings`` its ``k`` window rings' caches ``[NBw, H, Pw, 2D]``;
+    writes ``[n, Hq, D]`` attention into ``out`` (returned)."""
+    P = geo.page_size
+    if len(rings) * rings[0].shape[2] < geo.sliding_window - 1:
+        raise ValueError(f"{len(rings)} window rings of {rings[0].shape[2]} tokens cannot hold the "
+                         f"{geo.sliding_window - 1} full-precision tokens KIVI keeps")
     views = {side: block_field_views(pages, geo, side) for side in SIDES}
     meta = {side: dict(bits=cfg.k_bits if side == "k" else cfg.v_bits, group_size=cfg.group_size, axis=AXIS[side],
                        head_dim=geo.head_dim, residual_bits=cfg.residual_bits) for side in SIDES}
     R, G = cfg.residual_length, cfg.group_size
-    jobs, writes = [], []
+    jobs, writes, ring_writes = [], [], []
     for i, seq in enumerate(batch.seq_lens):
         lo, hi = batch.query_start[i], batch.query_start[i + 1]
         q_len = hi - lo
         if q_len == 0:
             continue
         past = seq - q_len
-        page_ids = batch.page_table[i]
+        page_ids, ring_ids = batch.page_table[i], batch.ring_table[i]
         side_views = []
-        for side, rows in (("k", wk), ("v", wv)):  # 2. the view kivi's cache would build
+        for side, new in (("k", key[lo:hi]), ("v", value[lo:hi])):  # 1-2. the view kivi's cache would build
             axis = AXIS[side]
             stored = side_tokens(axis, past, R, G)[1]
             after = side_tokens(axis, seq, R, G)[1]
-            pos = torch.arange(stored, seq, device=window.device)
-            fp = rows[batch.window_table[i, pos // Pw].long(), :, pos % Pw].transpose(0, 1)  # [H, seq - stored, D]
+            old = _ring_read(rings, torch.arange(stored, past, device=key.device), ring_ids, geo.head_dim, side)
+            fp = torch.cat([old, new.transpose(0, 1).to(old.dtype)], dim=1)  # [H, seq - stored, D]
             table = page_ids[: -(-stored // P)].tolist()
             store = page_store(views[side], table, 0, stored, P, **meta[side])
             view = AttentionView(store, stored, fp.unsqueeze(0), quantized=True)
@@ -121,6 +156,11 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
                 writes.append((side, _quantize(cfg, side, fp[:, : after - stored]), page_ids.tolist(), stored,
                                after - stored))
         jobs.append((lo, hi, side_views))
+        keep = max(past, seq - (geo.sliding_window - 1))  # new tokens still in the window after the step
+        ring_writes.append((torch.arange(keep, seq, device=key.device), ring_ids, key[lo + keep - past:hi],
+                            value[lo + keep - past:hi]))
+    for pos, ring_ids, k_rows, v_rows in ring_writes:  # every request's reads are done: now the rings
+        _ring_write(rings, pos, ring_ids, k_rows, v_rows)
     for side, seg, table, start, count in writes:  # every quantization succeeded: now write
         index = {1: _rows(table, start, count, P, 1, pages.device)}
         if side == "k":
@@ -160,4 +200,4 @@ def _set_boundary(view: AttentionView, cfg: KiviConfig, side: str, pending: torc
     view.fp_from = tuple(view.split + b for b in bounds)
 
 
-__all__ = ["StepBatch", "paged_step", "exact_attention", "decode_rows"]
+__all__ = ["StepBatch", "paged_step", "exact_attention", "decode_rows", "ring_slots"]

@@ -1,6 +1,7 @@
 """kivi.vllm.paged: one layer's step over vLLM-style block tables equals kivi's own cache (no vLLM needed).
 
-Two requests are run through ``paged_step`` with scattered block ids, as vLLM's allocator hands them out,
+Two requests are run through ``paged_step`` with scattered block ids, as vLLM's allocator hands them out
+(ring slots never written are NaN, so reading one poisons the output),
 in steps that mix a prefill, a chunk into a request that holds tokens and decode rows; every step's
 attention output must equal what :class:`kivi.cache.KiviLayer`'s views give through the reference
 attention, and the pages must hold what kivi's own store holds.
@@ -22,49 +23,35 @@ P = 32  # vLLM block size
 
 
 class FakeVllm:
-    """Block tables and slots the way vLLM's two groups give them: pages of P tokens, window blocks of Pw."""
+    """Block tables the way vLLM's groups give them: pages of P tokens (full attention) and, per request,
+    one block in each of the ``k`` window rings (circular-buffer groups), each from its own pool."""
 
     def __init__(self, geo, nblocks=64, seed=0):
         self.geo = geo
         g = torch.Generator().manual_seed(seed)
         self.free = torch.randperm(nblocks - 1, generator=g).add(1).tolist()  # block 0 is vLLM's null block
-        self.wfree = torch.randperm(nblocks - 1, generator=g).add(1).tolist()
+        k = geo.window_rings
+        self.rfree = [torch.randperm(nblocks - 1, generator=g).add(1).tolist() for _ in range(k)]
         self.pages = torch.zeros(nblocks, H, P, geo.state_bytes // 4, dtype=torch.float32)
-        self.window = torch.zeros(nblocks, H, geo.window_tokens, 2 * D, dtype=torch.float32)
+        self.rings = [torch.full((nblocks, H, geo.window_tokens, 2 * D), float("nan")) for _ in range(k)]
         self.ptab: dict[int, list[int]] = {}
-        self.wtab: dict[int, list[int]] = {}
-
-    def grow(self, rid, past, seq):
-        """Allocate for tokens up to ``seq``; free (and poison) window blocks that slid out, as vLLM's
-        sliding-window manager does before a step: blocks whose tokens are all older than the last
-        ``sliding_window - 1`` tokens before the step."""
-        pt, wt = self.ptab.setdefault(rid, []), self.wtab.setdefault(rid, [])
-        pw = self.geo.window_tokens
-        while len(pt) * P < seq:
-            pt.append(self.free.pop())
-        while len(wt) * pw < seq:
-            wt.append(self.wfree.pop())
-        keep_from = max(0, past - self.geo.sliding_window + 1)
-        for j in range(keep_from // pw):
-            if wt[j]:
-                self.window[wt[j]] = float("nan")  # a read of a freed block would poison the output
-                self.wfree.insert(0, wt[j])
-                wt[j] = 0
+        self.rtab: dict[int, list[int]] = {}
 
     def batch(self, rows):
         """rows: [(rid, past, q_len)] -> StepBatch."""
-        qs, seqs, slots = [0], [], []
+        qs, seqs = [0], []
         for rid, past, q in rows:
-            self.grow(rid, past, past + q)
+            pt = self.ptab.setdefault(rid, [])
+            while len(pt) * P < past + q:
+                pt.append(self.free.pop())
+            if rid not in self.rtab:  # a request's ring blocks for its whole life
+                self.rtab[rid] = [f.pop() for f in self.rfree]
             qs.append(qs[-1] + q)
             seqs.append(past + q)
-            pw = self.geo.window_tokens
-            slots += [self.wtab[rid][t // pw] * pw + t % pw for t in range(past, past + q)]
         width = max(len(self.ptab[r]) for r, _, _ in rows)
-        wwidth = max(len(self.wtab[r]) for r, _, _ in rows)
         pt = torch.tensor([self.ptab[r] + [0] * (width - len(self.ptab[r])) for r, _, _ in rows])
-        wt = torch.tensor([self.wtab[r] + [0] * (wwidth - len(self.wtab[r])) for r, _, _ in rows])
-        return StepBatch(qs, seqs, pt, wt, torch.tensor(slots))
+        rt = torch.tensor([self.rtab[r] for r, _, _ in rows])
+        return StepBatch(qs, seqs, pt, rt)
 
 
 def reference_step(layer: KiviLayer, q, k, v, scale):
@@ -93,7 +80,7 @@ def test_paged_step_matches_kivi_layer(cfg, backend):
     for rows in steps:
         n = sum(q for _, _, q in rows)
         q, k, v = (torch.randn(n, h, D, generator=g) for h in (HQ, H, H))
-        out = paged_step(cfg, geo, backend, q, k, v, vl.pages, vl.window, vl.batch(rows), scale,
+        out = paged_step(cfg, geo, backend, q, k, v, vl.pages, vl.rings, vl.batch(rows), scale,
                          torch.empty(n, HQ, D))
         lo = 0
         for rid, _, ql in rows:
@@ -101,7 +88,7 @@ def test_paged_step_matches_kivi_layer(cfg, backend):
             tol = dict(atol=0, rtol=0) if backend == "reference" else dict(atol=2e-5, rtol=1e-4)
             torch.testing.assert_close(out[lo:lo + ql], want, **tol, msg=f"step {rows}, request {rid}")
             lo += ql
-    assert 0 in vl.wtab[0] and 0 in vl.wtab[1], "the test must free window blocks to show they are not read"
+    assert 72 + 40 > 2 * len(vl.rings) * geo.window_tokens, "the test must wrap the rings (reuse their slots)"
 
 
 def test_nan_refused_writes_nothing():
@@ -112,6 +99,16 @@ def test_nan_refused_writes_nothing():
     v[3] = float("nan")  # leaves the window in this step (40 - 16 = 24 values move)
     before = vl.pages.clone()
     with pytest.raises(ValueError, match="finite|NaN|nan"):
-        paged_step(cfg, geo, "reference", q, k, v, vl.pages, vl.window, vl.batch([(0, 0, 40)]), 0.25,
+        paged_step(cfg, geo, "reference", q, k, v, vl.pages, vl.rings, vl.batch([(0, 0, 40)]), 0.25,
                    torch.empty(40, HQ, D))
     assert torch.equal(vl.pages, before)
+
+
+def test_rings_too_small_are_refused():
+    cfg = KiviConfig(k_bits=2, v_bits=2, group_size=16, residual_length=32)
+    geo = build_geometry(cfg, page_size=P, num_kv_heads=H, head_dim=D, dtype=torch.float32)
+    vl = FakeVllm(geo)
+    q, k, v = torch.randn(4, HQ, D), torch.randn(4, H, D), torch.randn(4, H, D)
+    with pytest.raises(ValueError, match=f"{geo.window_rings - 1} window rings of {geo.window_tokens} tokens"):
+        paged_step(cfg, geo, "reference", q, k, v, vl.pages, vl.rings[:-1], vl.batch([(0, 0, 4)]), 0.25,
+                   torch.empty(4, HQ, D))
