@@ -17,12 +17,13 @@ After ``quantize_model(model, config)``:
 
 Weights and ``generate`` arguments stay as they were; a model whose linear layers are quantized by
 optimum-quanto (:func:`kivi.models.quantize_weights`, before or after this call) works unchanged: nothing
-here looks at how the weights are stored (docs/weight-quantization.md). Tested with transformers 5.x (``cache=`` keyword; the deprecated
-``past_key_values=`` is accepted too).
+here looks at how the weights are stored (docs/weight-quantization.md). Tested with transformers 5.x: the cache goes under the keyword the model's forward takes
+(:func:`generate_cache_key`: ``cache=`` in 5.2x, ``past_key_values=`` before).
 """
 
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Any
 
@@ -111,17 +112,18 @@ def quantize_model(model: Any, config: KiviConfig | None = None, *,
         original = model._prepare_cache_for_generation
 
         def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+            key = generate_cache_key(self)
             wants_default = (
-                model_kwargs.get("cache") is None
+                model_kwargs.get(key) is None
                 and generation_config.use_cache is not False
                 and generation_config.cache_implementation is None
                 and getattr(self, "kivi_config", None) is not None
             )
             if wants_default:
-                model_kwargs["cache"] = KiviCache.from_model(self, self.kivi_config)
+                model_kwargs[key] = KiviCache.from_model(self, self.kivi_config)
             else:
                 result = original(generation_config, model_kwargs, *args, **kwargs)
-            cache = model_kwargs.get("cache")
+            cache = model_kwargs.get(key)
             if isinstance(cache, KiviCache) and cache.get_seq_length() == 0:
                 # The prompt's queries are the exact prefill; speculative candidates that transformers
                 # runs in the same first forward must see what one-token decoding would (docs/speculative.md).
@@ -131,6 +133,14 @@ def quantize_model(model: Any, config: KiviConfig | None = None, *,
         model._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, model)
         model._kivi_patched_generate = True
     return model
+
+
+def generate_cache_key(model: Any) -> str:
+    """The keyword under which ``generate`` keeps the cache in ``model_kwargs`` and hands it to the model's
+    forward: ``"cache"`` where the forward takes it (transformers 5.2x), else ``"past_key_values"`` (earlier
+    5.x, e.g. the 5.19 that vLLM 0.32 pins). A cache stored under the other name is silently ignored by
+    ``generate``, which then decodes with its own full-precision cache."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _prompt_length(generation_config: Any, model_kwargs: dict) -> int | None:

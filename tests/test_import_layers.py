@@ -34,6 +34,8 @@ LAYERS: dict[str, int] = {
     "kivi.integration": 6, "kivi.prefix": 6,
     # KIVI pages in transformers' continuous batching (depends on cache, quant and integration's backends)
     "kivi.batching": 6,
+    # the vLLM plugin (depends on cache, quant, attention; never on kivi.batching, whose transformers pin vLLM's differs)
+    "kivi.vllm": 6,
     # 7 tools: planner, evaluation, model loading, data, command line; the package facade
     "kivi.memory": 7, "kivi.eval": 7, "kivi.models": 7, "kivi.data": 7, "kivi.cli": 7, "kivi.__main__": 7,
     # models: errors and aliases, the converted-copy cache, loading, weight quantization (one job each)

@@ -234,3 +234,26 @@ def test_generate_chunked_prefill_equals_explicit_chunked_prefill():
             tokens.append(nxt)
             logits = model(input_ids=nxt, cache=cache, use_cache=True).logits[:, -1]
     assert torch.equal(out[:, 100:], torch.cat(tokens, dim=1))
+
+
+def test_generate_puts_the_cache_under_the_keyword_the_forward_takes():
+    """transformers before 5.2x (5.19, which vLLM 0.32 pins) keeps generate's cache under
+    ``past_key_values``; a KiviCache stored under ``cache`` there is ignored and generate decodes with its
+    own full-precision cache. The keyword follows the model's forward signature."""
+    from transformers import GenerationConfig
+
+    model = quantize_model(tiny_model("llama"), SMALL)
+    kwargs = {}
+    model._prepare_cache_for_generation(GenerationConfig(), kwargs, None, 1, 100)
+    assert isinstance(kwargs.get("cache"), KiviCache) and "past_key_values" not in kwargs
+
+    forward = model.forward  # a forward with transformers 5.19's signature
+
+    def old_forward(input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, **kw):
+        return forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       cache=past_key_values, **kw)
+
+    model.forward = old_forward
+    kwargs = {}
+    model._prepare_cache_for_generation(GenerationConfig(), kwargs, None, 1, 100)
+    assert isinstance(kwargs.get("past_key_values"), KiviCache) and "cache" not in kwargs

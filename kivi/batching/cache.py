@@ -47,7 +47,7 @@ from .allocator import KiviPageAllocator
 from .attention import PagedBatchViews, PagedDecode
 from .decode import DecodeStep, decode_counts, decode_step, gather_rows
 from .layout import AXIS, SIDES, PageLayout, field_views, param_dtype, window_view
-from .pages import gather_pages, page_store, scatter_tokens, store_rows
+from ..cache.pages import gather_pages, page_store, scatter_tokens, store_rows
 
 DEFAULT_MAX_BATCH_TOKENS = 8192  # transformers' own default (PagedAttentionMemoryHandler)
 

@@ -2,15 +2,9 @@
 
 transformers' paged cache (``PagedAttentionCache``) cuts one flat byte tensor into **blocks**; a block
 holds ``page_size`` consecutive tokens of one request for every layer (one **page** per layer). A KIVI
-block holds, per layer and per side (keys, values), the fields of a :class:`~kivi.quant.kv.PackedKV`
-of ``page_size`` tokens:
-
-* keys (per channel, groups of ``G`` tokens): codes ``[H, P, packed(D)]``, scale / offset
-  ``[H, P // G, D]`` (+ compensation codes) — a page is a whole number of key groups (``G | P``);
-* values (per token, groups of ``G`` channels): codes ``[H, P, packed(D)]``, scale / offset ``[H, P, D // G]``.
-
-Field shapes and dtypes are read off :func:`kivi.quant.kv.quantize_kv` itself (one quantization of a
-zero page), so the page format is the format of kivi's own cache, never restated here.
+block holds, per layer, one KIVI page of ``page_size`` tokens: the fields of kivi's own
+:class:`~kivi.quant.kv.PackedKV` per side, laid out by :func:`kivi.quant.page.page_fields` (the one
+home of the page format, shared with the vLLM plugin).
 
 Each request also keeps full-precision rows (model dtype, ``[H, D]`` per token): its sink tokens and
 its window of recent tokens, ``S + R + G - 1`` rows per layer and side at most, and never more than
@@ -38,16 +32,10 @@ from ..attention.fused_cpu.paged import PagedLayout
 from ..cache.schedule import layer_sink_tokens, sliding_cut
 from ..cache.support import check_head_dim, model_head_dim, plan_layers, text_config
 from ..config import KiviConfig
-from ..quant.kv import quantize_kv, token_divisor
+from ..quant.page import AXIS, SIDES, page_fields, param_dtype
+from ..quant.page import round_up as _round_up
 
-SIDES = ("k", "v")
-AXIS = {"k": "channel", "v": "token"}
-ALIGN = 16  # bytes: every field starts on a multiple (any dtype can view it)
 BLOCK_ALIGN = 128  # bytes: transformers aligns its sectors on 128 bytes
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 @dataclass(frozen=True)
@@ -190,11 +178,6 @@ def fp_block_bytes(model_config: Any, dtype: torch.dtype, page_size: int) -> int
     return text.num_hidden_layers * 2 * heads * model_head_dim(model_config) * dtype.itemsize * page_size
 
 
-def param_dtype(cfg: KiviConfig, dtype: torch.dtype) -> torch.dtype:
-    """dtype of scales / offsets: the cached tensors' (``scale_dtype=\"auto\"``) or the one named."""
-    return dtype if cfg.scale_dtype == "auto" else getattr(torch, cfg.scale_dtype)
-
-
 def build_layout(model_config: Any, config: KiviConfig, page_size: int, dtype: torch.dtype) -> PageLayout:
     """The :class:`PageLayout` of ``config`` on a model; ``ValueError`` naming what the paged cache cannot hold."""
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
@@ -224,23 +207,10 @@ def build_layout(model_config: Any, config: KiviConfig, page_size: int, dtype: t
             raise ValueError(f"{where}quantize_after={cfg.quantize_after}: full precision before quantizing is not "
                              "supported in continuous batching (a request's window blocks are sized for the window); "
                              "use kivi's generate() or quantize_after=0")
-        if page_size % cfg.group_size:
-            raise ValueError(
-                f"page_size={page_size} must be a multiple of {where}group_size={cfg.group_size} (a page holds whole "
-                "key groups)"
-            )
         window_rows = max(window_rows, cfg.sink_tokens + cfg.residual_length + cfg.group_size - 1)
-        zero = torch.zeros(1, heads, page_size, head_dim, dtype=dtype)
-        for side in SIDES:
-            seg = quantize_kv(zero, AXIS[side], cfg.k_bits if side == "k" else cfg.v_bits, cfg.group_size,
-                              symmetric=cfg.symmetric, residual_bits=cfg.residual_bits,
-                              param_dtype=param_dtype(cfg, dtype), check_finite=False)
-            for name, t in seg.tensors().items():
-                offset = _round_up(offset, ALIGN)
-                f = PageField(layer, side, name, tuple(t.shape[1:]), t.dtype, offset,
-                              token_divisor(AXIS[side], cfg.group_size, name))
-                fields.append(f)
-                offset += f.nbytes
+        side_fields, offset = page_fields(cfg, heads, head_dim, page_size, dtype, offset=offset, where=where)
+        fields.extend(PageField(layer, f.side, f.name, f.shape, f.dtype, f.offset, f.tokens_per_row)
+                      for f in side_fields)
     page_bytes = offset
     num_layers = len(plan)
     bytes_per_page = _round_up(-(-page_bytes // num_layers), BLOCK_ALIGN)

@@ -1,6 +1,8 @@
-"""Reading and writing quantized tokens in KIVI pages (pure functions over the page views).
+"""Reading and writing quantized tokens in KIVI pages (pure functions over the page views), for every paged
+cache (transformers' continuous batching in kivi.batching, the vLLM plugin in kivi.vllm).
 
-A side's page views (:func:`kivi.batching.layout.field_views`) are ``{field: [NB, H, rows, C]}``.
+A side's page views (``kivi.batching.layout.field_views``, ``kivi.vllm.geometry.block_field_views``) are
+``{field: [NB, H, rows, C]}``.
 :func:`gather_pages` reads whole pages of many requests at once into one :class:`PackedKV`
 (``[1, H, n_pages * P, ...]``, pages concatenated along tokens: key groups stay aligned because a page
 is a whole number of groups); :func:`scatter_tokens` writes a :class:`PackedKV` of quantized tokens to
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.store import BlockStore
+from .store import BlockStore
 from ..quant.kv import PackedKV
 
 

@@ -1,0 +1,83 @@
+"""The byte layout of one KIVI page: the :class:`~kivi.quant.kv.PackedKV` fields of ``P`` tokens of one layer.
+
+A page holds, per side, the fields kivi's own cache stores for those tokens:
+
+* keys (per channel, groups of ``G`` tokens): codes ``[H, P, packed(D)]``, scale / offset
+  ``[H, P // G, D]`` (+ compensation codes) -- a page is a whole number of key groups (``G | P``);
+* values (per token, groups of ``G`` channels): codes ``[H, P, packed(D)]``, scale / offset ``[H, P, D // G]``.
+
+Field shapes and dtypes are read off :func:`kivi.quant.kv.quantize_kv` itself (one quantization of a
+zero page), so the page format is the format of kivi's own cache, never restated here. Every paged
+cache (transformers' continuous batching in :mod:`kivi.batching`, vLLM in :mod:`kivi.vllm`) lays its
+pages out with :func:`page_fields`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import KiviConfig
+from .kv import quantize_kv, token_divisor
+
+SIDES = ("k", "v")
+AXIS = {"k": "channel", "v": "token"}
+ALIGN = 16  # bytes: every field starts on a multiple (any dtype can view it)
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@dataclass(frozen=True)
+class SideField:
+    """One tensor of one side of a page: ``shape`` per page (``[H, rows, C]``, rows = ``P`` or ``P // G``),
+    ``offset`` in bytes from where the caller started the page, ``tokens_per_row`` = tokens one row
+    covers (``G`` for the keys' scale / offset / compensation, else 1)."""
+
+    side: str
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+    tokens_per_row: int
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def param_dtype(cfg: KiviConfig, dtype: torch.dtype) -> torch.dtype:
+    """dtype of scales / offsets: the cached tensors' (``scale_dtype=\"auto\"``) or the one named."""
+    return dtype if cfg.scale_dtype == "auto" else getattr(torch, cfg.scale_dtype)
+
+
+def page_fields(cfg: KiviConfig, heads: int, head_dim: int, page_size: int, dtype: torch.dtype, *,
+                offset: int = 0, where: str = "") -> tuple[tuple[SideField, ...], int]:
+    """The fields of one layer's page of ``page_size`` tokens (keys, then values), laid out from byte
+    ``offset`` with every field aligned on :data:`ALIGN` bytes, and the byte offset after the last one.
+
+    ``ValueError`` (naming ``where`` + ``group_size``) when ``page_size`` is not a whole number of key groups.
+    """
+    if page_size % cfg.group_size:
+        raise ValueError(f"page_size={page_size} must be a multiple of {where}group_size={cfg.group_size} (a page "
+                         "holds whole key groups)")
+    zero = torch.zeros(1, heads, page_size, head_dim, dtype=dtype)
+    fields = []
+    for side in SIDES:
+        seg = quantize_kv(zero, AXIS[side], cfg.k_bits if side == "k" else cfg.v_bits, cfg.group_size,
+                          symmetric=cfg.symmetric, residual_bits=cfg.residual_bits,
+                          param_dtype=param_dtype(cfg, dtype), check_finite=False)
+        for name, t in seg.tensors().items():
+            offset = round_up(offset, ALIGN)
+            f = SideField(side, name, tuple(t.shape[1:]), t.dtype, offset, token_divisor(AXIS[side], cfg.group_size, name))
+            fields.append(f)
+            offset += f.nbytes
+    return tuple(fields), offset
+
+
+__all__ = ["SIDES", "AXIS", "ALIGN", "SideField", "page_fields", "param_dtype", "round_up"]

@@ -1,0 +1,27 @@
+"""KIVI pages in vLLM: a plugin that stores each attention layer's KV cache as KIVI pages (docs/vllm.md).
+
+Turned on per engine with ``LLM(..., additional_config={"kivi": {"k_bits": 2, "v_bits": 2}})`` (or
+``{"preset": "balanced"}``; ``--additional-config`` for the server). vLLM calls :func:`register` in every
+process through the ``vllm.general_plugins`` entry point; without a ``"kivi"`` key vLLM runs untouched.
+
+Modules: ``version`` (the one vLLM release the plugin is tested with), ``config`` (reading
+``additional_config``), ``geometry`` (bytes of a page and of a window block), ``paged`` (one layer's step
+over the block tables, framework-free), ``select`` / ``backend`` (the vLLM classes; imported by vLLM only).
+Nothing here imports :mod:`kivi.batching` (it pins a transformers release vLLM's pins exclude).
+"""
+
+from __future__ import annotations
+
+
+def register() -> None:
+    """vLLM's general-plugin entry point: refuse an untested vLLM (one line), then point vLLM's ``CPU_ATTN``
+    entry at :mod:`kivi.vllm.select`, which answers with vLLM's own class unless ``"kivi"`` is configured."""
+    from .version import check_vllm_version
+
+    check_vllm_version()
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, "kivi.vllm.select.CPU_ATTN")
+
+
+__all__ = ["register"]

@@ -1,0 +1,220 @@
+"""vLLM classes of the plugin: the attention backend over KIVI pages and its full-precision window companion.
+
+* :class:`KiviAttentionBackend` replaces ``CPU_ATTN`` for every decoder attention layer when
+  ``additional_config["kivi"]`` is set (:mod:`kivi.vllm.select`). ``customize_spec`` gives vLLM the packed
+  page's bytes (:func:`kivi.vllm.geometry.build_geometry`), so vLLM's allocator counts KIVI pages.
+* Each :class:`KiviAttentionImpl` makes ``k`` :class:`KiviWindowLayer` next to its layer
+  (:attr:`kivi.vllm.geometry.KiviGeometry.window_rings`), registered in vLLM's static forward context as
+  ``kivi_window.<n>``: each a circular-buffer layer (``CircularBufferSpec``: one block of ``Pw`` tokens per
+  request for its whole life, no prefix caching); together they are a ring of ``k * Pw >= R + G - 1`` slots
+  for the tokens still in KIVI's full-precision window. vLLM gives each its own KV cache group and block
+  table; the layer is never called, its impl reads and writes its cache. (vLLM's DeepSeek compressor state
+  caches are built the same way: an ``AttentionLayerBase`` module registered by name whose cache another
+  layer uses.)
+* :class:`KiviMetadataBuilder` (both groups) keeps what :func:`kivi.vllm.paged.paged_step` needs.
+
+Imports vLLM: loaded only by vLLM, through :mod:`kivi.vllm.select`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec, CircularBufferSpec, KVCacheSpec, SlidingWindowSpec
+
+from ..backends import resolve_attention_backend
+from ..config import KiviConfig
+from .config import kivi_config
+from .geometry import KiviGeometry, build_geometry
+from .paged import StepBatch, paged_step
+
+WINDOW_PREFIX = "kivi_window."
+
+
+def _config(vllm_config=None):
+    cfg = kivi_config((vllm_config or get_current_vllm_config()).additional_config)
+    if cfg is None:
+        raise RuntimeError('the KIVI attention backend runs only with additional_config={"kivi": {...}}')
+    return cfg
+
+
+
+
+@dataclass
+class KiviMetadata:
+    num_actual_tokens: int
+    query_start: list[int]
+    seq_lens: list[int]
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+class KiviMetadataBuilder(AttentionMetadataBuilder[KiviMetadata]):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_reorder_batch_threshold(1)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> KiviMetadata:
+        m = common_attn_metadata
+        n_req = m.num_reqs
+        return KiviMetadata(m.num_actual_tokens, m.query_start_loc_cpu[: n_req + 1].tolist(),
+                            m.seq_lens[:n_req].cpu().tolist(), m.block_table_tensor[:n_req], m.slot_mapping)
+
+
+class KiviAttentionBackend(AttentionBackend):
+    """vLLM's ``CPU_ATTN`` over KIVI pages; :func:`backend_class` binds it to one :class:`KiviConfig`
+    (vLLM calls ``customize_spec`` outside any current config, so the class carries it)."""
+
+    kivi: ClassVar[KiviConfig | None] = None
+    forward_includes_kv_cache_update: bool = True  # the impl writes pages and window itself
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_ATTN"  # the member whose path the plugin took over (vLLM looks the name up)
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(1)]  # build_geometry refuses a block size that is not whole key groups
+
+    @staticmethod
+    def get_impl_cls() -> type[KiviAttentionImpl]:
+        return KiviAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[KiviMetadataBuilder]:
+        return KiviMetadataBuilder
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        if isinstance(spec, SlidingWindowSpec):
+            raise NotImplementedError("kivi's vLLM plugin does not support sliding-window models yet")
+        if cls.kivi is None:
+            raise RuntimeError("KiviAttentionBackend is used through kivi.vllm.backend.backend_class(config)")
+        geo = build_geometry(cls.kivi, page_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+                             head_dim=spec.head_size, dtype=spec.dtype)
+        return replace(spec, state_content_bytes=geo.state_bytes)
+
+
+@functools.cache
+def _backend_class(config_json: str) -> type[KiviAttentionBackend]:
+    cls = type("KiviAttentionBackend", (KiviAttentionBackend,), {"kivi": KiviConfig.from_json(config_json)})
+    cls.__module__ = __name__
+    return cls
+
+
+def backend_class(config: KiviConfig) -> type[KiviAttentionBackend]:
+    """The backend class for ``config`` (one class per distinct config in a process)."""
+    return _backend_class(config.to_json())
+
+
+class KiviWindowBackend(AttentionBackend):
+    """The window companion's backend: only its metadata builder runs (the layer is never called)."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+
+    @staticmethod
+    def get_name() -> str:
+        return "KIVI_WINDOW"
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(1)]
+
+    @staticmethod
+    def get_impl_cls():
+        raise NotImplementedError("the KIVI window layer has no attention of its own")
+
+    @staticmethod
+    def get_builder_cls() -> type[KiviMetadataBuilder]:
+        return KiviMetadataBuilder
+
+
+class KiviWindowLayer(torch.nn.Module, AttentionLayerBase):
+    """One full-precision window ring of one attention layer (see the module docstring)."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, prefix: str) -> None:
+        super().__init__()
+        self.num_kv_heads, self.head_dim, self.dtype, self.layer_name = num_kv_heads, head_dim, dtype, prefix
+        self.kv_cache = torch.tensor([])
+        context = get_current_vllm_config().compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        context[prefix] = self
+
+    def get_attn_backend(self) -> type[AttentionBackend]:
+        return KiviWindowBackend
+
+    def get_kv_cache_spec(self, vllm_config) -> KVCacheSpec:
+        # the same geometry the packed layer's customize_spec gives vLLM (the block size is vLLM's): one
+        # block of Pw tokens per request for its whole life (vLLM's circular-buffer manager)
+        geo = build_geometry(_config(vllm_config), page_size=vllm_config.cache_config.block_size,
+                             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype)
+        padded = None if geo.window_tokens * geo.fp_token_bytes == geo.block_bytes else geo.block_bytes
+        return CircularBufferSpec(block_size=geo.window_tokens, num_kv_heads=self.num_kv_heads,
+                                  head_size=self.head_dim, dtype=self.dtype, page_size_padded=padded)
+
+    def forward(self):  # pragma: no cover - never called
+        raise RuntimeError("the KIVI window layer is read by its attention layer, never called")
+
+
+class KiviAttentionImpl(AttentionImpl[KiviMetadata]):
+    def __init__(self, num_heads, head_size, scale, num_kv_heads=None, alibi_slopes=None, sliding_window=None,
+                 kv_cache_dtype="auto", logits_soft_cap=None, attn_type=AttentionType.DECODER,
+                 kv_sharing_target_layer_name=None, sinks=None, **kwargs) -> None:
+        for name, bad in (("alibi_slopes", alibi_slopes is not None), ("sliding_window", sliding_window is not None),
+                          ("logits_soft_cap", bool(logits_soft_cap)), ("sinks", sinks is not None),
+                          ("kv_sharing_target_layer_name", kv_sharing_target_layer_name is not None),
+                          ("attn_type", attn_type != AttentionType.DECODER), ("kv_cache_dtype", kv_cache_dtype != "auto")):
+            if bad:
+                raise NotImplementedError(f"kivi's vLLM plugin does not support this model's attention ({name}); "
+                                          'run it without additional_config["kivi"]')
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        vllm_config = get_current_vllm_config()
+        self.config = _config(vllm_config)
+        self.backend = resolve_attention_backend(self.config.attention_backend, "cpu", config=self.config)
+        context = vllm_config.compilation_config.static_forward_context
+        dtype = torch.get_default_dtype()
+        geo = build_geometry(self.config, page_size=vllm_config.cache_config.block_size,
+                             num_kv_heads=self.num_kv_heads, head_dim=head_size, dtype=dtype)
+        self.rings = []
+        for _ in range(geo.window_rings):
+            name = f"{WINDOW_PREFIX}{sum(1 for k in context if k.startswith(WINDOW_PREFIX))}"
+            self.rings.append(KiviWindowLayer(self.num_kv_heads, head_size, dtype, name))
+        self._geometry: KiviGeometry | None = None
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported by kivi's vLLM plugin")
+        if attn_metadata is None:  # profiling / warm-up run
+            return output
+        mds = get_forward_context().attn_metadata
+        if self._geometry is None or self._geometry.page_size != kv_cache.shape[2]:
+            self._geometry = build_geometry(self.config, page_size=kv_cache.shape[2], num_kv_heads=self.num_kv_heads,
+                                            head_dim=self.head_size, dtype=self.rings[0].kv_cache.dtype)
+        n_req = len(attn_metadata.seq_lens)
+        ring_table = torch.stack([mds[r.layer_name].block_table[:n_req, 0] for r in self.rings], dim=1)
+        batch = StepBatch(attn_metadata.query_start, attn_metadata.seq_lens, attn_metadata.block_table, ring_table)
+        n = attn_metadata.num_actual_tokens
+        paged_step(self.config, self._geometry, self.backend, query[:n], key[:n], value[:n], kv_cache,
+                   [r.kv_cache for r in self.rings], batch, self.scale, output[:n])
+        return output

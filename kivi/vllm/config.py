@@ -1,0 +1,68 @@
+"""Reading the plugin's configuration from vLLM's ``additional_config``.
+
+``LLM(..., additional_config={"kivi": {...}})`` or ``--additional-config '{"kivi": {...}}'``: the object
+holds :class:`~kivi.config.KiviConfig` fields (``{"k_bits": 2, "v_bits": 2}``) or a preset with optional
+overrides (``{"preset": "balanced", "residual_length": 64}``). Without a ``"kivi"`` key the plugin does
+nothing. ``additional_config`` is part of vLLM's config hash, so compiled artefacts of a KIVI run and
+a plain run never mix. Pure: no vLLM import (tested in the default environment).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import KiviConfig
+
+CONFIG_KEY = "kivi"
+
+
+def _unsupported(cfg: KiviConfig) -> str | None:
+    """The first field of ``cfg`` the vLLM pages cannot hold yet, as ``"field=value: why"``, or ``None``."""
+    if not (cfg.quantize_key and cfg.quantize_value):
+        return (f"quantize_key={cfg.quantize_key}, quantize_value={cfg.quantize_value}: vLLM KIVI pages hold quantized "
+                "keys and values only")
+    if cfg.sink_tokens:
+        return f"sink_tokens={cfg.sink_tokens}: sink tokens are not supported by the vLLM plugin yet (use 0)"
+    if cfg.tiers:
+        return f"tiers={[list(t) for t in cfg.tiers]}: position tiers are not supported by the vLLM plugin"
+    if cfg.quantize_after:
+        return f"quantize_after={cfg.quantize_after}: not supported by the vLLM plugin (use 0)"
+    if cfg.head_bits:
+        return "head_bits: per-head widths are not supported by the vLLM plugin"
+    if cfg.layer_specific_config:
+        return "layer_specific_config: per-layer settings are not supported by the vLLM plugin"
+    if cfg.attention_backend not in ("auto", "reference", "cpu"):
+        return (f"attention_backend={cfg.attention_backend!r}: the vLLM plugin reads pages with 'cpu' (auto) or "
+                "'reference'")
+    return None
+
+
+def kivi_config(additional_config: Any) -> KiviConfig | None:
+    """The :class:`KiviConfig` in ``additional_config["kivi"]``, or ``None`` when there is no ``"kivi"`` key.
+
+    ``ValueError`` naming the field, its value and what is allowed on anything else.
+    """
+    if not isinstance(additional_config, dict) or CONFIG_KEY not in additional_config:
+        return None
+    d = additional_config[CONFIG_KEY]
+    if not isinstance(d, dict):
+        raise ValueError(f'additional_config["kivi"] must be an object of KiviConfig fields or {{"preset": name}}, '
+                         f"got {type(d).__name__} {d!r}")
+    d = dict(d)
+    preset = d.pop("preset", None)
+    try:
+        cfg = KiviConfig.from_dict(d) if preset is None else KiviConfig.preset(preset, **_checked_fields(d))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f'additional_config["kivi"]: {e}') from None
+    problem = _unsupported(cfg)
+    if problem is not None:
+        raise ValueError(f'additional_config["kivi"]: {problem}')
+    return cfg
+
+
+def _checked_fields(d: dict[str, Any]) -> dict[str, Any]:
+    KiviConfig.from_dict(d)  # unknown names and bad values fail here, naming the field
+    return d
+
+
+__all__ = ["CONFIG_KEY", "kivi_config"]

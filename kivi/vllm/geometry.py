@@ -1,0 +1,99 @@
+"""What one vLLM block holds under KIVI, in bytes: the packed page and the full-precision window page.
+
+Each attention layer has two KV cache groups in vLLM's hybrid allocator (docs/vllm.md):
+
+* **pages** (the layer's own full-attention group): block ``b`` holds tokens ``[b*P, (b+1)*P)`` of one
+  request as one KIVI page (:func:`kivi.quant.page.page_fields`: keys per channel in groups of ``G``
+  tokens, values per token), ``P`` = vLLM's block size, a multiple of ``G``;
+* **window** (``k`` companion layers, each a vLLM circular-buffer group: one block per request for its
+  whole life): together ``k * Pw`` slots holding, in the model dtype ``[H, Pw, 2D]`` (keys in ``[..., :D]``,
+  values in ``[..., D:]``), the at most ``R + G - 1`` tokens that have not left KIVI's full-precision
+  window, token ``p`` at slot ``p mod (k * Pw)``.
+
+vLLM needs one page size for every group: ``Pw`` is the number of full-precision tokens that fit in one
+packed page, and the window page is padded to the packed page's bytes. Pure torch (no vLLM import).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import KiviConfig
+from ..quant.page import SideField, page_fields
+
+
+@dataclass(frozen=True)
+class KiviGeometry:
+    """The byte geometry of one layer (the same for every layer: the plugin refuses per-layer settings)."""
+
+    page_size: int  # P: tokens per block (vLLM's block size)
+    num_kv_heads: int  # H on this rank
+    head_dim: int  # D
+    dtype: torch.dtype  # the model's (the window's rows)
+    fields: tuple[SideField, ...]  # one page's fields, offsets from the block's first byte
+    page_bytes: int  # bytes the fields take
+    state_bytes: int  # vLLM's state_content_bytes: bytes per (kv head, token) so that H * P * it >= page_bytes
+    window_tokens: int  # Pw: full-precision tokens one window block holds
+    sliding_window: int  # R + G: the full-precision tokens after a step are at most R + G - 1
+
+    @property
+    def window_rings(self) -> int:
+        """k: window rings (one vLLM block each per request) that hold the R + G - 1 full-precision tokens."""
+        return -(-(self.sliding_window - 1) // self.window_tokens)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of either group (vLLM's ``page_size_bytes``)."""
+        return self.num_kv_heads * self.page_size * self.state_bytes
+
+    @property
+    def fp_token_bytes(self) -> int:
+        """Bytes of one token's keys and values in the model dtype (one layer)."""
+        return self.num_kv_heads * 2 * self.head_dim * self.dtype.itemsize
+
+    def side_fields(self, side: str) -> dict[str, SideField]:
+        return {f.name: f for f in self.fields if f.side == side}
+
+
+def build_geometry(cfg: KiviConfig, *, page_size: int, num_kv_heads: int, head_dim: int,
+                   dtype: torch.dtype) -> KiviGeometry:
+    """The :class:`KiviGeometry` of ``cfg`` for vLLM blocks of ``page_size`` tokens; ``ValueError`` naming
+    the field when a block cannot hold whole key groups or head_dim is not whole value groups."""
+    if head_dim % cfg.group_size:
+        raise ValueError(f"group_size={cfg.group_size} must divide head_dim={head_dim} (value groups run over channels)")
+    fields, end = page_fields(cfg, num_kv_heads, head_dim, page_size, dtype, where="vLLM block_size / ")
+    state_bytes = -(-end // (num_kv_heads * page_size))
+    block_bytes = num_kv_heads * page_size * state_bytes
+    fp_token = num_kv_heads * 2 * head_dim * dtype.itemsize
+    window_tokens = block_bytes // fp_token
+    if window_tokens < 1:
+        raise ValueError(f"block_size={page_size} is too small: one KIVI block ({block_bytes} bytes) cannot hold one "
+                         f"full-precision token ({fp_token} bytes) of the window")
+    return KiviGeometry(page_size, num_kv_heads, head_dim, dtype, fields, end, state_bytes, window_tokens,
+                        cfg.residual_length + cfg.group_size)
+
+
+def block_field_views(cache: torch.Tensor, geo: KiviGeometry, side: str) -> dict[str, torch.Tensor]:
+    """``{field: [NB, *shape]}`` views of one layer's vLLM cache (``[NB, ...]``: each block's bytes dense, in
+    whatever order vLLM's layout puts its logical ``[H, N, C]``; blocks ``cache.stride(0)`` apart): element ``[b]`` is that field of block ``b``. The views alias the
+    cache's storage (no copy), whatever dtype vLLM gave the cache tensor."""
+    nb, item = cache.shape[0], cache.element_size()
+    span = 1 + sum((n - 1) * st for n, st in zip(cache.shape[1:], cache.stride()[1:]))  # elements a block covers
+    if span != cache[0].numel() or span * item < geo.page_bytes:  # any order of [H, N, C] inside, but dense
+        raise ValueError(f"a KIVI layer's cache must be blocks of at least {geo.page_bytes} contiguous bytes, got shape "
+                         f"{tuple(cache.shape)} strides {cache.stride()} of {cache.dtype}")
+    block_stride, first = cache.stride(0) * item, cache.storage_offset() * item  # bytes
+    out = {}
+    for name, f in geo.side_fields(side).items():
+        size = f.dtype.itemsize
+        typed = torch.empty(0, dtype=f.dtype, device=cache.device).set_(cache.untyped_storage())
+        inner = [1]
+        for s in reversed(f.shape[1:]):
+            inner.insert(0, inner[0] * s)
+        out[name] = typed.as_strided((nb, *f.shape), (block_stride // size, *inner), (first + f.offset) // size)
+    return out
+
+
+__all__ = ["KiviGeometry", "build_geometry", "block_field_views"]
