@@ -35,9 +35,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=2000)
     a = ap.parse_args()
-    from kivi.attention.fused_cpu import fused_decode_attention, warmup
+    from kivi.attention.fused_cpu import fused_decode_attention, fused_decode_supported, warmup
     from kivi.attention.interface import run_backend
-    from kivi.attention.fused_cpu import fused_decode_supported
     from kivi.backends import CpuBackend, backend_named
 
     warmup()

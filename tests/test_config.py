@@ -4,7 +4,6 @@ import pytest
 
 from kivi import KiviConfig, quantize_model
 from kivi.config import PRESETS
-
 from tests.helpers import tiny_model
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+
 import pytest
 import torch
 
@@ -97,7 +98,7 @@ def test_presets_and_layer_specific_config():
     assert balanced.kivi_breakdown["fp_sink"] == 4 * 2 * 2 * 64 * 2 * 4 and extreme.kivi_breakdown["fp_sink"] == 0
     mixed = estimate_kv_memory(spec, 8192, config=KiviConfig(layer_specific_config={0: {"k_bits": 4, "v_bits": 4}}))
     four = estimate_kv_memory(spec, 8192, config=KiviConfig(k_bits=4, v_bits=4))
-    assert [l["k_bits"] for l in mixed.layers] == [4, 2, 2, 2]
+    assert [ly["k_bits"] for ly in mixed.layers] == [4, 2, 2, 2]
     assert mixed.layers[0]["bytes"] == four.layers[0]["bytes"]
     assert mixed.layers[1]["bytes"] == extreme.layers[1]["bytes"]
     assert mixed.kivi_total_bytes == four.layers[0]["bytes"] + 3 * extreme.layers[1]["bytes"]

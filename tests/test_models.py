@@ -41,7 +41,8 @@ TEXT = "The quick brown fox jumps over the lazy dog. KIVI quantizes the KV cache
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """A word-level tokenizer built in memory (no download); it has an EOS token but no pad token."""
-    from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tk_models
 
     words = ["[UNK]", "[EOS]", "hello", "world", "kivi", "cache", "the", "a", "of", "and", "to", "is"]
     backend = Tokenizer(tk_models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))

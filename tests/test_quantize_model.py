@@ -5,7 +5,6 @@ import torch
 from transformers import DynamicCache
 
 from kivi import KiviCache, KiviConfig, dequantize_model, quantize_model
-
 from tests.helpers import LOGIT_ATOL, assert_greedy_close, greedy, tiny_model
 
 FAMILIES = {

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kivi import KiviCache, KiviConfig, quantize_model
+from kivi import KiviConfig, quantize_model
 from tests.helpers import LOGIT_ATOL, Greedy, assert_greedy_close, greedy, tiny_model
 
 # GQA (4 query heads over 2 kv heads), a small window so that tokens leave it every step, a peaked

@@ -12,7 +12,6 @@ from kivi import KiviCache, KiviConfig, quantize_model
 from kivi.memory import estimate_kv_memory
 from kivi.memory.weights import quanto_group_size
 from kivi.models import WeightQuantizationUnavailable, quantizable_linears, quantize_weights, weight_bytes
-
 from tests.helpers import LOGIT_ATOL, assert_decode_close, assert_greedy_close, greedy, tiny_model
 
 pytest.importorskip("optimum.quanto")

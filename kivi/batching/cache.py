@@ -39,6 +39,7 @@ from transformers.generation.continuous_batching.requests import RequestState as
 from transformers.generation.continuous_batching.requests import RequestStatus
 
 from ..cache.boundary import SideCounts, set_boundary
+from ..cache.pages import gather_pages, page_store, scatter_tokens, store_rows
 from ..cache.schedule import flush_count, prefill_exact_queries, sink_take
 from ..cache.view import AttentionView
 from ..optional import numba_available
@@ -47,7 +48,6 @@ from .allocator import KiviPageAllocator
 from .attention import PagedBatchViews, PagedDecode
 from .decode import DecodeStep, decode_counts, decode_step, gather_rows
 from .layout import AXIS, SIDES, PageLayout, field_views, param_dtype, window_view
-from ..cache.pages import gather_pages, page_store, scatter_tokens, store_rows
 
 DEFAULT_MAX_BATCH_TOKENS = 8192  # transformers' own default (PagedAttentionMemoryHandler)
 
@@ -308,7 +308,7 @@ class KiviPagedCache(PagedAttentionCache):
         del deq
         # 3. move what is due out of the windows (the rule of kivi.cache.schedule), quantize once, write
         moved, tok_index, grp_index, sink_rows, window_rows, new_state = [], ([], []), ([], []), [], [], []
-        for (rid, past, q), st, pending in zip(batch, states, pendings):
+        for (rid, _past, _q), st, pending in zip(batch, states, pendings):
             sink, stored = st.sink[layer][s], st.stored[layer][s]
             total = pending.shape[1]
             take = sink_take(total, cfg.residual_length, sink, cfg.sink_tokens)

@@ -32,7 +32,7 @@ import torch
 from ..config import KiviConfig
 from .layer import KiviLayer
 from .sliding import SlidingKiviLayer, new_layer
-from .view import AttentionView, PackedStates, materialize
+from .view import AttentionView, materialize
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .store import BlockStore
 from ..quant.kv import PackedKV
+from .store import BlockStore
 
 
 def gather_pages(views: dict[str, torch.Tensor], blocks: torch.Tensor, *, bits: int, group_size: int, axis: str,

@@ -27,7 +27,7 @@ from ..quant.fused_cpu import quantize_tokens_into, token_quantizer_supported
 from ..quant.kv import PackedKV, dequantize_kv, quantize_kv
 from .boundary import SideCounts, TierLayout, set_boundary
 from .schedule import key_group_start, window_exits
-from .store import FpSegment, token_slice
+from .store import FpSegment
 from .tiers import TieredStore, new_storage
 from .view import AttentionView
 

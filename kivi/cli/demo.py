@@ -181,8 +181,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..data import load_text
-    from ..eval.progress import progress_bar
     from ..eval.metrics import token_agreement
+    from ..eval.progress import progress_bar
 
     threads = args.threads or auto_threads(torch.get_num_threads())
     torch.set_num_threads(threads)

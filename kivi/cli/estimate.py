@@ -141,13 +141,13 @@ def _config(args: argparse.Namespace):
 
 def _layer_groups(layers: list[dict]) -> list[str]:
     """'K4 V4 (full): layers 0-3, 8' lines, one per distinct layer kind."""
-    def desc(l: dict) -> str:
-        k = f"K{l['k_bits']}" if l["k_bits"] is not None else "Kfp"
-        v = f"V{l['v_bits']}" if l["v_bits"] is not None else "Vfp"
-        return f"{k} {v} ({'sliding window' if l['type'] == 'sliding_attention' else 'full attention'})"
+    def desc(layer: dict) -> str:
+        k = f"K{layer['k_bits']}" if layer["k_bits"] is not None else "Kfp"
+        v = f"V{layer['v_bits']}" if layer["v_bits"] is not None else "Vfp"
+        return f"{k} {v} ({'sliding window' if layer['type'] == 'sliding_attention' else 'full attention'})"
     kinds: dict[str, list[int]] = {}
-    for l in layers:
-        kinds.setdefault(desc(l), []).append(l["layer"])
+    for layer in layers:
+        kinds.setdefault(desc(layer), []).append(layer["layer"])
     out = []
     for kind, idx in kinds.items():
         ranges, start = [], idx[0]
@@ -224,7 +224,7 @@ def render(e: Any, *, per_layer: bool = False) -> None:
         print(f"  largest context at batch {e.batch}:  FP {e.fp_max_context:,} tokens   KIVI {e.kivi_max_context:,} tokens")
         print(f"  largest batch at {e.context:,} tokens:  FP {e.fp_max_batch:,}   KIVI {e.kivi_max_batch:,}")
     if per_layer:
-        _table([(str(l["layer"]), l["type"], f"K{l['k_bits']} V{l['v_bits']}  {l['bytes']:,} B") for l in e.layers],
+        _table([(str(ly["layer"]), ly["type"], f"K{ly['k_bits']} V{ly['v_bits']}  {ly['bytes']:,} B") for ly in e.layers],
                ("layer", "type", "KIVI bytes"))
     for n in e.notes:
         print(f"note: {n}")
@@ -275,9 +275,7 @@ def run(args: argparse.Namespace) -> int:
     pick = None
     if args.cache_budget is not None:
         from ..config import KiviConfig
-        from ..memory.budget import config_for_budget
-
-        from ..memory.budget import default_candidates
+        from ..memory.budget import config_for_budget, default_candidates
 
         extra = {k: v for k, v in (("block_size", args.block_size), ("scale_dtype", args.scale_dtype)) if v is not None}
         cands = [(n, KiviConfig.from_dict({**c.to_dict(), **extra})) for n, c in default_candidates()]

@@ -61,7 +61,7 @@ def emit(args: argparse.Namespace, result: Any, human: str, writes: list[Write] 
         print_json(result)
     else:
         print(human)
-        for flag, path, _ in writes or []:
+        for _flag, path, _ in writes or []:
             if path and not any(repr(path) in f for f in failed):
                 print(f"wrote {path}")
         if failed:

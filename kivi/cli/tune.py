@@ -181,8 +181,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     except NoCandidateFits as e:  # the measurements are kept: -o gets them, with no chosen config
         kept = ""
         if args.output and not write_outputs([("-o/--output", args.output,
-                                               lambda p: write_json_file(p, {"config": None, "error": str(e),
-                                                                             **e.result}))]):
+                                               lambda p, err=e: write_json_file(p, {"config": None, "error": str(err),
+                                                                                    **err.result}))]):
             kept = f" (the {len(e.result['evaluated'])} measured candidates were written to {args.output})"
         raise CliError(f"{e}{kept}") from None
     out = args.write_config

@@ -24,7 +24,6 @@ one bit width and group size per side (every block of a store shares them).
 
 from __future__ import annotations
 
-
 import torch
 
 from ..quant.kv import PackedKV, dequantize_kv
@@ -203,7 +202,7 @@ def _num_splits(device: torch.device, programs: int, n_blocks: int) -> int:
 def _side_shape(name: str, side: KernelSide) -> tuple[int, int, int] | None:
     """``(B, H, D)`` of a side's tensors (checked to agree), or ``None`` when it holds no token."""
     shapes = []
-    for kind, obj, a, e in side.pieces():
+    for kind, obj, _a, _e in side.pieces():
         t = obj if kind == "fp" else (obj[0].packed if isinstance(obj[0], PackedKV) else obj[0])
         D = obj[0].head_dim if kind == "block" and isinstance(obj[0], PackedKV) else t.shape[-1]
         if t.dim() != 4:

@@ -19,6 +19,7 @@ from typing import Any
 from ..cache.support import check_layer_types, model_head_dim, model_layer_types, text_config
 from .units import DEFAULT_DTYPE, DTYPE_BYTES, normalize_dtype
 
+
 @dataclass
 class ModelSpec:
     """The shape of a decoder's KV cache (and, optionally, its weights).

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .packing import pack_codes, packed_size, unpack_codes
-from .primitives import group_view, dequantize_groups, quantize_groups
+from .primitives import dequantize_groups, group_view, quantize_groups
 
 
 @dataclass

@@ -113,7 +113,7 @@ def test_sliding_window_eviction_and_mask():
     layer = SlidingKiviLayer(cfg, sliding_window=W)
     B, hkv, D = 1, 2, 16
     g = torch.Generator().manual_seed(1)
-    for step, n in enumerate([40, 30, 1, 1, 17, 1]):
+    for _step, n in enumerate([40, 30, 1, 1, 17, 1]):
         kv_len, kv_offset = layer.get_mask_sizes(n)
         k, v = torch.randn(B, hkv, n, D, generator=g), torch.randn(B, hkv, n, D, generator=g)
         views = layer.append(k, v)

@@ -222,7 +222,6 @@ def test_3bit_decode_runs_the_fused_kernel(monkeypatch, kbits, vbits):
 
 def test_generation_matches_reference_backend():
     from kivi import quantize_model
-
     from tests.helpers import LOGIT_ATOL, assert_decode_close, tiny_model
 
     cfg = dict(group_size=8, residual_length=16, block_size=32)

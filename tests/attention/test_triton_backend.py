@@ -8,10 +8,10 @@ import torch
 from kivi.attention.reference import reference_attention
 from kivi.backends import kernel_config_unsupported, resolve_attention_backend
 from kivi.cache.layer import KiviLayer
+from kivi.cache.sliding import new_layer
 from kivi.cache.store import BlockStore
 from kivi.cache.view import materialize
 from kivi.config import KiviConfig
-from kivi.cache.sliding import new_layer
 
 pytestmark = pytest.mark.triton
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

@@ -191,7 +191,7 @@ def test_packed_attention_matches_materialized_pages(name, backend):
         batched += pk.decode is not None
         got, _ = paged_attention_forward(_ATTN, query, pk, pv, None, scaling=D**-0.5)
         off_q = off_k = 0
-        for i, (rid, past, q) in enumerate(batch):
+        for i, (_rid, past, q) in enumerate(batch):
             keys, vals = mk[None, :, off_k: off_k + past + q], mv[None, :, off_k: off_k + past + q]
             qry = query[:, :, off_q: off_q + q]
             if pk.views[i] is None:  # a decoding request, read by the one paged decode kernel call

@@ -86,7 +86,8 @@ TINY_MAX_CONTEXT = 64
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     """A tiny random Llama whose max_position_embeddings is 64, saved with a word-level tokenizer."""
-    from tokenizers import Tokenizer, models as tk_models
+    from tokenizers import Tokenizer
+    from tokenizers import models as tk_models
     from transformers import PreTrainedTokenizerFast
 
     from tests.helpers import tiny_model

@@ -20,8 +20,8 @@ import dataclasses
 import pytest
 import torch
 
-import kivi.cache.cache as cache_mod
 import kivi.cache.boundary as boundary_mod
+import kivi.cache.cache as cache_mod
 import kivi.cache.layer as layer_mod
 import kivi.cache.side as side_mod
 import kivi.cache.sliding as sliding_mod
@@ -30,8 +30,8 @@ import kivi.cache.store as store_mod
 import kivi.cache.view as view_mod
 from kivi import KiviCache, KiviConfig
 from kivi.cache.layer import KiviLayer
-from kivi.cache.view import PackedStates, materialize
 from kivi.cache.sliding import SlidingKiviLayer
+from kivi.cache.view import PackedStates, materialize
 
 
 class Injected(Exception):

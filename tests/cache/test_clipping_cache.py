@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kivi.cache.side as side_mod
-from kivi import KiviCache, KiviConfig, quantize_model
+from kivi import KiviConfig, quantize_model
 from kivi.backends import kernel_config_unsupported
 from kivi.memory.estimate import estimate_kv_memory
 from tests.helpers import forward_in_steps, tiny_model

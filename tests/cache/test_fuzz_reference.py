@@ -25,10 +25,10 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from kivi.cache.layer import KiviLayer  # noqa: E402
+from kivi.cache.sliding import new_layer  # noqa: E402
 from kivi.cache.view import materialize  # noqa: E402
 from kivi.config import KiviConfig  # noqa: E402
 from kivi.quant.kv import dequantize_kv, quantize_kv  # noqa: E402
-from kivi.cache.sliding import new_layer  # noqa: E402
 
 H, D = 2, 16
 EXAMPLES = int(os.environ.get("KIVI_FUZZ_EXAMPLES", "300"))
@@ -202,7 +202,7 @@ def test_layer_matches_the_plain_reference(setup, data):
             idx = torch.randint(0, B, (B if op == "reorder" else data.draw(st.integers(1, B), label="b"),),
                                 generator=g)
             (layer.reorder_cache if op == "reorder" else layer.batch_select_indices)(idx)
-            ref.edit_batch(lambda t: t[idx])
+            ref.edit_batch(lambda t, idx=idx: t[idx])
             B = len(idx)
         elif op == "repeat" and ref.seen and B == 1:
             layer.batch_repeat_interleave(2)

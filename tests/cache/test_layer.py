@@ -2,10 +2,10 @@ import pytest
 import torch
 
 from kivi.cache.layer import KiviLayer
+from kivi.cache.sliding import SlidingKiviLayer
 from kivi.cache.view import materialize
 from kivi.config import KiviConfig
 from kivi.quant.kv import dequantize_kv
-from kivi.cache.sliding import SlidingKiviLayer
 
 
 def _kv(b=2, h=2, t=1, d=64, seed=0, dtype=torch.float32):
@@ -285,9 +285,9 @@ def test_nan_in_a_decode_value_raises_and_leaves_the_store_as_it_was():
 @pytest.mark.parametrize("fail_at", ["nan-value", "key-quantizer", "value-store"])
 def test_failed_update_leaves_the_cache_as_it_was(fail_at, sink, monkeypatch):
     """An error inside update (either side, any step) leaves the layer bit-identical to before."""
-    from kivi import KiviCache
     import kivi.cache.side as side_mod
     import kivi.cache.store as store_mod
+    from kivi import KiviCache
 
     cfg = KiviConfig(group_size=8, residual_length=16, block_size=32, sink_tokens=sink)
     g = torch.Generator().manual_seed(0)

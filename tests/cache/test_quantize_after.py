@@ -12,9 +12,9 @@ from kivi.attention.interface import exact_queries, run_backend
 from kivi.attention.reference import reference_attention
 from kivi.cache.layer import KiviLayer
 from kivi.cache.schedule import KEY_AXIS, VALUE_AXIS, quantizing, query_boundaries, side_tokens, window_exits
+from kivi.cache.sliding import SlidingKiviLayer
 from kivi.cache.view import materialize
 from kivi.optional import numba_available
-from kivi.cache.sliding import SlidingKiviLayer
 from tests.helpers import tiny_model
 
 BASE = dict(group_size=16, residual_length=32, block_size=64)

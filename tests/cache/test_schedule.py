@@ -9,7 +9,6 @@ import torch
 
 from kivi.cache.layer import KiviLayer
 from kivi.cache.schedule import (
-    query_tier_ranges,
     KEY_AXIS,
     VALUE_AXIS,
     allocated_tokens,
@@ -18,13 +17,14 @@ from kivi.cache.schedule import (
     freed_tokens,
     key_group_start,
     layer_sink_tokens,
+    query_tier_ranges,
     side_tokens,
     sink_take,
     sliding_cut,
 )
+from kivi.cache.sliding import new_layer
 from kivi.cache.store import BlockStore, FpSegment
 from kivi.config import KiviConfig
-from kivi.cache.sliding import new_layer
 
 # --------------------------------------------------------------------------- the rules, by example
 

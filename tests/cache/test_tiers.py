@@ -11,16 +11,16 @@ import torch
 from kivi import KiviConfig
 from kivi.attention import blocked_attention, reference_attention
 from kivi.attention.fused_cpu import fused_decode_attention, fused_decode_supported
-from kivi.optional import numba_available
 from kivi.attention.interface import run_backend
 from kivi.cache.layer import KiviLayer
 from kivi.cache.schedule import side_tokens, tier_keeps, tier_tokens
-from kivi.cache.view import materialize
-from kivi.memory.storage import layer_bytes
-from kivi.quant.demote import demote_kv
-from kivi.quant.kv import dequantize_kv, quantize_kv
 from kivi.cache.sliding import SlidingKiviLayer
 from kivi.cache.store import BlockStore
+from kivi.cache.view import materialize
+from kivi.memory.storage import layer_bytes
+from kivi.optional import numba_available
+from kivi.quant.demote import demote_kv
+from kivi.quant.kv import dequantize_kv, quantize_kv
 
 T3 = dict(k_bits=4, v_bits=4, group_size=16, residual_length=32, block_size=64,
           tiers=[(32, None), (48, 4), (None, 2)])

@@ -36,7 +36,7 @@ def test_cache_budget_picks_writes_and_matches_the_library(tmp_path, capsys):
 ], ids=["too-small", "with-preset", "write-without-budget"])
 def test_cache_budget_errors_are_one_line(capsys, extra, needles):
     assert main(["estimate", *SHAPE, "--context", "32k", *extra]) == 2
-    err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith("kivi estimate: error:"), err
     for n in needles:
         assert n in err[0]

@@ -23,7 +23,7 @@ def kivi(*args: str, timeout: int = 300, env: dict | None = None) -> subprocess.
 def assert_one_line_error(p: subprocess.CompletedProcess, *needles: str) -> None:
     assert p.returncode != 0, p.stdout
     assert "Traceback" not in p.stderr, p.stderr
-    lines = [l for l in p.stderr.splitlines() if l.startswith("kivi")]
+    lines = [line for line in p.stderr.splitlines() if line.startswith("kivi")]
     assert len(lines) == 1, p.stderr
     for n in needles:
         assert n in lines[0], lines[0]

@@ -24,8 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kivi.cli import validators
-from kivi.cli import build_parser
+from kivi.cli import build_parser, validators
 
 ROOT = Path(__file__).resolve().parents[2]
 LOAD_REACHED = 99

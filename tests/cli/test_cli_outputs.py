@@ -34,8 +34,8 @@ def loads(monkeypatch):
     (["demo", "--json-out", "{tmp}"], ("--json-out", "is a folder")),
     (["demo", "--json-out", "/nonexistent/demo.json"], ("--json-out", "does not exist")),
 ])
-def test_unwritable_output_is_refused_before_the_model_loads(cli_on_tiny_model, loads, capsys, tmp_path, argv,
-                                                             needles):
+@pytest.mark.usefixtures("cli_on_tiny_model")
+def test_unwritable_output_is_refused_before_the_model_loads(loads, capsys, tmp_path, argv, needles):
     rc = main([a.replace("{tmp}", str(tmp_path)) for a in argv])
     out, err = capsys.readouterr()
     assert rc == 2 and out == "", (rc, out)
@@ -46,8 +46,8 @@ def test_unwritable_output_is_refused_before_the_model_loads(cli_on_tiny_model, 
 
 
 @pytest.mark.parametrize("json_flag", [True, False], ids=["json", "text"])
-def test_eval_result_printed_when_the_write_fails_at_the_end(cli_on_tiny_model, capsys, tmp_path, monkeypatch,
-                                                            json_flag):
+@pytest.mark.usefixtures("cli_on_tiny_model")
+def test_eval_result_printed_when_the_write_fails_at_the_end(capsys, tmp_path, monkeypatch, json_flag):
     """The folder of -o disappears during the evaluation: the result still reaches stdout."""
     import kivi.eval
 
@@ -64,14 +64,15 @@ def test_eval_result_printed_when_the_write_fails_at_the_end(cli_on_tiny_model, 
     rc = main(["eval", "ppl", *PROTO, "-o", str(out_dir / "ppl.json"), *(["--json"] if json_flag else [])])
     out, err = capsys.readouterr()
     assert rc == 2
-    assert err.strip().splitlines() == [l for l in err.strip().splitlines() if "cannot write -o/--output" in l] \
+    assert err.strip().splitlines() == [line for line in err.strip().splitlines() if "cannot write -o/--output" in line] \
         and len(err.strip().splitlines()) == 1, err
     body = out if json_flag else out[out.index("{"):]
     r = json.loads(body)
     assert r["name"] == "fp" and r["ppl"] > 0 and r["tokens_scored"] == 2 * 96
 
 
-def test_tune_writes_what_it_can_and_prints_the_rest(cli_on_tiny_model, capsys, tmp_path, monkeypatch):
+@pytest.mark.usefixtures("cli_on_tiny_model")
+def test_tune_writes_what_it_can_and_prints_the_rest(capsys, tmp_path, monkeypatch):
     import kivi.eval.tuning
 
     gone = tmp_path / "gone"
@@ -123,7 +124,7 @@ def test_demo_result_printed_when_json_out_fails_at_the_end(tiny_saved_model, ca
                "--json-out", str(out_dir / "demo.json")])
     out, err = capsys.readouterr()
     assert rc == 2
-    assert [l for l in err.splitlines() if l.startswith("kivi")] == [
-        l for l in err.splitlines() if "cannot write --json-out" in l], err
+    assert [line for line in err.splitlines() if line.startswith("kivi")] == [
+        line for line in err.splitlines() if "cannot write --json-out" in line], err
     r = json.loads(out)
     assert [row["name"] for row in r["rows"]] == ["fp", "extreme"]

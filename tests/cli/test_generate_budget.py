@@ -84,7 +84,7 @@ def test_full_precision_first_keeps_short_requests_exact(tiny_folder, capsys):
 ], ids=["nothing-fits", "with-preset", "fp-first-alone", "bad-quantize-after"])
 def test_errors_are_one_line(tiny_folder, capsys, extra, needles):
     rc, out, err = _generate(tiny_folder, capsys, *extra)
-    lines = [l for l in err.splitlines() if l.startswith("kivi")]  # (loading progress aside)
+    lines = [line for line in err.splitlines() if line.startswith("kivi")]  # (loading progress aside)
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("kivi generate: error:"), err
     assert not out
     for n in needles:

@@ -12,7 +12,6 @@ import torch
 from kivi.cli.loading import load_model_from_args
 from kivi.cli.options import add_model_args
 from kivi.memory import estimate_kv_memory, model_spec
-
 from tests.cli.test_cli_basic import assert_one_line_error, kivi
 from tests.helpers import tiny_model
 

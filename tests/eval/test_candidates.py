@@ -6,8 +6,16 @@ import pytest
 import torch
 
 from kivi import KiviConfig
-from kivi.eval.candidates import (candidate_grid, candidate_name, has_tiers, head_bases, head_candidates,
-                                  tier_candidates, tiers_comparable, uniform_candidates)
+from kivi.eval.candidates import (
+    candidate_grid,
+    candidate_name,
+    has_tiers,
+    head_bases,
+    head_candidates,
+    tier_candidates,
+    tiers_comparable,
+    uniform_candidates,
+)
 from kivi.eval.head_profile import bits_per_element, head_profile
 from kivi.memory.sources import model_spec
 from tests.helpers import tiny_model

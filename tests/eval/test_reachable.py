@@ -8,8 +8,8 @@ import torch
 
 from kivi import KiviCache, KiviConfig
 from kivi.cache.layer import KiviLayer
-from kivi.eval.reachable import reachable_tensor_bytes as reachable_storage_bytes
 from kivi.cache.sliding import SlidingKiviLayer
+from kivi.eval.reachable import reachable_tensor_bytes as reachable_storage_bytes
 
 
 def test_walker_sees_a_slice_pinning_its_base():

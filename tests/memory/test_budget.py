@@ -51,7 +51,7 @@ def test_pick_walks_the_ladder_byte_exactly(model):
     ctx, prefill = 261, 100
     needs = [cache_need(spec, c, ctx, prefill=prefill) for _, c in default_candidates()]
     names = [n for n, _ in default_candidates()]
-    for i, need in enumerate(needs):
+    for _i, need in enumerate(needs):
         p = config_for_budget(spec, need, ctx, prefill=prefill)
         first = next(j for j, n in enumerate(needs) if n <= need)  # best quality that fits exactly this budget
         assert p.name == names[first] and p.need_bytes == needs[first]

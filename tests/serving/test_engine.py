@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+
 import pytest
-import torch
 
 from kivi import KiviConfig
 from kivi.batching import init_continuous_batching

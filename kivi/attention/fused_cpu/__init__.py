@@ -33,8 +33,15 @@ every call — a cost that grows with the context for bf16/fp16 caches; codes st
 """
 
 from ...optional import numba_available as fused_decode_available
-from .dispatch import (KERNEL_BITS, SERIAL_BELOW, fused_decode_attention, fused_decode_heads,
-                       fused_decode_heads_supported, fused_decode_supported, warmup)
+from .dispatch import (
+    KERNEL_BITS,
+    SERIAL_BELOW,
+    fused_decode_attention,
+    fused_decode_heads,
+    fused_decode_heads_supported,
+    fused_decode_supported,
+    warmup,
+)
 
 __all__ = [
     "fused_decode_available",

@@ -44,8 +44,27 @@ import numpy as np
 from numba import carray, prange, types
 from numba.extending import intrinsic
 
-from .tables import (_BITS, _BS, _BS0, _BS1, _BS2, _DATA, _DS0, _DS1, _DS2, _H0, _H1, _HI, _LO, _QUANT, _SC, _SS0,
-                     _SS1, _SS2, NCOL)
+from .tables import (
+    _BITS,
+    _BS,
+    _BS0,
+    _BS1,
+    _BS2,
+    _DATA,
+    _DS0,
+    _DS1,
+    _DS2,
+    _H0,
+    _H1,
+    _HI,
+    _LO,
+    _QUANT,
+    _SC,
+    _SS0,
+    _SS1,
+    _SS2,
+    NCOL,
+)
 
 # The descriptor columns are compiled in as constants, but numba's on-disk cache is keyed on this
 # file only: a layout change in tables.py must change this file too, or a stale cache would read
