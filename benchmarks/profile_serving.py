@@ -112,8 +112,12 @@ def install(timers: StepTimers, model) -> None:
     for m in model.modules():
         if isinstance(m, torch.nn.Linear):
             m.register_forward_pre_hook(lambda mod, a: setattr(mod, "_t0", time.perf_counter()))
-            m.register_forward_hook(lambda mod, a, o: timers.current.__setitem__(
-                "linear layers (nn.Linear)", timers.current["linear layers (nn.Linear)"] + time.perf_counter() - mod._t0))
+            m.register_forward_hook(
+                lambda mod, a, o: timers.current.__setitem__(
+                    "linear layers (nn.Linear)",
+                    timers.current["linear layers (nn.Linear)"] + time.perf_counter() - mod._t0,
+                )
+            )
     step, update = ContinuousBatchProcessor._generation_step, ContinuousBatchProcessor.update_batch
 
     def step_and_kind(self, model):
@@ -167,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mixed-batch-tokens", type=int, default=1024,
                     help="max_batch_tokens of the second run (below requests x prompt: mixed steps occur)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--cprofile", type=int, default=0, help="print this many functions of cProfile (the engine's thread)")
+    ap.add_argument(
+        "--cprofile", type=int, default=0, help="print this many functions of cProfile (the engine's thread)"
+    )
     ap.add_argument("--skip-single", action="store_true", help="no one-request generate() comparison")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -198,10 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     decode_steps, timers.steps = timers.steps, []
     # run 2: a smaller token budget per step, so prompts are prefilled while other requests decode
     generate_batch(model, prompts, cfg, cache_memory=budget, max_new_tokens=4, max_batch_tokens=args.mixed_batch_tokens)
-    report = {"args": vars(args), "batch_wall_s": wall, "generated_tokens": sum(len(r.generated_tokens) for r in out.values()),
-              "decode": summarize(decode_steps, "decode", 2, args.requests),
-              "mixed": summarize(timers.steps, "mixed", 1),
-              "mixed_step_kinds": sorted({(k, n) for k, n, _ in timers.steps})}
+    report = {
+        "args": vars(args),
+        "batch_wall_s": wall,
+        "generated_tokens": sum(len(r.generated_tokens) for r in out.values()),
+        "decode": summarize(decode_steps, "decode", 2, args.requests),
+        "mixed": summarize(timers.steps, "mixed", 1),
+        "mixed_step_kinds": sorted({(k, n) for k, n, _ in timers.steps}),
+    }
     print(f"generate_batch: {wall:.1f} s for {report['generated_tokens']} generated tokens")
     print_summary(f"decode steps of all {args.requests} requests", report["decode"])
     print_summary("mixed prefill + decode steps (the first, a prefill only, dropped)", report["mixed"])
@@ -223,9 +233,12 @@ def main(argv: list[str] | None = None) -> int:
         if report["decode"]:
             batch_per_token = report["decode"]["step_s"] / max(report["decode"]["requests"])
             report["single_generate"]["batch_decode_s_per_token"] = batch_per_token
-            print(f"\none-request generate(): prefill {report['single_generate']['prefill_s']:.2f} s, decode {per_token * 1e3:.1f} ms/token (median); "
-                  f"batched decode step: {batch_per_token * 1e3:.1f} ms per request-token "
-                  f"({per_token / batch_per_token:.2f}x)")
+            print(
+                f"\none-request generate(): prefill {report['single_generate']['prefill_s']:.2f} s, "
+                f"decode {per_token * 1e3:.1f} ms/token (median); "
+                f"batched decode step: {batch_per_token * 1e3:.1f} ms per request-token "
+                f"({per_token / batch_per_token:.2f}x)"
+            )
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     return 0

@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
               f"--new-tokens={args.new_tokens}", f"--threads={args.threads}"]
     if args.max_batch_tokens is not None:
         common.append(f"--max-batch-tokens={args.max_batch_tokens}")
-    rows = [("batch (before)", ["--row=batch", f"--kivi-root={args.kivi_root_before}"])] if args.kivi_root_before else []
+    rows = (
+        [("batch (before)", ["--row=batch", f"--kivi-root={args.kivi_root_before}"])] if args.kivi_root_before else []
+    )
     rows += [("batch", ["--row=batch"]), ("single", ["--row=single"])]
     report = {"args": vars(args), "load_average_start": os.getloadavg(), "rows": {}}
     for name, extra in rows:

@@ -249,7 +249,8 @@ def cache_attention_backend(model: Any, config: Any) -> Backend:
         if config.attention_backend != "auto":
             raise ValueError(
                 f"attention_backend={config.attention_backend!r} needs the model's attention to read the packed "
-                f"cache, but it runs {model.config._attn_implementation!r}: call kivi.quantize_model(model, config) first"
+                f"cache, but it runs {model.config._attn_implementation!r}: "
+                "call kivi.quantize_model(model, config) first"
             )
         return ReferenceBackend(config)
     return backend

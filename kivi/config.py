@@ -121,7 +121,8 @@ class KiviConfig:
         lsc = {}
         if not isinstance(self.layer_specific_config or {}, dict):
             raise ValueError(
-                f"layer_specific_config={self.layer_specific_config!r} must be a mapping {{layer index: {{field: value}}}}"
+                f"layer_specific_config={self.layer_specific_config!r} "
+                "must be a mapping {layer index: {field: value}}"
             )
         for k, v in dict(self.layer_specific_config or {}).items():
             digits = isinstance(k, str) and k.strip().isdigit()
@@ -148,7 +149,8 @@ class KiviConfig:
         _check_int(self, "sink_tokens", minimum=0)
         if self.sink_tokens > MAX_SINK_TOKENS:
             raise ValueError(
-                f"sink_tokens={self.sink_tokens} is more than {MAX_SINK_TOKENS}: sink tokens are kept in full precision "
+                f"sink_tokens={self.sink_tokens} is more than {MAX_SINK_TOKENS}: "
+                "sink tokens are kept in full precision "
                 "(a handful, e.g. 4, is what they are for); use residual_length for a longer full-precision window"
             )
         if not isinstance(self.check_finite, bool):
@@ -394,7 +396,9 @@ def _normalize_tiers(tiers: Any) -> tuple | None:
     if tiers is None:
         return None
     if isinstance(tiers, (str, bytes, dict)) or not hasattr(tiers, "__iter__"):
-        raise ValueError(f"tiers={tiers!r} must be a list of (tokens, bits) pairs, e.g. [(128, None), (1024, 4), (None, 2)]")
+        raise ValueError(
+            f"tiers={tiers!r} must be a list of (tokens, bits) pairs, e.g. [(128, None), (1024, 4), (None, 2)]"
+        )
     out = []
     for i, t in enumerate(tiers):
         if isinstance(t, (str, bytes, dict)) or not hasattr(t, "__len__") or len(t) != 2:
@@ -453,4 +457,6 @@ def _check_tiers(cfg: Any, where: str) -> None:
 
 
 def _show(t: Any) -> str:
-    return repr(t).replace("((", "[(").replace("))", ")]") if isinstance(t, tuple) and t and isinstance(t[0], tuple) else repr(t)
+    if isinstance(t, tuple) and t and isinstance(t[0], tuple):
+        return repr(t).replace("((", "[(").replace("))", ")]")
+    return repr(t)

@@ -17,7 +17,8 @@ After ``quantize_model(model, config)``:
 
 Weights and ``generate`` arguments stay as they were; a model whose linear layers are quantized by
 optimum-quanto (:func:`kivi.models.quantize_weights`, before or after this call) works unchanged: nothing
-here looks at how the weights are stored (docs/weight-quantization.md). Tested with transformers 5.x: the cache goes under the keyword the model's forward takes
+here looks at how the weights are stored (docs/weight-quantization.md). Tested with transformers 5.x: the cache goes
+under the keyword the model's forward takes
 (:func:`generate_cache_key`: ``cache=`` in 5.2x, ``past_key_values=`` before).
 """
 
@@ -77,8 +78,9 @@ def quantize_model(model: Any, config: KiviConfig | None = None, *,
     config = config if config is not None else KiviConfig()
     if not isinstance(config, KiviConfig):
         raise TypeError(f"config must be a KiviConfig, got {type(config).__name__}")
-    if prefill_chunk_size is not None and (isinstance(prefill_chunk_size, bool) or not isinstance(prefill_chunk_size, int)
-                                           or prefill_chunk_size < 1):
+    if prefill_chunk_size is not None and (
+        isinstance(prefill_chunk_size, bool) or not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1
+    ):
         raise ValueError(f"prefill_chunk_size={prefill_chunk_size!r} must be a positive int or None")
     check_model_supported(model)
     plan_layers(model.config, config)  # validates the config against the model's layers

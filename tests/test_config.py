@@ -174,7 +174,9 @@ def test_fuzz_json_valid_config_or_value_error(kwargs, junk):
 
 # ---------------------------------------------------------------- per-head widths (head_bits)
 def test_head_bits_round_trip_and_layer_widths(tmp_path):
-    cfg = KiviConfig(layer_specific_config={2: {"v_bits": 4}}, head_bits={2: {"k_bits": [4, 2, 2]}, "5": {"v_bits": [8, 2, 2]}})
+    cfg = KiviConfig(
+        layer_specific_config={2: {"v_bits": 4}}, head_bits={2: {"k_bits": [4, 2, 2]}, "5": {"v_bits": [8, 2, 2]}}
+    )
     assert cfg.head_bits == {2: {"k_bits": [4, 2, 2]}, 5: {"v_bits": [8, 2, 2]}}
     assert KiviConfig.from_json(cfg.to_json()) == cfg
     cfg.to_json(tmp_path / "c.json")
@@ -232,14 +234,17 @@ def test_tiers_normalise_and_round_trip_through_json(tmp_path):
 
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(tiers=TIERS), "tiers[1] widths (k, v)=(4, 4) must equal (k_bits, v_bits)=(2, 2)"),
-    (dict(k_bits=4, v_bits=4, tiers=[(64, None), (1024, 4), (None, 2)]), "tiers[0]=(64, None) must be (residual_length, None)"),
+    (dict(k_bits=4, v_bits=4, tiers=[(64, None), (1024, 4), (None, 2)]),
+     "tiers[0]=(64, None) must be (residual_length, None)"),
     (dict(k_bits=4, v_bits=4, tiers=[(128, None), (1024, 4), (None, 3)]), "tiers[2] k_bits=3 cannot follow 4"),
-    (dict(k_bits=4, v_bits=4, tiers=[(128, None), (100, 4), (None, 2)]), "tiers[1] token count 100 must be a positive multiple of group_size=32"),
+    (dict(k_bits=4, v_bits=4, tiers=[(128, None), (100, 4), (None, 2)]),
+     "tiers[1] token count 100 must be a positive multiple of group_size=32"),
     (dict(k_bits=4, v_bits=4, tiers=[(128, None), (1024, 4), (64, 2)]), "tiers[2]=(64, ...) is the last tier"),
     (dict(k_bits=4, v_bits=4, tiers=[(128, None)]), "needs the window and at least one quantized tier"),
     (dict(k_bits=4, v_bits=4, tiers=[(128, None), (1024, None), (None, 2)]), "tiers[1] width None"),
     (dict(k_bits=4, v_bits=4, tiers=[(128, None), (1024, 5), (None, 2)]), "tiers[1] k_bits=5 is not supported"),
-    (dict(k_bits=4, v_bits=4, tiers=[(128, None), (1024, [4, 4, 4]), (None, 2)]), "must be an int, [k_bits, v_bits] or None"),
+    (dict(k_bits=4, v_bits=4, tiers=[(128, None), (1024, [4, 4, 4]), (None, 2)]),
+     "must be an int, [k_bits, v_bits] or None"),
     (dict(k_bits=4, v_bits=4, tiers="128:fp"), "tiers='128:fp' must be a list of (tokens, bits) pairs"),
     (dict(k_bits=4, v_bits=4, tiers=[128, 4]), "tiers[0]=128 must be a (tokens, bits) pair"),
     (dict(k_bits=4, v_bits=4, symmetric=True, tiers=TIERS), "tiers need asymmetric quantization"),

@@ -19,30 +19,47 @@ ROOT = Path(__file__).resolve().parent.parent / "kivi"
 #: Layer of each module, by longest matching name prefix (lower layers first).
 LAYERS: dict[str, int] = {
     # 0 primitives: pure quantize / pack, optional-dependency probes, allocator tuning
-    "kivi.quant.primitives": 0, "kivi.quant.clipping": 0, "kivi.quant.packing": 0, "kivi.optional": 0, "kivi.allocator": 0,
+    "kivi.quant.primitives": 0, "kivi.quant.clipping": 0, "kivi.quant.packing": 0, "kivi.optional": 0,
+    "kivi.allocator": 0,
     # 1 configuration: what to quantize and how; which attention backend reads it
-    "kivi.config": 1, "kivi.backends": 1,
+    "kivi.config": 1,
+    "kivi.backends": 1,
     # 2 formats: quantized segments and the kernels that write them
-    "kivi.quant": 2, "kivi.kernels._common": 2, "kivi.kernels.triton_quant": 2, "kivi.kernels._quant_kernels": 2,
+    "kivi.quant": 2,
+    "kivi.kernels._common": 2,
+    "kivi.kernels.triton_quant": 2,
+    "kivi.kernels._quant_kernels": 2,
     # 3 storage, and the token arithmetic (pure ints) that storage, cache and planner share
-    "kivi.cache.store": 3, "kivi.cache.schedule": 3, "kivi.cache.tiers": 3,
+    "kivi.cache.store": 3,
+    "kivi.cache.schedule": 3,
+    "kivi.cache.tiers": 3,
     # 4 cache (schedule, layers, the transformers Cache, what update hands to attention)
     "kivi.cache": 4,
     # 5 attention over the cache's views, and its kernels
-    "kivi.attention": 5, "kivi.kernels": 5, "kivi.kernels.segments": 5,
+    "kivi.attention": 5,
+    "kivi.kernels": 5,
+    "kivi.kernels.segments": 5,
     # 6 integration with a model
-    "kivi.integration": 6, "kivi.prefix": 6,
+    "kivi.integration": 6,
+    "kivi.prefix": 6,
     # KIVI pages in transformers' continuous batching (depends on cache, quant and integration's backends)
     "kivi.batching": 6,
-    # the vLLM plugin (depends on cache, quant, attention; never on kivi.batching, whose transformers pin vLLM's differs)
+    # the vLLM plugin (depends on cache, quant, attention; never on kivi.batching, whose transformers pin vLLM's
+    # differs)
     "kivi.vllm": 6,
     # 7 tools: planner, evaluation, model loading, data, command line; the package facade
     "kivi.memory": 7, "kivi.eval": 7, "kivi.models": 7, "kivi.data": 7, "kivi.cli": 7, "kivi.__main__": 7,
     # models: errors and aliases, the converted-copy cache, loading, weight quantization (one job each)
-    "kivi.models.errors": 7, "kivi.models.aliases": 7, "kivi.models.conversion_cache": 7, "kivi.models.load": 7,
+    "kivi.models.errors": 7,
+    "kivi.models.aliases": 7,
+    "kivi.models.conversion_cache": 7,
+    "kivi.models.load": 7,
     "kivi.models.weights": 7,
     # the command line's shared pieces: argparse types, option groups, output, model loading, CPU threads
-    "kivi.cli.validators": 7, "kivi.cli.options": 7, "kivi.cli.output": 7, "kivi.cli.loading": 7,
+    "kivi.cli.validators": 7,
+    "kivi.cli.options": 7,
+    "kivi.cli.output": 7,
+    "kivi.cli.loading": 7,
     "kivi.cli.threads": 7,
     "kivi.serving": 7,
     "kivi": 7,

@@ -152,7 +152,8 @@ def test_parse_context_bad(bad):
 
 
 @pytest.mark.parametrize("text,n", [("80GB", 80 * 10**9), ("80GiB", 80 * 2**30), ("512MB", 512 * 10**6),
-                                    ("16000MiB", 16000 * 2**20), ("24G", 24 * 2**30), ("1024", 1024), ("1.5 GB", 1.5e9)])
+                                    ("16000MiB", 16000 * 2**20), ("24G", 24 * 2**30), ("1024", 1024),
+                                    ("1.5 GB", 1.5e9)])
 def test_parse_bytes(text, n):
     assert parse_bytes(text) == int(n)
 
@@ -345,7 +346,9 @@ def test_agrees_with_kivicache_per_head(cfg, prefill, total, batch):
     e = estimate_kv_memory(model, total, batch=batch, config=cfg, prefill=prefill)
     assert e.kivi_total_bytes == cache.nbytes
     assert e.layers[0]["k_bits"] == cfg.layer_head_bits(0)[0] if 0 in cfg.head_bits else True
-    plain = estimate_kv_memory(model, total, batch=batch, config=dataclasses.replace(cfg, head_bits={}), prefill=prefill)
+    plain = estimate_kv_memory(
+        model, total, batch=batch, config=dataclasses.replace(cfg, head_bits={}), prefill=prefill
+    )
     assert plain.kivi_total_bytes != e.kivi_total_bytes  # the widths are counted, not the layer's
 
 

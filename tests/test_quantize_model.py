@@ -175,7 +175,9 @@ def test_unsupported_models_get_a_clear_error():
         quantize_model(NotAModel(), SMALL)
     import transformers
 
-    cfg = transformers.AutoConfig.for_model("t5", vocab_size=64, d_model=32, d_ff=32, num_layers=1, num_heads=2, d_kv=16)
+    cfg = transformers.AutoConfig.for_model(
+        "t5", vocab_size=64, d_model=32, d_ff=32, num_layers=1, num_heads=2, d_kv=16
+    )
     t5 = transformers.AutoModelForSeq2SeqLM.from_config(cfg)
     with pytest.raises(ValueError, match="encoder-decoder"):
         quantize_model(t5, SMALL)

@@ -111,7 +111,9 @@ def test_the_prompt_enters_every_layer_as_in_plain_greedy(monkeypatch, backend, 
     if kind == "prompt_lookup":
         spec = dict(prompt_lookup_num_tokens=8, max_matching_ngram_size=2)
     else:
-        spec = dict(assistant_model=_model(backend, CONFIGS["2-2"], seed=3, num_hidden_layers=1), num_assistant_tokens=6)
+        spec = dict(
+            assistant_model=_model(backend, CONFIGS["2-2"], seed=3, num_hidden_layers=1), num_assistant_tokens=6
+        )
     want = _prompt_kv(monkeypatch, model, prompt)
     got = _prompt_kv(monkeypatch, model, prompt, **spec)
     assert len(got) >= len(want) == 4  # the draft's layers come after (assisted)

@@ -57,8 +57,12 @@ def test_generate_cpu_backend_equals_reference_backend(bits, dtype):
     top-2 logits tie within one bf16 ulp after a few tokens); the cache is a KiviCache."""
     ids = torch.randint(1, 128, (1, 150), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
-    ref = quantize_model(_wq_model(bits, dtype, **GROUPED), KiviConfig.from_dict({**CFG.to_dict(), "attention_backend": "reference"}))
-    fast = quantize_model(_wq_model(bits, dtype, **GROUPED), KiviConfig.from_dict({**CFG.to_dict(), "attention_backend": "cpu"}))
+    ref = quantize_model(
+        _wq_model(bits, dtype, **GROUPED), KiviConfig.from_dict({**CFG.to_dict(), "attention_backend": "reference"})
+    )
+    fast = quantize_model(
+        _wq_model(bits, dtype, **GROUPED), KiviConfig.from_dict({**CFG.to_dict(), "attention_backend": "cpu"})
+    )
     assert fast.config._attn_implementation == "kivi"
     got, _ = assert_decode_close(fast, ref, ids, new_tokens=24, atol=LOGIT_ATOL[dtype], mask=mask, pad_token_id=0)
     assert isinstance(got.cache, KiviCache) and got.cache.memory_breakdown()["codes"] > 0

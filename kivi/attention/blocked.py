@@ -80,7 +80,10 @@ def _base(seg: PackedKV) -> torch.Tensor:
 def _slice_key_seg(seg: PackedKV, a: int, b: int) -> PackedKV:
     g = seg.group_size
     return seg.with_tensors(
-        **{k: (v[:, :, a // g : b // g] if k in ("scale", "offset", "comp") else v[:, :, a:b]) for k, v in seg.tensors().items()}
+        **{
+            k: (v[:, :, a // g : b // g] if k in ("scale", "offset", "comp") else v[:, :, a:b])
+            for k, v in seg.tensors().items()
+        }
     )
 
 

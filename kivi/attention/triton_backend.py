@@ -81,7 +81,8 @@ def decode_route(query: torch.Tensor, attention_mask: torch.Tensor | None) -> st
         return f"a forward of {query.shape[2]} query tokens (the kernel is a decode kernel)"
     if attention_mask is not None and (attention_mask.dtype != torch.bool or attention_mask.dim() != 4
                                        or attention_mask.shape[1] != 1):
-        return f"a {attention_mask.dtype} mask of shape {tuple(attention_mask.shape)} (the kernel reads a boolean validity row)"
+        return (f"a {attention_mask.dtype} mask of shape {tuple(attention_mask.shape)} "
+                "(the kernel reads a boolean validity row)")
     return None
 
 

@@ -148,5 +148,5 @@ def register() -> None:
 
 register()
 
-__all__ = ["PAGED_ATTN_IMPLEMENTATION", "PagedBatchViews", "PagedDecode", "paged_attention_forward", "fp_attention", "window_mask",
-           "register"]
+__all__ = ["PAGED_ATTN_IMPLEMENTATION", "PagedBatchViews", "PagedDecode", "paged_attention_forward", "fp_attention",
+           "window_mask", "register"]

@@ -78,7 +78,8 @@ class KiviPagedCache(PagedAttentionCache):
         self.num_sectors = cache_memory // layout.block_bytes
         if self.num_sectors < layout.request_blocks(1):
             raise ValueError(
-                f"cache_memory={cache_memory} bytes holds {self.num_sectors} KIVI blocks of {layout.block_bytes} bytes; "
+                f"cache_memory={cache_memory} bytes holds {self.num_sectors} KIVI blocks "
+                f"of {layout.block_bytes} bytes; "
                 f"one request needs at least {layout.request_blocks(1)} (its full-precision rows and one page)"
             )
         self.cache_tensor = torch.zeros(self.num_sectors * self.bytes_per_sector, dtype=torch.uint8, device=device)

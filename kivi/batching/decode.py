@@ -27,7 +27,9 @@ class DecodeStep:
     window_index: torch.Tensor  # padded to the longest request's slots
 
 
-def decode_step(batch: list[tuple[str, int, int]], states: list, block_tables: dict[str, list[int]]) -> DecodeStep | None:
+def decode_step(
+    batch: list[tuple[str, int, int]], states: list, block_tables: dict[str, list[int]]
+) -> DecodeStep | None:
     """The :class:`DecodeStep` of ``batch`` (``(request id, past, query length)`` each; ``states`` the
     requests' :class:`~kivi.batching.allocator.RequestState`), or ``None`` when no request decodes."""
     rows = tuple(i for i, (_, _, q) in enumerate(batch) if q == 1)

@@ -255,4 +255,5 @@ def window_view(cache_tensor: torch.Tensor, layout: PageLayout) -> torch.Tensor:
     )
 
 
-__all__ = ["PageField", "PageLayout", "build_layout", "param_dtype", "fp_block_bytes", "field_views", "window_view", "SIDES", "AXIS"]
+__all__ = ["PageField", "PageLayout", "build_layout", "param_dtype", "fp_block_bytes", "field_views", "window_view",
+           "SIDES", "AXIS"]

@@ -55,8 +55,9 @@ class KiviBatchingManager(ContinuousBatchingManager):
     transformers sizes the float cache itself).
     """
 
-    def __init__(self, model: Any, generation_config: GenerationConfig, continuous_batching_config: ContinuousBatchingConfig,
-                 workload_hints: WorkloadHints | None, *, kivi_config: KiviConfig | None, cache_memory: int | None,
+    def __init__(self, model: Any, generation_config: GenerationConfig,
+                 continuous_batching_config: ContinuousBatchingConfig, workload_hints: WorkloadHints | None, *,
+                 kivi_config: KiviConfig | None, cache_memory: int | None,
                  layout: PageLayout | None, packed_backend: Backend | None = None) -> None:
         self.kivi_config = kivi_config
         self.packed_backend = packed_backend
@@ -114,7 +115,8 @@ class KiviBatchingManager(ContinuousBatchingManager):
         if self.capacity_blocks is not None and need > self.capacity_blocks:
             kind = "KIVI" if self.layout is not None else "float"
             raise ValueError(
-                f"request of {prompt_tokens} prompt tokens + max_new_tokens={max_new_tokens} needs {need} {kind} blocks "
+                f"request of {prompt_tokens} prompt tokens + max_new_tokens={max_new_tokens} "
+                f"needs {need} {kind} blocks "
                 f"of {self.block_bytes} bytes ({need * self.block_bytes} bytes) but cache_memory={self.cache_memory} "
                 f"holds {self.capacity_blocks}; raise cache_memory or shorten the request"
             )

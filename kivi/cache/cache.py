@@ -191,8 +191,10 @@ class KiviCache(Cache):
         if key_states.shape != value_states.shape:
             what = [f"{dim} {a} vs {b}" for dim, a, b in zip(("batch", "kv_heads", "tokens", "head_dim"),
                                                              key_states.shape, value_states.shape) if a != b]
-            raise ValueError(f"key_states {tuple(key_states.shape)} and value_states {tuple(value_states.shape)} "
-                             f"must have the same [batch, kv_heads, tokens, head_dim]; they differ in {', '.join(what)}")
+            raise ValueError(
+                f"key_states {tuple(key_states.shape)} and value_states {tuple(value_states.shape)} "
+                f"must have the same [batch, kv_heads, tokens, head_dim]; they differ in {', '.join(what)}"
+            )
         if key_states.dtype != value_states.dtype or key_states.device != value_states.device:
             raise ValueError(f"key_states ({key_states.dtype} on {key_states.device}) and value_states "
                              f"({value_states.dtype} on {value_states.device}) must have the same dtype and device")
@@ -250,7 +252,10 @@ class KiviCache(Cache):
             else:  # a full-precision transformers layer (e.g. sliding window kept in FP)
                 nb = 0
                 if layer.is_initialized and layer.keys is not None:
-                    nb = layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+                    nb = (
+                        layer.keys.numel() * layer.keys.element_size()
+                        + layer.values.numel() * layer.values.element_size()
+                    )
                 parts = {"fp_unquantized": nb}
             for k, v in parts.items():
                 total[k] = total.get(k, 0) + v

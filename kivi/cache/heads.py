@@ -5,7 +5,8 @@
 width (:func:`head_groups`). Every step runs the layer's one code path (:func:`kivi.cache.step.append_side`):
 the window and the new tokens are joined once for all heads, each group gets the view of its head
 slice and stores what leaves the window at its width, and the window that stays is one tensor whose
-head slices are the groups' windows; it returns the groups' views in head order (:class:`HeadViews`). KIVI quantizes each head on its own
+head slices are the groups' windows; it returns the groups' views in head order (:class:`HeadViews`). KIVI quantizes
+each head on its own
 (key groups run over tokens within one channel of one head, value groups over channels within one
 token of one head), so a head stored in a group holds exactly the bits it would hold in a layer of
 that width: a split layer whose groups all have the same width is bit-identical to a plain layer.
@@ -183,5 +184,5 @@ def kv_heads_of(model_config: Any) -> int | None:
     return int(n) if n else None
 
 
-__all__ = ["HeadGroup", "HeadViews", "HeadSplitLayer", "SlidingHeadSplitLayer", "KIVI_LAYERS", "build_layer", "head_groups",
-           "materialize_heads", "kv_heads_of"]
+__all__ = ["HeadGroup", "HeadViews", "HeadSplitLayer", "SlidingHeadSplitLayer", "KIVI_LAYERS", "build_layer",
+           "head_groups", "materialize_heads", "kv_heads_of"]

@@ -60,7 +60,8 @@ from .persist_plan import plan_cache, state_dict
 # ---------------------------------------------------------------------------------------------- save
 def save_cache(cache: Any, path: str | os.PathLike, *, fingerprint: dict[str, Any],
                input_ids: torch.Tensor | None = None) -> Path:
-    """Write ``cache`` (a :class:`~kivi.cache.cache.KiviCache`) to ``path`` (see the module docstring); returns the path.
+    """Write ``cache`` (a :class:`~kivi.cache.cache.KiviCache`) to ``path`` (see the module docstring);
+    returns the path.
 
     ``fingerprint``: a JSON-serialisable dict describing the model and tokenizer the cache was made
     with (:func:`kivi.prefix.model_fingerprint`); :func:`load_cache` refuses a different one.

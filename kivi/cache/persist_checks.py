@@ -191,8 +191,12 @@ def check_allocation(path: Path, tails: int, payload: int) -> None:
     or the file's size, whichever is larger (a forged ``block_size`` / capacity)."""
     allowed = max(payload, TAIL_ALLOWANCE_BYTES)
     if tails > allowed:
-        raise fail(path, "unused block capacity", Described(f"{tails} bytes"), f"at most {allowed} bytes beyond the file's "
-                                                                     f"{payload} bytes of tensors")
+        raise fail(
+            path,
+            "unused block capacity",
+            Described(f"{tails} bytes"),
+            f"at most {allowed} bytes beyond the file's {payload} bytes of tensors",
+        )
 
 
 def _templates_in(obj: Any) -> Any:
@@ -222,7 +226,9 @@ def check_values(path: Path, name: str, t: torch.Tensor, vocab_size: int | None)
         lo, hi = int(t.min()), int(t.max())
         top = vocab_size if vocab_size is not None else None
         if lo < 0 or (top is not None and hi >= top):
-            raise fail(path, "tensor input_ids", Described(f"ids {lo}..{hi}"), f"ids in [0, {top})" if top else "ids >= 0")
+            raise fail(
+                path, "tensor input_ids", Described(f"ids {lo}..{hi}"), f"ids in [0, {top})" if top else "ids >= 0"
+            )
 
 
 def layer_dtype(path: Path, value: Any, where: str) -> torch.dtype:

@@ -136,8 +136,11 @@ def check_fingerprint(header: PrefixHeader, fingerprint: dict[str, Any]) -> None
 
     what = "; ".join(f"{k} {show(saved.get(k))} vs {show(fingerprint.get(k))}" for k in diffs)
     if "weights_sha256" in diffs:
-        lead = (f"prefix file was saved for model {saved.get('architecture')} (weights {show(saved.get('weights_sha256'))}), "
-                f"this model is {fingerprint.get('architecture')} (weights {show(fingerprint.get('weights_sha256'))})")
+        lead = (
+            f"prefix file was saved for model {saved.get('architecture')} "
+            f"(weights {show(saved.get('weights_sha256'))}), "
+            f"this model is {fingerprint.get('architecture')} (weights {show(fingerprint.get('weights_sha256'))})"
+        )
         raise PrefixFileError(f"{header.path}: {lead}; differs (file vs this): {what}")
     raise PrefixFileError(f"{header.path}: prefix file was saved for a different model or tokenizer; differs "
                           f"(file vs this): {what}")

@@ -8,7 +8,8 @@ One side (keys or values) of a :class:`~kivi.cache.layer.KiviLayer` holds the to
 
 A flush (after every append) moves tokens out of the front of the window -- only once the side holds
 more than ``quantize_after`` tokens (:func:`quantizing`; until then every token stays in the window, full
-precision, and the first flush past it moves everything due at once) -- the first ones fill the sink, then keys move in whole groups of ``G`` (aligned on ``s, s + G, ...``) once at least ``R``
+precision, and the first flush past it moves everything due at once) -- the first ones fill the sink, then keys move
+in whole groups of ``G`` (aligned on ``s, s + G, ...``) once at least ``R``
 newer keys remain, values as soon as more than ``R`` newer values exist. These rules make the state
 depend on ``seen`` alone, not on how the tokens arrived (:func:`side_tokens`). A forward of several
 tokens gives each of its queries the state one-token decoding would have at that query's step
@@ -277,7 +278,9 @@ def freed_tokens(start: int, first_append: int, block_size: int) -> int:
 
 
 __all__ = [
-    "KEY_AXIS", "VALUE_AXIS", "layer_sink_tokens", "sink_take", "flush_count", "window_exits", "query_boundaries", "prefill_exact_queries", "side_tokens", "quantizing",
+    "KEY_AXIS", "VALUE_AXIS", "layer_sink_tokens", "sink_take", "flush_count", "window_exits", "query_boundaries",
+    "prefill_exact_queries", "side_tokens", "quantizing",
     "first_store_seen", "key_group_start",
-    "sliding_cut", "first_block_tokens", "tier_keeps", "tier_tokens", "tier_passed", "query_tier_ranges", "tier_ranges", "allocated_tokens", "freed_tokens",
+    "sliding_cut", "first_block_tokens", "tier_keeps", "tier_tokens", "tier_passed", "query_tier_ranges", "tier_ranges",
+    "allocated_tokens", "freed_tokens",
 ]

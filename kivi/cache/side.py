@@ -158,7 +158,8 @@ class SideState:
         """``x [B, H, T, D]`` (tokens leaving the window, T a multiple of G for keys) quantized as stored."""
         cfg = self.config
         return quantize_kv(x, self.axis, self.bits, cfg.group_size, symmetric=cfg.symmetric,
-                           residual_bits=cfg.residual_bits, valid=None if valid is None or self.axis == "token" else valid,
+                           residual_bits=cfg.residual_bits,
+                           valid=None if valid is None or self.axis == "token" else valid,
                            param_dtype=self._param_dtype(x.dtype), check_finite=cfg.check_finite,
                            clip=cfg.clips(self.axis))
 

@@ -66,9 +66,12 @@ def register(sub: Any) -> None:
     ls = cs.add_parser("ls", help="list the converted copies: key, size, last use, source, whether stale")
     ls.add_argument("--json", action="store_true", help="print one JSON object")
     ls.set_defaults(func=cmd_ls)
-    cl = cs.add_parser("clear", help="remove converted copies: the stale ones (default), KEYs, or --all",
-                       description="Without arguments, removes the stale copies (their GGUF is gone or changed, or "
-                       "the conversion never finished); with KEYs (from `kivi cache ls`), those; with --all, every one.")
+    cl = cs.add_parser(
+        "clear",
+        help="remove converted copies: the stale ones (default), KEYs, or --all",
+        description="Without arguments, removes the stale copies (their GGUF is gone or changed, or "
+        "the conversion never finished); with KEYs (from `kivi cache ls`), those; with --all, every one.",
+    )
     cl.add_argument("keys", nargs="*", metavar="KEY", help="folder names shown by `kivi cache ls`")
     cl.add_argument("--all", action="store_true", help="remove every converted copy")
     cl.add_argument("--json", action="store_true", help="print one JSON object")

@@ -49,7 +49,9 @@ def register(sub: Any) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=32, help="greedy continuation tokens (default 32)")
     p.add_argument("--eval-tokens", type=non_negative_int, default=256,
                    help="held-back text tokens after the prompt scored by teacher forcing (default 256; 0 = skip)")
-    p.add_argument("--chunk", type=positive_int, default=16, help="tokens per forward when scoring the held-back text (default 16)")
+    p.add_argument(
+        "--chunk", type=positive_int, default=16, help="tokens per forward when scoring the held-back text (default 16)"
+    )
     p.add_argument("--presets", default=DEFAULT_PRESETS,
                    help=f"comma-separated KIVI presets, or KiviConfig JSON files (default {DEFAULT_PRESETS})")
     p.add_argument("--no-fp", action="store_true", help="skip the FP reference (no agreement / KL columns)")

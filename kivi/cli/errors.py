@@ -1,4 +1,5 @@
-"""The CLI's user-facing error (its own module: `kivi.cli` and the modules of its subcommands and options all need it)."""
+"""The CLI's user-facing error (its own module: `kivi.cli` and the modules of its subcommands and options
+all need it)."""
 
 from __future__ import annotations
 

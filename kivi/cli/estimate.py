@@ -35,18 +35,27 @@ def register(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     m = p.add_argument_group("model (an alias / folder / .gguf / hub id, or an explicit shape)")
-    m.add_argument("--model", default=None,
-                   help="alias (smollm2), checkpoint folder, .gguf file or hub id (default: smollm2 unless a shape is given)")
+    m.add_argument(
+        "--model",
+        default=None,
+        help="alias (smollm2), checkpoint folder, .gguf file or hub id (default: smollm2 unless a shape is given)",
+    )
     m.add_argument("--num-layers", type=positive_int, default=None, help="decoder layers")
-    m.add_argument("--num-kv-heads", type=positive_int, default=None, help="key/value heads (MHA: = heads; GQA: fewer; MQA: 1)")
-    m.add_argument("--num-heads", type=positive_int, default=None, help="query heads (optional, for the MHA/GQA/MQA label)")
+    m.add_argument(
+        "--num-kv-heads", type=positive_int, default=None, help="key/value heads (MHA: = heads; GQA: fewer; MQA: 1)"
+    )
+    m.add_argument(
+        "--num-heads", type=positive_int, default=None, help="query heads (optional, for the MHA/GQA/MQA label)"
+    )
     m.add_argument("--head-dim", type=positive_int, default=None, help="channels per head")
     m.add_argument("--sliding-window", type=positive_int, default=None,
                    help="with an explicit shape: sliding window of the sliding layers (see --sliding-layers)")
     m.add_argument("--sliding-layers", default=None,
                    help="with an explicit shape: which layers use the sliding window, 'all' or a pattern "
                    "'N:M' = N sliding layers then M full ones, repeated (Gemma 3: 5:1)")
-    m.add_argument("--params", type=non_negative_float, default=None, help="weight parameters (e.g. 13e9) for the fit computation")
+    m.add_argument(
+        "--params", type=non_negative_float, default=None, help="weight parameters (e.g. 13e9) for the fit computation"
+    )
     m.add_argument("--weights-bytes", default=None, type=byte_size, help="weight bytes instead of --params (e.g. 26GB)")
     m.add_argument("--weight-bits", type=int, default=None, choices=WEIGHT_BITS,
                    help="plan the weights as `--weight-bits` loads them: 16 = the model dtype, 8 / 4 = optimum-quanto "
@@ -55,11 +64,14 @@ def register(sub: Any) -> None:
     m.add_argument("--dtype", default=None,
                    help="cache dtype: float16 | bfloat16 | float32 (default: the model's; float16 for a shape)")
     w = p.add_argument_group("workload")
-    w.add_argument("--context", default=None, type=token_count, help="tokens per sequence: 32768, 32k, 128K, 1m (default: the model's maximum)")
+    w.add_argument("--context", default=None, type=token_count,
+                   help="tokens per sequence: 32768, 32k, 128K, 1m (default: the model's maximum)")
     w.add_argument("--batch", type=positive_int, default=1, help="sequences (default 1)")
     w.add_argument("--prefill", default=None, type=token_count,
                    help="tokens of the first forward; the rest is decoded one by one (default: the whole context)")
-    w.add_argument("--device-memory", default=None, type=byte_size, help="accelerator memory, e.g. 80GB, 80GiB, 24G, 16000MB")
+    w.add_argument(
+        "--device-memory", default=None, type=byte_size, help="accelerator memory, e.g. 80GB, 80GiB, 24G, 16000MB"
+    )
     w.add_argument("--ignore-max-context", action="store_true",
                    help="plan a context longer than the model's max_position_embeddings anyway")
     b = p.add_argument_group("precision from a budget (docs/budget.md)")
@@ -221,11 +233,16 @@ def render(e: Any, *, per_layer: bool = False) -> None:
     _table(rows, ("", "per token", f"total ({e.context:,} tokens x {e.batch})"))
     if e.device_memory is not None:
         print(f"Device memory {_fmt(e.device_memory)}, minus weights {_fmt(e.weights_bytes or 0)}:")
-        print(f"  largest context at batch {e.batch}:  FP {e.fp_max_context:,} tokens   KIVI {e.kivi_max_context:,} tokens")
+        print(
+            f"  largest context at batch {e.batch}:  FP {e.fp_max_context:,} tokens   "
+            f"KIVI {e.kivi_max_context:,} tokens"
+        )
         print(f"  largest batch at {e.context:,} tokens:  FP {e.fp_max_batch:,}   KIVI {e.kivi_max_batch:,}")
     if per_layer:
-        _table([(str(ly["layer"]), ly["type"], f"K{ly['k_bits']} V{ly['v_bits']}  {ly['bytes']:,} B") for ly in e.layers],
-               ("layer", "type", "KIVI bytes"))
+        _table(
+            [(str(ly["layer"]), ly["type"], f"K{ly['k_bits']} V{ly['v_bits']}  {ly['bytes']:,} B") for ly in e.layers],
+            ("layer", "type", "KIVI bytes"),
+        )
     for n in e.notes:
         print(f"note: {n}")
 

@@ -22,7 +22,9 @@ from .validators import fraction_list, int_list, output_path, positive_int
 def add_baseline_arg(p: argparse.ArgumentParser) -> None:
     from ..eval.caches import BASELINES
 
-    p.add_argument("--baseline", default=None, help=f"evaluate a baseline cache instead of KIVI: one of {list(BASELINES)}")
+    p.add_argument(
+        "--baseline", default=None, help=f"evaluate a baseline cache instead of KIVI: one of {list(BASELINES)}"
+    )
 
 
 def spec_from_args(args: argparse.Namespace, *, default_fp: bool = False):
@@ -176,8 +178,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_config_args(p)
     p.add_argument("--presets", default=None, help="comma-separated presets to add, e.g. high,extreme")
     p.add_argument("--baseline", default=None, help="comma-separated baselines to add, e.g. quanto-int2")
-    p.add_argument("--lengths", default=[1024, 2048, 4096], type=int_list, help="prompt lengths in tokens (default: 1024,2048,4096)")
-    p.add_argument("--depths", default=[0.1, 0.5, 0.9], type=fraction_list, help="needle depth fractions (default: 0.1,0.5,0.9)")
+    p.add_argument("--lengths", default=[1024, 2048, 4096], type=int_list,
+                   help="prompt lengths in tokens (default: 1024,2048,4096)")
+    p.add_argument("--depths", default=[0.1, 0.5, 0.9], type=fraction_list,
+                   help="needle depth fractions (default: 0.1,0.5,0.9)")
     p.add_argument("--seeds", type=positive_int, default=3, help="random keys per (length, depth) (default: 3)")
     p.add_argument("--max-new-tokens", type=positive_int, default=12, help="tokens generated per prompt (default 12)")
     p.add_argument("--no-fp", action="store_true", help="skip the FP reference")
@@ -196,8 +200,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--baselines", default="quanto-int4,quanto-int2,quanto-int2-perchannel",
                    help="comma-separated baselines (with --grid none)")
     p.add_argument("--no-baselines", action="store_true", help="no quanto baselines")
-    p.add_argument("--passkey", default=None, type=int_list, help="also passkey accuracy at these lengths, e.g. 1024,2048")
+    p.add_argument(
+        "--passkey", default=None, type=int_list, help="also passkey accuracy at these lengths, e.g. 1024,2048"
+    )
     p.add_argument("--csv", default=None, type=output_path, help="write the rows as CSV")
-    p.add_argument("--plot", default=None, type=output_path, help="write a Pareto plot (PNG) of Δppl vs bits per element")
+    p.add_argument(
+        "--plot", default=None, type=output_path, help="write a Pareto plot (PNG) of Δppl vs bits per element"
+    )
     add_output_args(p)
     p.set_defaults(func=cmd_sweep)

@@ -33,8 +33,11 @@ def register(sub: Any) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", default=None, type=utf8_text, help="the prompt text")
     src.add_argument("--prompt-file", default=None, help="read the prompt from this UTF-8 file ('-' = stdin)")
-    p.add_argument("--raw", action="store_true",
-                   help="feed the prompt as plain text (default: wrap it in the tokenizer's chat template if it has one)")
+    p.add_argument(
+        "--raw",
+        action="store_true",
+        help="feed the prompt as plain text (default: wrap it in the tokenizer's chat template if it has one)",
+    )
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=positive_float, default=None, help="sampling temperature (with --do-sample)")
@@ -197,9 +200,11 @@ def run(args: argparse.Namespace) -> int:
     from ..memory import format_bytes
 
     print()
-    line = (f"cache: {format_bytes(cache_bytes)} ({cache_bytes:,} B) for {cache_tokens} tokens with KIVI {cfg.describe()}; "
-            f"full precision ({dtype}) would hold {format_bytes(fp_bytes)} ({fp_bytes:,} B): ratio {ratio:.2f}x. "
-            f"{len(new_ids)} tokens in {elapsed:.1f} s")
+    line = (
+        f"cache: {format_bytes(cache_bytes)} ({cache_bytes:,} B) for {cache_tokens} tokens with KIVI {cfg.describe()}; "
+        f"full precision ({dtype}) would hold {format_bytes(fp_bytes)} ({fp_bytes:,} B): ratio {ratio:.2f}x. "
+        f"{len(new_ids)} tokens in {elapsed:.1f} s"
+    )
     if cfg.quantize_after and cache_tokens <= cfg.quantize_after:
         line += (f" (only {cache_tokens} tokens: the cache stays in full precision up to quantize_after="
                  f"{cfg.quantize_after} tokens)")

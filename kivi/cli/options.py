@@ -44,7 +44,9 @@ def add_text_args(p: argparse.ArgumentParser) -> None:
 def add_window_args(p: argparse.ArgumentParser, *, windows: int = 20) -> None:
     g = p.add_argument_group("evaluation protocol")
     g.add_argument("--context", type=positive_int, default=1024, help="tokens per window (default: 1024)")
-    g.add_argument("--prefix", type=positive_int, default=512, help="tokens prefilled per window, not scored (default: 512)")
+    g.add_argument(
+        "--prefix", type=positive_int, default=512, help="tokens prefilled per window, not scored (default: 512)"
+    )
     g.add_argument("--chunk", type=positive_int, default=16, help="tokens per forward after the prefix (default: 16)")
     g.add_argument("--windows", type=positive_int, default=windows, help=f"number of windows (default: {windows})")
     g.add_argument("--first-window", type=non_negative_int, default=0,
@@ -151,7 +153,9 @@ def config_from_args(args: argparse.Namespace) -> KiviConfig | None:
 def check_window_args(args: argparse.Namespace) -> None:
     """Checks across the protocol options (each one alone is checked by its argparse type)."""
     if args.prefix >= args.context:
-        raise ValueError(f"--prefix {args.prefix} must be smaller than --context {args.context} (nothing left to score)")
+        raise ValueError(
+            f"--prefix {args.prefix} must be smaller than --context {args.context} (nothing left to score)"
+        )
 
 
 __all__ = ["KiviArgumentParser", "add_config_args", "add_model_args", "add_output_args", "add_text_args",

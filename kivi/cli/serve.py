@@ -44,7 +44,9 @@ def register(sub: Any) -> None:
                    "(default 512)")
     p.add_argument("--max-batch-tokens", type=positive_int, default=512,
                    help="tokens per forward (prompts are prefilled in chunks of this size; default 512)")
-    p.add_argument("--served-model-name", default=None, type=utf8_text, help="the model id /v1/models lists (default: --model)")
+    p.add_argument(
+        "--served-model-name", default=None, type=utf8_text, help="the model id /v1/models lists (default: --model)"
+    )
     p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--float-cache", action="store_true",
                    help="transformers' float paged cache instead of KIVI pages (the baseline)")
@@ -56,7 +58,8 @@ def register(sub: Any) -> None:
     p.add_argument("--shutdown-timeout", type=non_negative_float, default=GRACEFUL_SHUTDOWN_S, metavar="SECONDS",
                    help="on Ctrl-C / SIGTERM, how long open requests may still run before they are ended with an "
                    f"error (default {GRACEFUL_SHUTDOWN_S:g}; 0: at once)")
-    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug", "trace"), help="uvicorn log level (default warning)")
+    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug", "trace"),
+                   help="uvicorn log level (default warning)")
     add_config_args(p)
     # a server's process ends right after a clean shutdown: see kivi.cli._exit_now
     p.set_defaults(func=run, exit_without_finalizing=True)

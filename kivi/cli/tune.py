@@ -126,8 +126,10 @@ def cmd_head_profile(args: argparse.Namespace) -> int:
     prof.update(recommended=rec.to_dict(), recommended_name=rec.describe(), recommended_bits=bits, max_bits=max_bits,
                 base_bits=bits_per_element(spec, base))
     up = str(args.head_upgrade_bits)
-    lines = [f"per-head sensitivity ({prof['metric']}) to {prof['base_name']}, {prof['protocol']['windows']} windows",
-             f"{'layer':>5s} {'head':>4s} {'side':>4s} " + " ".join(f"{b + '-bit':>10s}" for b in map(str, prof['bits']))]
+    lines = [
+        f"per-head sensitivity ({prof['metric']}) to {prof['base_name']}, {prof['protocol']['windows']} windows",
+        f"{'layer':>5s} {'head':>4s} {'side':>4s} " + " ".join(f"{b + '-bit':>10s}" for b in map(str, prof["bits"])),
+    ]
     for r in prof["heads"]:
         lines.append(f"{r['layer']:5d} {r['head']:4d} {r['side']:>4s} "
                      + " ".join(f"{r['score'][str(b)]:10.6f}" for b in prof["bits"]))
@@ -218,7 +220,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_text_args(p)
     add_window_args(p, windows=2)
     add_config_args(p)
-    p.add_argument("--upgrade", default=None, type=json_object, help='what the most sensitive layers get (JSON, default {"k_bits": 4})')
+    p.add_argument("--upgrade", default=None, type=json_object,
+                   help='what the most sensitive layers get (JSON, default {"k_bits": 4})')
     p.add_argument("--upgrade-layers", type=non_negative_int, default=None,
                    help="how many of the most sensitive layers to upgrade (default: a tenth of the layers)")
     p.add_argument("--max-bits", type=positive_float, default=None,
@@ -248,12 +251,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-bits", type=positive_float, default=None, help="bits per element budget")
     p.add_argument("--profile", default=None, help="`kivi profile --json` output: adds per-layer candidates")
     p.add_argument("--candidates", nargs="*", default=None, help="extra KiviConfig JSON files to consider")
-    p.add_argument("--bits-at", type=bits_at_arg, default=32768,
-                   help="rank and budget candidates by bits per element as the planner counts them for a float16 "
-                   "model at this many tokens (default 32k, where the window and sinks weigh little; byte-exact against cache.nbytes), "
-                   "or 'eval': what the cache held at the end of an evaluation window (model dtype; the FP window "
-                   "weighs a lot at 1K). Position tiers are searched only when bits are counted at no more than "
-                   "--context tokens (docs/evaluation.md)")
+    p.add_argument(
+        "--bits-at",
+        type=bits_at_arg,
+        default=32768,
+        help="rank and budget candidates by bits per element as the planner counts them for a float16 "
+        "model at this many tokens (default 32k, where the window and sinks weigh little; "
+        "byte-exact against cache.nbytes), "
+        "or 'eval': what the cache held at the end of an evaluation window (model dtype; the FP window "
+        "weighs a lot at 1K). Position tiers are searched only when bits are counted at no more than "
+        "--context tokens (docs/evaluation.md)",
+    )
     p.add_argument("--head-profile-windows", type=non_negative_int, default=2,
                    help="windows (the ones right after the tuning windows) of the per-head profile pass that "
                    "generates per-head candidates; 0 = no per-head candidates (default 2)")

@@ -206,7 +206,9 @@ def recommend_head_bits(profile: dict[str, Any], spec: Any, max_bits: float, *, 
     order = sorted(gains, key=lambda u: -gains[u])  # every unit of a granularity costs the same bytes
     have = bits_per_element(spec, base, context)
     if have > max_bits:
-        raise ValueError(f"max_bits={max_bits}: the base config {base.describe()} already needs {have:.4f} bits/element")
+        raise ValueError(
+            f"max_bits={max_bits}: the base config {base.describe()} already needs {have:.4f} bits/element"
+        )
     chosen: list[tuple[int, int | None, str]] = []
     for unit in order:
         cand = _with_units(base, chosen + [unit], upgrade, hkv)

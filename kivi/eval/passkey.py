@@ -111,7 +111,9 @@ def passkey(
                             cache=cache,
                             max_new_tokens=max_new_tokens,
                             do_sample=False,
-                            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id
+                            if tokenizer.pad_token_id is not None
+                            else tokenizer.eos_token_id,
                         )
                 except Exception as e:  # noqa: BLE001
                     if isinstance(spec, str):

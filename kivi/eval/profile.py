@@ -26,8 +26,11 @@ from .comparison import compare
 def only_layer_config(base: KiviConfig, layer: int) -> KiviConfig:
     """``base`` applied to ``layer`` only; every other layer keeps keys and values in full precision."""
     fields = base.to_dict()
-    fields.update(quantize_key=False, quantize_value=False,
-                  layer_specific_config={layer: {"quantize_key": base.quantize_key, "quantize_value": base.quantize_value}})
+    fields.update(
+        quantize_key=False,
+        quantize_value=False,
+        layer_specific_config={layer: {"quantize_key": base.quantize_key, "quantize_value": base.quantize_value}},
+    )
     return KiviConfig.from_dict(fields)
 
 

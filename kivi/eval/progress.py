@@ -25,7 +25,8 @@ class _NullBar:
 def progress_bar(total: int, desc: str, enabled: bool = True, unit: str = "it") -> Any:
     """A tqdm bar on stderr with ``total`` steps, or a no-op object (``enabled=False``, tqdm missing).
 
-    ``unit`` names what a step counts (e.g. ``"tok"``). Either way the object has ``update(n=1)``, ``set_description(text)``, ``set_postfix_str(text)``
+    ``unit`` names what a step counts (e.g. ``"tok"``). Either way the object has ``update(n=1)``,
+    ``set_description(text)``, ``set_postfix_str(text)``
     and ``close()``; progress never goes to stdout (``--json`` output stays parseable).
     """
     if enabled:

@@ -123,7 +123,9 @@ def stream_window(model: Any, ids: torch.Tensor, cache: Any, prefix: int, chunk:
     yield from stream_continuation(model, ids[:, prefix:], cache, chunk)
 
 
-def stream_continuation(model: Any, ids: torch.Tensor, cache: Any, chunk: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def stream_continuation(
+    model: Any, ids: torch.Tensor, cache: Any, chunk: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Feed ``ids [B, n]`` through ``cache`` (which already holds what precedes them), ``chunk`` tokens
     per forward, and yield ``(logits [B, m, V] float32, targets [B, m])`` per forward: the logit at
     position ``i`` predicts ``ids[:, i + 1]``. The last token predicts nothing here but is fed all the
@@ -255,7 +257,9 @@ def score_continuation(
     kept: list[torch.Tensor] = []
     first = (last_logits.reshape(continuation.shape[0], 1, -1).float(), continuation[:, :1])
     pos = 0
-    for i, (logits, targets) in enumerate(itertools.chain([first], stream_continuation(model, continuation, cache, chunk))):
+    for i, (logits, targets) in enumerate(
+        itertools.chain([first], stream_continuation(model, continuation, cache, chunk))
+    ):
         m = targets.shape[1]
         logp = score_logits(acc, logits, targets, None if reference is None else reference[:, pos : pos + m])
         if keep_logprobs:

@@ -67,8 +67,10 @@ def select_config(
             "no candidate fits the budget"
             + (f" max_ppl_increase={max_ppl_increase}%" if max_ppl_increase is not None else "")
             + (f" max_bits={max_bits}" if max_bits is not None else "")
-            + f"; best quality: {best_q['name']} ({best_q['delta_ppl_pct']:+.2f}% at {best_q['bits_per_element']:.2f} bits),"
-            f" cheapest: {cheapest['name']} ({cheapest['bits_per_element']:.2f} bits, {cheapest['delta_ppl_pct']:+.2f}%)"
+            + f"; best quality: {best_q['name']} "
+            f"({best_q['delta_ppl_pct']:+.2f}% at {best_q['bits_per_element']:.2f} bits),"
+            f" cheapest: {cheapest['name']} "
+            f"({cheapest['bits_per_element']:.2f} bits, {cheapest['delta_ppl_pct']:+.2f}%)"
         )
     if max_ppl_increase is not None:
         return min(fits, key=lambda r: (r["bits_per_element"], r["delta_ppl_pct"]))

@@ -155,7 +155,8 @@ def build_block_table(blocks: Sequence[tuple[int, PackedKV | torch.Tensor]], axi
         s_off = o_off = p_sb = p_sh = [0] * len(segs)
         pu = 1
     rows = [
-        (f, e, d_off[i] // du, d_sb[i] // du, d_sh[i] // du, s_off[i] // pu, o_off[i] // pu, p_sb[i] // pu, p_sh[i] // pu)
+        (f, e, d_off[i] // du, d_sb[i] // du, d_sh[i] // du,
+         s_off[i] // pu, o_off[i] // pu, p_sb[i] // pu, p_sh[i] // pu)
         for i, (f, e) in enumerate(zip(firsts, ends))
     ]
     table = torch.tensor(rows, dtype=torch.int64).to(device)

@@ -59,7 +59,9 @@ def _infer_side(name: str, packed, scale, offset, fp, bits, group_size, axis, D)
                 raise ValueError(f"{name}: cannot infer group_size from {Tq} tokens and {ng} scale rows")
             group_size = Tq // ng
         if Tq % group_size or scale.shape[-2] != Tq // group_size or scale.shape[-1] != D:
-            raise ValueError(f"{name}_scale shape {tuple(scale.shape)} does not fit {Tq} tokens, group_size={group_size}")
+            raise ValueError(
+                f"{name}_scale shape {tuple(scale.shape)} does not fit {Tq} tokens, group_size={group_size}"
+            )
     else:
         ng = scale.shape[-1]
         if group_size is None:
@@ -67,7 +69,9 @@ def _infer_side(name: str, packed, scale, offset, fp, bits, group_size, axis, D)
                 raise ValueError(f"{name}: cannot infer group_size from head_dim {D} and {ng} groups")
             group_size = D // ng
         if D % group_size or scale.shape[-1] != D // group_size or scale.shape[-2] != Tq:
-            raise ValueError(f"{name}_scale shape {tuple(scale.shape)} does not fit {Tq} tokens, group_size={group_size}")
+            raise ValueError(
+                f"{name}_scale shape {tuple(scale.shape)} does not fit {Tq} tokens, group_size={group_size}"
+            )
     if offset.shape != scale.shape:
         raise ValueError(f"{name}_offset shape {tuple(offset.shape)} != {name}_scale shape {tuple(scale.shape)}")
     return Tq, bits, group_size
@@ -220,7 +224,9 @@ def _validate_sides(q, k: KernelSide, v: KernelSide, kv_valid):
         raise ValueError(f"q must be [B, Hq, 1, D] (one decode step), got {tuple(q.shape)}")
     B, Hq, _, D = q.shape
     if k.num_tokens != v.num_tokens:
-        raise ValueError(f"keys cover {k.num_tokens} tokens but values {v.num_tokens}; both sides must cover the same tokens")
+        raise ValueError(
+            f"keys cover {k.num_tokens} tokens but values {v.num_tokens}; both sides must cover the same tokens"
+        )
     if k.origin != v.origin:
         raise ValueError(f"keys start at position {k.origin} but values at {v.origin}")
     T = k.num_tokens

@@ -21,7 +21,8 @@ def _check(x: torch.Tensor, bits: int, group_size: int, symmetric: bool, residua
         raise NotImplementedError("the Triton quantizer is asymmetric only (KIVI); use kivi.quant.kv.quantize_kv")
     if residual_bits:
         raise NotImplementedError(
-            "the Triton quantizer does not compute error-compensation codes (residual_bits); use kivi.quant.kv.quantize_kv"
+            "the Triton quantizer does not compute error-compensation codes (residual_bits); "
+            "use kivi.quant.kv.quantize_kv"
         )
     check_kernel_bits(bits)
     if x.dim() != 4:

@@ -241,7 +241,8 @@ def estimate_kv_memory(
     n_sliding = sum(1 for t in spec.layer_types if t == "sliding_attention")
     if n_sliding:
         notes.append(
-            f"{n_sliding} sliding-window layers (window {spec.sliding_window}): during decoding KIVI frees blocks older "
+            f"{n_sliding} sliding-window layers (window {spec.sliding_window}): "
+            "during decoding KIVI frees blocks older "
             f"than window + R + G tokens; FP keeps window - 1 tokens"
         )
     weights = spec.weight_bytes
@@ -274,7 +275,9 @@ def estimate_kv_memory(
         est.device_memory = dev_mem
         budget = dev_mem - (weights or 0)
         if weights is None:
-            notes.append("weights size unknown (give --params or --weights-bytes): the whole device memory is used for the cache")
+            notes.append(
+                "weights size unknown (give --params or --weights-bytes): the whole device memory is used for the cache"
+            )
         if budget <= 0:
             est.fp_max_context = est.kivi_max_context = est.fp_max_batch = est.kivi_max_batch = 0
             notes.append("the weights alone do not fit in the device memory")
@@ -282,14 +285,19 @@ def estimate_kv_memory(
             est.fp_max_batch = budget // fp_total if fp_total else None
             # quantize_after = N < T: the cache was larger at N tokens (full precision) than at T
             drops = {cfg.for_layer(i).quantize_after for i in range(spec.num_layers)}
-            peak = max([kivi_total] + [int(round(sum(_kivi_total(plan, spec, n, min(P, n), batch, param_bytes)[0].values())))
-                                       for n in drops if 0 < n < T])
+            peak = max([kivi_total]
+                       + [int(round(sum(_kivi_total(plan, spec, n, min(P, n), batch, param_bytes)[0].values())))
+                          for n in drops if 0 < n < T])
             est.kivi_max_batch = budget // peak if peak else None
             est.fp_max_context = _max_fitting(lambda t: _fp_total(spec, t, batch), budget, 1)
             g = max(cfg.for_layer(i).group_size for i in range(spec.num_layers))
             est.kivi_max_context = _max_fitting(
-                lambda t: sum(_kivi_total(plan, spec, t, t if prefill is None else min(P, t), batch, param_bytes)[0].values()),
-                budget, g, drops=drops,
+                lambda t: sum(
+                    _kivi_total(plan, spec, t, t if prefill is None else min(P, t), batch, param_bytes)[0].values()
+                ),
+                budget,
+                g,
+                drops=drops,
             )
     return est
 

@@ -249,7 +249,8 @@ def model_spec(model: Any, *, dtype: Any = None) -> ModelSpec:
 
         params = int(sum(p.numel() for p in model.parameters()))
         md = dtype if dtype is not None else getattr(model, "dtype", None)
-        spec = spec_from_hf_config(model.config, name=getattr(model.config, "_name_or_path", "") or type(model).__name__,
+        spec = spec_from_hf_config(model.config,
+                                   name=getattr(model.config, "_name_or_path", "") or type(model).__name__,
                                    dtype=md, params=params, linear_layers=_linear_layers(model))
         spec.weights_bytes = weight_bytes(model)  # measured: the model may hold quantized weights
         return spec

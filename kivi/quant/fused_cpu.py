@@ -3,8 +3,8 @@
 The reference is :func:`kivi.quant.kv.quantize_kv` with ``axis="token"``; this computes the same
 codes, scales and offsets bit for bit, for the configurations it accepts
 (:func:`token_quantizer_supported`): float32 input and parameters, asymmetric min/max (optionally
-clipped), no error compensation, 1, 2, 3, 4 or 8 bits, finiteness checked. It exists for the decode step, where one value
-token leaves the full-precision window of every layer: the torch path spends ~15 small tensor ops
+clipped), no error compensation, 1, 2, 3, 4 or 8 bits, finiteness checked. It exists for the decode step, where one
+value token leaves the full-precision window of every layer: the torch path spends ~15 small tensor ops
 (~300 us on the 2-core development machine) on those 64 numbers, this one call ~10-20 us, and it writes
 straight into the cache's block storage (:meth:`kivi.cache.store.BlockStore.append_in_place`).
 

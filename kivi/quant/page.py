@@ -74,7 +74,9 @@ def page_fields(cfg: KiviConfig, heads: int, head_dim: int, page_size: int, dtyp
                           param_dtype=param_dtype(cfg, dtype), check_finite=False)
         for name, t in seg.tensors().items():
             offset = round_up(offset, ALIGN)
-            f = SideField(side, name, tuple(t.shape[1:]), t.dtype, offset, token_divisor(AXIS[side], cfg.group_size, name))
+            f = SideField(
+                side, name, tuple(t.shape[1:]), t.dtype, offset, token_divisor(AXIS[side], cfg.group_size, name)
+            )
             fields.append(f)
             offset += f.nbytes
     return tuple(fields), offset

@@ -181,7 +181,8 @@ class KiviAttentionImpl(AttentionImpl[KiviMetadata]):
         for name, bad in (("alibi_slopes", alibi_slopes is not None), ("sliding_window", sliding_window is not None),
                           ("logits_soft_cap", bool(logits_soft_cap)), ("sinks", sinks is not None),
                           ("kv_sharing_target_layer_name", kv_sharing_target_layer_name is not None),
-                          ("attn_type", attn_type != AttentionType.DECODER), ("kv_cache_dtype", kv_cache_dtype != "auto")):
+                          ("attn_type", attn_type != AttentionType.DECODER),
+                          ("kv_cache_dtype", kv_cache_dtype != "auto")):
             if bad:
                 raise NotImplementedError(f"kivi's vLLM plugin does not support this model's attention ({name}); "
                                           'run it without additional_config["kivi"]')

@@ -62,7 +62,9 @@ def build_geometry(cfg: KiviConfig, *, page_size: int, num_kv_heads: int, head_d
     """The :class:`KiviGeometry` of ``cfg`` for vLLM blocks of ``page_size`` tokens; ``ValueError`` naming
     the field when a block cannot hold whole key groups or head_dim is not whole value groups."""
     if head_dim % cfg.group_size:
-        raise ValueError(f"group_size={cfg.group_size} must divide head_dim={head_dim} (value groups run over channels)")
+        raise ValueError(
+            f"group_size={cfg.group_size} must divide head_dim={head_dim} (value groups run over channels)"
+        )
     fields, end = page_fields(cfg, num_kv_heads, head_dim, page_size, dtype, where="vLLM block_size / ")
     state_bytes = -(-end // (num_kv_heads * page_size))
     block_bytes = num_kv_heads * page_size * state_bytes
@@ -77,13 +79,16 @@ def build_geometry(cfg: KiviConfig, *, page_size: int, num_kv_heads: int, head_d
 
 def block_field_views(cache: torch.Tensor, geo: KiviGeometry, side: str) -> dict[str, torch.Tensor]:
     """``{field: [NB, *shape]}`` views of one layer's vLLM cache (``[NB, ...]``: each block's bytes dense, in
-    whatever order vLLM's layout puts its logical ``[H, N, C]``; blocks ``cache.stride(0)`` apart): element ``[b]`` is that field of block ``b``. The views alias the
+    whatever order vLLM's layout puts its logical ``[H, N, C]``; blocks ``cache.stride(0)`` apart): element ``[b]`` is
+    that field of block ``b``. The views alias the
     cache's storage (no copy), whatever dtype vLLM gave the cache tensor."""
     nb, item = cache.shape[0], cache.element_size()
     span = 1 + sum((n - 1) * st for n, st in zip(cache.shape[1:], cache.stride()[1:]))  # elements a block covers
     if span != cache[0].numel() or span * item < geo.page_bytes:  # any order of [H, N, C] inside, but dense
-        raise ValueError(f"a KIVI layer's cache must be blocks of at least {geo.page_bytes} contiguous bytes, got shape "
-                         f"{tuple(cache.shape)} strides {cache.stride()} of {cache.dtype}")
+        raise ValueError(
+            f"a KIVI layer's cache must be blocks of at least {geo.page_bytes} contiguous bytes, got shape "
+            f"{tuple(cache.shape)} strides {cache.stride()} of {cache.dtype}"
+        )
     block_stride, first = cache.stride(0) * item, cache.storage_offset() * item  # bytes
     out = {}
     for name, f in geo.side_fields(side).items():

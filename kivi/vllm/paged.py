@@ -60,7 +60,9 @@ class StepBatch:
     ring_table: torch.Tensor
 
 
-def ring_slots(pos: torch.Tensor, ring_table_row: torch.Tensor, pw: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ring_slots(
+    pos: torch.Tensor, ring_table_row: torch.Tensor, pw: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Where positions ``pos`` live in a request's window rings: token ``p`` at ring slot ``p mod (k * Pw)``,
     i.e. ring ``slot // Pw`` (its block ``ring_table_row[ring]``), row ``slot % Pw``. Returns (ring, block, row)."""
     k = ring_table_row.shape[0]

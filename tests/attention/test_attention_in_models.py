@@ -115,8 +115,12 @@ def test_unquantized_sliding_layer_beside_quantized_layers():
         model_type="qwen2", sliding_window=24, use_sliding_window=True,
         layer_types=["sliding_attention", "full_attention"],
     )
-    ref = quantize_model(tiny_model(**GQA3, **kw), KiviConfig(**CFG, attention_backend="reference", layer_specific_config=lsc))
-    fast = quantize_model(tiny_model(**GQA3, **kw), KiviConfig(**CFG, attention_backend="cpu", layer_specific_config=lsc))
+    ref = quantize_model(
+        tiny_model(**GQA3, **kw), KiviConfig(**CFG, attention_backend="reference", layer_specific_config=lsc)
+    )
+    fast = quantize_model(
+        tiny_model(**GQA3, **kw), KiviConfig(**CFG, attention_backend="cpu", layer_specific_config=lsc)
+    )
     ids = torch.randint(1, 128, (1, 90))
     lr, _ = _forward_steps(ref, ids, [60, 1, 29])
     lf, cf = _forward_steps(fast, ids, [60, 1, 29])
@@ -157,7 +161,9 @@ def test_softcapping_resolves_auto_to_reference_and_rejects_explicit_cpu():
         out = model(torch.randint(1, 128, (1, 10)), cache=KiviCache.from_model(model)).logits
     assert torch.isfinite(out).all()
     with pytest.raises(ValueError, match="softcapping"):
-        quantize_model(tiny_model("gemma2", **GQA3, sliding_window=32), KiviConfig(**{**CFG, "attention_backend": "cpu"}))
+        quantize_model(
+            tiny_model("gemma2", **GQA3, sliding_window=32), KiviConfig(**{**CFG, "attention_backend": "cpu"})
+        )
 
 
 def test_forward_with_nothing_stored_uses_plain_sdpa(monkeypatch):

@@ -46,7 +46,9 @@ def test_cpu_backends_match_reference(path, sink, chunks, monkeypatch):
         monkeypatch.setattr(fused, "fused_decode_heads_supported", lambda *a, **k: False)
     else:
         monkeypatch.setattr(fused, "fused_decode_heads", lambda *a, **k: calls.append(1) or real(*a, **k))
-        monkeypatch.setattr(fused, "fused_decode_attention", lambda *a, **k: group_calls.append(1) or real_group(*a, **k))
+        monkeypatch.setattr(
+            fused, "fused_decode_attention", lambda *a, **k: group_calls.append(1) or real_group(*a, **k)
+        )
     ids = torch.randint(1, 128, (2, sum(chunks)))
     lr, ref_cache = _run("reference", chunks, ids, sink=sink)
     lf, cache = _run("cpu", chunks, ids, sink=sink)

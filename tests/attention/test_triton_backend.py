@@ -69,8 +69,11 @@ ALL = [(p, d) for p in ("high", "balanced") for d in (torch.float32, torch.float
 
 
 @needs_triton
-@pytest.mark.parametrize("preset,dtype", FAST + [pytest.param(*c, marks=pytest.mark.slow) for c in ALL if c not in FAST],
-                         ids=lambda x: x if isinstance(x, str) else str(x).split(".")[-1])
+@pytest.mark.parametrize(
+    "preset,dtype",
+    FAST + [pytest.param(*c, marks=pytest.mark.slow) for c in ALL if c not in FAST],
+    ids=lambda x: x if isinstance(x, str) else str(x).split(".")[-1],
+)
 def test_presets_with_sinks_and_several_blocks(preset, dtype, no_concatenation):
     """`high` / `balanced` (4 sink tokens, K4) after a 101-token prefill and 70 decode steps: a prefill
     block and two block_size blocks per side, read in place, against materialize + reference attention."""
@@ -79,7 +82,9 @@ def test_presets_with_sinks_and_several_blocks(preset, dtype, no_concatenation):
     cfg = KiviConfig.preset(preset, residual_length=16, group_size=16, block_size=32)
     layer, kv, vv = _decoded_layer(cfg, 2, 2, 32, 101, 70, dtype=dtype, seed=1)
     assert kv.sink is not None and kv.sink.shape[-2] == 4
-    assert sum(b is not None for b in layer.k.store.blocks) >= 3 and sum(b is not None for b in layer.v.store.blocks) >= 3
+    assert (
+        sum(b is not None for b in layer.k.store.blocks) >= 3 and sum(b is not None for b in layer.v.store.blocks) >= 3
+    )
     q = torch.randn(2, 6, 1, 32).to(dtype)  # GQA 3
     T = 171
     mask = torch.ones(2, 1, 1, T, dtype=torch.bool)
@@ -257,7 +262,9 @@ def test_three_bit_head_widths_decode_through_the_kernel(monkeypatch):
         for b in ("triton", "reference"):
             cache = KiviCache.from_model_config(model.config, cfg, attention_backend=b)
             out = [model(input_ids=ids[:, :50], cache=cache, use_cache=True).logits[:, -1]]
-            out += [model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1] for t in range(50, 53)]
+            out += [
+                model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1] for t in range(50, 53)
+            ]
             logits[b] = torch.stack(out)
     assert [(g.k_bits, g.v_bits) for g in cache.layers[0].groups] == [(3, 3), (2, 3), (3, 4)]
     assert len(calls) == 3 * 3  # three decode steps x three head groups

@@ -99,7 +99,8 @@ def test_chunked_prompt_equals_kivi_cache_chunked_prefill(cfg):
 
 @pytest.mark.parametrize("backend", ["auto", "reference"])
 def test_sliding_window_model_equals_single_request_generate(backend, monkeypatch):
-    """Mistral with a 48-token sliding window (prompts up to 200 tokens + 16 new, pages of 16): the "kivi_paged" attention applies each request's window, the sliding layers keep no sink
+    """Mistral with a 48-token sliding window (prompts up to 200 tokens + 16 new, pages of 16): the "kivi_paged"
+    attention applies each request's window, the sliding layers keep no sink
     (sink_tokens=4 is ignored there, as in KiviLayer), and pages that left the window are freed (at 200
     tokens, the first 112); tokens and log-probs equal one generate() per request with a KiviCache."""
     from kivi.batching.allocator import KiviPageAllocator

@@ -91,7 +91,10 @@ def _run(cfg: KiviConfig, dtype: torch.dtype, schedule: list[list[tuple[str, int
                 assert torch.equal(got_v, rv[0]), (rid, layer, past, q, (got_v - rv[0]).abs().max())
                 st = cache.allocator.requests[rid]
                 ref = refs[rid][layer]
-                assert st.stored[layer] == [ref.k.store.length - ref.k.store.start, ref.v.store.length - ref.v.store.start]
+                assert st.stored[layer] == [
+                    ref.k.store.length - ref.k.store.start,
+                    ref.v.store.length - ref.v.store.start,
+                ]
                 assert st.sink[layer] == [ref.k.sink_len, ref.v.sink_len]
                 off_new += q
                 off_seen += past + q

@@ -18,7 +18,10 @@ spec.loader.exec_module(bd)
 
 
 def test_summary_is_the_median_round_and_skips_errors():
-    runs = [{"tok_s": t, "decode_s": 8 / t, "peak_rss_delta_MiB": m, "steps": 8} for t, m in ((2.0, 5.0), (4.0, 1.0), (3.0, 9.0))]
+    runs = [
+        {"tok_s": t, "decode_s": 8 / t, "peak_rss_delta_MiB": m, "steps": 8}
+        for t, m in ((2.0, 5.0), (4.0, 1.0), (3.0, 9.0))
+    ]
     runs.append({"error": "boom"})
     r = bd._summarise(runs)
     assert r["tok_s"] == 3.0 and r["peak_rss_delta_MiB"] == 5.0

@@ -75,8 +75,10 @@ def test_uniform_head_bits_model_equals_plain_config():
     model = tiny_model(num_key_value_heads=2)
     ids = torch.randint(1, 128, (2, 53))
     out = []
-    for cfg in (KiviConfig(**LAYER, attention_backend="reference"),
-                KiviConfig(**LAYER, attention_backend="reference", head_bits={0: {"k_bits": [2, 2]}, 1: {"v_bits": [2, 2]}})):
+    for cfg in (
+        KiviConfig(**LAYER, attention_backend="reference"),
+        KiviConfig(**LAYER, attention_backend="reference", head_bits={0: {"k_bits": [2, 2]}, 1: {"v_bits": [2, 2]}}),
+    ):
         cache = KiviCache.from_model(model, cfg)
         with torch.no_grad():
             logits = [model(ids[:, :45], cache=cache, use_cache=True).logits]
@@ -122,7 +124,9 @@ def test_wrong_number_of_heads_is_refused():
     with pytest.raises(ValueError, match="3 kv heads"):
         layer.update(k, v)
     with pytest.raises(ValueError, match=r"head_bits\[0\]\.k_bits has 3 widths, but the layer has 2 kv heads"):
-        KiviCache.from_model(tiny_model(num_key_value_heads=2), KiviConfig(**LAYER, head_bits={0: {"k_bits": [4, 2, 2]}}))
+        KiviCache.from_model(
+            tiny_model(num_key_value_heads=2), KiviConfig(**LAYER, head_bits={0: {"k_bits": [4, 2, 2]}})
+        )
 
 
 def test_reorder_deepcopy_and_padding():

@@ -168,7 +168,8 @@ def test_other_storage_fields_round_trip(tmp_path, fields, request):
     _decode(model, cache, ids[:, 100:], 1)
     stored = {side: sorted(getattr(cache.layers[1], side).store.template.tensors()) for side in ("k", "v")}
     assert stored == {"fp-values": {"k": ["offset", "packed", "scale"], "v": ["data"]},
-                      "compensation": {"k": ["comp", "offset", "packed", "scale"], "v": ["comp", "offset", "packed", "scale"]},
+                      "compensation": {"k": ["comp", "offset", "packed", "scale"],
+                                       "v": ["comp", "offset", "packed", "scale"]},
                       "symmetric": {"k": ["packed", "scale"], "v": ["packed", "scale"]},
                       "per-layer": {"k": ["offset", "packed", "scale"], "v": ["offset", "packed", "scale"]}}[name]
     save_prefix(tmp_path / "p.safetensors", cache, model, None, ids)
@@ -318,8 +319,11 @@ def saved(tmp_path):
 def test_wrong_model_is_refused(saved):
     _, _, path = saved
     other = _model(seed=5)
-    with pytest.raises(PrefixFileError, match=r"prefix file was saved for model LlamaForCausalLM \(weights [0-9a-f]{12}…\), "
-                                              r"this model is LlamaForCausalLM \(weights [0-9a-f]{12}…\)"):
+    with pytest.raises(
+        PrefixFileError,
+        match=r"prefix file was saved for model LlamaForCausalLM \(weights [0-9a-f]{12}…\), "
+        r"this model is LlamaForCausalLM \(weights [0-9a-f]{12}…\)",
+    ):
         load_prefix(path, other, None)
 
 
@@ -352,7 +356,9 @@ def test_other_config_is_refused(saved):
     with pytest.raises(PrefixFileError, match=r"config differs \(file vs given\): sink_tokens 0 vs 4$"):
         load_prefix(path, model, None)
     # how attention reads the cache is not part of what it holds
-    assert load_prefix(path, model, None, config=_config(2, 2, backend="reference")).cache.attention_backend == "reference"
+    assert (
+        load_prefix(path, model, None, config=_config(2, 2, backend="reference")).cache.attention_backend == "reference"
+    )
 
 
 def _flip(path, pos):

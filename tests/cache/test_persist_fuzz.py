@@ -112,7 +112,8 @@ def meta_mutations(meta):
             for k in where:
                 tm = tm[k]
             for field in tm["fields"]:
-                for key, value in (("dtype", "int32"), ("dtype", "complex64"), ("shape", [1, 2]), ("shape", [1, 2, 99])):
+                for key, value in (("dtype", "int32"), ("dtype", "complex64"),
+                                   ("shape", [1, 2]), ("shape", [1, 2, 99])):
                     yield f"template {'.'.join(map(str, where[3:]))}.{field}.{key}={value}", (
                         *where, "fields", field, key), value
             yield f"template {'.'.join(map(str, where[3:]))} extra field", (*where, "fields", "zz"), \
@@ -121,7 +122,9 @@ def meta_mutations(meta):
 
 def _template_paths(store, where):
     """Paths of a side's store templates (one per tier store with position tiers) that hold a format."""
-    stores = [(st, (*where, "tiers", j)) for j, st in enumerate(store["tiers"])] if "tiers" in store else [(store, where)]
+    stores = (
+        [(st, (*where, "tiers", j)) for j, st in enumerate(store["tiers"])] if "tiers" in store else [(store, where)]
+    )
     return [(*w, "template") for st, w in stores if st["template"] is not None]
 
 
@@ -163,7 +166,9 @@ def value_mutations(header, payload):
         if hi == lo:
             continue
         if info["dtype"] in ("F32", "F16", "BF16", "F64"):
-            dt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}[info["dtype"]]
+            dt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}[
+                info["dtype"]
+            ]
             for bad in (float("nan"), float("inf"), -float("inf")):
                 t = torch.frombuffer(bytearray(payload[lo:hi]), dtype=dt).clone()
                 t[: min(100, t.numel())] = bad

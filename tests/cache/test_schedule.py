@@ -150,7 +150,9 @@ def test_kivilayer_state_matches_the_schedule(cfg, window):
             assert layer.kv_offset == sliding_cut(seen, window, cfg.residual_length, cfg.group_size, cfg.block_size)
 
 
-@pytest.mark.parametrize("first,later,step,bs", [(0, 300, 1, 64), (40, 300, 1, 64), (100, 700, 8, 64), (1000, 1100, 1, 256)])
+@pytest.mark.parametrize(
+    "first,later,step,bs", [(0, 300, 1, 64), (40, 300, 1, 64), (100, 700, 8, 64), (1000, 1100, 1, 256)]
+)
 def test_blockstore_allocates_as_the_schedule_says(first, later, step, bs):
     store = BlockStore(bs)
     x = torch.zeros(1, 1, max(first, step), 2)

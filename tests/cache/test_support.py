@@ -48,7 +48,9 @@ def test_head_dim():
 
 def test_group_size_must_divide_head_dim():
     check_head_dim(KiviConfig(group_size=32), 64, num_layers=2)
-    check_head_dim(KiviConfig(group_size=48, residual_length=48, block_size=96, quantize_value=False), 64)  # keys only: fine
+    check_head_dim(
+        KiviConfig(group_size=48, residual_length=48, block_size=96, quantize_value=False), 64
+    )  # keys only: fine
     with pytest.raises(ValueError, match=r"^group_size=48 must divide head_dim=64 \(values are grouped"):
         check_head_dim(KiviConfig(group_size=48, residual_length=48, block_size=96), 64)
     cfg = KiviConfig(layer_specific_config={1: {"group_size": 48, "residual_length": 144}}, block_size=288)

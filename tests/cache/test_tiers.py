@@ -103,7 +103,9 @@ def test_old_tokens_are_demoted_codes_of_their_first_quantization():
     assert torch.equal(dequantize_kv(old_v.read()), want_v)
     # and the 4-bit tier is plain 4-bit quantization
     mid = layer.k.chain[1]
-    assert torch.equal(dequantize_kv(mid.read()), dequantize_kv(quantize_kv(k[:, :, mid.start:mid.length], "channel", 4, 16)))
+    assert torch.equal(
+        dequantize_kv(mid.read()), dequantize_kv(quantize_kv(k[:, :, mid.start : mid.length], "channel", 4, 16))
+    )
 
 
 def test_untiered_config_keeps_one_store():

@@ -48,7 +48,9 @@ def test_bad_keys_or_values_are_refused_and_change_nothing(case, history):
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("bad", [-1, 2, 10**6, True, "0", 1.0], ids=["negative", "one-past", "huge", "bool", "str", "float"])
+@pytest.mark.parametrize(
+    "bad", [-1, 2, 10**6, True, "0", 1.0], ids=["negative", "one-past", "huge", "bool", "str", "float"]
+)
 def test_layer_idx_beyond_the_models_layers_is_refused(bad):
     model = tiny_model()  # 2 decoder layers
     cache = KiviCache.from_model(model, CFG)

@@ -75,7 +75,8 @@ def test_estimate_smollm2_json():
 
 
 @pytest.mark.parametrize("args,needles", [
-    (("estimate", "--context", "4k", "--num-layers", "2", "--num-kv-heads", "1", "--head-dim", "64", "--preset", "ultra"),
+    (("estimate", "--context", "4k", "--num-layers", "2", "--num-kv-heads", "1", "--head-dim", "64",
+      "--preset", "ultra"),
      ("preset='ultra'", "high")),
     (("estimate", "--context", "4k", "--num-layers", "2", "--num-kv-heads", "1", "--head-dim", "64", "--k-bits", "5"),
      ("k_bits=5", "allowed")),
@@ -147,11 +148,14 @@ def test_demo_warm_up_compiles_the_kernels_before_timing(monkeypatch):
 
 def test_cpu_threads_survive_loading_the_numba_kernels():
     """Loading numba's OpenMP layer can reset torch's thread count; the demo sets its threads after it."""
-    code = ("import torch; torch.set_num_threads(1); torch.get_num_threads()\n"
-            "from kivi.attention.fused_cpu import fused_decode_available, warmup\n"
-            "fused_decode_available() and warmup()\n"
-            "from kivi.cli.threads import set_cpu_threads; set_cpu_threads(1)\n"
-            "import sys; print(torch.get_num_threads(), sys.modules['numba'].get_num_threads() if 'numba' in sys.modules else 1)")
+    code = (
+        "import torch; torch.set_num_threads(1); torch.get_num_threads()\n"
+        "from kivi.attention.fused_cpu import fused_decode_available, warmup\n"
+        "fused_decode_available() and warmup()\n"
+        "from kivi.cli.threads import set_cpu_threads; set_cpu_threads(1)\n"
+        "import sys; print(torch.get_num_threads(), "
+        "sys.modules['numba'].get_num_threads() if 'numba' in sys.modules else 1)"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["1", "1"]

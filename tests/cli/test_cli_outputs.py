@@ -64,8 +64,10 @@ def test_eval_result_printed_when_the_write_fails_at_the_end(capsys, tmp_path, m
     rc = main(["eval", "ppl", *PROTO, "-o", str(out_dir / "ppl.json"), *(["--json"] if json_flag else [])])
     out, err = capsys.readouterr()
     assert rc == 2
-    assert err.strip().splitlines() == [line for line in err.strip().splitlines() if "cannot write -o/--output" in line] \
-        and len(err.strip().splitlines()) == 1, err
+    assert (
+        err.strip().splitlines() == [line for line in err.strip().splitlines() if "cannot write -o/--output" in line]
+        and len(err.strip().splitlines()) == 1
+    ), err
     body = out if json_flag else out[out.index("{"):]
     r = json.loads(body)
     assert r["name"] == "fp" and r["ppl"] > 0 and r["tokens_scored"] == 2 * 96

@@ -136,8 +136,10 @@ def test_save_prefix_on_a_full_disk_prints_the_result_then_one_line(folders, tmp
     else:  # the streamed text, as without the option
         assert out == plain and out.strip()
     lines = [line for line in err.splitlines() if line.startswith("kivi")]
-    assert lines == [f"kivi generate: error: --save-prefix {str(f)!r} was not saved: No space left on device (the generated "
-                     "text above is complete)"]
+    assert lines == [
+        f"kivi generate: error: --save-prefix {str(f)!r} was not saved: No space left on device (the generated "
+        "text above is complete)"
+    ]
     assert "Traceback" not in err and list(tmp_path.iterdir()) == []  # no partial file
 
 
@@ -166,8 +168,9 @@ def test_save_prefix_on_a_real_full_disk(folders, tiny_tmpfs):
     assert p.returncode == 2, p.stderr
     assert json.loads(p.stdout)["prefix_saved"] is False and json.loads(p.stdout)["new_tokens"] == 6
     assert [line for line in p.stderr.splitlines() if line.startswith("kivi")] == [
-        f"kivi generate: error: --save-prefix {str(f)!r} was not saved: No space left on device (the generated text above "
-        "is complete)"]
+        f"kivi generate: error: --save-prefix {str(f)!r} was not saved: No space left on device "
+        "(the generated text above is complete)"
+    ]
     assert list(tiny_tmpfs.iterdir()) == []
 
 
@@ -214,9 +217,11 @@ def test_forged_prefix_files_are_one_line(folders, tmp_path, capsys):
     def dtype(h, meta, p):
         meta["cache"]["layers"][1]["dtype"] = "complex64"
 
-    for fn, want in ((nan_window, "tensor layer0.parts.0.k.window: found 2176 non-finite values, expected finite values only"),
-                     (retyped, "tensor layer1.parts.0.v.window: found int32 [1, 2, 32, 32], expected float32"),
-                     (dtype, "cache.layers[1].dtype: found 'complex64', expected one of")):
+    for fn, want in (
+        (nan_window, "tensor layer0.parts.0.k.window: found 2176 non-finite values, expected finite values only"),
+        (retyped, "tensor layer1.parts.0.v.window: found int32 [1, 2, 32, 32], expected float32"),
+        (dtype, "cache.layers[1].dtype: found 'complex64', expected one of"),
+    ):
         header, meta, payload = read_parts(f)
         out = tmp_path / f"{fn.__name__}.kivi"
         write_parts(out, header, meta, fn(header, meta, payload) or payload)

@@ -73,8 +73,12 @@ def test_head_candidates_stay_within_their_budgets(profiled):
 
 def test_head_bases_and_names():
     b = head_bases(64)
-    assert [(c.k_bits, c.v_bits, c.group_size, c.sink_tokens) for c in b] == [(2, 2, 64, 4), (3, 2, 64, 4), (3, 3, 64, 4),
-                                                                              (4, 2, 64, 4)]
+    assert [(c.k_bits, c.v_bits, c.group_size, c.sink_tokens) for c in b] == [
+        (2, 2, 64, 4),
+        (3, 2, 64, 4),
+        (3, 3, 64, 4),
+        (4, 2, 64, 4),
+    ]
     c = KiviConfig(k_bits=2, v_bits=2, head_bits={0: {"k_bits": [4, 2, 4]}, 1: {"v_bits": [2, 2, 4]}})
     assert candidate_name(c).endswith("(3 head-sides widened)")
     assert candidate_name(BASES[0]) == BASES[0].describe()

@@ -49,7 +49,10 @@ def test_fast_caches_read_the_packed_backend(peaked_model):
     c = make_cache(peaked_model, KiviConfig(), read_packed=True)
     assert c.attention_backend == "cpu" and chunk_neutral(c)
     assert make_cache(peaked_model, KiviConfig()).attention_backend == "reference"  # unchanged default
-    assert make_cache(peaked_model, KiviConfig(attention_backend="reference"), read_packed=True).attention_backend == "reference"
+    assert (
+        make_cache(peaked_model, KiviConfig(attention_backend="reference"), read_packed=True).attention_backend
+        == "reference"
+    )
     assert peaked_model.config._attn_implementation != "kivi"  # restored
 
 

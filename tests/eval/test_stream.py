@@ -21,7 +21,8 @@ def test_fp_kivi_cache_matches_dynamic_cache(peaked_model, windows):
 
 
 def test_broken_cache_is_detected(peaked_model, model_text):
-    out = compare(peaked_model, model_text, [KiviConfig(k_bits=1, v_bits=1, residual_length=0), KiviConfig.preset("high")],
+    out = compare(peaked_model, model_text,
+                  [KiviConfig(k_bits=1, v_bits=1, residual_length=0), KiviConfig.preset("high")],
                   prefix=64, chunk=16, progress=False)
     broken, good = out["results"]
     assert broken["kl"] > 1e-2
@@ -50,8 +51,10 @@ def test_noise_injected_cache_is_detected(peaked_model, windows, monkeypatch):
 _SLOW = pytest.mark.slow
 @pytest.mark.parametrize("cfg, rel", [pytest.param(None, 1e-5, marks=_SLOW), pytest.param(EXACT, 1e-5, marks=_SLOW),
                                       (KiviConfig(residual_length=32), 1e-5),
-                                      pytest.param(KiviConfig(k_bits=4, v_bits=2, residual_length=0), 1e-5, marks=_SLOW),
-                                      pytest.param(KiviConfig.preset("balanced", residual_length=32), 1e-5, marks=_SLOW),
+                                      pytest.param(KiviConfig(k_bits=4, v_bits=2, residual_length=0), 1e-5,
+                                                   marks=_SLOW),
+                                      pytest.param(KiviConfig.preset("balanced", residual_length=32), 1e-5,
+                                                   marks=_SLOW),
                                       pytest.param(KiviConfig(k_bits=4, v_bits=4, residual_length=32, sink_tokens=4,
                                                               tiers=[(32, None), (32, 4), (None, 2)]), 1e-5,
                                                    marks=_SLOW)],
@@ -80,7 +83,9 @@ def test_bits_per_element_from_real_cache(peaked_model, windows):
     r = perplexity(peaked_model, None, windows, KiviConfig(residual_length=32), prefix=64, chunk=16, progress=False)
     assert 2 < r["bits_per_element"] < 16
     # the synthetic fill reproduces the storage layout of the real run
-    assert synthetic_bits(peaked_model, KiviConfig(residual_length=32), 192, prefix=64) == pytest.approx(r["bits_per_element"])
+    assert synthetic_bits(peaked_model, KiviConfig(residual_length=32), 192, prefix=64) == pytest.approx(
+        r["bits_per_element"]
+    )
     cache = make_cache(peaked_model, None)
     with pytest.raises(ValueError):
         bits_per_element(peaked_model, cache, 0)

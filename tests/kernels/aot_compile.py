@@ -64,7 +64,9 @@ def compile_variant(name, kq, vq, ksink, vsink, dt, kb, vb, valid):
 def compile_reduce():
     fn = K.decode_reduce_kernel
     consts = dict(HQ=9, QG=3, QG_P2=16, D=64, BLOCK_D=64, S_P2=8)
-    types = dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*fp16", so_b="i32", so_h="i32", NUM_SPLITS="i32")
+    types = dict(
+        m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*fp16", so_b="i32", so_h="i32", NUM_SPLITS="i32"
+    )
     sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     triton.compile(src, target=TARGET, options=dict(num_warps=4))

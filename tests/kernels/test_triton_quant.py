@@ -19,15 +19,20 @@ def _compare(got, ref, x, bits):
     assert got.packed.shape == ref.packed.shape and got.packed.dtype == torch.uint8
     assert got.scale.shape == ref.scale.shape and got.scale.dtype == ref.scale.dtype
     assert got.offset.dtype == ref.offset.dtype
-    assert (got.axis, got.bits, got.group_size, got.head_dim, got.comp) == (ref.axis, ref.bits, ref.group_size, ref.head_dim, None)
+    assert (got.axis, got.bits, got.group_size, got.head_dim, got.comp) == (ref.axis, ref.bits, ref.group_size,
+                                                                            ref.head_dim, None)
     D = x.shape[-1]
     cg = unpack_codes(got.packed, bits, D).int()
     cr = unpack_codes(ref.packed, bits, D).int()
     diff = (cg - cr).abs()
     assert int(diff.max()) <= 1
     assert int((diff > 0).sum()) <= max(1, cg.numel() // 1000)
-    torch.testing.assert_close(got.scale.float(), ref.scale.float(), rtol=1e-2 if x.dtype != torch.float32 else 1e-6, atol=0)
-    torch.testing.assert_close(got.offset.float(), ref.offset.float(), rtol=1e-2 if x.dtype != torch.float32 else 1e-6, atol=0)
+    torch.testing.assert_close(
+        got.scale.float(), ref.scale.float(), rtol=1e-2 if x.dtype != torch.float32 else 1e-6, atol=0
+    )
+    torch.testing.assert_close(
+        got.offset.float(), ref.offset.float(), rtol=1e-2 if x.dtype != torch.float32 else 1e-6, atol=0
+    )
     # error bound against the input, everywhere: |x - x_hat| <= scale / 2 (+ parameter rounding)
     xh = dequantize_kv(got, torch.float32)
     levels = 2**bits - 1
@@ -65,7 +70,9 @@ def test_other_widths(bits):
     torch.manual_seed(3)
     x = torch.randn(1, 2, 32, 32)
     _compare(quantize_pack_keys(x, bits, 16), quantize_kv(x, "channel", bits, 16), x, bits)
-    _compare(quantize_pack_values(x[:, :, :13], bits, 8), quantize_kv(x[:, :, :13], "token", bits, 8), x[:, :, :13], bits)
+    _compare(
+        quantize_pack_values(x[:, :, :13], bits, 8), quantize_kv(x[:, :, :13], "token", bits, 8), x[:, :, :13], bits
+    )
 
 
 def test_non_power_of_two_group_and_param_dtype():

@@ -37,7 +37,8 @@ def _blocks(x, axis, bits, G, firsts, caps, split, origin=0):
 
 def _side(x, axis, bits, G, S, firsts, caps, split, device="cpu", origin=0):
     """KernelSide over ``x [B, H, T, D]``: sink ``[0, S)``, blocks, tail ``[split, T)`` (positions relative)."""
-    table = build_block_table(_blocks(x, axis, bits, G, firsts, caps, split + origin, origin), axis, device) if firsts else None
+    table = (build_block_table(_blocks(x, axis, bits, G, firsts, caps, split + origin, origin), axis, device)
+             if firsts else None)
     sink = x[:, :, :S] if S else None
     fp = x[:, :, split:] if split < x.shape[-2] else None
     return kernel_side(sink, table, split, fp, origin=origin)
@@ -86,8 +87,11 @@ S4 = dict(S=4, G=16, key_blocks=([4, 100, 164], [96, 64, 64], 180), val_blocks=(
 S0 = dict(S=0, G=16, key_blocks=([0, 96, 160], [96, 64, 64], 176), val_blocks=([0, 96, 160], [96, 64, 64], 190))
 
 
-@pytest.mark.parametrize("layout,dtype", [(S4, torch.float32), (S4, torch.float16), (S4, torch.bfloat16),
-                                          (S0, torch.float32)], ids=["sink4-fp32", "sink4-fp16", "sink4-bf16", "sink0-fp32"])
+@pytest.mark.parametrize(
+    "layout,dtype",
+    [(S4, torch.float32), (S4, torch.float16), (S4, torch.bfloat16), (S0, torch.float32)],
+    ids=["sink4-fp32", "sink4-fp16", "sink4-bf16", "sink0-fp32"],
+)
 def test_sink_and_several_blocks_match_reference(dtype, layout):
     # T = 203: odd, not a multiple of the group size; GQA 6 query heads over 2 kv heads
     q, k, v, ks, vs = _case(2, 6, 2, 32, 203, dtype, kb=4, vb=2, **layout, seed=1)
@@ -109,13 +113,18 @@ def test_word_bit_widths(kb, vb):
     _check(out, torch_decode_attention_sides(q, ks, vs, scaling=0.2), torch.float32)
 
 
-@pytest.mark.parametrize("kb,vb,dtype", [(3, 3, torch.float32), (3, 3, torch.bfloat16), (3, 2, torch.float16),
-                                          (8, 3, torch.float32)], ids=["k3v3-fp32", "k3v3-bf16", "k3v2-fp16", "k8v3-fp32"])
+@pytest.mark.parametrize(
+    "kb,vb,dtype",
+    [(3, 3, torch.float32), (3, 3, torch.bfloat16), (3, 2, torch.float16), (8, 3, torch.float32)],
+    ids=["k3v3-fp32", "k3v3-bf16", "k3v2-fp16", "k8v3-fp32"],
+)
 def test_three_bit_blocks_with_sinks_and_window(kb, vb, dtype):
     """3-bit codes (a code may straddle two bytes) read from a sink, three stored blocks (the last partly
     filled, its garbage rows NaN) and the window; T = 203, GQA 3; each side's rows ceil(D / 8) * 3 bytes."""
     q, k, v, ks, vs = _case(2, 6, 2, 32, 203, dtype, kb=kb, vb=vb, **S4, seed=30 + kb + vb)
-    assert ks.blocks.bits == kb and vs.blocks.bits == vb and vs.blocks.data_row_stride == (12 if vb == 3 else 32 * vb // 8)
+    assert (
+        ks.blocks.bits == kb and vs.blocks.bits == vb and vs.blocks.data_row_stride == (12 if vb == 3 else 32 * vb // 8)
+    )
     valid = torch.ones(2, 203, dtype=torch.bool)
     valid[0, :11] = False
     out = decode_attention_sides(q, ks, vs, scaling=32**-0.5, kv_valid=valid, block_n=32, num_splits=3)

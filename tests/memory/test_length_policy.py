@@ -31,7 +31,9 @@ def _run(model, cfg, prefill, totals, batch=1, mask=None):
 
 CASES = [
     pytest.param(KiviConfig(**SMALL, quantize_after=N), 37, 1, torch.float32, id="k2v2"),
-    pytest.param(KiviConfig(**SMALL, quantize_after=N, sink_tokens=3, k_bits=4), 37, 2, torch.float32, id="sink-batch2"),
+    pytest.param(
+        KiviConfig(**SMALL, quantize_after=N, sink_tokens=3, k_bits=4), 37, 2, torch.float32, id="sink-batch2"
+    ),
     pytest.param(KiviConfig(**SMALL, quantize_after=N), 37, 1, torch.bfloat16, id="bf16"),
     pytest.param(KiviConfig(**SMALL, quantize_after=N, quantize_value=False), 37, 1, torch.float16, id="fp-values"),
     pytest.param(KiviConfig(**SMALL, quantize_after=N, k_bits=4, v_bits=4, tiers=[(32, None), (48, 4), (None, 2)]),

@@ -18,7 +18,9 @@ def test_pack_unpack_exact(bits, n, lead, seed):
     assert torch.equal(unpack_codes(packed, bits, n), codes)
 
 
-@pytest.mark.parametrize("bits,n,expected", [(2, 64, 16), (4, 64, 32), (1, 64, 8), (3, 64, 24), (8, 64, 64), (2, 13, 4), (3, 13, 6)])
+@pytest.mark.parametrize(
+    "bits,n,expected", [(2, 64, 16), (4, 64, 32), (1, 64, 8), (3, 64, 24), (8, 64, 64), (2, 13, 4), (3, 13, 6)]
+)
 def test_packed_size(bits, n, expected):
     assert packed_size(n, bits) == expected
 

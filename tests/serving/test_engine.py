@@ -160,7 +160,9 @@ def test_cancel_frees_the_blocks_of_a_running_request(engine):
 
     held, after = asyncio.run(run())
     assert held.blocks_held == 1 and held.requests_holding_blocks == 1 and held.requests_open == 1
-    assert after.blocks_held == 0 and after.requests_open == 0 and after.requests_cancelled == held.requests_cancelled + 1
+    assert (
+        after.blocks_held == 0 and after.requests_open == 0 and after.requests_cancelled == held.requests_cancelled + 1
+    )
 
 
 def test_default_factory_serves_kivi_pages():

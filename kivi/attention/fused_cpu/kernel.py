@@ -588,7 +588,9 @@ def _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, t1, om, ol, oacc):
         for p in range(vd.shape[0]):
             a, e = max(c0, vd[p, _LO]), min(c1, vd[p, _HI])
             if a < e and vd[p, _H0] <= h < vd[p, _H1]:
-                _value_accumulate(vd, p, b, h - vd[p, _H0], a, e, vd[p, _BITS], vG, c0, s, accq, accf, accb, wt, sbt, tw)
+                _value_accumulate(
+                    vd, p, b, h - vd[p, _H0], a, e, vd[p, _BITS], vG, c0, s, accq, accf, accb, wt, sbt, tw
+                )
     for i in range(g):
         om[i] = m_run[i]
         ol[i] = l_run[i]
@@ -774,7 +776,9 @@ def _paged_rows(pool, lay, side, bt, b, h, ns, nst, nw, fp, w0, t0, t1, d, scr):
         else:
             size = 4 if pdt == 0 else 2
             at = h * prow * pcol * size
-            _param_rows(blk + sco + at, pdt, prow * pcol, qmax, scr[j, 0], scr[j, 1], blk + offo + at if offo >= 0 else -1)
+            _param_rows(
+                blk + sco + at, pdt, prow * pcol, qmax, scr[j, 0], scr[j, 1], blk + offo + at if offo >= 0 else -1
+            )
             # the copies hold head h only: head strides 0
             d[n, _SC], d[n, _SS2] = scr[j, 0].ctypes.data, pcol
             d[n, _BS], d[n, _BS2] = scr[j, 1].ctypes.data, pcol
@@ -782,7 +786,8 @@ def _paged_rows(pool, lay, side, bt, b, h, ns, nst, nw, fp, w0, t0, t1, d, scr):
     if nw > 0:
         d[n, :] = 0
         lo = ns + nst
-        d[n, _LO], d[n, _HI], d[n, _DATA], d[n, _DS1], d[n, _DS2], d[n, _H1] = lo, lo + nw, fpa + 4 * w0 * H * D, D, H * D, H
+        d[n, _LO], d[n, _HI], d[n, _DATA], d[n, _DS1], d[n, _DS2], d[n, _H1] = (lo, lo + nw, fpa + 4 * w0 * H * D,
+                                                                                D, H * D, H)
         n += 1
     return n
 

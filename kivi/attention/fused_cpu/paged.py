@@ -116,7 +116,9 @@ def _check(q, pool, layout, block_table, counts, k_fp, v_fp, w0) -> None:
         raise ValueError(f"pool must be flat uint8 of whole blocks of {layout.block_bytes} bytes, got "
                          f"{pool.dtype} {tuple(pool.shape)}")
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != N:
-        raise ValueError(f"block_table must be int32 [{N}, max_pages], got {block_table.dtype} {tuple(block_table.shape)}")
+        raise ValueError(
+            f"block_table must be int32 [{N}, max_pages], got {block_table.dtype} {tuple(block_table.shape)}"
+        )
     if counts.dtype != torch.int64 or tuple(counts.shape) != (N, 6):
         raise ValueError(f"counts must be int64 [{N}, 6], got {counts.dtype} {tuple(counts.shape)}")
     for name, fp in (("k_fp", k_fp), ("v_fp", v_fp)):
