@@ -32,35 +32,18 @@ from ..attention.fused_cpu.paged import PagedLayout
 from ..cache.schedule import layer_sink_tokens, sliding_cut
 from ..cache.support import check_head_dim, model_head_dim, plan_layers, text_config
 from ..config import KiviConfig
-from ..quant.page import AXIS, SIDES, page_fields, param_dtype
+from ..quant.page import AXIS, SIDES, SideField, page_fields, param_dtype
 from ..quant.page import round_up as _round_up
 
 BLOCK_ALIGN = 128  # bytes: transformers aligns its sectors on 128 bytes
 
 
 @dataclass(frozen=True)
-class PageField:
-    """One tensor of one side of one layer's page.
-
-    ``shape`` is the per-page shape (``[H, rows, C]``, rows = ``P`` or ``P // G``), ``offset`` the
-    byte offset inside a block, ``tokens_per_row`` = tokens covered by one row (``G`` for the key
-    scale / offset / compensation, else 1).
-    """
+class PageField(SideField):
+    """One tensor of one side of one layer's page (:class:`kivi.quant.page.SideField`, the one page format)
+    with the layer it belongs to; ``offset`` is the byte offset inside a block."""
 
     layer: int
-    side: str
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    offset: int
-    tokens_per_row: int
-
-    @property
-    def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for s in self.shape:
-            n *= s
-        return n
 
 
 @dataclass(frozen=True)
@@ -209,7 +192,7 @@ def build_layout(model_config: Any, config: KiviConfig, page_size: int, dtype: t
                              "use kivi's generate() or quantize_after=0")
         window_rows = max(window_rows, cfg.sink_tokens + cfg.residual_length + cfg.group_size - 1)
         side_fields, offset = page_fields(cfg, heads, head_dim, page_size, dtype, offset=offset, where=where)
-        fields.extend(PageField(layer, f.side, f.name, f.shape, f.dtype, f.offset, f.tokens_per_row)
+        fields.extend(PageField(f.side, f.name, f.shape, f.dtype, f.offset, f.tokens_per_row, layer=layer)
                       for f in side_fields)
     page_bytes = offset
     num_layers = len(plan)
