@@ -23,10 +23,10 @@ accumulated with ``p @ v``.
 GQA: the query heads sharing a kv head are folded into the row axis (``[B, Hkv, g * n, D]``);
 the cache is never repeated. Masks: see :mod:`kivi.attention.reference`.
 
-Per-query precision (views with ``fp_from``, see :class:`~kivi.cache.view.AttentionView`): the
-tokens of the view's per-query region (``variant_region``: ``[split, split + M)`` read from ``left``
-or ``fp``; with position tiers also the stored tokens demoted during the forward, one version per
-tier) are read once per version, and each query row takes its own (a ``torch.where`` on the scores
+Per-query precision (views with a :class:`~kivi.cache.view.QueryRegion`): the tokens of the
+region (``[split, split + M)`` as ``fp`` and as they are once out of the window; with position tiers
+also the stored tokens demoted during the forward, one version per tier) are read once per version,
+and each query row takes its own (a ``torch.where`` on the scores
 for keys, split weights for values). Only those tokens (at most about ``n + G`` per tier boundary)
 cost more; the rest of the walk is unchanged.
 """
@@ -93,10 +93,10 @@ def _slice_value_seg(seg: PackedKV, a: int, b: int) -> PackedKV:
 
 def _key_chunks(view: AttentionView, block_tokens: int, region):
     """Yield ``(first_token, kind, obj)`` in token order: kind "q" (PackedKV), "fp" (tensor) or "multi"
-    (``(offset in the per-query region, [version tensors])``, ``region = view.variant_region()``)."""
+    (``(offset in the per-query region, [version tensors])``, ``region = view.region``)."""
     if view.sink is not None:
         yield 0, "fp", view.sink
-    store_end = view.split if region is None else min(view.split, region[0])
+    store_end = view.split if region is None else min(view.split, region.first)
     for t0, seg in view.store.iter_blocks(store_end):
         if view.quantized:
             bt = max(seg.group_size, block_tokens // seg.group_size * seg.group_size)
@@ -109,7 +109,7 @@ def _key_chunks(view: AttentionView, block_tokens: int, region):
     fp = view.fp
     m = 0
     if region is not None:  # per-query precision: every version of these tokens
-        first, versions, _ = region
+        first, versions = region.first, region.versions
         L = versions[0].shape[-2]
         for a in range(0, L, block_tokens):
             yield first + a, "multi", (a, [x[:, :, a : min(L, a + block_tokens)] for x in versions])
@@ -121,7 +121,7 @@ def _key_chunks(view: AttentionView, block_tokens: int, region):
 def _value_pieces(view: AttentionView, region):
     """List of ``(first, end, kind, obj)`` covering the value tokens in order (see :func:`_key_chunks`)."""
     out = [] if view.sink is None else [(0, view.sink.shape[-2], "fp", view.sink)]
-    store_end = view.split if region is None else min(view.split, region[0])
+    store_end = view.split if region is None else min(view.split, region.first)
     for t0, seg in view.store.iter_blocks(store_end):
         if view.quantized:
             out.append((t0, t0 + seg.num_tokens, "q", seg))
@@ -129,7 +129,7 @@ def _value_pieces(view: AttentionView, region):
             out.append((t0, t0 + seg.num_tokens, "fp", seg.data))
     m = 0
     if region is not None:
-        first, versions, _ = region
+        first, versions = region.first, region.versions
         L = versions[0].shape[-2]
         out.append((first, first + L, "multi", versions))
         m = first + L - view.split
@@ -197,8 +197,7 @@ def blocked_attention(
                 f"attention_mask covers {attention_mask.shape[-1]} kv positions, the cache shows {kv_len}"
             )
         mask = grouped_mask(attention_mask, hkv, g)  # [B|1, 1|Hkv, 1|g, n, >=kv_len]
-    k_region = k_view.variant_region() if k_view.per_query else None
-    v_region = v_view.variant_region() if v_view.per_query else None
+    k_region, v_region = k_view.region, v_view.region
     values = _value_pieces(v_view, v_region)
     out = torch.empty(B, hkv, g, n, dv, dtype=q.dtype, device=q.device)
     qpos_all = torch.arange(end - n, end, device=q.device)
@@ -221,7 +220,7 @@ def blocked_attention(
             elif kind == "multi":  # each query row reads its own version of these keys
                 off, versions = obj
                 T = versions[0].shape[-2]
-                sel = k_region[2][q0:q1, off : off + T]  # [nc, T]
+                sel = k_region.choice[q0:q1, off : off + T]  # [nc, T]
                 s = (qg @ versions[0].float().transpose(-1, -2)).view(B, hkv, g, nc, T)
                 for idx in range(1, len(versions)):
                     use = sel == idx
@@ -252,7 +251,7 @@ def blocked_attention(
                 if lo >= hi:
                     continue
                 if vkind == "multi":  # split each query row's weights between the versions
-                    sel = v_region[2][q0:q1, lo - va : hi - va]  # [nc, hi - lo]
+                    sel = v_region.choice[q0:q1, lo - va : hi - va]  # [nc, hi - lo]
                     pp = p[..., lo - a : hi - a].reshape(B, hkv, g, nc, hi - lo)
                     for idx, vers in enumerate(vobj):
                         use = sel == idx

@@ -31,8 +31,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..backends import ATTN_IMPLEMENTATION, Backend, model_attention_unsupported
-from ..cache.heads import HeadViews
-from ..cache.view import AttentionView, PackedStates
+from ..cache.view import AttentionView, PackedStates, exact_queries
 from .backend_attention import attend, fused_heads
 
 
@@ -84,17 +83,14 @@ def kivi_attention_forward(
         raise NotImplementedError("kivi attention does not implement attention dropout (training)")
     if attention_mask is not None and attention_mask.dim() != 4:
         raise ValueError(f"kivi attention expects a 4-D mask, got shape {tuple(attention_mask.shape)}")
-    k_view, v_view = key.view, value.view
-    if isinstance(k_view, HeadViews):  # per-head widths (kivi/cache/heads.py): one run per head group
-        return _head_groups_forward(module, query, k_view, v_view, attention_mask, key.backend, scaling=scaling,
-                                    is_causal=is_causal, **kwargs)
+    k_side, v_side = key.view, value.view  # AttentionView or HeadViews: a sequence of head groups either way
     n = query.shape[2]
-    exact = min(exact_queries(k_view, n), exact_queries(v_view, n))
+    exact = exact_queries(n, k_side, v_side)
     if exact == n:
         # Nothing stored yet (e.g. a prefill): every token is exact, so this is plain attention;
         # torch's SDPA kernels do it faster and in O(chunk) memory.
         return sdpa_attention_forward(
-            module, query, k_view.fp, v_view.fp, attention_mask, scaling=scaling, is_causal=is_causal, **kwargs
+            module, query, k_side.fp, v_side.fp, attention_mask, scaling=scaling, is_causal=is_causal, **kwargs
         )
     if exact:
         # A prefill whose last queries follow the one-token rule (the prompt and the first speculative
@@ -105,70 +101,48 @@ def kivi_attention_forward(
         # differed from token 192 on in layer 1 and up, and greedy speculative decoding diverged).
         mask = None if attention_mask is None else attention_mask[..., :exact, :exact]
         head, _ = sdpa_attention_forward(
-            module, query[:, :, :exact], k_view.fp[:, :, :exact], v_view.fp[:, :, :exact], mask,
+            module, query[:, :, :exact], k_side.fp[:, :, :exact], v_side.fp[:, :, :exact], mask,
             scaling=scaling, is_causal=is_causal, **kwargs,
         )
-        tail = run_backend(key.backend, query[:, :, exact:], _later_queries(k_view, exact),
-                           _later_queries(v_view, exact), scaling=scaling,
-                           attention_mask=None if attention_mask is None else attention_mask[..., exact:, :])
+        tail = layer_attention(key.backend, query[:, :, exact:], k_side.for_queries(exact),
+                               v_side.for_queries(exact), scaling=scaling,
+                               attention_mask=None if attention_mask is None else attention_mask[..., exact:, :])
         return torch.cat([head, tail.transpose(1, 2)], dim=1).contiguous(), None
-    out = run_backend(key.backend, query, k_view, v_view, scaling=scaling, attention_mask=attention_mask)
+    out = layer_attention(key.backend, query, k_side, v_side, scaling=scaling, attention_mask=attention_mask)
     return out.transpose(1, 2).contiguous(), None
 
 
-def exact_queries(view: AttentionView, n: int) -> int:
-    """How many leading queries of a forward of ``n`` read only this view's full-precision tokens, i.e.
-    compute exact attention over the tokens ``[0, i]`` (a prefill into an empty layer: no sink, nothing
-    stored; with a per-query boundary, the queries whose ``fp_from`` is still the first token)."""
-    if not view.quantized or view.sink is not None or view.split != view.start:
-        return 0
-    if view.fp_from is None:
-        return n
-    leading = next((i for i, b in enumerate(view.fp_from) if b != view.split), n)
-    if leading < n and view.fp.shape[-2] != n:
-        # a split of the forward is for one into an empty layer (query i at position i, what the SDPA
-        # call over fp[:exact] assumes); a later chunk's leading queries sit after the tokens held before
-        # it and go through the backend with the rest
-        return 0
-    return leading
+def layer_attention(backend: Backend | str, query: torch.Tensor, k_side, v_side, *, scaling: float | None,
+                    attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """``[B, Hq, n, D]``: attention of ``query`` over one layer's sides (``AttentionView`` s, or
+    :class:`~kivi.cache.heads.HeadViews` of a layer with per-head widths). A side of several head groups
+    is read in one fused kernel call where the ``"cpu"`` backend takes the call
+    (:func:`.backend_attention.fused_heads`), else group by group (:func:`head_groups_attention`)."""
+    if len(k_side.views) > 1:
+        out = fused_heads(backend, query, k_side, v_side, scaling=scaling, attention_mask=attention_mask)
+        if out is not None:
+            return out
+    return head_groups_attention(backend, query, k_side, v_side, scaling=scaling, attention_mask=attention_mask)
 
 
-def _later_queries(view: AttentionView, exact: int) -> AttentionView:
-    """The view as the queries after the first ``exact`` see it (their part of the per-query boundary)."""
-    return view.for_queries(exact)
-
-
-def _head_groups_forward(module: torch.nn.Module, query: torch.Tensor, k_views: HeadViews, v_views: HeadViews,
-                         attention_mask: torch.Tensor | None, backend: Backend, *, scaling: float | None,
-                         is_causal: bool | None, **kwargs) -> tuple[torch.Tensor, None]:
-    """Attention over a layer with per-head widths: each head group's views with its own query heads.
-
-    Query head ``h`` reads kv head ``h // g`` (``g = Hq // Hkv``, transformers' GQA layout), so kv heads
-    ``[lo, hi)`` are read by query heads ``[lo * g, hi * g)``; the outputs are concatenated in head order.
-    """
-    hkv = k_views.groups[-1].stop
-    hq = query.shape[1]
-    if hq % hkv:
-        raise ValueError(f"{hq} query heads are not a multiple of {hkv} kv heads")
-    if k_views.only_full_precision and v_views.only_full_precision:  # a prefill: exact attention over all heads
-        return sdpa_attention_forward(module, query, k_views.fp, v_views.fp, attention_mask, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    # "cpu": a decode step reads every head group of the layer in one fused kernel call when each group
-    # qualifies on its own (kivi.attention.fused_cpu); otherwise one run per group.
-    out = fused_heads(backend, query, k_views, v_views, scaling=scaling, attention_mask=attention_mask)
-    if out is not None:
-        return out.transpose(1, 2).contiguous(), None
-    out = head_groups_attention(backend, query, k_views, v_views, scaling=scaling, attention_mask=attention_mask)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def head_groups_attention(backend: Backend | str, query: torch.Tensor, k_views: HeadViews, v_views: HeadViews, *,
+def head_groups_attention(backend: Backend | str, query: torch.Tensor, k_side, v_side, *,
                           scaling: float | None, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """``[B, Hq, n, D]``: :func:`run_backend` of every head group with its query heads, concatenated in head
-    order (the plain path over a layer with per-head widths; the reference of the one-call fused decode)."""
-    g = query.shape[1] // k_views.groups[-1].stop
+    order (a layer of one group: :func:`run_backend` of its views as they are; the reference of the
+    one-call fused decode of several groups).
+
+    Query head ``h`` reads kv head ``h // g`` (``g = Hq // Hkv``, transformers' GQA layout), so kv heads
+    ``[lo, hi)`` are read by query heads ``[lo * g, hi * g)``.
+    """
+    if len(k_side.views) == 1:
+        return run_backend(backend, query, k_side.views[0], v_side.views[0], scaling=scaling,
+                           attention_mask=attention_mask)
+    hkv, hq = k_side.groups[-1].stop, query.shape[1]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} kv heads")
+    g = hq // hkv
     outs = []
-    for grp, kv, vv in zip(k_views.groups, k_views.views, v_views.views):
+    for grp, kv, vv in zip(k_side.groups, k_side.views, v_side.views):
         q = query[:, grp.start * g : grp.stop * g].contiguous()
         mask = attention_mask
         if mask is not None and mask.shape[1] != 1:

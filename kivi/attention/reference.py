@@ -1,10 +1,9 @@
 """Ground-truth attention over a KIVI layer's views: dequantize everything, then plain softmax.
 
 Same semantics as :func:`kivi.cache.view.materialize` followed by an attention that
-groups query heads (GQA) instead of repeating the cache. A view with a per-query boundary
-(``fp_from``, see :class:`~kivi.cache.view.AttentionView`) is materialised once per version of its
-per-query region (``left``, or a tiered side's ``variants``), and each query reads its own mix of them
-(scores for keys, weights for values).
+groups query heads (GQA) instead of repeating the cache. A view with a per-query region
+(:class:`~kivi.cache.view.QueryRegion`) is materialised once per version of the region, and each
+query reads its own mix of them (scores for keys, weights for values).
 
 Masks, as transformers gives them, cover kv positions ``[kv_offset, kv_offset + kv_length)``
 where ``kv_offset`` is the views' ``start``: a boolean ``[B, 1|Hq, n, kv_length]`` mask (True =
@@ -109,8 +108,9 @@ def variant_alternatives(view: AttentionView, full: torch.Tensor, n: int) -> tup
     """``((x_k [B, H, T, D], use_k [n, T] bool), ...)``: ``full`` (the view materialised) with the per-query
     region replaced by each of its versions, and where each query reads that version."""
     check_boundary(view, n)
-    first, versions, choice = view.variant_region()
-    off, L, T = first - view.start, versions[0].shape[-2], full.shape[-2]
+    region = view.region
+    versions, choice = region.versions, region.choice
+    off, L, T = region.first - view.start, versions[0].shape[-2], full.shape[-2]
     out = []
     for idx in range(1, len(versions)):
         use = torch.zeros(n, T, dtype=torch.bool, device=full.device)
@@ -123,11 +123,9 @@ def variant_alternatives(view: AttentionView, full: torch.Tensor, n: int) -> tup
 
 
 def check_boundary(view: AttentionView, n: int) -> None:
-    """A per-query boundary must name one position per query of the forward."""
-    if len(view.fp_from) != n:
-        raise ValueError(f"the view's per-query boundary covers {len(view.fp_from)} queries, the forward has {n}")
-    if view.choice is not None and view.choice.shape[0] != n:
-        raise ValueError(f"the view's per-query tiers cover {view.choice.shape[0]} queries, the forward has {n}")
+    """A per-query region must say what each query of the forward reads: one row per query."""
+    if view.region.queries != n:
+        raise ValueError(f"the view's per-query region covers {view.region.queries} queries, the forward has {n}")
 
 
 def view_geometry(q: torch.Tensor, k_view, v_view) -> tuple[int, int, int, int]:

@@ -13,13 +13,13 @@ What the kernel does not read goes, by this rule (:func:`decode_route`), to the 
 backend, not a fallback:
 
 * forwards of several tokens (prefill chunks, speculative verify forwards, chunked evaluation):
-  the kernel is a decode kernel; these also carry the per-query precision boundary
-  (:class:`~kivi.cache.view.AttentionView` ``fp_from`` / ``left``), which the blocked path reads;
+  the kernel is a decode kernel; these also carry the per-query precision
+  (:class:`~kivi.cache.view.AttentionView` ``region``), which the blocked path reads;
 * masks that are not one boolean validity row per sequence (an additive float mask, a per-head
   mask): the kernel takes ``kv_valid [B, T]``; the ``"kivi"`` attention registers transformers'
   boolean ``sdpa_mask``, so model forwards never hit this.
 
-A one-token view with a per-query boundary cannot exist (``kivi.cache.schedule.query_boundaries``)
+A one-token view with a per-query region cannot exist (``kivi.cache.schedule.query_boundaries``)
 and raises; formats the kernel does not implement (symmetric codes, compensation codes) raise
 when the table is built (``resolve_attention_backend`` refuses them before a cache is made).
 """

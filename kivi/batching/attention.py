@@ -26,7 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..attention.fused_cpu.paged import PagedLayout, paged_decode_attention
 from ..attention.interface import run_backend
-from ..cache.view import AttentionView
+from ..cache.view import AttentionView, exact_queries
 
 #: The attention implementation name a model runs while a KIVI-pages manager with a packed backend runs.
 PAGED_ATTN_IMPLEMENTATION = "kivi_paged"
@@ -128,7 +128,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: P
         if kv is None:
             continue
         q = query[:, :, starts[i]: starts[i + 1]]
-        if kv.only_full_precision and vv.only_full_precision:
+        if exact_queries(q.shape[-2], kv, vv) == q.shape[-2]:
             out[:, :, starts[i]: starts[i + 1]] = fp_attention(module, q, kv.fp, vv.fp, scaling, window)
         else:
             t = kv.split + kv.fp.shape[-2]  # the request's tokens (the views start at kv.start: pages left the window)

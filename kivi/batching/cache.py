@@ -357,7 +357,7 @@ class KiviPagedCache(PagedAttentionCache):
         """Give one request's ``view`` the per-query boundary of its ``q`` new tokens, as
         :class:`kivi.cache.KiviLayer` does (:func:`kivi.cache.boundary.set_boundary`): query ``i`` reads
         the tokens one-token decoding would have moved out of the window by its step as they are once
-        moved (``view.left``: sink tokens exact, stored tokens quantized and dequantized — bit-identical
+        moved (``view.region``: sink tokens exact, stored tokens quantized and dequantized — bit-identical
         to what the pages then hold). A forward into an empty request (``past == 0``: a prompt's first
         chunk) is an exact prefill (no boundary). ``pending [H, window + q, D]``: window + new tokens."""
         counts = SideCounts(AXIS[side], cfg.residual_length, cfg.group_size, sink, cfg.sink_tokens)

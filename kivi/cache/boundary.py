@@ -1,14 +1,14 @@
-"""The per-query boundary of a forward's views: one home for the layer and the paged cache.
+"""The per-query precision of a forward's views: one home for the layer and both paged caches.
 
 A forward of ``n > 1`` tokens into a side that already holds tokens: one-token decoding would have
 moved some pending tokens (the window and the new ones) out of the window before the later queries
 run (:func:`~kivi.cache.schedule.query_boundaries`). :func:`set_boundary` gives the forward's
-:class:`~kivi.cache.view.AttentionView` that boundary (``fp_from``) and the tokens as they are once
-they left the window (``left``: sink tokens exact, stored tokens quantized and dequantized,
-bit-identical to what storage then holds); a side with position tiers gets ``variants`` / ``choice``
-instead (every stored token at the tier one-token decoding gives it at each query's step,
-:func:`~kivi.cache.schedule.query_tier_ranges`). Inputs are plain: the side's counts, the pending
-tensor, and a function that quantizes pending tokens as storage will.
+:class:`~kivi.cache.view.AttentionView` its :class:`~kivi.cache.view.QueryRegion`: two versions of the
+tokens concerned, ``fp`` and the tokens as they are once out of the window (sink tokens exact, stored
+tokens quantized and dequantized, bit-identical to what storage then holds); a side with position tiers
+gets one version per tier instead (every stored token at the tier one-token decoding gives it at each
+query's step, :func:`~kivi.cache.schedule.query_tier_ranges`). Inputs are plain: the side's counts, the
+pending tensor, and a function that quantizes pending tokens as storage will.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ..quant.demote import demote_kv
 from ..quant.kv import PackedKV, dequantize_kv
 from .schedule import query_boundaries, query_tier_ranges, tier_ranges, window_exits
 from .store import token_slice
-from .view import AttentionView
+from .view import AttentionView, QueryRegion
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,9 @@ class TierLayout:
 
 def set_boundary(view: AttentionView, counts: SideCounts, pending: torch.Tensor, n: int, exact: int,
                  quantize: Callable[[int, int], PackedKV], tiers: TierLayout | None = None) -> None:
-    """Give ``view`` the per-query boundary of a forward of ``n`` tokens (nothing when it is trivial).
+    """Set ``view.region``, the per-query precision of a forward of ``n`` tokens (left ``None`` when every
+    query reads the view as it is). The one function every producer of views calls (the layer's sides,
+    kivi/batching/cache.py, kivi/vllm/paged.py).
 
     ``pending [B, H, window + n, D]``: the side's window then the new tokens; ``exact``: the forward's
     first queries that read every token at full precision (:func:`~kivi.cache.schedule.prefill_exact_queries`);
@@ -66,28 +68,35 @@ def set_boundary(view: AttentionView, counts: SideCounts, pending: torch.Tensor,
     bounds = query_boundaries(c.axis, window, n, *args, exact=exact, **held)
     if bounds is None:
         return
+    leading = next((i for i, b in enumerate(bounds) if b), n)  # queries before the window's first exit
     # The last query's exits: its first `take` pending tokens went to the sink (exact), the next
     # `stored` into quantized storage, quantized here exactly as the flush will quantize them.
     take, stored = c.exits(window + n - 1)
     seg = quantize(take, take + stored) if stored else None
-    view.fp_from = tuple(view.split + b for b in bounds)
-    if tiers is not None and _set_tier_variants(view, c, tiers, pending, seg, take, window, n, exact):
-        return
-    parts = [pending[:, :, :take]] if take else []
-    if seg is not None:
-        parts.append(dequantize_kv(seg, pending.dtype))
-    view.left = torch.cat(parts, dim=-2) if len(parts) > 1 else parts[0]
+    region = None
+    if tiers is not None:
+        region = _tier_region(view, c, tiers, pending, seg, take, window, n, exact, leading)
+    if region is None:
+        parts = [pending[:, :, :take]] if take else []
+        if seg is not None:
+            parts.append(dequantize_kv(seg, pending.dtype))
+        left = torch.cat(parts, dim=-2) if len(parts) > 1 else parts[0]  # [B, H, M, D], M = bounds[-1]
+        m = left.shape[-2]
+        dev = view.fp.device
+        reads_left = torch.arange(m, device=dev)[None, :] < torch.tensor(bounds, device=dev)[:, None]  # [n, M]
+        region = QueryRegion(view.split, (view.fp[:, :, :m], left), reads_left.to(torch.uint8), leading)
+    view.region = region
 
 
-def _set_tier_variants(view: AttentionView, c: SideCounts, tiers: TierLayout, pending: torch.Tensor,
-                       seg: PackedKV | None, take: int, window: int, n: int, exact: int) -> bool:
-    """A tiered side's per-query region (``AttentionView.variants``): each query reads every stored token
+def _tier_region(view: AttentionView, c: SideCounts, tiers: TierLayout, pending: torch.Tensor,
+                 seg: PackedKV | None, take: int, window: int, n: int, exact: int, leading: int) -> QueryRegion | None:
+    """A tiered side's per-query region (one version per tier): each query reads every stored token
     at the tier one-token decoding would give it at that query's step (:func:`query_tier_ranges`),
     including tokens the forward's earlier steps demote and tokens leaving the window that are demoted
     within the same forward. ``seg``: the tokens leaving the window by the last query's step (after
     ``take`` sink tokens), quantized at the newest tier's widths. Positions below are relative to ``split``.
-    False (nothing set) when no query reads a stored token differently from the view's base: only sink
-    tokens left the window, which ``left`` says.
+    ``None`` when no query reads a stored token differently from the view's base: only sink tokens left
+    the window, which the plain two-version region says.
     """
     stored, keeps, bits = view.split - c.sink_len, tiers.keeps, tiers.bits
     ranges = query_tier_ranges(c.axis, window, n, c.residual_length, c.group_size, c.sink_len, c.sink_tokens,
@@ -98,7 +107,7 @@ def _set_tier_variants(view: AttentionView, c: SideCounts, tiers: TierLayout, pe
     moved = [[(max(lo, pre[j][1]), hi) for j, (lo, hi) in enumerate(r)] for r in ranges]
     spans = [(a, b) for r in moved for a, b in r if a < b]
     if not spans:
-        return False
+        return None
     first, end = min(0, *(a for a, _ in spans)), max(b for _, b in spans)  # from `split` on at least: readers
     # walk the store up to the region, the region, then `fp` after it
     L = end - first
@@ -139,10 +148,7 @@ def _set_tier_variants(view: AttentionView, c: SideCounts, tiers: TierLayout, pe
             a, b = min(a for a, _ in tj), max(b for _, b in tj)
             x[:, :, a - first : b - first] = tier_codes(j, a, b)
         versions.append(x)
-    view.variant_from = view.split + first
-    view.variants = tuple(versions)
-    view.choice = choice
-    return True
+    return QueryRegion(view.split + first, tuple(versions), choice, leading)
 
 
 __all__ = ["SideCounts", "TierLayout", "set_boundary"]

@@ -33,21 +33,15 @@ import torch
 from ..config import KiviConfig
 from .layer import KiviLayer
 from .sliding import SlidingKiviLayer, new_layer
-from .view import AttentionView, materialize
+from .view import AttentionView, HeadRange, materialize
 
 
 @dataclass(frozen=True)
-class HeadGroup:
+class HeadGroup(HeadRange):
     """kv heads ``[start, stop)`` of a layer, stored with ``k_bits`` / ``v_bits``."""
 
-    start: int
-    stop: int
     k_bits: int
     v_bits: int
-
-    @property
-    def heads(self) -> int:
-        return self.stop - self.start
 
 
 def head_groups(k_bits: Sequence[int], v_bits: Sequence[int]) -> list[HeadGroup]:
@@ -66,14 +60,14 @@ def head_groups(k_bits: Sequence[int], v_bits: Sequence[int]) -> list[HeadGroup]
 
 @dataclass
 class HeadViews:
-    """One side of a :class:`HeadSplitLayer` for one forward: ``views[i]`` covers kv heads ``groups[i]``."""
+    """One side of a :class:`HeadSplitLayer` for one forward: ``views[i]`` covers kv heads ``groups[i]``.
+
+    Read like an :class:`~kivi.cache.view.AttentionView` (one group): ``groups`` / ``views``, ``fp``,
+    ``per_query``, ``for_queries``; attention loops over the groups without asking which it holds.
+    """
 
     groups: tuple[HeadGroup, ...]
     views: tuple[AttentionView, ...]
-
-    @property
-    def only_full_precision(self) -> bool:
-        return all(v.only_full_precision for v in self.views)
 
     @property
     def per_query(self) -> bool:
@@ -84,12 +78,15 @@ class HeadViews:
         """``[B, H, T_fp, D]``: the groups' full-precision parts in head order."""
         return torch.cat([v.fp for v in self.views], dim=1)
 
+    def for_queries(self, first: int) -> "HeadViews":
+        """Every group's view as the forward's queries from ``first`` on see it."""
+        return HeadViews(self.groups, tuple(v.for_queries(first) for v in self.views))
+
 
 def materialize_heads(views: HeadViews | AttentionView, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``[B, H, T, D]``: :func:`~kivi.cache.view.materialize` of every group, concatenated over heads."""
-    if isinstance(views, AttentionView):
-        return materialize(views, dtype)
-    return torch.cat([materialize(v, dtype) for v in views.views], dim=1)
+    """``[B, H, T, D]``: :func:`~kivi.cache.view.materialize` of every head group, concatenated over heads."""
+    parts = [materialize(v, dtype) for v in views.views]
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
 
 class HeadSplitLayer(KiviLayer):

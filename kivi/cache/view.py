@@ -25,6 +25,53 @@ if TYPE_CHECKING:
     from .store import BlockStore
 
 
+@dataclass(frozen=True)
+class HeadRange:
+    """kv heads ``[start, stop)`` of a layer: what one view of a side covers."""
+
+    start: int
+    stop: int
+
+    @property
+    def heads(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class QueryRegion:
+    """Per-query precision of a forward of ``n > 1`` tokens, the one encoding every reader walks.
+
+    The tokens ``[first, first + L)`` exist in several versions, ``versions[k] [B, H, L, D]``; query ``i``
+    reads position ``first + t`` from ``versions[choice[i, t]]`` (``choice [n, L]`` uint8). ``versions[0]``
+    is what the view reads there without per-query precision (its stored tokens, then ``fp``). The first
+    ``exact`` queries read no token that left the window during the forward (every position from
+    ``versions[0]``): the prefill's queries and those before the first exit of the window
+    (:func:`kivi.cache.schedule.query_boundaries`).
+
+    One encoding for both causes of per-query precision, because both are "this query reads these
+    positions from another version": a plain side's boundary is two versions, ``fp`` and the tokens as
+    they are once out of the window (``choice[i, t] = 1`` for ``t < e_i``, query ``i``'s exits), and a
+    tiered side's demotions are one version per tier (:func:`kivi.cache.schedule.query_tier_ranges`).
+    A list of (query range -> store/fp split) segments would also say the boundary, but not a token
+    read at a tier it only reaches during the forward, so tiers would need the versions anyway; and
+    the versions are what reference and blocked attention already read. Made by
+    :func:`kivi.cache.boundary.set_boundary`.
+    """
+
+    first: int
+    versions: tuple[torch.Tensor, ...]
+    choice: torch.Tensor
+    exact: int
+
+    @property
+    def queries(self) -> int:
+        return self.choice.shape[0]
+
+    def for_queries(self, first: int) -> "QueryRegion":
+        """The region as the forward's queries from ``first`` on see it (their rows of ``choice``)."""
+        return replace(self, choice=self.choice[first:], exact=max(0, self.exact - first))
+
+
 @dataclass
 class AttentionView:
     """What one side (keys or values) of a layer shows attention for the current forward.
@@ -36,18 +83,17 @@ class AttentionView:
 
     Per-query precision (a forward of ``n > 1`` tokens into a layer that already holds tokens:
     a speculative verify forward, a chunk of chunked evaluation or prefill): one-token decoding
-    would have moved some of the ``fp`` tokens out of the window before the later queries run.
-    ``fp_from[i]`` (``n`` non-decreasing absolute positions, or ``None`` for "every query reads
-    ``fp``") is the first token query ``i`` reads from ``fp``; it reads the tokens
-    ``[split, fp_from[i])`` from ``left [B, H, M, D]``, which holds the tokens
-    ``[split, split + M)`` (``M = fp_from[-1] - split``) as they are once they left the window:
-    sink tokens exact, stored tokens quantized and dequantized (bit-identical to what the store
-    will hold: key groups are fixed aligned groups and values are quantized per token, so a
-    token's quantized value does not depend on when it is quantized). The rule is
-    :func:`kivi.cache.schedule.query_boundaries`; ``None`` for every decode step (``n = 1``) and
-    for a prefill into an empty layer. A side with position tiers also moves stored tokens down the
-    tiers at each step: its view carries ``variants`` / ``choice`` (below) instead of ``left``.
-    Readers walk either form through :meth:`variant_region`.
+    would have moved some of the ``fp`` tokens out of the window (and, with position tiers, stored
+    tokens down the tiers) before the later queries run. ``region`` (a :class:`QueryRegion`, or
+    ``None`` when every query reads the view as it is: every decode step, a prefill into an empty
+    layer) says what each query reads instead. Tokens out of the window are as storage will hold
+    them: sink tokens exact, stored tokens quantized and dequantized (bit-identical: key groups are
+    fixed aligned groups and values are quantized per token, so a token's quantized value does not
+    depend on when it is quantized).
+
+    A layer's side is read as a sequence of head groups (``groups`` / ``views``): this view is one
+    group covering all its heads; a layer with per-head widths gives
+    :class:`~kivi.cache.heads.HeadViews`, several. Attention loops over them alike.
     """
 
     store: "BlockStore"
@@ -56,23 +102,7 @@ class AttentionView:
     quantized: bool
     sink: torch.Tensor | None = None
     start: int = 0  # first token position covered, fixed when the view is made (the store moves on)
-    fp_from: tuple[int, ...] | None = None  # per query: first token read from ``fp`` (None: all of them)
-    left: torch.Tensor | None = None  # [B, H, M, D]: tokens [split, split + M) once out of the window
-    # Position tiers (a tiered side's per-query views carry these instead of ``left``): the tokens
-    # ``[variant_from, variant_from + L)`` exist in several versions, ``variants[k] [B, H, L, D]``
-    # (``[0]``: what the view reads there without per-query precision: the stored tokens at their tier
-    # before the forward, then ``fp``; ``[1 + j]``: the tokens at quantized tier ``j``, newest first,
-    # dequantized), and query ``i`` reads position ``variant_from + t`` from ``variants[choice[i, t]]``
-    # (``choice [n, L]`` uint8). Rule: :func:`kivi.cache.schedule.query_tier_ranges`.
-    variant_from: int | None = None
-    variants: tuple[torch.Tensor, ...] | None = None
-    choice: torch.Tensor | None = None
-
-    @property
-    def only_full_precision(self) -> bool:
-        """Every query reads every token at full precision from ``fp`` (no sink, nothing stored, no
-        token leaving the window during the forward)."""
-        return self.quantized and self.sink is None and self.split == self.start and self.fp_from is None
+    region: QueryRegion | None = None  # per-query precision of a multi-token forward
 
     @property
     def tiered(self) -> bool:
@@ -82,59 +112,79 @@ class AttentionView:
 
     @property
     def per_query(self) -> bool:
-        """Whether queries of this forward read some tokens at different precisions (``fp_from`` set)."""
-        return self.fp_from is not None
+        """Whether queries of this forward read some tokens at different precisions (``region`` set)."""
+        return self.region is not None
 
-    def variant_region(self) -> tuple[int, tuple[torch.Tensor, ...], torch.Tensor] | None:
-        """``(first, versions, choice)`` of a per-query view (see the fields above), ``None`` otherwise: what
-        readers walk. A view with ``left`` gives ``(split, (fp[:M], left), choice)`` with ``choice[i, t] = 1``
-        where query ``i`` reads position ``split + t`` from ``left``."""
-        if self.choice is not None:
-            return self.variant_from, self.variants, self.choice
-        if self.fp_from is None:
-            return None
-        m = self.left.shape[-2]
-        use = self.query_reads_left(self.split, self.split + m)
-        return self.split, (self.fp[:, :, :m], self.left), use.to(torch.uint8)
+    @property
+    def groups(self) -> tuple[HeadRange]:
+        """The side's head groups: one, all of this view's heads."""
+        return (HeadRange(0, self.fp.shape[1]),)
+
+    @property
+    def views(self) -> tuple["AttentionView"]:
+        """The view of each head group: this one."""
+        return (self,)
 
     def for_queries(self, first: int) -> "AttentionView":
-        """The view as the forward's queries from ``first`` on see it (their rows of the per-query boundary)."""
-        if self.fp_from is None or not first:
+        """The view as the forward's queries from ``first`` on see it (their rows of the region)."""
+        if self.region is None or not first:
             return self
-        return replace(self, fp_from=self.fp_from[first:], choice=None if self.choice is None else self.choice[first:])
-
-    def query_reads_left(self, first: int, end: int, queries: slice = slice(None)) -> torch.Tensor:
-        """``[n_q, end - first]`` bool: where query ``i`` (of ``queries``) reads kv position ``first + j``
-        from ``left`` rather than from ``fp``/store (the positions ``[split, fp_from[i])``)."""
-        if self.fp_from is None:
-            raise ValueError("query_reads_left: this view has no per-query boundary (fp_from is None)")
-        dev = self.fp.device
-        bound = torch.tensor(self.fp_from[queries], dtype=torch.long, device=dev)  # [n_q]
-        pos = torch.arange(first, end, device=dev)  # [T]
-        return (pos[None, :] >= self.split) & (pos[None, :] < bound[:, None])
+        return replace(self, region=self.region.for_queries(first))
 
 
-def materialize(view: AttentionView, dtype: torch.dtype | None = None, *, left: bool = False) -> torch.Tensor:
+def exact_queries(n: int, *sides) -> int:
+    """How many leading queries of a forward of ``n`` compute exact attention over the tokens ``[0, i]``
+    in every view of ``sides`` (``AttentionView`` s or :class:`~kivi.cache.heads.HeadViews`): the one
+    prefill predicate of the ``"kivi"`` attentions, which run these queries through SDPA over ``fp``.
+
+    ``n`` when nothing is stored and no token leaves the window (a prefill into an empty layer); with a
+    per-query region, its ``exact`` leading queries (the prompt of a prefill that also holds speculative
+    candidates) when the forward is into an empty layer; ``0`` otherwise.
+    """
+    return min((_view_exact(view, n) for side in sides for view in side.views), default=n)
+
+
+def _view_exact(view: AttentionView, n: int) -> int:
+    if not view.quantized or view.sink is not None or view.split != view.start:
+        return 0
+    if view.region is None:
+        return n
+    leading = view.region.exact
+    if leading < n and view.fp.shape[-2] != n:
+        # a split of the forward is for one into an empty layer (query i at position i, what the SDPA
+        # call over fp[:exact] assumes); a later chunk's leading queries sit after the tokens held before
+        # it and go through the backend with the rest
+        return 0
+    return leading
+
+
+def materialize(view: AttentionView, dtype: torch.dtype | None = None, *, query: int | None = None) -> torch.Tensor:
     """``[B, H, T, D]``: the view's sink, its stored tokens dequantized, then its full-precision part.
 
     The reference path (what ``KiviCache.update`` returns for ``attention_backend="reference"``,
     and what every attention backend is tested against). ``dtype`` defaults to ``view.fp``'s.
-    ``left=True`` (views with a per-query boundary): the tokens ``[split, split + M)`` come from
-    ``view.left`` instead, i.e. what the forward's last query reads; query ``i`` reads this tensor
-    where :meth:`AttentionView.query_reads_left` is True and the ``left=False`` one elsewhere.
+    ``query=i`` (views with a per-query region): the tokens as query ``i`` of the forward reads them
+    (``-1``: the last query).
     """
     dtype = dtype or view.fp.dtype
     parts = [] if view.sink is None else [view.sink.to(dtype)]
     for _, seg in view.store.iter_blocks(view.split):
         parts.append(dequantize_kv(seg, dtype) if view.quantized else seg.data.to(dtype))
-    fp = view.fp
-    if left:
-        if view.left is None:
-            raise ValueError("materialize(left=True): this view has no per-query boundary (left is None)")
-        fp = torch.cat([view.left.to(fp.dtype), fp[:, :, view.left.shape[-2]:]], dim=-2)
-    if fp.shape[-2] or not parts:
-        parts.append(fp.to(dtype))
-    return torch.cat(parts, dim=-2) if len(parts) > 1 else parts[0]
+    if view.fp.shape[-2] or not parts:
+        parts.append(view.fp.to(dtype))
+    full = torch.cat(parts, dim=-2) if len(parts) > 1 else parts[0]
+    if query is None:
+        return full
+    r = view.region
+    if r is None:
+        raise ValueError("materialize(query=...): this view has no per-query region (region is None)")
+    off, L = r.first - view.start, r.versions[0].shape[-2]
+    full = full.clone()
+    region = full[:, :, off:off + L]  # [B, H, L, D], a view into full
+    for k in range(1, len(r.versions)):
+        use = r.choice[query] == k  # [L]
+        region[:, :, use] = r.versions[k][:, :, use].to(dtype)
+    return full
 
 
 @dataclass(frozen=True)
@@ -192,4 +242,4 @@ class PackedStates:
         raise self._refusal(f"attention read .{name} of")
 
 
-__all__ = ["AttentionView", "PackedStates", "materialize"]
+__all__ = ["AttentionView", "HeadRange", "PackedStates", "QueryRegion", "exact_queries", "materialize"]

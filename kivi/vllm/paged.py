@@ -36,11 +36,12 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.interface import run_backend
+from ..cache.boundary import SideCounts, set_boundary
 from ..cache.pages import page_store, scatter_tokens, store_rows
-from ..cache.schedule import prefill_exact_queries, query_boundaries, side_tokens, window_exits
-from ..cache.view import AttentionView
+from ..cache.schedule import prefill_exact_queries, side_tokens
+from ..cache.view import AttentionView, exact_queries
 from ..config import KiviConfig
-from ..quant.kv import dequantize_kv, quantize_kv
+from ..quant.kv import quantize_kv
 from ..quant.page import AXIS, SIDES, param_dtype
 from .geometry import KiviGeometry, block_field_views
 
@@ -171,7 +172,7 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
         scatter_tokens(views[side], seg, index, per_row)
     for lo, hi, (kv, vv) in jobs:  # 4. attention, request by request
         q = query[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
-        if kv.only_full_precision and vv.only_full_precision:
+        if exact_queries(q.shape[-2], kv, vv) == q.shape[-2]:
             o = exact_attention(q, kv.fp.to(q.dtype), vv.fp.to(q.dtype), scale)
         else:
             o = run_backend(backend, q, kv, vv, scaling=scale, attention_mask=None)
@@ -187,19 +188,13 @@ def _rows(table: list[int], start: int, count: int, page_size: int, per_row: int
 def _set_boundary(view: AttentionView, cfg: KiviConfig, side: str, pending: torch.Tensor, window: int, q_len: int,
                   past: int) -> None:
     """Per-query precision of a chunk of ``q_len`` tokens into a request holding ``past`` (as
-    :class:`kivi.cache.KiviLayer`): query ``i`` reads the tokens one-token decoding would have moved out
-    of the window by its step as they are once moved (``view.left``, bit-identical to what the pages then
-    hold). A request's first chunk (``past == 0``) is an exact prefill. ``pending [H, window + q_len, D]``."""
-    if q_len <= 1:
-        return
-    args = (cfg.residual_length, cfg.group_size, 0, 0)
-    bounds = query_boundaries(AXIS[side], window, q_len, *args, exact=prefill_exact_queries(past, q_len, None))
-    if bounds is None:
-        return
-    _, moved = window_exits(AXIS[side], window + q_len - 1, *args)  # the last query's exits (no sink)
-    seg = _quantize(cfg, side, pending[:, :moved])
-    view.left = dequantize_kv(seg, pending.dtype)  # [1, H, M, D]
-    view.fp_from = tuple(view.split + b for b in bounds)
+    :class:`kivi.cache.KiviLayer`, :func:`kivi.cache.boundary.set_boundary`): query ``i`` reads the tokens
+    one-token decoding would have moved out of the window by its step as they are once moved (bit-identical
+    to what the pages then hold). A request's first chunk (``past == 0``) is an exact prefill.
+    ``pending [H, window + q_len, D]``."""
+    counts = SideCounts(AXIS[side], cfg.residual_length, cfg.group_size, 0, 0)  # no sink
+    set_boundary(view, counts, pending.unsqueeze(0), q_len, prefill_exact_queries(past, q_len, None),
+                 lambda lo, hi: _quantize(cfg, side, pending[:, lo:hi]))
 
 
 __all__ = ["StepBatch", "paged_step", "exact_attention", "decode_rows", "ring_slots"]

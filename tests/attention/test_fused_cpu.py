@@ -19,6 +19,7 @@ from kivi.attention.fused_cpu import (  # noqa: E402
     fused_decode_supported,
 )
 from kivi.cache.layer import KiviLayer  # noqa: E402
+from kivi.cache.view import QueryRegion  # noqa: E402
 from kivi.cache.sliding import SlidingKiviLayer  # noqa: E402
 
 
@@ -365,5 +366,6 @@ def test_a_view_with_a_per_query_boundary_never_reaches_the_kernel():
     views = _fill(cfg, 1, 2, 32, [70, 1], torch.float32)
     q = torch.randn(1, 4, 1, 32)
     assert fused_decode_supported(q, *views)
-    views[1].fp_from, views[1].left = (views[1].split + 1,), views[1].fp[:, :, :1]
+    fp = views[1].fp
+    views[1].region = QueryRegion(views[1].split, (fp[:, :, :1], fp[:, :, :1]), torch.ones(1, 1, dtype=torch.uint8), 0)
     assert not fused_decode_supported(q, *views)

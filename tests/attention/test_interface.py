@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kivi.attention.interface import exact_queries, kivi_attention_forward
+from kivi.attention.interface import kivi_attention_forward
 from kivi.attention.reference import reference_attention
 from kivi.cache.layer import KiviLayer
-from kivi.cache.view import PackedStates
+from kivi.cache.view import PackedStates, exact_queries
 from kivi.config import KiviConfig
 
 CFG = KiviConfig(group_size=8, residual_length=16, block_size=32, k_bits=2, v_bits=2)
@@ -42,7 +42,7 @@ def _forward(prompt: int | None, n: int, backend: str, dtype=torch.float32, mask
 @pytest.mark.parametrize("prompt,n,mask", [(50, 61, False), (37, 45, True), (200, 211, False)])
 def test_prompt_queries_get_the_plain_prefill_output_bit_for_bit(backend, dtype, prompt, n, mask):
     q, k, v, kv, vv, attn_mask, out = _forward(prompt, n, backend, dtype, mask)
-    assert exact_queries(kv, n) == exact_queries(vv, n) == prompt  # the candidates carry a boundary
+    assert exact_queries(n, kv) == exact_queries(n, vv) == prompt  # the candidates carry a boundary
     plain, _ = sdpa_attention_forward(_Attention(), q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt],
                                       None if attn_mask is None else attn_mask[..., :prompt, :prompt], scaling=0.25)
     assert torch.equal(out[:, :prompt], plain)
@@ -54,11 +54,11 @@ def test_prompt_queries_get_the_plain_prefill_output_bit_for_bit(backend, dtype,
 
 def test_exact_queries():
     _, _, _, kv, vv, _, _ = _forward(None, 40, "cpu")
-    assert exact_queries(kv, 40) == exact_queries(vv, 40) == 40  # a plain prefill: all of them
+    assert exact_queries(40, kv) == exact_queries(40, vv) == 40  # a plain prefill: all of them
     layer = KiviLayer(CFG)
     layer.append(*(torch.randn(1, 2, 30, 16) for _ in range(2)))
     kv, vv = layer.append(*(torch.randn(1, 2, 5, 16) for _ in range(2)))
-    assert exact_queries(kv, 5) == exact_queries(vv, 5) == 0  # tokens are stored: nothing is exact
+    assert exact_queries(5, kv) == exact_queries(5, vv) == 0  # tokens are stored: nothing is exact
 
 
 TIERED = KiviConfig(group_size=8, residual_length=16, block_size=32, k_bits=4, v_bits=4, sink_tokens=3,

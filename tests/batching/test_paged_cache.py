@@ -80,11 +80,14 @@ def _run(cfg: KiviConfig, dtype: torch.dtype, schedule: list[list[tuple[str, int
                 kview, vview = ref_layer.append(k[None, :, off_new: off_new + q], v[None, :, off_new: off_new + q])
                 rk, rv = materialize(kview, ref_layer.dtype), materialize(vview, ref_layer.dtype)
                 for got_view, ref_view in ((pk.views[i], kview), (pv.views[i], vview)):
-                    assert got_view.fp_from == ref_view.fp_from, (rid, layer, past, q)
+                    assert (got_view.region is None) == (ref_view.region is None), (rid, layer, past, q)
                     assert torch.equal(materialize(got_view, dtype), materialize(ref_view, dtype))
-                    if ref_view.fp_from is not None:
-                        assert torch.equal(materialize(got_view, dtype, left=True),
-                                           materialize(ref_view, dtype, left=True)), (rid, layer, past, q)
+                    if ref_view.region is not None:
+                        got_r, ref_r = got_view.region, ref_view.region
+                        assert (got_r.first, got_r.exact) == (ref_r.first, ref_r.exact), (rid, layer, past, q)
+                        assert torch.equal(got_r.choice, ref_r.choice), (rid, layer, past, q)
+                        assert torch.equal(materialize(got_view, dtype, query=-1),
+                                           materialize(ref_view, dtype, query=-1)), (rid, layer, past, q)
                 got_k = ks[:, off_seen: off_seen + past + q]
                 got_v = vs[:, off_seen: off_seen + past + q]
                 assert torch.equal(got_k, rk[0]), (rid, layer, past, q, (got_k - rk[0]).abs().max())
@@ -199,19 +202,17 @@ def test_packed_attention_matches_materialized_pages(name, backend):
             qry = query[:, :, off_q: off_q + q]
             if pk.views[i] is None:  # a decoding request, read by the one paged decode kernel call
                 assert q == 1 and backend == "cpu" and i in pk.decode.rows and pv.decode is pk.decode
-            if pk.views[i] is None or (pk.views[i].fp_from is None and pv.views[i].fp_from is None):
+            if pk.views[i] is None or (pk.views[i].region is None and pv.views[i].region is None):
                 want = fp_attention(_ATTN, qry, keys, vals, D**-0.5).transpose(1, 2)
             else:
                 rows = []
                 for j in range(q):
                     kv_j = []
                     for view, plain_t in ((pk.views[i], keys), (pv.views[i], vals)):
-                        if view.fp_from is None:
+                        if view.region is None:
                             kv_j.append(plain_t)
                             continue
-                        left = materialize(view, torch.float32, left=True)
-                        reads = view.query_reads_left(0, past + q, slice(j, j + 1))[0]  # [past + q]
-                        kv_j.append(torch.where(reads[None, None, :, None], left, plain_t))
+                        kv_j.append(materialize(view, torch.float32, query=j))  # what query j reads
                     end = past + j + 1  # causal: query j sees the tokens up to itself
                     rows.append(fp_attention(_ATTN, qry[:, :, j: j + 1], kv_j[0][:, :, :end], kv_j[1][:, :, :end],
                                              D**-0.5))

@@ -8,12 +8,12 @@ import torch
 
 from kivi import KiviCache, KiviConfig
 from kivi.attention.blocked import blocked_attention
-from kivi.attention.interface import exact_queries, run_backend
+from kivi.attention.interface import run_backend
 from kivi.attention.reference import reference_attention
 from kivi.cache.layer import KiviLayer
 from kivi.cache.schedule import KEY_AXIS, VALUE_AXIS, quantizing, query_boundaries, side_tokens, window_exits
 from kivi.cache.sliding import SlidingKiviLayer
-from kivi.cache.view import materialize
+from kivi.cache.view import exact_queries, materialize
 from kivi.optional import numba_available
 from tests.helpers import tiny_model
 
@@ -111,7 +111,7 @@ def test_below_n_everything_is_full_precision_and_exact(dtype):
     assert torch.equal(layer.k.window, k) and torch.equal(layer.v.window, v)
     assert layer.nbytes == 2 * k.numel() * k.element_size()  # what a DynamicCache holds
     kv, vv = views[-1]
-    assert exact_queries(kv, 1) == exact_queries(vv, 1) == 1  # the "kivi" attention runs SDPA on it
+    assert exact_queries(1, kv) == exact_queries(1, vv) == 1  # the "kivi" attention runs SDPA on it
     assert torch.equal(materialize(kv, dtype), k) and torch.equal(materialize(vv, dtype), v)
 
 

@@ -222,8 +222,9 @@ def test_forward_reads_tokens_its_earlier_steps_demoted():
     """A verify-sized forward (9 tokens, values move one token per step): the first query reads every
     stored token at its tier before the forward, the last reads at 2 bits tokens the first reads at 4."""
     one, multi, views = _one_token_vs_forward(T3, 150, 9, torch.float32, "reference", seed=3)
-    choice = views[1].choice
-    assert choice is not None and int(choice[0].max()) == 0
+    assert views[1].region is not None
+    choice = views[1].region.choice
+    assert int(choice[0].max()) == 0
     assert int((choice[-1] == 2).sum()) == 8  # the 8 values the 8 later steps push out of the 4-bit tier
     torch.testing.assert_close(multi, one, atol=1e-5, rtol=1e-5)
 

@@ -1,4 +1,4 @@
-"""Per-query precision of multi-token forwards (AttentionView ``fp_from`` / ``left``) and exact crop.
+"""Per-query precision of multi-token forwards (AttentionView ``region``) and exact crop.
 
 A forward of n tokens must give query i what one-token decoding gives it at step p + i; the
 reference and the blocked backends read the boundary; crop after a recorded forward leaves the
@@ -16,7 +16,7 @@ from kivi.attention.blocked import blocked_attention
 from kivi.attention.reference import reference_attention
 from kivi.cache.layer import KiviLayer
 from kivi.cache.schedule import KEY_AXIS, VALUE_AXIS, prefill_exact_queries, query_boundaries, side_tokens
-from kivi.cache.view import materialize
+from kivi.cache.view import exact_queries, materialize
 from kivi.config import KiviConfig
 
 BASE = dict(group_size=8, residual_length=16, block_size=32)
@@ -28,6 +28,17 @@ CFGS = {
     "fp-values": dict(k_bits=2, quantize_value=False),
 }
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def _exits(view):
+    """Per query, how many of the region's tokens it reads as they are once out of the window (a plain
+    side's region: two versions, each query reading a prefix from the second)."""
+    r = view.region
+    assert len(r.versions) == 2 and r.first == view.split
+    exits = tuple(int(x) for x in r.choice.sum(dim=1))
+    pos = torch.arange(r.choice.shape[1])
+    assert torch.equal(r.choice.bool(), pos[None, :] < torch.tensor(exits)[:, None])  # prefixes
+    return exits
 
 
 # --------------------------------------------------------------------------- the rule
@@ -104,7 +115,7 @@ def test_a_forward_of_n_tokens_equals_one_token_decoding(name, dtype, t0, n):
         got = attend(q[:, :, t0:], kv, vv).float()
         torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
     if dtype == torch.float32 and (kv.per_query or vv.per_query):  # without the boundary: later queries differ
-        kv.fp_from = vv.fp_from = kv.left = vv.left = None
+        kv.region = vv.region = None
         old = reference_attention(q[:, :, t0:], kv, vv).float()
         assert (old - want).abs().max() > 3 * TOL[dtype]
 
@@ -119,12 +130,15 @@ def test_left_copy_is_bit_identical_to_what_the_store_then_holds(name):
     nxt = layer.append(k[:, :, 100:101], v[:, :, 100:101])
     checked = 0
     for view, later in zip(views, nxt):
-        if view.left is None:
+        if view.region is None:
             continue
-        m = view.left.shape[-2]
-        assert tuple(view.fp_from) == tuple(sorted(view.fp_from)) and view.fp_from[-1] == view.split + m
+        left = view.region.versions[1]
+        m = left.shape[-2]
+        exits = _exits(view)
+        assert view.region.first == view.split
+        assert exits == tuple(sorted(exits)) and exits[-1] == m
         seen_later = materialize(later)[:, :, view.split - later.start : view.split - later.start + m]
-        assert torch.equal(seen_later, view.left)
+        assert torch.equal(seen_later, left)
         checked += 1
     assert checked
 
@@ -134,13 +148,13 @@ def test_prefill_is_exact_and_decode_steps_carry_no_boundary():
     _, k, v = _qkv(80)
     layer = KiviLayer(cfg)
     kv, vv = layer.append(k[:, :, :60], v[:, :, :60])
-    assert kv.only_full_precision and vv.only_full_precision  # a prefill: SDPA over exact tokens
+    assert exact_queries(60, kv) == exact_queries(60, vv) == 60  # a prefill: SDPA over exact tokens
     kv, vv = layer.append(k[:, :, 60:61], v[:, :, 60:61])
     assert not kv.per_query and not vv.per_query
     layer = KiviLayer(cfg)
     layer.prompt_length = 50  # the prompt and 10 candidates in one forward (assisted decoding)
     kv, vv = layer.append(k[:, :, :60], v[:, :, :60])
-    assert vv.per_query and vv.fp_from[:50] == (0,) * 50 and vv.fp_from[50] == 50 - 16
+    assert vv.per_query and _exits(vv)[:50] == (0,) * 50 and _exits(vv)[50] == 50 - 16
 
 
 # --------------------------------------------------------------------------- crop

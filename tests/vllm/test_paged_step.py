@@ -14,6 +14,7 @@ import torch
 
 from kivi.attention.interface import run_backend
 from kivi.cache.layer import KiviLayer
+from kivi.cache.view import exact_queries
 from kivi.config import KiviConfig
 from kivi.vllm.geometry import build_geometry
 from kivi.vllm.paged import StepBatch, exact_attention, paged_step
@@ -57,7 +58,7 @@ class FakeVllm:
 def reference_step(layer: KiviLayer, q, k, v, scale):
     kv, vv = layer.append(k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0))
     qq = q.transpose(0, 1).unsqueeze(0)
-    if kv.only_full_precision and vv.only_full_precision:
+    if exact_queries(qq.shape[-2], kv, vv) == qq.shape[-2]:
         o = exact_attention(qq, kv.fp, vv.fp, scale)
     else:
         o = run_backend("reference", qq, kv, vv, scaling=scale, attention_mask=None)

@@ -86,7 +86,7 @@ def fused_decode_supported(q: torch.Tensor, k_view: AttentionView, v_view: Atten
                            attention_mask: torch.Tensor | None = None, *, formats_checked: bool = False) -> bool:
     """Whether :func:`fused_decode_attention` handles this call (numba present, n == 1, formats).
 
-    One query reads every token at one precision: a per-query boundary (``fp_from``) exists only for
+    One query reads every token at one precision: a per-query region (``region``) exists only for
     ``n > 1`` (:func:`kivi.cache.schedule.query_boundaries`), so it never reaches the kernel; a view
     that carries one anyway is refused here rather than read at the wrong precision.
     ``formats_checked``: the stored formats are known to be ones the kernel reads (decided once for the
@@ -113,8 +113,8 @@ def _query_supported(q: torch.Tensor, attention_mask: torch.Tensor | None) -> bo
 
 
 def _views_supported(k_view: AttentionView, v_view: AttentionView, formats_checked: bool = False) -> bool:
-    """The views part of :func:`fused_decode_supported`: no per-query boundary, formats the kernel reads."""
-    if k_view.fp_from is not None or v_view.fp_from is not None:
+    """The views part of :func:`fused_decode_supported`: no per-query region, formats the kernel reads."""
+    if k_view.per_query or v_view.per_query:
         return False
     if formats_checked:
         return True
