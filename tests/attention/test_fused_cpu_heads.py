@@ -106,9 +106,9 @@ def test_3bit_groups_run_in_the_one_call(monkeypatch):
     assert fused_decode_heads_supported(q, kv, vv)
     calls, real = [], pkg.fused_decode_heads
     monkeypatch.setattr(pkg, "fused_decode_heads", lambda *a, **k: calls.append(1) or real(*a, **k))
-    from kivi.attention.interface import _head_groups_forward
+    from kivi.attention.interface import layer_attention
 
-    out = _head_groups_forward(None, q, kv, vv, None, "cpu", scaling=None, is_causal=None)[0].transpose(1, 2)
+    out = layer_attention("cpu", q, kv, vv, scaling=None, attention_mask=None)
     assert calls == [1]
     torch.testing.assert_close(out, run("reference", q, kv, vv, scaling=None, attention_mask=None), atol=1e-5,
                                rtol=1e-5)

@@ -13,8 +13,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kivi.attention.interface import kivi_attention_forward
 from kivi.attention.reference import reference_attention
+from kivi.cache.heads import HeadSplitLayer
 from kivi.cache.layer import KiviLayer
-from kivi.cache.view import PackedStates, exact_queries
+from kivi.cache.view import HeadRange, PackedStates, exact_queries
 from kivi.config import KiviConfig
 
 CFG = KiviConfig(group_size=8, residual_length=16, block_size=32, k_bits=2, v_bits=2)
@@ -89,3 +90,41 @@ def test_candidates_after_a_tiered_prompt_read_what_one_token_decoding_gives(bac
         want.append(one)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out[:, prompt:].float(), torch.cat(want, dim=1).float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("widths", [([2, 4], [2, 2]), ([2, 2], [2, 2])], ids=["two-groups", "one-group"])
+def test_per_head_prompt_queries_get_the_plain_prefill_output_bit_for_bit(backend, widths):
+    """A layer with per-head widths is read as a sequence of head groups like a plain layer (one group), so
+    a prefill holding speculative candidates splits alike: the prompt's queries take the plain prefill's
+    SDPA call, and the whole output equals the plain layer's where the widths are the plain layer's."""
+    prompt, n = 50, 61
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, h, n, 16, generator=gen) for h in (6, 2, 2))
+    layer = HeadSplitLayer(CFG, *widths)
+    layer.prompt_length = prompt
+    kv, vv = layer.append(k, v)
+    assert exact_queries(n, kv, vv) == prompt
+    out, _ = kivi_attention_forward(_Attention(), q, PackedStates(kv, backend), PackedStates(vv, backend), None,
+                                    scaling=0.25)
+    plain, _ = sdpa_attention_forward(_Attention(), q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt], None,
+                                      scaling=0.25)
+    assert torch.equal(out[:, :prompt], plain)
+    if widths == ([2, 2], [2, 2]):
+        ref = KiviLayer(CFG)
+        ref.prompt_length = prompt
+        rk, rv = ref.append(k, v)
+        want, _ = kivi_attention_forward(_Attention(), q, PackedStates(rk, backend), PackedStates(rv, backend), None,
+                                         scaling=0.25)
+        assert torch.equal(out, want)
+
+
+def test_a_plain_view_is_one_head_group():
+    """Attention reads every side as head groups (``groups`` / ``views``): a plain view is one, over all heads."""
+    layer = KiviLayer(CFG)
+    kv, _ = layer.append(*(torch.randn(1, 2, 40, 16) for _ in range(2)))
+    assert kv.groups == (HeadRange(0, 2),) and kv.views == (kv,)
+    split = HeadSplitLayer(CFG, [2, 4], [2, 2])
+    sk, _ = split.append(*(torch.randn(1, 2, 40, 16) for _ in range(2)))
+    assert [(g.start, g.stop) for g in sk.groups] == [(0, 1), (1, 2)] and len(sk.views) == 2
+    assert exact_queries(40, kv) == exact_queries(40, sk) == 40

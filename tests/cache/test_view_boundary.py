@@ -143,6 +143,35 @@ def test_left_copy_is_bit_identical_to_what_the_store_then_holds(name):
     assert checked
 
 
+TIERS_SINK = dict(k_bits=8, v_bits=4, group_size=8, residual_length=16, block_size=32, sink_tokens=3,
+                  tiers=[(16, None), (16, (8, 4)), (None, (4, 2))])
+
+
+@pytest.mark.parametrize("name", [*CFGS, "tiers-sink"])
+def test_each_query_reads_the_view_one_token_decoding_gives_it(name):
+    """The one per-query encoding (``QueryRegion``): query ``i`` of a forward reads, bit for bit, the tokens
+    of the view one-token decoding gives step ``i`` — for a plain side's boundary and a tiered side's
+    demotions alike; the region's ``exact`` queries are those that read nothing from another version."""
+    cfg = KiviConfig(**TIERS_SINK) if name == "tiers-sink" else KiviConfig(**BASE, **CFGS[name])
+    _, k, v = _qkv(110)
+    t0, n = 50, 40
+    layer, steps = KiviLayer(cfg), KiviLayer(cfg)
+    layer.append(k[:, :, :t0], v[:, :, :t0])
+    steps.append(k[:, :, :t0], v[:, :, :t0])
+    views = layer.append(k[:, :, t0:t0 + n], v[:, :, t0:t0 + n])
+    assert views[0].per_query  # keys leave the window during the forward (values too, unless unquantized)
+    for view in (vw for vw in views if vw.per_query):
+        r = view.region
+        reads_other = r.choice.bool().any(dim=1)
+        assert r.exact == int(reads_other.int().argmax()) and not bool(reads_other[:r.exact].any())
+        assert all(x.shape[-2] == r.choice.shape[1] for x in r.versions) and r.choice.shape[0] == n
+    for i in range(n):
+        step_views = steps.append(k[:, :, t0 + i:t0 + i + 1], v[:, :, t0 + i:t0 + i + 1])
+        for view, step in zip(views, step_views):
+            got = (materialize(view, query=i) if view.per_query else materialize(view))[:, :, : t0 + i + 1]
+            assert torch.equal(got, materialize(step)), (name, i)
+
+
 def test_prefill_is_exact_and_decode_steps_carry_no_boundary():
     cfg = KiviConfig(**BASE, k_bits=2, v_bits=2)
     _, k, v = _qkv(80)
