@@ -10,7 +10,7 @@ to the next narrower width, what ages out of it by the window's own rule
 An :class:`~kivi.cache.view.AttentionView` of a tiered side carries a ``TierChain`` of snapshots
 (:meth:`BlockStore.frozen`, taken when the view is made: what a decode step reads; each query of a
 multi-token forward also gets the tokens that forward's earlier steps demote, through the view's
-``variants`` / ``choice``, :mod:`kivi.cache.boundary`) as its ``store``: ``iter_blocks`` walks every
+``region``, :mod:`kivi.cache.boundary`) as its ``store``: ``iter_blocks`` walks every
 tier's blocks in token order, each segment with its own ``bits``, so every reader that dequantizes
 segment by segment reads tiers as is; the fused numba kernel's tables list every tier store's blocks,
 each row with its own width. Triton reads one width per side: :func:`kivi.attention.interface.run_backend`
