@@ -19,8 +19,8 @@ from kivi.attention.fused_cpu import (  # noqa: E402
     fused_decode_supported,
 )
 from kivi.cache.layer import KiviLayer  # noqa: E402
-from kivi.cache.view import QueryRegion  # noqa: E402
 from kivi.cache.sliding import SlidingKiviLayer  # noqa: E402
+from kivi.cache.view import QueryRegion  # noqa: E402
 
 
 def _fill(cfg, B, hkv, D, lengths, dtype, valid=None, seed=0, const=False):
