@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .quant.primitives import check_bits
+from .quant.primitives import SUPPORTED_BITS, check_bits
 from .quant.side_format import AXIS, SIDES, SideFormat
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -28,7 +28,8 @@ ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
 #: Sink tokens are a handful of full-precision tokens; more than this is a mistake (not a cache).
 MAX_SINK_TOKENS = 4096
 SCALE_DTYPES = ("auto", "float16", "bfloat16", "float32")
-RESIDUAL_BITS = (0, 1, 2, 3, 4, 8)
+#: Compensation code widths: 0 (off) or any code width (the codes are packed like the quantized ones).
+RESIDUAL_BITS = (0, *SUPPORTED_BITS)
 #: ``clip`` values: off, both sides, or one side only.
 CLIP_VALUES = (False, True, "keys", "values")
 

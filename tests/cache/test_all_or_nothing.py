@@ -292,7 +292,7 @@ def test_the_injector_reaches_the_quantizers_and_the_store():
         if inj.fired is None:
             break
         names.add(inj.fired)
-    assert {"quantize_kv", "BlockStore.append_in_place", "torch.cat", "window_exits",
+    assert {"quantize_side", "BlockStore.append_in_place", "torch.cat", "window_exits",
             "SideState.flush", "Tensor.clone"} <= names, names
 
 
