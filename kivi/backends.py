@@ -21,12 +21,14 @@ is announced with a warning that says how to fix it.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
 from .config import ATTENTION_BACKENDS
 from .optional import numba_available, triton_available
 from .quant.primitives import SUPPORTED_BITS
+from .quant.side_format import SIDES, SideFormat
 
 #: Name of the attention implementation kivi registers with transformers (kivi.attention.interface).
 ATTN_IMPLEMENTATION = "kivi"
@@ -55,9 +57,21 @@ def model_attention_unsupported(model_config: Any) -> str | None:
     return None
 
 
-def _layer_configs(config: Any) -> list:
-    """``config`` and each of its per-layer variants (every format a cache built from it stores)."""
-    return [config] + [config.for_layer(i) for i in config.layer_specific_config]
+def stored_formats(config: Any) -> list[SideFormat]:
+    """Every quantized format a cache of ``config`` stores, without repeats: each side of the config and of
+    each layer it overrides (``layer_specific_config``) or splits by head (``head_bits``), at every width
+    its tokens take (the layer's, each position tier's, each head's)."""
+    layers = sorted(set(config.layer_specific_config) | set(config.head_bits))
+    out: list[SideFormat] = []
+    for idx, c in [(None, config)] + [(i, config.for_layer(i)) for i in layers]:
+        heads = config.layer_head_bits(idx) if idx is not None else None
+        for j, (side, quant) in enumerate(zip(SIDES, (c.quantize_key, c.quantize_value))):
+            if not quant:
+                continue
+            fmt = c.side_format(side)
+            widths = {fmt.bits} | {w[j] for _, w in (c.tiers or ())[1:]} | set(heads[j] if heads else ())
+            out += [f for f in (dataclasses.replace(fmt, bits=b) for b in sorted(widths)) if f not in out]
+    return out
 
 
 class Backend:
@@ -149,27 +163,21 @@ class TritonBackend(Backend):
 
 
 def _triton_config_reasons(config: Any) -> list[str]:
-    for c in _layer_configs(config):
-        if c.symmetric:
-            return ["symmetric quantization"]
-        if c.residual_bits:
-            return ["error compensation (residual_bits > 0)"]
-    return []  # every code width the config allows (per-head widths too) is read by the kernel
+    why = []
+    for f in stored_formats(config):  # every code width is read by the kernel (per-head widths too)
+        if f.symmetric and "symmetric quantization" not in why:
+            why.append("symmetric quantization")
+        if f.residual_bits and "error compensation (residual_bits > 0)" not in why:
+            why.append("error compensation (residual_bits > 0)")
+    return why
 
 
 def kernel_config_reasons(config: Any, format_reasons) -> list[str]:
-    """``format_reasons(bits, axis, group_size)`` over every stored format of caches made with ``config``
-    (per-layer configs, per-head widths, position tiers), without repeats."""
+    """``format_reasons(bits, axis, group_size)`` over every format a cache of ``config`` stores
+    (:func:`stored_formats`), without repeats."""
     out: list[str] = []
-    for c in _layer_configs(config):
-        kb = {c.k_bits} | {b for _, w in (c.tiers or ())[1:] for b in w[:1]}
-        vb = {c.v_bits} | {b for _, w in (c.tiers or ())[1:] for b in w[1:]}
-        for entry in config.head_bits.values():
-            kb |= set(entry.get("k_bits", ()))
-            vb |= set(entry.get("v_bits", ()))
-        for quant, axis, widths in ((c.quantize_key, "channel", kb), (c.quantize_value, "token", vb)):
-            for b in sorted(widths) if quant else ():
-                out += [w for w in format_reasons(b, axis, c.group_size) if w not in out]
+    for f in stored_formats(config):
+        out += [w for w in format_reasons(f.bits, f.axis, f.group_size) if w not in out]
     return out
 
 
@@ -285,4 +293,6 @@ __all__ = [
     "attention_reads_views",
     "model_attention_unsupported",
     "kernel_config_unsupported",
+    "kernel_config_reasons",
+    "stored_formats",
 ]

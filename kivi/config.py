@@ -8,7 +8,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .quant.primitives import check_bits
+import torch
+
+from .quant.primitives import SUPPORTED_BITS, check_bits
+from .quant.side_format import AXIS, SIDES, SideFormat
 
 PRESETS: dict[str, dict[str, Any]] = {
     # 4-bit keys and values + 4 full-precision sink tokens: within ~0.3% of full precision here.
@@ -25,7 +28,8 @@ ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
 #: Sink tokens are a handful of full-precision tokens; more than this is a mistake (not a cache).
 MAX_SINK_TOKENS = 4096
 SCALE_DTYPES = ("auto", "float16", "bfloat16", "float32")
-RESIDUAL_BITS = (0, 1, 2, 3, 4, 8)
+#: Compensation code widths: 0 (off) or any code width (the codes are packed like the quantized ones).
+RESIDUAL_BITS = (0, *SUPPORTED_BITS)
 #: ``clip`` values: off, both sides, or one side only.
 CLIP_VALUES = (False, True, "keys", "values")
 
@@ -223,6 +227,26 @@ class KiviConfig:
     def clips(self, axis: str) -> bool:
         """Whether groups of ``axis`` (``"channel"``: keys, ``"token"``: values) are clipped."""
         return self.clip is True or self.clip == ("keys" if axis == "channel" else "values")
+
+    def side_format(self, side: str, layer: int | None = None, head: int | None = None) -> SideFormat:
+        """The quantized format of side ``side`` (``"k"`` keys, ``"v"`` values): of this config, or of layer
+        ``layer`` (``layer_specific_config`` applied) and, with ``head``, of that kv head (``head_bits``)."""
+        if side not in SIDES:
+            raise ValueError(f"side={side!r} must be one of {list(SIDES)} (keys, values)")
+        cfg = self.for_layer(layer) if layer in self.layer_specific_config else self  # only fields are read
+        bits = cfg.k_bits if side == "k" else cfg.v_bits
+        if head is not None:
+            if layer is None:
+                raise ValueError(f"head={head!r} needs layer: per-head widths (head_bits) are given per layer")
+            widths = self.layer_head_bits(layer)
+            if widths is not None:
+                if isinstance(head, bool) or not isinstance(head, int) or not 0 <= head < len(widths[0]):
+                    raise ValueError(f"head={head!r} is not a kv head of layer {layer} "
+                                     f"(head_bits gives {len(widths[0])}: 0..{len(widths[0]) - 1})")
+                bits = widths[SIDES.index(side)][head]
+        sd = None if cfg.scale_dtype == "auto" else getattr(torch, cfg.scale_dtype)
+        return SideFormat(AXIS[side], bits, cfg.group_size, symmetric=cfg.symmetric, residual_bits=cfg.residual_bits,
+                          clip=cfg.clips(AXIS[side]), scale_dtype=sd, check_finite=cfg.check_finite)
 
     # ------------------------------------------------------------------ per layer
     def for_layer(self, layer_idx: int) -> "KiviConfig":

@@ -81,6 +81,28 @@ def test_cpu_backend_decides_the_stored_formats_once_per_config(cfg, reads):
     assert CpuBackend().kernel_reads_layouts is None  # no config: each call's views are checked
 
 
+def test_stored_formats_are_every_format_a_cache_stores():
+    """Per-layer overrides, per-head widths (of their own layer only) and position tiers, each format once;
+    the Triton check reads symmetric codes and compensation off them."""
+    import dataclasses
+
+    from kivi import KiviConfig
+    from kivi.backends import TritonBackend, stored_formats
+
+    cfg = KiviConfig(k_bits=4, v_bits=4, group_size=16, residual_length=32, block_size=64,
+                     tiers=[(32, None), (64, 4), (None, 2)],
+                     layer_specific_config={1: {"tiers": None, "symmetric": True, "quantize_value": False}},
+                     head_bits={2: {"k_bits": [8, 4]}})
+    k, v = cfg.side_format("k"), cfg.side_format("v")
+    sym = dataclasses.replace(k, symmetric=True)
+    assert stored_formats(cfg) == [dataclasses.replace(k, bits=2), k, dataclasses.replace(v, bits=2), v, sym,
+                                   dataclasses.replace(k, bits=8)]
+    assert TritonBackend().supports(config=cfg)[-1:] == ["does not implement symmetric quantization; use 'cpu' or "
+                                                         "'reference'"]
+    no_sym = dataclasses.replace(cfg, layer_specific_config={1: {"tiers": None, "quantize_value": False}})
+    assert not any("symmetric" in w for w in TritonBackend().supports(config=no_sym))
+
+
 def test_decode_steps_of_a_cache_do_not_rescan_formats(monkeypatch):
     """The cache's backend decided its formats when it was built: decode steps check only query and mask,
     and still run the fused kernel (same logits as a backend that scans every call)."""

@@ -226,11 +226,16 @@ def test_agrees_with_kivicache_tiny_llama(cfg, prefill, total, batch):
     assert e.fp_total_bytes == 2 * 3 * 2 * 32 * 4 * total * batch
 
 
+@pytest.mark.parametrize("cfg", [
+    KiviConfig(),
+    KiviConfig(scale_dtype="float32"),  # scales wider than the cache: the format's parameter dtype rule
+    KiviConfig(scale_dtype="float16", residual_bits=2, layer_specific_config={1: {"k_bits": 4, "clip": True}}),
+], ids=["auto", "scales-fp32", "scales-fp16-comp-layer"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_agrees_with_kivicache_half_precision(dtype):
+def test_agrees_with_kivicache_half_precision(dtype, cfg):
     model = tiny_model(num_hidden_layers=3)
-    cache = _run(model, KiviConfig(), 1000, 1003, dtype=dtype)
-    e = estimate_kv_memory(model, 1003, prefill=1000)  # dtype read from the model
+    cache = _run(model, cfg, 1000, 1003, dtype=dtype)
+    e = estimate_kv_memory(model, 1003, prefill=1000, config=cfg)  # dtype read from the model
     assert e.dtype == str(dtype).replace("torch.", "")
     assert e.kivi_total_bytes == cache.nbytes
 

@@ -43,11 +43,11 @@ from ..cache.pages import gather_pages, page_store, scatter_tokens, store_rows
 from ..cache.schedule import flush_count, prefill_exact_queries, sink_take
 from ..cache.view import AttentionView
 from ..optional import numba_available
-from ..quant.kv import dequantize_kv, quantize_kv
+from ..quant.kv import dequantize_kv, quantize_side
 from .allocator import KiviPageAllocator
 from .attention import PagedBatchViews, PagedDecode
 from .decode import DecodeStep, decode_counts, decode_step, gather_rows
-from .layout import AXIS, SIDES, PageLayout, field_views, param_dtype, window_view
+from .layout import AXIS, SIDES, PageLayout, field_views, window_view
 
 DEFAULT_MAX_BATCH_TOKENS = 8192  # transformers' own default (PagedAttentionMemoryHandler)
 
@@ -370,10 +370,7 @@ def _quantize(cfg: Any, side: str, x: torch.Tensor):
     """``x [H, T, D]`` (tokens leaving windows; T a multiple of G for keys) quantized as the pages store
     them: one :class:`~kivi.quant.kv.PackedKV` ``[1, H, T, ...]``. Key groups are aligned per request, so
     quantizing a request's tokens alone or in a batch's concatenation gives the same codes."""
-    return quantize_kv(x.unsqueeze(0), AXIS[side], cfg.k_bits if side == "k" else cfg.v_bits, cfg.group_size,
-                       symmetric=cfg.symmetric, residual_bits=cfg.residual_bits,
-                       param_dtype=param_dtype(cfg, x.dtype), check_finite=cfg.check_finite,
-                       clip=cfg.clips(AXIS[side]))
+    return quantize_side(x.unsqueeze(0), cfg.side_format(side))
 
 
 __all__ = ["KiviPagedCache", "DEFAULT_MAX_BATCH_TOKENS"]

@@ -32,7 +32,7 @@ from ..attention.fused_cpu.paged import PagedLayout
 from ..cache.schedule import layer_sink_tokens, sliding_cut
 from ..cache.support import check_head_dim, model_head_dim, plan_layers, text_config
 from ..config import KiviConfig
-from ..quant.page import AXIS, SIDES, SideField, page_fields, param_dtype
+from ..quant.page import AXIS, SIDES, SideField, page_fields
 from ..quant.page import round_up as _round_up
 
 BLOCK_ALIGN = 128  # bytes: transformers aligns its sectors on 128 bytes
@@ -238,5 +238,5 @@ def window_view(cache_tensor: torch.Tensor, layout: PageLayout) -> torch.Tensor:
     )
 
 
-__all__ = ["PageField", "PageLayout", "build_layout", "param_dtype", "fp_block_bytes", "field_views", "window_view",
+__all__ = ["PageField", "PageLayout", "build_layout", "fp_block_bytes", "field_views", "window_view",
            "SIDES", "AXIS"]

@@ -106,8 +106,8 @@ class KiviLayer(CacheLayerMixin):
         return [(None, self.config)]
 
     def _new_parts(self) -> list[HeadPart]:
-        return [HeadPart(h, c, SideState("channel", c, c.k_bits, self.sink_tokens),
-                         SideState("token", c, c.v_bits, self.sink_tokens)) for h, c in self._part_specs()]
+        return [HeadPart(h, c, SideState(c.side_format("k"), c, self.sink_tokens),
+                         SideState(c.side_format("v"), c, self.sink_tokens)) for h, c in self._part_specs()]
 
     @property
     def k(self) -> SideState:

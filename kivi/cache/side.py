@@ -24,27 +24,28 @@ import torch
 
 from ..config import KiviConfig
 from ..quant.fused_cpu import quantize_tokens_into, token_quantizer_supported
-from ..quant.kv import PackedKV, dequantize_kv, quantize_kv
+from ..quant.kv import PackedKV, dequantize_kv, quantize_side
+from ..quant.side_format import SideFormat
 from .boundary import SideCounts, TierLayout, set_boundary
 from .schedule import key_group_start, window_exits
 from .store import FpSegment
 from .tiers import TieredStore, new_storage
 from .view import AttentionView
 
-_SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _TENSORS = ("window", "window_valid", "sink", "stored_valid")
 
 
 class SideState:
     """Storage of keys (``axis="channel"``) or values (``axis="token"``) of one layer or head group."""
 
-    def __init__(self, axis: str, config: KiviConfig, bits: int, sink_tokens: int):
-        self.axis = axis  # "channel" for keys, "token" for values
+    def __init__(self, fmt: SideFormat, config: KiviConfig, sink_tokens: int):
+        self.format = fmt  # what tokens leaving the window are quantized to
+        self.axis = fmt.axis  # "channel" for keys, "token" for values
         self.config = config
-        self.quantize = config.quantize_key if axis == "channel" else config.quantize_value
-        self.bits = bits
+        self.quantize = config.quantize_key if fmt.axis == "channel" else config.quantize_value
+        self.bits = fmt.bits
         self.sink_tokens = sink_tokens
-        self.store = new_storage(config.block_size, axis, config.tiers, config.group_size)
+        self.store = new_storage(config.block_size, fmt.axis, config.tiers, config.group_size)
         self.window: torch.Tensor | None = None  # [B, H, W, D]
         self.window_valid: torch.Tensor | None = None  # [B, W] bool, None = all valid
         # [B, P] bool: which stored keys [0, P) were real tokens, kept up to the last padded one only
@@ -133,13 +134,13 @@ class SideState:
     def _store_moved(self, x: torch.Tensor, valid: torch.Tensor | None) -> None:
         """Quantize ``x [B, H, m, D]``, the next tokens leaving the window (``valid [B, m]``: their padding
         marks), into storage (values of a decode step in one compiled pass where it applies)."""
-        cfg = self.config
+        fmt = self.format
         if (self.axis == "token" and self.store.writes_in_place and self.store.template is not None
                 and self._fast_tokens(x)):
             # One compiled pass, written straight into the block storage (decode: one token per step).
             def write(lo: int, hi: int, views: dict[str, torch.Tensor]) -> None:
-                quantize_tokens_into(x[:, :, lo:hi], self.bits, cfg.group_size, views["packed"], views["scale"],
-                                     views["offset"], clip=cfg.clips(self.axis))
+                quantize_tokens_into(x[:, :, lo:hi], fmt.bits, fmt.group_size, views["packed"], views["scale"],
+                                     views["offset"], clip=fmt.clip)
 
             self.store.append_in_place(x.shape[-2], write)
             return
@@ -156,12 +157,7 @@ class SideState:
 
     def quantize_tokens(self, x: torch.Tensor, valid: torch.Tensor | None) -> PackedKV:
         """``x [B, H, T, D]`` (tokens leaving the window, T a multiple of G for keys) quantized as stored."""
-        cfg = self.config
-        return quantize_kv(x, self.axis, self.bits, cfg.group_size, symmetric=cfg.symmetric,
-                           residual_bits=cfg.residual_bits,
-                           valid=None if valid is None or self.axis == "token" else valid,
-                           param_dtype=self._param_dtype(x.dtype), check_finite=cfg.check_finite,
-                           clip=cfg.clips(self.axis))
+        return quantize_side(x, self.format, valid=None if valid is None or self.axis == "token" else valid)
 
     def _fast_tokens(self, x: torch.Tensor) -> bool:
         """Whether values leave the window through :func:`kivi.quant.fused_cpu.quantize_tokens_into`.
@@ -169,17 +165,10 @@ class SideState:
         It reproduces :func:`quantize_kv` bit for bit where it applies (CPU, float32, asymmetric, no
         compensation, finiteness checked, numba installed); everything else takes the torch path.
         """
-        fast = self._fast.get(x.dtype)  # decided once per dtype (the config and device do not change)
+        fast = self._fast.get(x.dtype)  # decided once per dtype (the format and device do not change)
         if fast is None:
-            cfg = self.config
-            fast = self._fast[x.dtype] = x.device.type == "cpu" and token_quantizer_supported(
-                x.dtype, self.bits, symmetric=cfg.symmetric, residual_bits=cfg.residual_bits,
-                param_dtype=self._param_dtype(x.dtype), check_finite=cfg.check_finite,
-            )
+            fast = self._fast[x.dtype] = x.device.type == "cpu" and token_quantizer_supported(self.format, x.dtype)
         return fast
-
-    def _param_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return dtype if self.config.scale_dtype == "auto" else _SCALE_DTYPES[self.config.scale_dtype]
 
     # ------------------------------------------------------------------ crop
     def crop(self, new_seen: int, dtype: torch.dtype) -> None:

@@ -184,14 +184,18 @@ def _per(n: float) -> str:
 
 
 def render(e: Any, *, per_layer: bool = False) -> None:
+    import torch
+
     from ..cache.schedule import KEY_AXIS, VALUE_AXIS, side_tokens
+    from ..config import KiviConfig
     from ..memory import DTYPE_BYTES
 
     heads = f"{e.num_heads} heads / " if e.num_heads else ""
     print(f"Model: {e.model} — {e.num_layers} layers, {heads}{e.num_kv_heads} KV heads ({e.attention}), "
           f"head_dim {e.head_dim}, cache dtype {e.dtype}")
     cfg = e.config
-    sd = cfg["scale_dtype"] if cfg["scale_dtype"] != "auto" else e.dtype
+    scales = KiviConfig.from_dict(cfg).side_format("k").param_dtype(getattr(torch, e.dtype))
+    sd = str(scales).removeprefix("torch.")
     print(f"Context {e.context:,} tokens x batch {e.batch}; KIVI {e.config_description} "
           f"(scales/zero-points in {sd}, block_size {cfg['block_size']})")
     if cfg["layer_specific_config"] or e.sliding_layers:

@@ -31,7 +31,8 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from ..config import KiviConfig
-from ..quant.kv import dequantize_kv, quantize_kv
+from ..quant.kv import dequantize_kv, quantize_side
+from ..quant.side_format import SideFormat
 
 RECORDING = "kivi_head_profile"  # the attention implementation registered while a profile runs
 SIDES = ("k", "v")
@@ -52,7 +53,7 @@ def _quantized(x: torch.Tensor, axis: str, bits: int, cfg: KiviConfig) -> torch.
     end = S + max(0, T - R - S) // G * G if axis == "channel" else max(S, T - R)
     if end <= S:
         return x
-    seg = quantize_kv(x[None, None, S:end], axis, bits, G, param_dtype=x.dtype, check_finite=False)
+    seg = quantize_side(x[None, None, S:end], SideFormat(axis, bits, G, check_finite=False))  # plain KIVI RTN
     return torch.cat([x[:S], dequantize_kv(seg, x.dtype)[0, 0], x[end:]], dim=0)
 
 

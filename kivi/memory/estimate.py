@@ -11,11 +11,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cache.schedule import KEY_AXIS, VALUE_AXIS
+import torch
+
 from ..cache.support import check_head_dim, check_sliding_layers
 from ..config import KiviConfig
+from ..quant.side_format import SIDES
 from .sources import ModelSpec, model_spec
-from .storage import FIELDS, head_layer_bytes, side_token_bytes
+from .storage import FIELDS, head_layer_bytes
 from .units import DTYPE_BYTES, parse_bytes, parse_context
 from .weights import check_weight_bits, weight_bytes_breakdown
 
@@ -99,7 +101,7 @@ def _layer_plan(cfg: KiviConfig, spec: ModelSpec) -> list[tuple[KiviConfig, int 
     return plan
 
 
-def _kivi_total(plan: list, spec: ModelSpec, T: int, P: int, batch: int, param_bytes: dict[int, int],
+def _kivi_total(plan: list, spec: ModelSpec, T: int, P: int, batch: int,
                 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     total = dict.fromkeys(FIELDS, 0.0)
     layers = []
@@ -107,7 +109,7 @@ def _kivi_total(plan: list, spec: ModelSpec, T: int, P: int, batch: int, param_b
     for i, (lcfg, window, widths, key) in enumerate(plan):
         if key not in memo:
             memo[key] = head_layer_bytes(lcfg, widths, spec.head_dim, spec.num_kv_heads, batch,
-                                         DTYPE_BYTES[spec.dtype], T, P, window, param_bytes[i])
+                                         getattr(torch, spec.dtype), T, P, window)
         part = memo[key]
         for k, v in part.items():
             total[k] += v
@@ -201,16 +203,14 @@ def estimate_kv_memory(
     cfg = _resolve_config(config)
     cfg.validate(num_layers=spec.num_layers)
     cfg.check_kv_heads(spec.num_kv_heads)
-    sd = None if cfg.scale_dtype == "auto" else cfg.scale_dtype
     check_head_dim(cfg, spec.head_dim, spec.num_layers)
-    param_bytes = {i: DTYPE_BYTES[sd or spec.dtype] for i in range(spec.num_layers)}
     dev_mem = parse_bytes(device_memory) if device_memory is not None else None
 
     b = DTYPE_BYTES[spec.dtype]
     fp_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * b
     fp_total = _fp_total(spec, T, batch)
     plan = _layer_plan(cfg, spec)
-    kt, layers = _kivi_total(plan, spec, T, P, batch, param_bytes)
+    kt, layers = _kivi_total(plan, spec, T, P, batch)
     kivi_total = int(round(sum(kt.values())))
 
     # Asymptotic cost per token (quantized storage only, every layer holding every token; with position
@@ -218,19 +218,16 @@ def estimate_kv_memory(
     per_tok = {"codes": 0.0, "scales_zero_points": 0.0, "compensation": 0.0, "fp_unquantized": 0.0}
     for i in range(spec.num_layers):
         lcfg = cfg.for_layer(i)
-        if lcfg.tiers:  # the oldest tier's widths: what a long context holds per token
-            k_old, v_old = lcfg.tiers[-1][1]
-            kb, vb = [k_old] * spec.num_kv_heads, [v_old] * spec.num_kv_heads
-        else:
-            kb, vb = cfg.layer_head_bits(i) or ([lcfg.k_bits] * spec.num_kv_heads, [lcfg.v_bits] * spec.num_kv_heads)
-        for axis, quant, widths in ((KEY_AXIS, lcfg.quantize_key, kb), (VALUE_AXIS, lcfg.quantize_value, vb)):
-            for bits in widths:  # one kv head each
-                if quant:
-                    for k, v in side_token_bytes(spec.head_dim, bits, lcfg.group_size, axis, param_bytes[i],
-                                                 lcfg.symmetric, lcfg.residual_bits).items():
-                        per_tok[k] += v
-                else:
+        for j, (side, quant) in enumerate(zip(SIDES, (lcfg.quantize_key, lcfg.quantize_value))):
+            for h in range(spec.num_kv_heads):
+                if not quant:
                     per_tok["fp_unquantized"] += spec.head_dim * b
+                    continue
+                fmt = cfg.side_format(side, i, h)
+                if lcfg.tiers:  # the oldest tier's widths: what a long context holds per token
+                    fmt = dataclasses.replace(fmt, bits=lcfg.tiers[-1][1][j])
+                for k, v in fmt.token_bytes(spec.head_dim, getattr(torch, spec.dtype)).items():
+                    per_tok[k] += v
     kivi_per_token = sum(per_tok.values())
 
     notes = [
@@ -286,14 +283,14 @@ def estimate_kv_memory(
             # quantize_after = N < T: the cache was larger at N tokens (full precision) than at T
             drops = {cfg.for_layer(i).quantize_after for i in range(spec.num_layers)}
             peak = max([kivi_total]
-                       + [int(round(sum(_kivi_total(plan, spec, n, min(P, n), batch, param_bytes)[0].values())))
+                       + [int(round(sum(_kivi_total(plan, spec, n, min(P, n), batch)[0].values())))
                           for n in drops if 0 < n < T])
             est.kivi_max_batch = budget // peak if peak else None
             est.fp_max_context = _max_fitting(lambda t: _fp_total(spec, t, batch), budget, 1)
             g = max(cfg.for_layer(i).group_size for i in range(spec.num_layers))
             est.kivi_max_context = _max_fitting(
                 lambda t: sum(
-                    _kivi_total(plan, spec, t, t if prefill is None else min(P, t), batch, param_bytes)[0].values()
+                    _kivi_total(plan, spec, t, t if prefill is None else min(P, t), batch)[0].values()
                 ),
                 budget,
                 g,

@@ -6,17 +6,19 @@ append of the stores is then the flush that passes ``N`` (the prefill, or the de
 
 Where the tokens are (sink, store, window), which blocks are allocated and which a sliding layer has
 freed all come from :mod:`kivi.cache.schedule`, the functions :class:`~kivi.cache.KiviLayer` runs;
-the bytes per stored token from :func:`kivi.quant.kv.kv_bytes_breakdown`, the format's own accounting.
+the bytes per stored token from :meth:`kivi.quant.side_format.SideFormat.token_bytes`, the format's own
+accounting (each side's :meth:`~kivi.config.KiviConfig.side_format`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from ..cache.heads import head_groups
 from ..cache.schedule import (
     KEY_AXIS,
-    VALUE_AXIS,
     allocated_tokens,
     first_store_seen,
     freed_tokens,
@@ -28,17 +30,10 @@ from ..cache.schedule import (
     tier_tokens,
 )
 from ..config import KiviConfig
-from ..quant.kv import kv_bytes_breakdown
+from ..quant.side_format import SIDES
 
 #: Fields of a KIVI estimate's breakdown (bytes).
 FIELDS = ("codes", "scales_zero_points", "compensation", "fp_window", "fp_sink", "fp_unquantized", "block_reserve")
-
-
-def side_token_bytes(head_dim: int, bits: int, group_size: int, axis: str, param_bytes: int, symmetric: bool,
-                     residual_bits: int) -> dict[str, float]:
-    """Bytes per stored token per head, by field (keys' per-group fields amortised over G tokens)."""
-    return kv_bytes_breakdown(head_dim, bits, group_size, axis, param_bytes=param_bytes, symmetric=symmetric,
-                              residual_bits=residual_bits)
 
 
 def held_tokens(cfg: KiviConfig, axis: str, quantized: bool, T: int, P: int, window: int | None,
@@ -96,19 +91,21 @@ def tier_held_tokens(cfg: KiviConfig, axis: str, T: int, P: int, sink: int) -> l
     return out
 
 
-def layer_bytes(cfg: KiviConfig, head_dim: int, heads: int, dtype_bytes: int, T: int, P: int,
-                window: int | None, param_bytes: int) -> dict[str, float]:
-    """Bytes of one layer (config ``cfg``, ``heads`` = KV heads x batch), by field of :data:`FIELDS`."""
-    D = head_dim
+def layer_bytes(cfg: KiviConfig, head_dim: int, heads: int, dtype: torch.dtype, T: int, P: int,
+                window: int | None) -> dict[str, float]:
+    """Bytes of one layer (config ``cfg``, ``heads`` = KV heads x batch, cached tensors of ``dtype``), by field
+    of :data:`FIELDS`."""
+    D, dtype_bytes = head_dim, dtype.itemsize
     sink = layer_sink_tokens(cfg.sink_tokens, window)
     out = dict.fromkeys(FIELDS, 0.0)
-    for axis, quant, bits in ((KEY_AXIS, cfg.quantize_key, cfg.k_bits), (VALUE_AXIS, cfg.quantize_value, cfg.v_bits)):
+    for side, quant in zip(SIDES, (cfg.quantize_key, cfg.quantize_value)):
+        fmt = cfg.side_format(side)
+        axis = fmt.axis
         if quant:
             stores = (tier_held_tokens(cfg, axis, T, P, sink) if cfg.tiers
-                      else [(bits, *held_tokens(cfg, axis, quant, T, P, window, sink))])
+                      else [(fmt.bits, *held_tokens(cfg, axis, quant, T, P, window, sink))])
             for store_bits, held, used in stores:
-                per = side_token_bytes(D, store_bits, cfg.group_size, axis, param_bytes, cfg.symmetric,
-                                       cfg.residual_bits)
+                per = dataclasses.replace(fmt, bits=store_bits).token_bytes(D, dtype)
                 for k, v in per.items():
                     out[k] += heads * used * v
                 out["block_reserve"] += heads * (held - used) * sum(per.values())
@@ -124,19 +121,18 @@ def layer_bytes(cfg: KiviConfig, head_dim: int, heads: int, dtype_bytes: int, T:
 
 
 def head_layer_bytes(cfg: KiviConfig, widths: tuple[list[int], list[int]] | None, head_dim: int, kv_heads: int,
-                     batch: int, dtype_bytes: int, T: int, P: int, window: int | None,
-                     param_bytes: int) -> dict[str, float]:
+                     batch: int, dtype: torch.dtype, T: int, P: int, window: int | None) -> dict[str, float]:
     """Bytes of one layer with per-head widths (``widths`` = ``(k_bits, v_bits)`` per kv head, as
     :meth:`KiviConfig.layer_head_bits` gives them; ``None``: the layer's own widths on all ``kv_heads``):
     the sum over its head groups (:func:`kivi.cache.heads.head_groups`, each a layer of its own)."""
     if widths is None:
-        return layer_bytes(cfg, head_dim, kv_heads * batch, dtype_bytes, T, P, window, param_bytes)
+        return layer_bytes(cfg, head_dim, kv_heads * batch, dtype, T, P, window)
     out = dict.fromkeys(FIELDS, 0.0)
     for g in head_groups(*widths):
         gcfg = dataclasses.replace(cfg, k_bits=g.k_bits, v_bits=g.v_bits)
-        for k, v in layer_bytes(gcfg, head_dim, g.heads * batch, dtype_bytes, T, P, window, param_bytes).items():
+        for k, v in layer_bytes(gcfg, head_dim, g.heads * batch, dtype, T, P, window).items():
             out[k] += v
     return out
 
 
-__all__ = ["FIELDS", "side_token_bytes", "held_tokens", "tier_held_tokens", "layer_bytes", "head_layer_bytes"]
+__all__ = ["FIELDS", "held_tokens", "tier_held_tokens", "layer_bytes", "head_layer_bytes"]

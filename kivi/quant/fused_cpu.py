@@ -33,21 +33,20 @@ from ..optional import numba_available
 from .clipping import shrink_factors
 from .packing import packed_size
 from .primitives import SUPPORTED_BITS
+from .side_format import SideFormat
 
 
-def token_quantizer_supported(
-    dtype: torch.dtype, bits: int, *, symmetric: bool, residual_bits: int, param_dtype: torch.dtype,
-    check_finite: bool,
-) -> bool:
-    """Whether :func:`quantize_tokens_into` reproduces ``quantize_kv(axis="token")`` for these settings."""
+def token_quantizer_supported(fmt: SideFormat, dtype: torch.dtype) -> bool:
+    """Whether :func:`quantize_tokens_into` reproduces :func:`kivi.quant.kv.quantize_side` for the value format
+    ``fmt`` and cached tensors of ``dtype``."""
     return (
         numba_available()
+        and fmt.axis == "token"
         and dtype == torch.float32
-        and param_dtype == torch.float32
-        and bits in SUPPORTED_BITS
-        and not symmetric
-        and residual_bits == 0
-        and check_finite
+        and fmt.param_dtype(dtype) == torch.float32
+        and not fmt.symmetric
+        and fmt.residual_bits == 0
+        and fmt.check_finite
     )
 
 

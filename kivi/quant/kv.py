@@ -20,8 +20,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .packing import pack_codes, packed_size, unpack_codes
+from .packing import pack_codes, unpack_codes
 from .primitives import dequantize_groups, group_view, quantize_groups
+from .side_format import SideFormat
 
 
 @dataclass
@@ -131,6 +132,17 @@ def quantize_kv(
     )
 
 
+def quantize_side(x: torch.Tensor, fmt: SideFormat, *, valid: torch.Tensor | None = None) -> PackedKV:
+    """Quantize ``x [B, H, T, D]`` (cached tensors) in the side format ``fmt``: :func:`quantize_kv` with every
+    setting taken from the format, scales / offsets in ``fmt.param_dtype(x.dtype)``.
+
+    ``valid [B, T]`` (bool) marks real tokens; padding is left out of every statistic.
+    """
+    return quantize_kv(x, fmt.axis, fmt.bits, fmt.group_size, symmetric=fmt.symmetric,
+                       residual_bits=fmt.residual_bits, valid=valid, param_dtype=fmt.param_dtype(x.dtype),
+                       check_finite=fmt.check_finite, clip=fmt.clip)
+
+
 def compensation_values(p: PackedKV) -> torch.Tensor | None:
     """Decoded per-group mean error (float32, ``scale``'s shape), or ``None``."""
     if p.comp is None:
@@ -153,35 +165,12 @@ def dequantize_kv(p: PackedKV, dtype: torch.dtype = torch.float32) -> torch.Tens
     return out.to(dtype)
 
 
-def kv_bytes_breakdown(head_dim: int, bits: int, group_size: int, axis: str, *, param_bytes: int,
-                       symmetric: bool = False, residual_bits: int = 0) -> dict[str, float]:
-    """Bytes one stored token of one head costs, by field (keys' per-group fields amortised over G tokens)."""
-    codes = packed_size(head_dim, bits)
-    n_params = 1 if symmetric else 2
-    if axis == "channel":  # D parameters per G tokens
-        params = n_params * param_bytes * head_dim / group_size
-        comp = packed_size(head_dim, residual_bits) / group_size if residual_bits else 0.0
-    else:  # D // G parameters per token
-        groups = head_dim // group_size
-        params = n_params * param_bytes * groups
-        comp = packed_size(groups, residual_bits) if residual_bits else 0.0
-    return {"codes": codes, "scales_zero_points": params, "compensation": comp}
-
-
-def kv_bytes_per_token(head_dim: int, bits: int, group_size: int, axis: str, *, param_bytes: int,
-                       symmetric: bool = False, residual_bits: int = 0) -> float:
-    """Bytes one token of one head costs in quantized form (for planners and tests)."""
-    return sum(kv_bytes_breakdown(head_dim, bits, group_size, axis, param_bytes=param_bytes,
-                                  symmetric=symmetric, residual_bits=residual_bits).values())
-
-
 __all__ = [
     "PackedKV",
     "quantize_kv",
     "dequantize_kv",
     "compensation_values",
+    "quantize_side",
     "token_divisor",
-    "kv_bytes_per_token",
-    "kv_bytes_breakdown",
 ]
 

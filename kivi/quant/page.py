@@ -6,8 +6,9 @@ A page holds, per side, the fields kivi's own cache stores for those tokens:
   ``[H, P // G, D]`` (+ compensation codes) -- a page is a whole number of key groups (``G | P``);
 * values (per token, groups of ``G`` channels): codes ``[H, P, packed(D)]``, scale / offset ``[H, P, D // G]``.
 
-Field shapes and dtypes are read off :func:`kivi.quant.kv.quantize_kv` itself (one quantization of a
-zero page), so the page format is the format of kivi's own cache, never restated here. Every paged
+Field shapes and dtypes are read off :func:`kivi.quant.kv.quantize_side` itself (one quantization of a
+zero page in each side's :meth:`~kivi.config.KiviConfig.side_format`), so the page format is the format
+of kivi's own cache, never restated here. Every paged
 cache (transformers' continuous batching in :mod:`kivi.batching`, vLLM in :mod:`kivi.vllm`) lays its
 pages out with :func:`page_fields`.
 """
@@ -19,10 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from ..config import KiviConfig
-from .kv import quantize_kv, token_divisor
+from .kv import quantize_side, token_divisor
+from .side_format import AXIS, SIDES
 
-SIDES = ("k", "v")
-AXIS = {"k": "channel", "v": "token"}
 ALIGN = 16  # bytes: every field starts on a multiple (any dtype can view it)
 
 
@@ -51,11 +51,6 @@ class SideField:
         return n
 
 
-def param_dtype(cfg: KiviConfig, dtype: torch.dtype) -> torch.dtype:
-    """dtype of scales / offsets: the cached tensors' (``scale_dtype=\"auto\"``) or the one named."""
-    return dtype if cfg.scale_dtype == "auto" else getattr(torch, cfg.scale_dtype)
-
-
 def page_fields(cfg: KiviConfig, heads: int, head_dim: int, page_size: int, dtype: torch.dtype, *,
                 offset: int = 0, where: str = "") -> tuple[tuple[SideField, ...], int]:
     """The fields of one layer's page of ``page_size`` tokens (keys, then values), laid out from byte
@@ -69,17 +64,15 @@ def page_fields(cfg: KiviConfig, heads: int, head_dim: int, page_size: int, dtyp
     zero = torch.zeros(1, heads, page_size, head_dim, dtype=dtype)
     fields = []
     for side in SIDES:
-        seg = quantize_kv(zero, AXIS[side], cfg.k_bits if side == "k" else cfg.v_bits, cfg.group_size,
-                          symmetric=cfg.symmetric, residual_bits=cfg.residual_bits,
-                          param_dtype=param_dtype(cfg, dtype), check_finite=False)
+        fmt = cfg.side_format(side)
+        seg = quantize_side(zero, fmt)
         for name, t in seg.tensors().items():
             offset = round_up(offset, ALIGN)
-            f = SideField(
-                side, name, tuple(t.shape[1:]), t.dtype, offset, token_divisor(AXIS[side], cfg.group_size, name)
-            )
+            rows = token_divisor(fmt.axis, fmt.group_size, name)
+            f = SideField(side, name, tuple(t.shape[1:]), t.dtype, offset, rows)
             fields.append(f)
             offset += f.nbytes
     return tuple(fields), offset
 
 
-__all__ = ["SIDES", "AXIS", "ALIGN", "SideField", "page_fields", "param_dtype", "round_up"]
+__all__ = ["SIDES", "AXIS", "ALIGN", "SideField", "page_fields", "round_up"]

@@ -41,8 +41,8 @@ from ..cache.pages import page_store, scatter_tokens, store_rows
 from ..cache.schedule import prefill_exact_queries, side_tokens
 from ..cache.view import AttentionView, exact_queries
 from ..config import KiviConfig
-from ..quant.kv import quantize_kv
-from ..quant.page import AXIS, SIDES, param_dtype
+from ..quant.kv import quantize_side
+from ..quant.page import AXIS, SIDES
 from .geometry import KiviGeometry, block_field_views
 
 
@@ -101,10 +101,7 @@ def _ring_write(rings: list[torch.Tensor], pos: torch.Tensor, ring_table_row: to
 
 def _quantize(cfg: KiviConfig, side: str, x: torch.Tensor):
     """``x [H, T, D]`` leaving the window (T a multiple of G for keys) as the pages store it."""
-    return quantize_kv(x.unsqueeze(0), AXIS[side], cfg.k_bits if side == "k" else cfg.v_bits, cfg.group_size,
-                       symmetric=cfg.symmetric, residual_bits=cfg.residual_bits,
-                       param_dtype=param_dtype(cfg, x.dtype), check_finite=cfg.check_finite,
-                       clip=cfg.clips(AXIS[side]))
+    return quantize_side(x.unsqueeze(0), cfg.side_format(side))
 
 
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -70,7 +70,7 @@ class _TorchProxy:
 
 MODULE_FUNCTIONS = {
     layer_mod: ("prefill_exact_queries", "materialize", "check_head_dim"),
-    side_mod: ("quantize_kv", "quantize_tokens_into", "token_quantizer_supported", "dequantize_kv", "key_group_start",
+    side_mod: ("quantize_side", "quantize_tokens_into", "token_quantizer_supported", "dequantize_kv", "key_group_start",
                "window_exits",
                "FpSegment", "AttentionView", "token_slice", "set_boundary"),
     boundary_mod: ("window_exits", "query_boundaries", "dequantize_kv", "token_slice"),
@@ -83,7 +83,7 @@ METHODS = {
     store_mod.BlockStore: ("append", "append_in_place", "_new_block", "_divisor", "evict", "truncate", "read",
                            "iter_blocks", "map_tensors", "checkpoint"),
     side_mod.SideState: ("map_tensors", "checkpoint", "pending_valid", "view", "flush", "_store_moved", "_fast_tokens",
-                         "_param_dtype", "quantize_tokens", "crop"),
+                         "quantize_tokens", "crop"),
     KiviLayer: ("lazy_initialization", "append", "_flush_due", "_map", "checkpoint"),
     sliding_mod.SlidingKiviLayer: ("_cut", "_before_forward"),
     KiviCache: ("_new_token_valid",),
@@ -292,7 +292,7 @@ def test_the_injector_reaches_the_quantizers_and_the_store():
         if inj.fired is None:
             break
         names.add(inj.fired)
-    assert {"quantize_kv", "BlockStore.append_in_place", "torch.cat", "window_exits",
+    assert {"quantize_side", "BlockStore.append_in_place", "torch.cat", "window_exits",
             "SideState.flush", "Tensor.clone"} <= names, names
 
 

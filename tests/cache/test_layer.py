@@ -301,7 +301,7 @@ def test_failed_update_leaves_the_cache_as_it_was(fail_at, sink, monkeypatch):
     if fail_at == "nan-value":
         v[0, 0, 50, 3] = float("nan")
     elif fail_at == "key-quantizer":
-        monkeypatch.setattr(side_mod, "quantize_kv", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("boom")))
+        monkeypatch.setattr(side_mod, "quantize_side", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("boom")))
     else:
         calls = []
         orig = store_mod.BlockStore.append_in_place

@@ -318,7 +318,7 @@ def test_planner_is_byte_exact(kw, P, T):
     cfg = KiviConfig(**kw)
     k, v = _data(1, 2, T, 32)
     layer, _ = _fill(cfg, k, v, [P] + [1] * (T - P))
-    assert sum(layer_bytes(cfg, 32, 2, 4, T, P, None, 4).values()) == layer.nbytes
+    assert sum(layer_bytes(cfg, 32, 2, torch.float32, T, P, None).values()) == layer.nbytes
 
 
 def test_continuous_batching_refuses_tiers():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,6 +14,7 @@ pytest.importorskip("numba")
 from kivi.quant.fused_cpu import quantize_tokens_into, token_quantizer_supported  # noqa: E402
 from kivi.quant.kv import dequantize_kv, quantize_kv  # noqa: E402
 from kivi.quant.packing import packed_size  # noqa: E402
+from kivi.quant.side_format import SideFormat  # noqa: E402
 
 
 def _outputs(B, H, n, D, bits, G):
@@ -125,11 +128,14 @@ def test_bad_arguments_raise():
 
 
 def test_supported_only_where_it_is_exact():
-    ok = dict(symmetric=False, residual_bits=0, param_dtype=torch.float32, check_finite=True)
-    assert token_quantizer_supported(torch.float32, 2, **ok)
-    assert not token_quantizer_supported(torch.bfloat16, 2, **ok)
-    assert token_quantizer_supported(torch.float32, 3, **ok)  # runs of 8 codes in 3 bytes
-    assert not token_quantizer_supported(torch.float32, 2, **{**ok, "symmetric": True})
-    assert not token_quantizer_supported(torch.float32, 2, **{**ok, "residual_bits": 2})
-    assert not token_quantizer_supported(torch.float32, 2, **{**ok, "param_dtype": torch.float16})
-    assert not token_quantizer_supported(torch.float32, 2, **{**ok, "check_finite": False})
+    ok = SideFormat("token", 2, 32)
+    assert token_quantizer_supported(ok, torch.float32)
+    assert not token_quantizer_supported(ok, torch.bfloat16)
+    assert token_quantizer_supported(replace(ok, bits=3), torch.float32)  # runs of 8 codes in 3 bytes
+    assert token_quantizer_supported(replace(ok, clip=True), torch.float32)
+    assert not token_quantizer_supported(replace(ok, axis="channel"), torch.float32)  # keys: groups over tokens
+    assert not token_quantizer_supported(replace(ok, symmetric=True), torch.float32)
+    assert not token_quantizer_supported(replace(ok, residual_bits=2), torch.float32)
+    assert not token_quantizer_supported(replace(ok, scale_dtype=torch.float16), torch.float32)
+    assert token_quantizer_supported(replace(ok, scale_dtype=torch.float32), torch.float32)
+    assert not token_quantizer_supported(replace(ok, check_finite=False), torch.float32)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kivi.quant.kv import compensation_values, dequantize_kv, kv_bytes_per_token, quantize_kv
+from kivi.quant.kv import compensation_values, dequantize_kv, quantize_kv
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -58,14 +58,6 @@ def test_valid_mask_only_affects_statistics_of_keys():
     assert torch.equal(qa.scale, qx.scale) and torch.equal(qa.offset, qx.offset)
     ya, yx = dequantize_kv(qa), dequantize_kv(qx)
     assert torch.equal(ya[1, :, 7:], yx[1, :, 7:])
-
-
-def test_bytes_per_token_matches_real_segment():
-    x = torch.randn(1, 1, 64, 64, dtype=torch.float16)
-    for axis in ("channel", "token"):
-        for rb in (0, 4):
-            q = quantize_kv(x, axis, 2, 32, residual_bits=rb)
-            assert q.nbytes == pytest.approx(64 * kv_bytes_per_token(64, 2, 32, axis, param_bytes=2, residual_bits=rb))
 
 
 def test_bad_input():

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from kivi.config import KiviConfig
-from kivi.quant.kv import kv_bytes_per_token
 from kivi.vllm.config import kivi_config
 from kivi.vllm.geometry import build_geometry
 from kivi.vllm.version import TESTED_VLLM, vllm_version_problem
@@ -64,7 +63,7 @@ def test_page_bytes_are_kivis_format():
     token against 256 in bfloat16 (5.33x); the window block holds the same bytes of full-precision rows."""
     cfg = KiviConfig(k_bits=2, v_bits=2)
     geo = build_geometry(cfg, page_size=128, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
-    per_head_token = sum(kv_bytes_per_token(64, 2, 32, axis, param_bytes=2) for axis in ("channel", "token"))
+    per_head_token = sum(cfg.side_format(side).token_nbytes(64, torch.bfloat16) for side in ("k", "v"))
     assert geo.state_bytes == per_head_token
     assert geo.page_bytes == geo.block_bytes == 128 * 3 * geo.state_bytes
     assert (2 * 64 * 2) / geo.state_bytes == pytest.approx(16 / 3)
