@@ -28,7 +28,7 @@ from typing import Any
 from .config import ATTENTION_BACKENDS
 from .optional import numba_available, triton_available
 from .quant.primitives import SUPPORTED_BITS
-from .quant.side_format import SIDES, SideFormat
+from .quant.side_format import SIDES, VALUE_AXIS, SideFormat
 
 #: Name of the attention implementation kivi registers with transformers (kivi.attention.interface).
 ATTN_IMPLEMENTATION = "kivi"
@@ -137,7 +137,7 @@ class CpuBackend(Backend):
         why = []
         if bits not in SUPPORTED_BITS:
             why.append(f"{bits}-bit codes (the kernel reads {list(SUPPORTED_BITS)})")
-        if axis == "token" and group_size % 4:
+        if axis == VALUE_AXIS and group_size % 4:
             why.append(f"value groups of {group_size} channels (the kernel reads 4 channels at a time)")
         return why
 

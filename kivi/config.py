@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .quant.primitives import SUPPORTED_BITS, check_bits
-from .quant.side_format import AXIS, SIDES, SideFormat
+from .quant.side_format import AXIS, KEY_AXIS, SIDES, SideFormat
 
 PRESETS: dict[str, dict[str, Any]] = {
     # 4-bit keys and values + 4 full-precision sink tokens: within ~0.3% of full precision here.
@@ -226,7 +226,7 @@ class KiviConfig:
 
     def clips(self, axis: str) -> bool:
         """Whether groups of ``axis`` (``"channel"``: keys, ``"token"``: values) are clipped."""
-        return self.clip is True or self.clip == ("keys" if axis == "channel" else "values")
+        return self.clip is True or self.clip == ("keys" if axis == KEY_AXIS else "values")
 
     def side_format(self, side: str, layer: int | None = None, head: int | None = None) -> SideFormat:
         """The quantized format of side ``side`` (``"k"`` keys, ``"v"`` values): of this config, or of layer

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.view import AttentionView
+from ..quant.side_format import VALUE_AXIS
 from .reference import view_geometry
 
 _MEMO_KEY = "triton"
@@ -48,7 +49,7 @@ def _block_table(view: AttentionView, device: torch.device):
             for blk, b0 in zip(store.blocks, store.starts)
             if blk is not None
         ]
-        table = build_block_table(blocks, store.template.axis if view.quantized else "token", device)
+        table = build_block_table(blocks, store.template.axis if view.quantized else VALUE_AXIS, device)
         store.derived[_MEMO_KEY] = table
     return table
 

@@ -25,6 +25,7 @@ import torch
 from ..config import KiviConfig
 from ..quant.demote import demote_kv
 from ..quant.kv import token_divisor
+from ..quant.side_format import KEY_AXIS
 from .heads import build_layer
 from .layer import KiviLayer
 from .persist_checks import (
@@ -212,9 +213,9 @@ def plan_side(path: Path, r: _Reader, sm: dict[str, Any], layer: Any, side: Any,
     if flags["stored_valid"]:
         spec = table.get(f"{name}.stored_valid")
         cols = spec.shape[-1] if spec is not None and spec.shape else None
-        if side.axis != "channel" or not side.quantize or cols is None or not 1 <= cols <= length:
+        if side.axis != KEY_AXIS or not side.quantize or cols is None or not 1 <= cols <= length:
             raise fail(path, f"{name}.stored_valid", cols, f"a padding mask of 1 to {length} stored keys" if
-                       side.axis == "channel" else "null (values keep no stored padding mask)")
+                       side.axis == KEY_AXIS else "null (values keep no stored padding mask)")
         stored_valid = cols
     # Where each store's tokens end: by the tiers' counts (schedule.tier_tokens), oldest first.
     if tiered:

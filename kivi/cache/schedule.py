@@ -21,8 +21,7 @@ tokens gives each of its queries the state one-token decoding would have at that
 
 from __future__ import annotations
 
-KEY_AXIS = "channel"  # keys: quantized per channel, groups of G tokens
-VALUE_AXIS = "token"  # values: quantized per token, groups of G channels
+from ..quant.side_format import KEY_AXIS, VALUE_AXIS
 
 
 def _check_axis(axis: str) -> None:

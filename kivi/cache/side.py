@@ -25,7 +25,7 @@ import torch
 from ..config import KiviConfig
 from ..quant.fused_cpu import quantize_tokens_into, token_quantizer_supported
 from ..quant.kv import PackedKV, dequantize_kv, quantize_side
-from ..quant.side_format import SideFormat
+from ..quant.side_format import KEY_AXIS, VALUE_AXIS, SideFormat
 from .boundary import SideCounts, TierLayout, set_boundary
 from .schedule import key_group_start, window_exits
 from .store import FpSegment
@@ -42,7 +42,7 @@ class SideState:
         self.format = fmt  # what tokens leaving the window are quantized to
         self.axis = fmt.axis  # "channel" for keys, "token" for values
         self.config = config
-        self.quantize = config.quantize_key if fmt.axis == "channel" else config.quantize_value
+        self.quantize = config.quantize_key if fmt.axis == KEY_AXIS else config.quantize_value
         self.bits = fmt.bits
         self.sink_tokens = sink_tokens
         self.store = new_storage(config.block_size, fmt.axis, config.tiers, config.group_size)
@@ -135,7 +135,7 @@ class SideState:
         """Quantize ``x [B, H, m, D]``, the next tokens leaving the window (``valid [B, m]``: their padding
         marks), into storage (values of a decode step in one compiled pass where it applies)."""
         fmt = self.format
-        if (self.axis == "token" and self.store.writes_in_place and self.store.template is not None
+        if (self.axis == VALUE_AXIS and self.store.writes_in_place and self.store.template is not None
                 and self._fast_tokens(x)):
             # One compiled pass, written straight into the block storage (decode: one token per step).
             def write(lo: int, hi: int, views: dict[str, torch.Tensor]) -> None:
@@ -149,7 +149,7 @@ class SideState:
 
     def _store_valid(self, pvalid: torch.Tensor | None, move: int) -> None:
         """Record the padding marks of keys about to be stored (see ``stored_valid``)."""
-        if self.axis == "channel" and pvalid is not None and not bool(pvalid[:, :move].all()):
+        if self.axis == KEY_AXIS and pvalid is not None and not bool(pvalid[:, :move].all()):
             first = self.store.length  # absolute position of the first key stored now
             old = self.stored_valid if self.stored_valid is not None else pvalid[:, :0]
             gap = torch.ones(pvalid.shape[0], first - old.shape[1], dtype=torch.bool, device=pvalid.device)
@@ -157,7 +157,7 @@ class SideState:
 
     def quantize_tokens(self, x: torch.Tensor, valid: torch.Tensor | None) -> PackedKV:
         """``x [B, H, T, D]`` (tokens leaving the window, T a multiple of G for keys) quantized as stored."""
-        return quantize_side(x, self.format, valid=None if valid is None or self.axis == "token" else valid)
+        return quantize_side(x, self.format, valid=None if valid is None or self.axis == VALUE_AXIS else valid)
 
     def _fast_tokens(self, x: torch.Tensor) -> bool:
         """Whether values leave the window through :func:`kivi.quant.fused_cpu.quantize_tokens_into`.
@@ -189,7 +189,7 @@ class SideState:
                     self.window_valid = self.window_valid[:, :keep].clone() if keep else None
             return
         store.check_truncate(new_seen)
-        if not self.quantize or self.axis == "token":
+        if not self.quantize or self.axis == VALUE_AXIS:
             store.truncate(new_seen)
             self.window = self.window_valid = None
             return

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 
 from ..quant.kv import PackedKV, token_divisor
+from ..quant.side_format import VALUE_AXIS
 from .schedule import new_block_tokens, saved_capacity
 
 
@@ -27,7 +28,7 @@ class FpSegment:
     """``T`` tokens kept in full precision: ``data [B, H, T, D]`` (a side that is not quantized)."""
 
     data: torch.Tensor
-    axis: str = "token"
+    axis: str = VALUE_AXIS
     group_size: int = 1
 
     @property

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..quant.demote import demote_kv
+from ..quant.side_format import KEY_AXIS
 from .schedule import flush_count, tier_keeps
 from .store import BlockStore, Segment, token_slice
 
@@ -63,7 +64,7 @@ class TieredStore:
     writes_in_place = False  # a new token may go straight on to an older tier: written through append()
 
     def __init__(self, block_size: int, axis: str, tiers: tuple, group_size: int):
-        j = 0 if axis == "channel" else 1
+        j = 0 if axis == KEY_AXIS else 1
         self.axis, self.group_size = axis, group_size
         self.stores: list[BlockStore] = [BlockStore(block_size) for _ in tiers[1:]]  # oldest tier first
         #: widths of the tiers older than the newest, oldest first (what a demotion into tier i writes)

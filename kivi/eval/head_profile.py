@@ -32,7 +32,7 @@ import torch
 
 from ..config import KiviConfig
 from ..quant.kv import dequantize_kv, quantize_side
-from ..quant.side_format import SideFormat
+from ..quant.side_format import KEY_AXIS, VALUE_AXIS, SideFormat
 
 RECORDING = "kivi_head_profile"  # the attention implementation registered while a profile runs
 SIDES = ("k", "v")
@@ -50,7 +50,7 @@ def _quantized(x: torch.Tensor, axis: str, bits: int, cfg: KiviConfig) -> torch.
     """``x [T, D]`` (one head) as a KiviLayer would hold it after ``T`` tokens: sink and window exact."""
     T = x.shape[0]
     S, R, G = min(cfg.sink_tokens, T), cfg.residual_length, cfg.group_size
-    end = S + max(0, T - R - S) // G * G if axis == "channel" else max(S, T - R)
+    end = S + max(0, T - R - S) // G * G if axis == KEY_AXIS else max(S, T - R)
     if end <= S:
         return x
     seg = quantize_side(x[None, None, S:end], SideFormat(axis, bits, G, check_finite=False))  # plain KIVI RTN
@@ -87,10 +87,10 @@ def _score_layer(acc: _Scores, module: Any, q: torch.Tensor, k: torch.Tensor, v:
             for side in SIDES:
                 for nb in bits:
                     if side == "k":  # new weights over exact values
-                        kk = _quantized(k[b, h], "channel", nb, base)
+                        kk = _quantized(k[b, h], KEY_AXIS, nb, base)
                         d = _probs(qs[h * g:(h + 1) * g], kk, prefix, scaling) @ v[b, h].float() - exact[h]
                     else:  # same weights over the value error
-                        d = probs[h] @ (_quantized(v[b, h], "token", nb, base) - v[b, h]).float()  # [g, n, D]
+                        d = probs[h] @ (_quantized(v[b, h], VALUE_AXIS, nb, base) - v[b, h]).float()  # [g, n, D]
                     d = d.permute(1, 0, 2).reshape(d.shape[1], g * D)
                     e = d @ w_o.float()[:, cols].T if w_o is not None else d
                     key = (layer, h, side, int(nb))

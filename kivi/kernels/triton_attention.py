@@ -28,6 +28,7 @@ import torch
 
 from ..quant.kv import PackedKV, dequantize_kv
 from ..quant.packing import packed_size
+from ..quant.side_format import KEY_AXIS, VALUE_AXIS
 from ._common import ATTENTION_BITS, check_kernel_bits, next_pow2, param_kind, require_triton
 from .segments import KernelSide, build_block_table, kernel_side
 
@@ -52,7 +53,7 @@ def _infer_side(name: str, packed, scale, offset, fp, bits, group_size, axis, D)
     check_kernel_bits(bits, f"{name}_bits", ATTENTION_BITS)
     if nb != packed_size(D, bits):
         raise ValueError(f"{name}_packed has {nb} bytes per token, expected {packed_size(D, bits)} for bits={bits}")
-    if axis == "channel":
+    if axis == KEY_AXIS:
         ng = scale.shape[-2]
         if group_size is None:
             if ng == 0 or Tq % ng:
@@ -89,8 +90,8 @@ def _validate(q, k_packed, k_scale, k_offset, k_fp, v_packed, v_scale, v_offset,
     Hkv = ref.shape[1]
     if Hq % Hkv:
         raise ValueError(f"query heads {Hq} is not a multiple of kv heads {Hkv}")
-    Tqk, k_bits, k_group_size = _infer_side("k", k_packed, k_scale, k_offset, k_fp, k_bits, k_group_size, "channel", D)
-    Tqv, v_bits, v_group_size = _infer_side("v", v_packed, v_scale, v_offset, v_fp, v_bits, v_group_size, "token", D)
+    Tqk, k_bits, k_group_size = _infer_side("k", k_packed, k_scale, k_offset, k_fp, k_bits, k_group_size, KEY_AXIS, D)
+    Tqv, v_bits, v_group_size = _infer_side("v", v_packed, v_scale, v_offset, v_fp, v_bits, v_group_size, VALUE_AXIS, D)
     Tfk = 0 if k_fp is None else k_fp.shape[-2]
     Tfv = 0 if v_fp is None else v_fp.shape[-2]
     if Tqk + Tfk != Tqv + Tfv:
@@ -142,8 +143,8 @@ def torch_decode_attention(
             parts.append(fp.float())
         return torch.cat(parts, dim=-2)
 
-    k = side(k_packed, k_scale, k_offset, k_fp, kb, kg, "channel", Tqk)
-    v = side(v_packed, v_scale, v_offset, v_fp, vb, vg, "token", Tqv)
+    k = side(k_packed, k_scale, k_offset, k_fp, kb, kg, KEY_AXIS, Tqk)
+    v = side(v_packed, v_scale, v_offset, v_fp, vb, vg, VALUE_AXIS, Tqv)
     rep = Hq // Hkv
     k = k.repeat_interleave(rep, dim=1)
     v = v.repeat_interleave(rep, dim=1)
@@ -240,7 +241,7 @@ def _validate_sides(q, k: KernelSide, v: KernelSide, kv_valid):
     Hkv = ks[1]
     if Hq % Hkv:
         raise ValueError(f"query heads {Hq} is not a multiple of kv heads {Hkv}")
-    for name, side, axis in (("k", k, "channel"), ("v", v, "token")):
+    for name, side, axis in (("k", k, KEY_AXIS), ("v", v, VALUE_AXIS)):
         tab = side.blocks
         if tab is not None and tab.quantized:
             check_kernel_bits(tab.bits, f"{name}_bits", ATTENTION_BITS)
@@ -432,14 +433,14 @@ def decode_attention(
         q, k_packed, k_scale, k_offset, k_fp, v_packed, v_scale, v_offset, v_fp,
         k_bits, k_group_size, v_bits, v_group_size, kv_valid)
     require_triton(q.device)
-    ks = _loose_side("k", k_packed, k_scale, k_offset, k_fp, kb, kg, "channel", D, Tqk, q.device)
-    vs = _loose_side("v", v_packed, v_scale, v_offset, v_fp, vb, vg, "token", D, Tqv, q.device)
+    ks = _loose_side("k", k_packed, k_scale, k_offset, k_fp, kb, kg, KEY_AXIS, D, Tqk, q.device)
+    vs = _loose_side("v", v_packed, v_scale, v_offset, v_fp, vb, vg, VALUE_AXIS, D, Tqv, q.device)
     return decode_attention_sides(q, ks, vs, scaling=scaling, kv_valid=kv_valid, num_splits=num_splits,
                                   block_n=block_n, num_warps=num_warps)
 
 
 def _packed_args(k, k_fp, v, v_fp):
-    for name, p, axis in (("k", k, "channel"), ("v", v, "token")):
+    for name, p, axis in (("k", k, KEY_AXIS), ("v", v, VALUE_AXIS)):
         if p is not None:
             if p.axis != axis:
                 raise ValueError(f"{name} must be a PackedKV with axis={axis!r}, got {p.axis!r}")

@@ -13,6 +13,7 @@ import torch
 
 from ..quant.kv import PackedKV
 from ..quant.packing import packed_size
+from ..quant.side_format import KEY_AXIS, VALUE_AXIS
 from ._common import check_kernel_bits, next_pow2, param_kind, require_triton
 
 
@@ -84,7 +85,7 @@ def quantize_pack_keys(
             PARAM_KIND=param_kind(pdt), HAS_VALID=valid is not None,
         )
     return PackedKV(packed=packed, scale=scale, offset=offset, comp=None, bits=bits, group_size=group_size,
-                    axis="channel", head_dim=D)
+                    axis=KEY_AXIS, head_dim=D)
 
 
 def quantize_pack_values(
@@ -126,7 +127,7 @@ def quantize_pack_values(
             PARAM_KIND=param_kind(pdt), HAS_VALID=valid is not None,
         )
     return PackedKV(packed=packed, scale=scale, offset=offset, comp=None, bits=bits, group_size=group_size,
-                    axis="token", head_dim=D)
+                    axis=VALUE_AXIS, head_dim=D)
 
 
 __all__ = ["quantize_pack_keys", "quantize_pack_values"]

@@ -33,7 +33,7 @@ from ..optional import numba_available
 from .clipping import shrink_factors
 from .packing import packed_size
 from .primitives import SUPPORTED_BITS
-from .side_format import SideFormat
+from .side_format import VALUE_AXIS, SideFormat
 
 
 def token_quantizer_supported(fmt: SideFormat, dtype: torch.dtype) -> bool:
@@ -41,7 +41,7 @@ def token_quantizer_supported(fmt: SideFormat, dtype: torch.dtype) -> bool:
     ``fmt`` and cached tensors of ``dtype``."""
     return (
         numba_available()
-        and fmt.axis == "token"
+        and fmt.axis == VALUE_AXIS
         and dtype == torch.float32
         and fmt.param_dtype(dtype) == torch.float32
         and not fmt.symmetric

@@ -22,7 +22,7 @@ import torch
 
 from .packing import pack_codes, unpack_codes
 from .primitives import dequantize_groups, group_view, quantize_groups
-from .side_format import SideFormat
+from .side_format import KEY_AXIS, VALUE_AXIS, SideFormat
 
 
 @dataclass
@@ -66,7 +66,7 @@ class PackedKV:
 
 def token_divisor(axis: str, group_size: int, name: str) -> int:
     """Tokens per row of field ``name``: keys' per-group parameters have one row per ``G`` tokens."""
-    if axis == "channel" and name in ("scale", "offset", "comp"):
+    if axis == KEY_AXIS and name in ("scale", "offset", "comp"):
         return group_size
     return 1
 
@@ -91,9 +91,9 @@ def quantize_kv(
     """
     if x.dim() != 4:
         raise ValueError(f"x must be [batch, heads, tokens, head_dim], got shape {tuple(x.shape)}")
-    if axis not in ("channel", "token"):
+    if axis not in (KEY_AXIS, VALUE_AXIS):
         raise ValueError(f"axis={axis!r} must be 'channel' (keys) or 'token' (values)")
-    dim = -2 if axis == "channel" else -1
+    dim = -2 if axis == KEY_AXIS else -1
     vmask = None
     if valid is not None:
         vmask = valid[:, None, :, None].to(torch.bool)  # [B, 1, T, 1]
@@ -154,7 +154,7 @@ def compensation_values(p: PackedKV) -> torch.Tensor | None:
 
 def dequantize_kv(p: PackedKV, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``PackedKV`` -> ``[B, H, T, D]`` in ``dtype``."""
-    dim = -2 if p.axis == "channel" else -1
+    dim = -2 if p.axis == KEY_AXIS else -1
     codes = unpack_codes(p.packed, p.bits, p.head_dim)
     out = dequantize_groups(codes, p.scale, p.offset, p.bits, p.group_size, dim, dtype=torch.float32)
     comp = compensation_values(p)

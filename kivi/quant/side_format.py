@@ -17,8 +17,10 @@ from .packing import packed_size
 from .primitives import check_bits
 
 SIDES = ("k", "v")
+KEY_AXIS = "channel"  # keys: quantized per channel, groups of G tokens
+VALUE_AXIS = "token"  # values: quantized per token, groups of G channels
 #: The quantization axis of each side: keys per channel, values per token.
-AXIS = {"k": "channel", "v": "token"}
+AXIS = {"k": KEY_AXIS, "v": VALUE_AXIS}
 
 
 @dataclass(frozen=True)
@@ -83,4 +85,4 @@ class SideFormat:
         return sum(self.token_bytes(head_dim, model_dtype).values())
 
 
-__all__ = ["SIDES", "AXIS", "SideFormat"]
+__all__ = ["SIDES", "AXIS", "KEY_AXIS", "VALUE_AXIS", "SideFormat"]
