@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..config import PRESETS, KiviConfig
-from .estimate import _fp_total, estimate_kv_memory, peak_lengths
+from .estimate import estimate_kv_memory, float_cache_bytes, peak_lengths
 from .sources import model_spec
 from .units import format_bytes, parse_bytes, parse_context
 
@@ -99,7 +99,7 @@ def cache_need(spec: Any, config: KiviConfig, context: int, batch: int = 1, *, p
 def full_precision_tokens(spec: Any, budget_bytes: int, batch: int = 1) -> int:
     """The most tokens per sequence a full-precision cache of ``batch`` sequences holds within ``budget_bytes``
     (what ``quantize_after`` may be so that the cache's full-precision phase fits the budget)."""
-    return budget_bytes // _fp_total(spec, 1, batch)
+    return budget_bytes // float_cache_bytes(spec, 1, batch)
 
 
 def config_for_budget(
@@ -147,7 +147,7 @@ def config_for_budget(
     named = default_candidates() if candidates is None else [_named(c) for c in candidates]
     if not named:
         raise ValueError("candidates is empty; give at least one KiviConfig (or None for the default ladder)")
-    fp = _fp_total(spec, T, batch)
+    fp = float_cache_bytes(spec, T, batch)
     considered: list[dict[str, Any]] = []
     chosen: tuple[str, KiviConfig, int] | None = None
     for name, cfg in named:

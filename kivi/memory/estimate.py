@@ -119,7 +119,9 @@ def _kivi_total(plan: list, spec: ModelSpec, T: int, P: int, batch: int,
     return total, layers
 
 
-def _fp_total(spec: ModelSpec, T: int, batch: int) -> int:
+def float_cache_bytes(spec: ModelSpec, T: int, batch: int) -> int:
+    """Bytes a full-precision cache of ``batch`` sequences of ``T`` tokens holds (sliding layers keep
+    their window); the baseline every estimate and budget compares with."""
     per_layer_tok = 2 * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[spec.dtype] * batch
     total = 0
     for lt in spec.layer_types:
@@ -208,7 +210,7 @@ def estimate_kv_memory(
 
     b = DTYPE_BYTES[spec.dtype]
     fp_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * b
-    fp_total = _fp_total(spec, T, batch)
+    fp_total = float_cache_bytes(spec, T, batch)
     plan = _layer_plan(cfg, spec)
     kt, layers = _kivi_total(plan, spec, T, P, batch)
     kivi_total = int(round(sum(kt.values())))
@@ -286,7 +288,7 @@ def estimate_kv_memory(
                        + [int(round(sum(_kivi_total(plan, spec, n, min(P, n), batch)[0].values())))
                           for n in drops if 0 < n < T])
             est.kivi_max_batch = budget // peak if peak else None
-            est.fp_max_context = _max_fitting(lambda t: _fp_total(spec, t, batch), budget, 1)
+            est.fp_max_context = _max_fitting(lambda t: float_cache_bytes(spec, t, batch), budget, 1)
             g = max(cfg.for_layer(i).group_size for i in range(spec.num_layers))
             est.kivi_max_context = _max_fitting(
                 lambda t: sum(
@@ -299,4 +301,4 @@ def estimate_kv_memory(
     return est
 
 
-__all__ = ["MemoryEstimate", "estimate_kv_memory"]
+__all__ = ["MemoryEstimate", "estimate_kv_memory", "float_cache_bytes"]
