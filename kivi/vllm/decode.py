@@ -5,7 +5,7 @@
 :func:`kivi.attention.interface.run_backend` (:func:`kivi.vllm.paged.paged_step`'s other path): the kernel
 runs for the ``"cpu"`` backend with numba importable, on pages whose fields it reads (no compensation codes,
 widths and group sizes it reads: :meth:`kivi.vllm.geometry.KiviGeometry.kernel_layout`) in a cache whose
-blocks are whole strides of one storage (:func:`kivi.vllm.geometry.block_pool`). ``"reference"`` always
+storage holds its blocks' strides (:func:`kivi.vllm.geometry.block_pool`). ``"reference"`` always
 goes request by request (it is the ground truth the kernel is tested against).
 
 :func:`stores_any` says which decode rows it serves (something stored on either side; a request whose
@@ -66,7 +66,7 @@ def decode_kernel(cfg: KiviConfig, geo: KiviGeometry, backend: str, pages: torch
     pool = block_pool(pages, geo)
     if pool is None:
         return None
-    layout = geo.kernel_layout(cfg, pool[1])
+    layout = geo.kernel_layout(cfg, pool[1], pool[2])
     return None if layout is None else DecodeKernel(pool[0], layout)
 
 

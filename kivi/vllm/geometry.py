@@ -57,19 +57,21 @@ class KiviGeometry:
     def side_fields(self, side: str) -> dict[str, SideField]:
         return {f.name: f for f in self.fields if f.side == side}
 
-    def kernel_layout(self, cfg: KiviConfig, block_bytes: int) -> PagedLayout | None:
-        """Where this page's fields sit in blocks ``block_bytes`` apart, for the paged decode kernel
-        (:class:`kivi.attention.fused_cpu.paged.PagedLayout`, offsets read off :attr:`fields`); ``None`` when
-        the kernel cannot read them (compensation codes, a width, group size or scale dtype it does not read)."""
+    def kernel_layout(self, cfg: KiviConfig, block_bytes: int, page_at: int = 0) -> PagedLayout | None:
+        """Where this page's fields sit in blocks ``block_bytes`` apart, the page ``page_at`` bytes into its
+        block, for the paged decode kernel (:class:`kivi.attention.fused_cpu.paged.PagedLayout`, offsets read
+        off :attr:`fields`); ``None`` when the kernel cannot read them (compensation codes, a width, group size
+        or scale dtype it does not read)."""
         k, v = self.side_fields("k"), self.side_fields("v")
         if "comp" in k or "comp" in v:
             return None
+        k_off, v_off = (None if "offset" not in f else page_at + f["offset"].offset for f in (k, v))
         out = PagedLayout(block_bytes=block_bytes, page_size=self.page_size, group_size=cfg.group_size,
                           num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, k_bits=cfg.k_bits,
                           v_bits=cfg.v_bits, param_dtype=k["scale"].dtype, k_row_bytes=k["packed"].shape[-1],
-                          v_row_bytes=v["packed"].shape[-1], k_packed=k["packed"].offset, k_scale=k["scale"].offset,
-                          k_offset=k["offset"].offset if "offset" in k else None, v_packed=v["packed"].offset,
-                          v_scale=v["scale"].offset, v_offset=v["offset"].offset if "offset" in v else None)
+                          v_row_bytes=v["packed"].shape[-1], k_packed=page_at + k["packed"].offset,
+                          k_scale=page_at + k["scale"].offset, k_offset=k_off, v_packed=page_at + v["packed"].offset,
+                          v_scale=page_at + v["scale"].offset, v_offset=v_off)
         return None if out.unsupported() else out
 
 
@@ -119,17 +121,21 @@ def _block_bytes(cache: torch.Tensor, geo: KiviGeometry) -> tuple[int, int]:
     return cache.stride(0) * item, cache.storage_offset() * item
 
 
-def block_pool(cache: torch.Tensor, geo: KiviGeometry) -> tuple[torch.Tensor, int] | None:
-    """One layer's vLLM cache as the paged decode kernel's pool: ``(flat uint8 view of its blocks,
-    bytes between blocks)`` aliasing the cache (no copy), or ``None`` when the blocks' span does not fit
-    the storage as whole strides (the last block shorter than the stride)."""
+def block_pool(cache: torch.Tensor, geo: KiviGeometry) -> tuple[torch.Tensor, int, int] | None:
+    """One layer's vLLM cache as the paged decode kernel's pool: ``(flat uint8 view, bytes between blocks,
+    byte of block 0's page inside the pool's first block)`` aliasing the cache (no copy). vLLM may put other
+    layers' pages between this layer's blocks (block ``b`` of layer ``l`` at ``offset + l * layer_stride +
+    b * block_stride``): the pool is then ``num_blocks`` whole strides of the shared storage ending no later
+    than its end, and the page sits that many bytes into each. ``None`` when the storage holds fewer bytes
+    than ``num_blocks`` strides."""
     stride, first = _block_bytes(cache, geo)
     nbytes = cache.shape[0] * stride
     storage = cache.untyped_storage()
-    if first + nbytes > storage.nbytes():
+    start = min(first, storage.nbytes() - nbytes)
+    if start < 0:
         return None
-    pool = torch.empty(0, dtype=torch.uint8, device=cache.device).set_(storage, first, (nbytes,))
-    return pool, stride
+    pool = torch.empty(0, dtype=torch.uint8, device=cache.device).set_(storage, start, (nbytes,))
+    return pool, stride, first - start
 
 
 def block_field_views(cache: torch.Tensor, geo: KiviGeometry, side: str) -> dict[str, torch.Tensor]:
