@@ -6,7 +6,8 @@ process through the ``vllm.general_plugins`` entry point; without a ``"kivi"`` k
 
 Modules: ``version`` (the one vLLM release the plugin is tested with), ``config`` (reading
 ``additional_config``), ``geometry`` (bytes of a page and of a window block), ``paged`` (one layer's step
-over the block tables, framework-free), ``select`` / ``backend`` (the vLLM classes; imported by vLLM only).
+over the block tables, framework-free), ``decode`` (its decode rows through the batched paged decode
+kernel), ``select`` / ``backend`` (the vLLM classes; imported by vLLM only).
 Nothing here imports :mod:`kivi.batching` (it pins a transformers release vLLM's pins exclude).
 """
 

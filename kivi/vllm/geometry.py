@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention.fused_cpu.paged import PagedLayout
 from ..config import KiviConfig
 from ..quant.page import SideField, page_fields
 
@@ -56,6 +57,23 @@ class KiviGeometry:
     def side_fields(self, side: str) -> dict[str, SideField]:
         return {f.name: f for f in self.fields if f.side == side}
 
+    def kernel_layout(self, cfg: KiviConfig, block_bytes: int, page_at: int = 0) -> PagedLayout | None:
+        """Where this page's fields sit in blocks ``block_bytes`` apart, the page ``page_at`` bytes into its
+        block, for the paged decode kernel (:class:`kivi.attention.fused_cpu.paged.PagedLayout`, offsets read
+        off :attr:`fields`); ``None`` when the kernel cannot read them (compensation codes, a width, group size
+        or scale dtype it does not read)."""
+        k, v = self.side_fields("k"), self.side_fields("v")
+        if "comp" in k or "comp" in v:
+            return None
+        k_off, v_off = (None if "offset" not in f else page_at + f["offset"].offset for f in (k, v))
+        out = PagedLayout(block_bytes=block_bytes, page_size=self.page_size, group_size=cfg.group_size,
+                          num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, k_bits=cfg.k_bits,
+                          v_bits=cfg.v_bits, param_dtype=k["scale"].dtype, k_row_bytes=k["packed"].shape[-1],
+                          v_row_bytes=v["packed"].shape[-1], k_packed=page_at + k["packed"].offset,
+                          k_scale=page_at + k["scale"].offset, k_offset=k_off, v_packed=page_at + v["packed"].offset,
+                          v_scale=page_at + v["scale"].offset, v_offset=v_off)
+        return None if out.unsupported() else out
+
 
 def build_geometry(cfg: KiviConfig, *, page_size: int, num_kv_heads: int, head_dim: int,
                    dtype: torch.dtype) -> KiviGeometry:
@@ -77,19 +95,56 @@ def build_geometry(cfg: KiviConfig, *, page_size: int, num_kv_heads: int, head_d
                         cfg.residual_length + cfg.group_size)
 
 
-def block_field_views(cache: torch.Tensor, geo: KiviGeometry, side: str) -> dict[str, torch.Tensor]:
-    """``{field: [NB, *shape]}`` views of one layer's vLLM cache (``[NB, ...]``: each block's bytes dense, in
-    whatever order vLLM's layout puts its logical ``[H, N, C]``; blocks ``cache.stride(0)`` apart): element ``[b]`` is
-    that field of block ``b``. The views alias the
-    cache's storage (no copy), whatever dtype vLLM gave the cache tensor."""
-    nb, item = cache.shape[0], cache.element_size()
+def ring_slots(
+    pos: torch.Tensor, ring_table: torch.Tensor, pw: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where positions ``pos`` live in a request's window rings: token ``p`` at ring slot ``p mod (k * Pw)``,
+    i.e. ring ``slot // Pw`` (its block ``ring_table[..., ring]``), row ``slot % Pw``. Returns (ring, block,
+    row). ``ring_table`` is one request's ``[k]`` blocks, or ``[N, k]`` for ``pos [N, T]`` of ``N`` requests."""
+    k = ring_table.shape[-1]
+    slot = pos % (k * pw)
+    ring = slot // pw
+    block = ring_table[ring] if ring_table.dim() == 1 else ring_table.gather(1, ring)
+    return ring, block.long(), slot % pw
+
+
+def _block_bytes(cache: torch.Tensor, geo: KiviGeometry) -> tuple[int, int]:
+    """``(block stride, first byte)`` of one layer's vLLM cache in bytes; ``ValueError`` unless each block's
+    bytes are dense and hold a page."""
+    item = cache.element_size()
     span = 1 + sum((n - 1) * st for n, st in zip(cache.shape[1:], cache.stride()[1:]))  # elements a block covers
     if span != cache[0].numel() or span * item < geo.page_bytes:  # any order of [H, N, C] inside, but dense
         raise ValueError(
             f"a KIVI layer's cache must be blocks of at least {geo.page_bytes} contiguous bytes, got shape "
             f"{tuple(cache.shape)} strides {cache.stride()} of {cache.dtype}"
         )
-    block_stride, first = cache.stride(0) * item, cache.storage_offset() * item  # bytes
+    return cache.stride(0) * item, cache.storage_offset() * item
+
+
+def block_pool(cache: torch.Tensor, geo: KiviGeometry) -> tuple[torch.Tensor, int, int] | None:
+    """One layer's vLLM cache as the paged decode kernel's pool: ``(flat uint8 view, bytes between blocks,
+    byte of block 0's page inside the pool's first block)`` aliasing the cache (no copy). vLLM may put other
+    layers' pages between this layer's blocks (block ``b`` of layer ``l`` at ``offset + l * layer_stride +
+    b * block_stride``): the pool is then ``num_blocks`` whole strides of the shared storage ending no later
+    than its end, and the page sits that many bytes into each. ``None`` when the storage holds fewer bytes
+    than ``num_blocks`` strides."""
+    stride, first = _block_bytes(cache, geo)
+    nbytes = cache.shape[0] * stride
+    storage = cache.untyped_storage()
+    start = min(first, storage.nbytes() - nbytes)
+    if start < 0:
+        return None
+    pool = torch.empty(0, dtype=torch.uint8, device=cache.device).set_(storage, start, (nbytes,))
+    return pool, stride, first - start
+
+
+def block_field_views(cache: torch.Tensor, geo: KiviGeometry, side: str) -> dict[str, torch.Tensor]:
+    """``{field: [NB, *shape]}`` views of one layer's vLLM cache (``[NB, ...]``: each block's bytes dense, in
+    whatever order vLLM's layout puts its logical ``[H, N, C]``; blocks ``cache.stride(0)`` apart): element ``[b]`` is
+    that field of block ``b``. The views alias the
+    cache's storage (no copy), whatever dtype vLLM gave the cache tensor."""
+    nb = cache.shape[0]
+    block_stride, first = _block_bytes(cache, geo)
     out = {}
     for name, f in geo.side_fields(side).items():
         size = f.dtype.itemsize
@@ -101,4 +156,4 @@ def block_field_views(cache: torch.Tensor, geo: KiviGeometry, side: str) -> dict
     return out
 
 
-__all__ = ["KiviGeometry", "build_geometry", "block_field_views"]
+__all__ = ["KiviGeometry", "build_geometry", "block_field_views", "block_pool", "ring_slots"]

@@ -17,15 +17,14 @@ per-request state is kept here, so preemption (recompute) and prefix hits need n
 3. quantizes what leaves the window in this step (keys in whole groups of ``G`` once ``R`` newer remain,
    values beyond ``R``) -- both sides before writing either, so a refused value (NaN) writes nothing to
    the pages -- and writes it to its page rows;
-4. attends: a request with nothing stored yet exactly (torch SDPA, causal bottom-right), the others
-   through kivi's backend (:func:`kivi.attention.interface.run_backend`: ``"reference"`` dequantizes,
-   ``"cpu"`` reads the packed pages: the fused numba kernel for one query token, the blocked path for a
-   chunk);
+4. attends: the decode rows with something stored in one call of kivi's batched paged decode kernel
+   reading the pages through the block table (:mod:`kivi.vllm.decode`, where it applies:
+   :func:`~kivi.vllm.decode.decode_kernel`); every other request on its own: with nothing stored yet
+   exactly (torch SDPA, causal bottom-right), else through kivi's backend
+   (:func:`kivi.attention.interface.run_backend`: ``"reference"`` dequantizes, ``"cpu"`` reads the packed
+   pages: the fused numba kernel for one query token, the blocked path for a chunk);
 5. writes the new tokens still in the window after the step (the last ``R + G - 1`` tokens) to the rings,
    after every read of the step (a ring slot is reused once its token has left the window).
-
-A batched decode kernel reading pages through the block table replaces step 4's per-request loop for
-decode rows where one exists (:func:`decode_rows` names them); until then each request is one call.
 """
 
 from __future__ import annotations
@@ -43,7 +42,8 @@ from ..cache.view import AttentionView, exact_queries
 from ..config import KiviConfig
 from ..quant.kv import quantize_side
 from ..quant.page import AXIS, SIDES
-from .geometry import KiviGeometry, block_field_views
+from .decode import decode_kernel, gather_decode, paged_decode, stores_any
+from .geometry import KiviGeometry, block_field_views, ring_slots
 
 
 @dataclass(frozen=True)
@@ -59,17 +59,6 @@ class StepBatch:
     seq_lens: list[int]
     page_table: torch.Tensor
     ring_table: torch.Tensor
-
-
-def ring_slots(
-    pos: torch.Tensor, ring_table_row: torch.Tensor, pw: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Where positions ``pos`` live in a request's window rings: token ``p`` at ring slot ``p mod (k * Pw)``,
-    i.e. ring ``slot // Pw`` (its block ``ring_table_row[ring]``), row ``slot % Pw``. Returns (ring, block, row)."""
-    k = ring_table_row.shape[0]
-    slot = pos % (k * pw)
-    ring = slot // pw
-    return ring, ring_table_row[ring].long(), slot % pw
 
 
 def _ring_read(rings: list[torch.Tensor], pos: torch.Tensor, ring_table_row: torch.Tensor, head_dim: int,
@@ -113,17 +102,20 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 def decode_rows(batch: StepBatch) -> list[int]:
-    """Requests of the batch whose step is one query token (what a batched paged decode kernel serves)."""
+    """Requests of the batch whose step is one query token (the batched paged decode kernel serves those with
+    something stored: :func:`kivi.vllm.decode.stores_any`)."""
     qs = batch.query_start
     return [i for i in range(len(batch.seq_lens)) if qs[i + 1] - qs[i] == 1]
 
 
 def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, pages: torch.Tensor, rings: list[torch.Tensor], batch: StepBatch, scale: float,
-               out: torch.Tensor) -> torch.Tensor:
+               out: torch.Tensor, *, batched_decode: bool = True) -> torch.Tensor:
     """One layer's step: ``query [n, Hq, D]``, ``key / value [n, H, D]`` (the batch's new tokens, request by
     request), ``pages`` the layer's vLLM cache, ``rings`` its ``k`` window rings' caches ``[NBw, H, Pw, 2D]``;
-    writes ``[n, Hq, D]`` attention into ``out`` (returned)."""
+    writes ``[n, Hq, D]`` attention into ``out`` (returned). ``batched_decode``: decode rows through the
+    batched paged decode kernel where it applies (:func:`kivi.vllm.decode.decode_kernel`), else (or
+    ``False``) request by request."""
     P = geo.page_size
     if len(rings) * rings[0].shape[2] < geo.sliding_window - 1:
         raise ValueError(f"{len(rings)} window rings of {rings[0].shape[2]} tokens cannot hold the "
@@ -132,6 +124,11 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
     meta = {side: dict(bits=cfg.k_bits if side == "k" else cfg.v_bits, group_size=cfg.group_size, axis=AXIS[side],
                        head_dim=geo.head_dim, residual_bits=cfg.residual_bits) for side in SIDES}
     R, G = cfg.residual_length, cfg.group_size
+    kernel = decode_kernel(cfg, geo, backend, pages) if batched_decode else None
+    rows = [] if kernel is None else [i for i in decode_rows(batch) if stores_any(cfg, batch.seq_lens[i] - 1)]
+    decode = None if not rows else gather_decode(cfg, rows, batch.query_start, batch.seq_lens, batch.page_table,
+                                                 batch.ring_table, rings, key, value)
+    in_kernel = {i: j for j, i in enumerate(rows)}
     jobs, writes, ring_writes = [], [], []
     for i, seq in enumerate(batch.seq_lens):
         lo, hi = batch.query_start[i], batch.query_start[i + 1]
@@ -145,17 +142,21 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
             axis = AXIS[side]
             stored = side_tokens(axis, past, R, G)[1]
             after = side_tokens(axis, seq, R, G)[1]
-            old = _ring_read(rings, torch.arange(stored, past, device=key.device), ring_ids, geo.head_dim, side)
-            fp = torch.cat([old, new.transpose(0, 1).to(old.dtype)], dim=1)  # [H, seq - stored, D]
-            table = page_ids[: -(-stored // P)].tolist()
-            store = page_store(views[side], table, 0, stored, P, **meta[side])
-            view = AttentionView(store, stored, fp.unsqueeze(0), quantized=True)
-            _set_boundary(view, cfg, side, fp, past - stored, q_len, past)
-            side_views.append(view)
+            if i in in_kernel:  # the kernel reads the pages and these rows (gathered above, before any write)
+                fp = decode.window(in_kernel[i], side)  # [H, seq - stored, D]
+            else:
+                old = _ring_read(rings, torch.arange(stored, past, device=key.device), ring_ids, geo.head_dim, side)
+                fp = torch.cat([old, new.transpose(0, 1).to(old.dtype)], dim=1)  # [H, seq - stored, D]
+                table = page_ids[: -(-stored // P)].tolist()
+                store = page_store(views[side], table, 0, stored, P, **meta[side])
+                view = AttentionView(store, stored, fp.unsqueeze(0), quantized=True)
+                _set_boundary(view, cfg, side, fp, past - stored, q_len, past)
+                side_views.append(view)
             if after > stored:  # 3. what leaves the window in this step
                 writes.append((side, _quantize(cfg, side, fp[:, : after - stored]), page_ids.tolist(), stored,
                                after - stored))
-        jobs.append((lo, hi, side_views))
+        if i not in in_kernel:
+            jobs.append((lo, hi, side_views))
         keep = max(past, seq - (geo.sliding_window - 1))  # new tokens still in the window after the step
         ring_writes.append((torch.arange(keep, seq, device=key.device), ring_ids, key[lo + keep - past:hi],
                             value[lo + keep - past:hi]))
@@ -167,7 +168,9 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
             index[G] = _rows(table, start, count, P, G, pages.device)
         per_row = {name: f.tokens_per_row for name, f in geo.side_fields(side).items()}
         scatter_tokens(views[side], seg, index, per_row)
-    for lo, hi, (kv, vv) in jobs:  # 4. attention, request by request
+    if decode is not None:  # 4. attention: the kernel rows in one call, the others request by request
+        out[decode.tokens] = paged_decode(kernel, decode, query, scale).to(out.dtype)
+    for lo, hi, (kv, vv) in jobs:
         q = query[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
         if exact_queries(q.shape[-2], kv, vv) == q.shape[-2]:
             o = exact_attention(q, kv.fp.to(q.dtype), vv.fp.to(q.dtype), scale)

@@ -1,0 +1,122 @@
+"""A step's decode rows through kivi's batched paged decode kernel: one call per layer (framework-free torch).
+
+:func:`decode_kernel` is the one rule for whether a layer's decode rows go through
+:func:`kivi.attention.fused_cpu.paged.paged_decode_attention` or request by request through
+:func:`kivi.attention.interface.run_backend` (:func:`kivi.vllm.paged.paged_step`'s other path): the kernel
+runs for the ``"cpu"`` backend with numba importable, on pages whose fields it reads (no compensation codes,
+widths and group sizes it reads: :meth:`kivi.vllm.geometry.KiviGeometry.kernel_layout`) in a cache whose
+storage holds its blocks' strides (:func:`kivi.vllm.geometry.block_pool`). ``"reference"`` always
+goes request by request (it is the ground truth the kernel is tested against).
+
+:func:`stores_any` says which decode rows it serves (something stored on either side; a request whose
+tokens are all still in the full-precision window attends exactly, as kivi's own cache does).
+:func:`gather_decode` reads, before the step writes anything, each such request's full-precision rows
+(earlier window tokens from its rings, then the step's new token) into the kernel's ``fp`` layout
+``[N, slots, H, D]`` (no sink: ``w0 = 0``) in the rings' dtype, the same rows the per-request path
+quantizes what leaves the window from; :func:`paged_decode` runs the kernel on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..attention.fused_cpu.paged import PagedLayout, paged_decode_attention
+from ..cache.schedule import side_tokens
+from ..config import KiviConfig
+from ..optional import numba_available
+from ..quant.page import AXIS, SIDES
+from .geometry import KiviGeometry, block_pool, ring_slots
+
+
+@dataclass(frozen=True)
+class DecodeKernel:
+    """A layer's cache as the paged decode kernel reads it: ``pool`` (flat uint8, aliasing the cache) and
+    ``layout`` (where the page fields sit in each block)."""
+
+    pool: torch.Tensor
+    layout: PagedLayout
+
+
+@dataclass(frozen=True)
+class DecodeInputs:
+    """The kernel rows of one step and layer: ``rows`` (batch rows), ``tokens`` (long ``[N]``: each row's
+    query in the step's input), ``counts`` (int64 ``[N, 6]``: ``[0, k stored, k window + 1, 0, v stored,
+    v window + 1]``), ``table`` (int32 ``[N, max_pages]``) and ``fp`` (per side ``[N, slots, H, D]`` in the
+    rings' dtype: the window's rows, then the new token; slots past a row's count are zero)."""
+
+    rows: list[int]
+    tokens: torch.Tensor
+    counts: torch.Tensor
+    table: torch.Tensor
+    fp: dict[str, torch.Tensor]
+
+    def window(self, j: int, side: str) -> torch.Tensor:
+        """Request ``j``'s full-precision rows of ``side``, ``[H, window + 1, D]`` (a view)."""
+        n = int(self.counts[j, 2 if side == "k" else 5])
+        return self.fp[side][j, :n].transpose(0, 1)
+
+
+def decode_kernel(cfg: KiviConfig, geo: KiviGeometry, backend: str, pages: torch.Tensor) -> DecodeKernel | None:
+    """The batched paged decode kernel over ``pages`` (one layer's vLLM cache), or ``None`` where it does not
+    apply and decode rows go request by request (see the module docstring: the one rule)."""
+    if backend != "cpu" or pages.device.type != "cpu" or not numba_available():
+        return None
+    pool = block_pool(pages, geo)
+    if pool is None:
+        return None
+    layout = geo.kernel_layout(cfg, pool[1], pool[2])
+    return None if layout is None else DecodeKernel(pool[0], layout)
+
+
+def stores_any(cfg: KiviConfig, past: int) -> bool:
+    """Whether a request holding ``past`` tokens has a stored (quantized) token on either side: a decode row
+    of such a request goes to the kernel, one without attends exactly (as kivi's own cache does)."""
+    R, G = cfg.residual_length, cfg.group_size
+    return any(side_tokens(AXIS[side], past, R, G)[1] for side in SIDES)
+
+
+def gather_decode(cfg: KiviConfig, rows: list[int], query_start: list[int], seq_lens: list[int],
+                  page_table: torch.Tensor, ring_table: torch.Tensor, rings: list[torch.Tensor], key: torch.Tensor,
+                  value: torch.Tensor) -> DecodeInputs:
+    """The kernel's inputs for ``rows`` (decode rows, :func:`stores_any`), read before the step writes the rings;
+    ``key / value [n, H, D]`` the step's new tokens, ``rings`` ``[NBw, H, Pw, 2D]`` each."""
+    R, G = cfg.residual_length, cfg.group_size
+    device = key.device
+    idx = torch.tensor(rows, dtype=torch.long, device=device)
+    seq = torch.tensor([seq_lens[i] for i in rows], dtype=torch.long, device=device)
+    tokens = torch.tensor([query_start[i] for i in rows], dtype=torch.long, device=device)
+    stored = {side: torch.tensor([side_tokens(AXIS[side], s - 1, R, G)[1] for s in seq.tolist()], dtype=torch.long,
+                                 device=device) for side in SIDES}
+    count = {side: seq - stored[side] for side in SIDES}  # window + the new token
+    slots = int(max(count["k"].max(), count["v"].max()))
+    rtab = ring_table[idx]  # [N, k]
+    n, pw, h, d = len(rows), rings[0].shape[2], rings[0].shape[1], key.shape[-1]
+    fp = {}
+    for side, new in (("k", key), ("v", value)):
+        j = torch.arange(slots, device=device)
+        pos = stored[side][:, None] + j  # [N, slots]
+        old = j[None, :] < count[side][:, None] - 1  # the rows in the rings (the new token is not there yet)
+        ring, block, row = ring_slots(pos, rtab, pw)
+        cols = slice(0, d) if side == "k" else slice(d, 2 * d)
+        rows_fp = torch.zeros(n, slots, h, d, dtype=rings[0].dtype, device=device)
+        for r, cache in enumerate(rings):
+            m = old & (ring == r)
+            if m.any():
+                rows_fp[m] = cache[block[m], :, row[m], cols]  # [M, H, D]
+        rows_fp[torch.arange(n, device=device), count[side] - 1] = new[tokens].to(rows_fp.dtype)
+        fp[side] = rows_fp
+    zero = torch.zeros_like(seq)
+    counts = torch.stack([zero, stored["k"], count["k"], zero, stored["v"], count["v"]], dim=1).cpu()
+    return DecodeInputs(rows, tokens, counts, page_table[idx].to(torch.int32).cpu(), fp)
+
+
+def paged_decode(kernel: DecodeKernel, inputs: DecodeInputs, query: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of the rows' queries (``query [n, Hq, D]`` of the step) over their pages and rows: one kernel
+    call, ``[N, Hq, D]`` in ``query.dtype``."""
+    return paged_decode_attention(query[inputs.tokens], kernel.pool, kernel.layout, inputs.table, inputs.counts,
+                                  inputs.fp["k"].float(), inputs.fp["v"].float(), 0, scaling=scale)
+
+
+__all__ = ["DecodeKernel", "DecodeInputs", "decode_kernel", "stores_any", "gather_decode", "paged_decode"]
