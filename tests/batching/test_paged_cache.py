@@ -314,3 +314,36 @@ def test_a_step_writes_only_its_new_row_and_the_sink_rows_taken(name, mode):
             assert changed == 2 * len(batch) + taken, (step, changed, taken)
         for rid, _, q in batch:
             reqs[rid].position_offset += q
+
+
+@pytest.mark.parametrize("mode", ["kernel", "views"])
+def test_refused_value_in_a_decode_step_leaves_rings_pages_and_state_unchanged(mode):
+    """A NaN value enters the window (nothing quantizes it yet) and is refused when it leaves, R steps later:
+    that step writes nothing — no page, no ring slot (its new token's neither), no request state."""
+    if mode == "kernel" and not numba_available():
+        pytest.skip("numba not installed")
+    cfg = CONFIGS["K2V2"]
+    cache = _cache(cfg, torch.float32, packed_backend="cpu" if mode == "kernel" else "reference")
+    torch.manual_seed(0)
+    r = _Req("x")
+    for step in range(cfg.residual_length + 2):
+        q = 40 if step == 0 else 1
+        assert cache.can_store_request_tokens(r, q)
+        batch = [("x", r.position_offset, q)]
+        st = cache.allocator.state("x")
+        if mode == "kernel":
+            cache._decode = decode_step(batch, [st], cache.allocator.block_table, cache.layout)
+        k, v = torch.randn(H, q, D), torch.randn(H, q, D)
+        if step == 1:
+            v[0, 0, 3] = float("nan")  # the token at position 40, in the window for R steps
+        state = (list(st.sink[0]), list(st.stored[0]))
+        before = cache.cache_tensor.clone()
+        if r.position_offset - cfg.residual_length == 40:  # the NaN token leaves the window in this step
+            with pytest.raises(ValueError):
+                cache.layer_forward(0, k, v, batch)
+            assert torch.equal(cache.cache_tensor, before) and (st.sink[0], st.stored[0]) == state
+            break
+        cache.layer_forward(0, k, v, batch)
+        r.position_offset += q
+    else:
+        raise AssertionError("the NaN token never left the window")

@@ -953,8 +953,8 @@ def paged_decode_serial(q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, hkv, chunk
 # (float32 / bfloat16 / float16, any strides but the channel's) described by one layout row per side (columns
 # ``_RL_*``, written by :class:`.paged.RingRows`), a slot table ``int32 [N, w0 + ring]`` of row ids
 # (``block * rows_per_block + row``) per side, and the step's new token ``[N, H, D]`` per side. Each task copies
-# the rows its chunk covers, of its kv head, to float32 task scratch (:func:`_ring_stage`) and runs the pieces
-# over it.
+# the rows its chunk covers, of its kv head, to float32 scratch (:func:`_ring_stage`; ``fscr [N * H, 2, w0 + ring
+# + 1, D]``, given by the caller so that it is reused between calls) and runs the pieces over it.
 _RL_ADDR, _RL_SBLOCK, _RL_SROW, _RL_SHEAD, _RL_RPB, _RL_DTYPE = 0, 1, 2, 3, 4, 5
 RING_NCOL = 6
 
@@ -1002,7 +1002,7 @@ def _ring_slot_task(slot, nch, slot0, q, pool, lay, bt, cnt, ks, vs, rl, knew, v
                     pacc, valid, kscr, vscr, fscr):
     """Run the task whose partial state goes to ``slot`` (full-precision rows read through the slot tables)."""
     b, h, t0, t1 = _task_of(slot, nch, slot0, cnt, chunk)
-    fk, fv = fscr[slot, 0], fscr[slot, 1]
+    fk, fv = fscr[b * hkv + h, 0], fscr[b * hkv + h, 1]  # shared by the head's chunks: they stage disjoint rows
     _ring_stage(rl[0], ks, knew, b, h, cnt[b, 0], cnt[b, 1], cnt[b, 2], w0, t0, t1, fk)
     _ring_stage(rl[1], vs, vnew, b, h, cnt[b, 3], cnt[b, 4], cnt[b, 5], w0, t0, t1, fv)
     H, D = knew.shape[1], knew.shape[2]
@@ -1015,12 +1015,14 @@ def _ring_slot_task(slot, nch, slot0, q, pool, lay, bt, cnt, ks, vs, rl, knew, v
 
 _RING_SIGNATURE = (
     "void(float32[:,:,::1], uint8[::1], int64[::1], int32[:,::1], int64[:,::1], int32[:,::1], int32[:,::1], "
-    "int64[:,::1], float32[:,:,::1], float32[:,:,::1], int64, float32, int64, int64, float32[:,:,::1])"
+    "int64[:,::1], float32[:,:,::1], float32[:,:,::1], int64, float32, int64, int64, float32[:,:,:,::1], "
+    "float32[:,:,::1])"
 )
 
 
 @numba.njit(_RING_SIGNATURE, parallel=True, fastmath=True, cache=True)
-def paged_ring_decode_threaded(q, pool, lay, bt, cnt, ks, vs, rl, knew, vnew, w0, scaling, hkv, chunk, out):
+def paged_ring_decode_threaded(q, pool, lay, bt, cnt, ks, vs, rl, knew, vnew, w0, scaling, hkv, chunk, fscr,
+                              out):
     """Paged entry point with rows in place, threaded: tasks ``(request, kv head, chunk)`` in ``prange``, then merge."""
     nch, slot0, order = _paged_plan(cnt, hkv, chunk)
     g = q.shape[1] // hkv
@@ -1030,7 +1032,6 @@ def paged_ring_decode_threaded(q, pool, lay, bt, cnt, ks, vs, rl, knew, vnew, w0
     pacc = np.empty((ntask, g, out.shape[2]), dtype=np.float32)
     valid = np.ones((1, 1), dtype=np.bool_)
     kscr, vscr = _paged_scratch(cnt, lay, q.shape[2], ntask)
-    fscr = np.empty((ntask, 2, ks.shape[1] + 1, q.shape[2]), dtype=np.float32)  # sink + ring + the new token
     for k in prange(ntask):
         _ring_slot_task(order[k], nch, slot0, q, pool, lay, bt, cnt, ks, vs, rl, knew, vnew, w0, scaling, hkv, chunk,
                         pm, pl, pacc, valid, kscr, vscr, fscr)
@@ -1038,7 +1039,7 @@ def paged_ring_decode_threaded(q, pool, lay, bt, cnt, ks, vs, rl, knew, vnew, w0
 
 
 @numba.njit(_RING_SIGNATURE, fastmath=True, cache=True)
-def paged_ring_decode_serial(q, pool, lay, bt, cnt, ks, vs, rl, knew, vnew, w0, scaling, hkv, chunk, out):
+def paged_ring_decode_serial(q, pool, lay, bt, cnt, ks, vs, rl, knew, vnew, w0, scaling, hkv, chunk, fscr, out):
     """Paged entry point with rows in place, calling thread only; same tasks as above."""
     nch, slot0, order = _paged_plan(cnt, hkv, chunk)
     g = q.shape[1] // hkv
@@ -1048,7 +1049,6 @@ def paged_ring_decode_serial(q, pool, lay, bt, cnt, ks, vs, rl, knew, vnew, w0, 
     pacc = np.empty((ntask, g, out.shape[2]), dtype=np.float32)
     valid = np.ones((1, 1), dtype=np.bool_)
     kscr, vscr = _paged_scratch(cnt, lay, q.shape[2], ntask)
-    fscr = np.empty((ntask, 2, ks.shape[1] + 1, q.shape[2]), dtype=np.float32)
     for k in range(ntask):
         _ring_slot_task(order[k], nch, slot0, q, pool, lay, bt, cnt, ks, vs, rl, knew, vnew, w0, scaling, hkv, chunk,
                         pm, pl, pacc, valid, kscr, vscr, fscr)

@@ -46,6 +46,7 @@ and attends.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -247,8 +248,10 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: PagedLay
     tail = (np.float32(scaling), H, chunk, out.numpy())
     if isinstance(k_fp, RingRows):
         news = [fp.new.float().contiguous() for fp in (k_fp, v_fp)]  # kept alive through the call
+        scratch = _row_scratch((N * H, 2, k_fp.slots.shape[1] + 1, D))
         args = (*head, k_fp.slots.contiguous().numpy(), v_fp.slots.contiguous().numpy(),
-                np.stack([k_fp.vector(), v_fp.vector()]), news[0].numpy(), news[1].numpy(), int(w0), *tail)
+                np.stack([k_fp.vector(), v_fp.vector()]), news[0].numpy(), news[1].numpy(), int(w0), *tail[:3],
+                scratch, tail[3])
         entry = (kernel.paged_ring_decode_threaded, kernel.paged_ring_decode_serial)
     else:
         args = (*head, k_fp.contiguous().numpy(), v_fp.contiguous().numpy(), int(w0), *tail)
@@ -258,6 +261,19 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: PagedLay
     else:
         entry[1](*args)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+_scratch = threading.local()
+
+
+def _row_scratch(shape: tuple[int, ...]) -> np.ndarray:
+    """Float32 room for the rows the in-place entries stage, kept per calling thread between calls (a fresh
+    array of that size in every call costs its page faults, about the kernel's own time at small batches)."""
+    n = int(np.prod(shape))
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _scratch.buf = np.empty(n, dtype=np.float32)
+    return buf[:n].reshape(shape)
 
 
 def _fp_rows(fp: torch.Tensor | RingRows, i: int, sink: int, first: int, window: int, w0: int
