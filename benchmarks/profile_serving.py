@@ -58,7 +58,8 @@ TIMED = [
     ("linear layers (nn.Linear)", None, "linear", 1),
     ("update_batch (tokens to requests)", ContinuousBatchProcessor, "update_batch", 0),
 ]
-KERNEL_ENTRIES = ("decode_serial", "decode_threaded", "paged_decode_serial", "paged_decode_threaded")
+KERNEL_ENTRIES = ("decode_serial", "decode_threaded", "paged_decode_serial", "paged_decode_threaded",
+                  "paged_ring_decode_serial", "paged_ring_decode_threaded")
 
 
 class TokenTimes:

@@ -24,7 +24,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..attention.fused_cpu.paged import PagedLayout, paged_decode_attention
+from ..attention.fused_cpu.paged import PagedLayout, RingRows, paged_decode_attention
 from ..attention.interface import run_backend
 from ..cache.view import AttentionView, exact_queries
 
@@ -36,15 +36,16 @@ PAGED_ATTN_IMPLEMENTATION = "kivi_paged"
 class PagedDecode:
     """The decoding requests of one layer's batch, read by one paged decode kernel call
     (:func:`kivi.attention.fused_cpu.paged.paged_decode_attention`; argument meanings there): ``rows`` are
-    their positions in the batch; ``block_table`` / ``counts`` / ``k_fp`` / ``v_fp`` hold one row each."""
+    their positions in the batch; ``block_table`` / ``counts`` / ``k_fp`` / ``v_fp`` hold one row each
+    (``k_fp`` / ``v_fp``: the window blocks' rows read in place, :class:`RingRows`)."""
 
     rows: tuple[int, ...]
     pool: torch.Tensor
     layout: PagedLayout
     block_table: torch.Tensor
     counts: torch.Tensor
-    k_fp: torch.Tensor
-    v_fp: torch.Tensor
+    k_fp: RingRows
+    v_fp: RingRows
     w0: int
 
     def attend(self, query: torch.Tensor, scaling: float | None) -> torch.Tensor:

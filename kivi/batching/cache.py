@@ -38,18 +38,19 @@ from transformers.generation.continuous_batching.cache_allocators import FULL_AT
 from transformers.generation.continuous_batching.requests import RequestState as HFRequestState
 from transformers.generation.continuous_batching.requests import RequestStatus
 
+from ..attention.fused_cpu.paged import RingRows
 from ..cache.boundary import SideCounts, set_boundary
 from ..cache.pages import gather_pages, page_store, scatter_tokens, store_rows
-from ..cache.schedule import flush_count, prefill_exact_queries, sink_take
+from ..cache.schedule import prefill_exact_queries, window_exits
 from ..cache.view import AttentionView
 from ..optional import numba_available
 from ..quant.kv import dequantize_kv, quantize_side
 from .allocator import KiviPageAllocator
 from .attention import PagedBatchViews, PagedDecode
-from .decode import DecodeStep, decode_counts, decode_step, gather_rows
+from .decode import DecodeStep, decode_counts, decode_step
 from .layout import AXIS, SIDES, PageLayout, field_views, window_view
 
-DEFAULT_MAX_BATCH_TOKENS = 8192  # transformers' own default (PagedAttentionMemoryHandler)
+TRANSFORMERS_MAX_BATCH_TOKENS = 8192  # transformers' own default where a config gives none (PagedAttentionMemoryHandler)
 
 
 class KiviPagedCache(PagedAttentionCache):
@@ -74,7 +75,7 @@ class KiviPagedCache(PagedAttentionCache):
         self.layer_to_allocator = dict.fromkeys(range(layout.num_layers), allocator)
         self.bytes_per_sector = layout.block_bytes  # one block per sector
         self.tokens_per_sector = layout.page_size * layout.num_layers
-        self.max_batch_tokens = continuous_batching_config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
+        self.max_batch_tokens = continuous_batching_config.max_batch_tokens or TRANSFORMERS_MAX_BATCH_TOKENS
         self.num_sectors = cache_memory // layout.block_bytes
         if self.num_sectors < layout.request_blocks(1):
             raise ValueError(
@@ -176,7 +177,7 @@ class KiviPagedCache(PagedAttentionCache):
             if any(lay is not None for lay in self._kernel_layouts):
                 alloc = self.allocator
                 self._decode = decode_step(self._batch, [alloc.state(rid) for rid, _, _ in self._batch],
-                                           alloc.block_table)
+                                           alloc.block_table, self.layout)
         n = key_states.shape[-2]
         if sum(q for _, _, q in self._batch) != n:
             raise RuntimeError(
@@ -221,7 +222,7 @@ class KiviPagedCache(PagedAttentionCache):
             table = self._decode.table if len(picked) == len(self._decode.rows) else self._decode.table[picked]
             decode = PagedDecode(tuple(j for j, _ in dec), self.cache_tensor, self._kernel_layouts[layer], table,
                                  decode_counts(layer, [p for _, p, _ in rows], [states[j] for j, _ in dec]),
-                                 sides[0][2].float(), sides[1][2].float(), cfg.sink_tokens)
+                                 sides[0][2], sides[1][2], cfg.sink_tokens)
             seen = [dataclasses.replace(v, decode=decode) for v in seen]
         for side in sides:
             side[1]()
@@ -238,16 +239,26 @@ class KiviPagedCache(PagedAttentionCache):
 
     def _side_forward(self, layer: int, s: int, side: str, cfg: Any, news: tuple[torch.Tensor, ...],
                       batch: list[tuple[str, int, int]], states: list,
-                      dec: list[tuple[int, int]]) -> tuple[Any, Any, torch.Tensor | None]:
+                      dec: list[tuple[int, int]]) -> tuple[Any, Any, RingRows | None]:
         """What attention sees of one side ``[H, sum(past + q), D]``, the function that then writes the
-        side's moves (quantized tokens to pages, sink and window rows, request states), and the
-        full-precision rows of the requests in ``dec`` (:func:`~kivi.batching.decode.gather_rows`, the
-        paged decode kernel's input; they get no view)."""
+        side's moves (quantized tokens to pages, the sink rows taken and the new tokens that stay in the
+        window to their ring slots, request states), and the full-precision rows of the requests in ``dec``
+        as the paged decode kernel reads them in place (:class:`RingRows`; they get no view).
+
+        The window is a ring in its slots (:meth:`PageLayout.window_slot`): tokens that leave it are read
+        (those that go to the sink or the pages) and never moved, the ones that stay are never rewritten."""
         alloc, lay = self.allocator, self.layout
         P = lay.page_size
         dtype = news[0].dtype
         views = self._views[(layer, side)]
         bits = cfg.k_bits if side == "k" else cfg.v_bits
+        S, ring = cfg.sink_tokens, lay.ring_slots(layer)
+        # what leaves each request's window in this forward: kivi.cache.schedule's one rule
+        exits = []
+        for (_rid, past, q), st in zip(batch, states):
+            sink, stored = st.sink[layer][s], st.stored[layer][s]
+            exits.append(window_exits(AXIS[side], past + q - sink - stored, cfg.residual_length, cfg.group_size,
+                                      sink, S, sink + stored, cfg.quantize_after))
         # 1. every request's pages of this layer and side: one gather, one dequantization (materialized mode)
         blocks: list[int] = []
         starts: list[int] = []
@@ -260,34 +271,64 @@ class KiviPagedCache(PagedAttentionCache):
         if blocks and self.packed_backend is None:
             seg = gather_pages(views, torch.tensor(blocks, dtype=torch.long, device=self.cache_tensor.device), **meta)
             deq = dequantize_kv(seg, dtype)[0]  # [H, N * P, D]
-        # 2. what attention sees, request by request: sink, pages, window, new tokens (the decoding requests
-        # of ``dec``: their rows in one gather, read by one kernel call)
-        rows_buf, in_buf = None, {}
+        # 2. the decoding requests of ``dec``: their rows stay in place (one kernel call reads them); only the
+        # rows that leave their windows are read, all in one gather, and the slots this step writes found
+        rows_in, dec_writes, leaving = None, [], {}
         if dec:
-            windows = [batch[j][1] - states[j].sink[layer][s] - states[j].stored[layer][s] for j, _ in dec]
-            rows_buf = gather_rows(self._rows, self._decode.window_index[[k for _, k in dec], layer, s],
-                                   torch.cat([news[j] for j, _ in dec], dim=1).transpose(0, 1),
-                                   torch.tensor(windows), cfg.sink_tokens)  # [N, slots + 1, H, D]
-            in_buf = {j: (i, w) for i, ((j, _), w) in enumerate(zip(dec, windows))}
+            table = self._decode.slots[layer, s]  # int32 [N_all, window_rows]
+            picked = [k for _, k in dec]
+            reads, writes, spans = ([], []), ([], []), []
+            for j, k in dec:
+                (_, past, _), st = batch[j], states[j]
+                sink, stored = st.sink[layer][s], st.stored[layer][s]
+                take, move = exits[j]
+                lo, out = sink + stored, min(sink + stored + take + move, past)
+                for t in range(lo, out):
+                    reads[0].append(k)
+                    reads[1].append(lay.window_slot(layer, t))
+                spans.append((j, out - lo, lo + take + move - out))
+                for slot in range(sink, sink + take):  # sink rows taken
+                    writes[0].append(k)
+                    writes[1].append(slot)
+                if past >= lo + take + move:  # the new token stays in the window: its ring slot
+                    writes[0].append(k)
+                    writes[1].append(lay.window_slot(layer, past))
+            per_block = lay.rows_per_block
+            ids = table[torch.tensor(reads[0] + writes[0], dtype=torch.long),
+                        torch.tensor(reads[1] + writes[1], dtype=torch.long)].long()
+            rid_ = ids[: len(reads[0])]
+            got = self._rows[rid_ // per_block, rid_ % per_block]  # [n, H, D] (a copy: read before any write)
+            at = 0
+            for j, n_ring, n_new in spans:
+                parts = [got[at: at + n_ring].transpose(0, 1)] if n_ring else []
+                at += n_ring
+                if n_new:  # leaves in its own step (R = 0)
+                    parts.append(news[j][:, :n_new])
+                if parts:
+                    leaving[j] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            wid = ids[len(reads[0]):]
+            dec_writes = [wid // per_block, wid % per_block]
+            slots = table[:, : S + ring] if len(picked) == table.shape[0] else table[picked, : S + ring]
+            rows_in = RingRows(self._rows, slots, torch.cat([news[j] for j, _ in dec], dim=1).transpose(0, 1))
+        # 3. what attention sees of the other requests, request by request: sink, pages, window, new tokens
         parts: list[torch.Tensor] = []
-        pendings: list[torch.Tensor] = []
+        pendings: dict[int, torch.Tensor] = {}
         attn_views: list[AttentionView | None] = []
+        decoding = {j for j, _ in dec}
         for j, ((rid, past, q), st, new, start) in enumerate(zip(batch, states, news, starts)):
-            if j in in_buf:  # window + new token: a view of the gathered rows
-                i, w = in_buf[j]
-                pendings.append(rows_buf[i, cfg.sink_tokens: cfg.sink_tokens + w + 1].transpose(0, 1))
+            if j in decoding:
                 attn_views.append(None)
                 continue
             sink, stored = st.sink[layer][s], st.stored[layer][s]
             wlen = past - sink - stored
             idx = st.window_index[layer, s]
             sink_t = self._rows[idx[:sink, 0], idx[:sink, 1]].transpose(0, 1) if sink else None  # [H, S, D]
-            if wlen:
-                w = idx[cfg.sink_tokens: cfg.sink_tokens + wlen]
+            if wlen:  # the ring read in token order
+                w = idx[S + torch.arange(sink + stored, past) % ring]
                 pending = torch.cat([self._rows[w[:, 0], w[:, 1]].transpose(0, 1), new], dim=1)
             else:
                 pending = new
-            pendings.append(pending)
+            pendings[j] = pending
             if self.packed_backend is not None:
                 evicted = min(st.evicted, stored)  # sliding-window models: pages freed (no sink there)
                 table = alloc.block_table[rid][evicted // P: lay.token_blocks(stored)]
@@ -307,32 +348,36 @@ class KiviPagedCache(PagedAttentionCache):
         else:
             seen = torch.cat(parts, dim=1)
         del deq
-        # 3. move what is due out of the windows (the rule of kivi.cache.schedule), quantize once, write
-        moved, tok_index, grp_index, sink_rows, window_rows, new_state = [], ([], []), ([], []), [], [], []
-        for (rid, _past, _q), st, pending in zip(batch, states, pendings):
+        # 4. move what is due out of the windows, quantize once, find the slots to write
+        moved, tok_index, grp_index, new_state = [], ([], []), ([], []), []
+        row_slots, row_values, dec_values = [], [], []  # (block, row) and rows of the other requests; decoding's
+        for j, ((rid, past, _q), st, new, (take, move)) in enumerate(zip(batch, states, news, exits)):
             sink, stored = st.sink[layer][s], st.stored[layer][s]
-            total = pending.shape[1]
-            take = sink_take(total, cfg.residual_length, sink, cfg.sink_tokens)
-            move = flush_count(AXIS[side], total - take, cfg.residual_length, cfg.group_size)
-            idx = st.window_index[layer, s]
+            lo = sink + stored
+            src = pendings.get(j, leaving.get(j))  # the side's tokens from position ``lo`` on
+            values = dec_values if j in decoding else row_values  # in the order of their slots' lists
             if take:
-                sink_rows.append((idx[sink: sink + take], pending[:, :take]))
+                values.append(src[:, :take])
             if move:
-                moved.append(pending[:, take: take + move])
+                moved.append(src[:, take: take + move])
                 table = alloc.block_table[rid]
                 for dest, per_row in ((tok_index, 1), (grp_index, cfg.group_size if side == "k" else None)):
                     if per_row is not None:
                         b, r = store_rows(table, stored, move, lay.page_size, per_row)
                         dest[0].extend(b)
                         dest[1].extend(r)
-            rest = pending[:, take + move:]
-            if rest.shape[1]:
-                window_rows.append((idx[cfg.sink_tokens: cfg.sink_tokens + rest.shape[1]], rest))
+            keep = max(past, lo + take + move)  # the new tokens that stay in the window
+            if j in pendings:
+                idx = st.window_index[layer, s]
+                row_slots.append(idx[sink: sink + take])
+                if keep < new.shape[1] + past:
+                    row_slots.append(idx[S + torch.arange(keep, past + new.shape[1]) % ring])
+            if keep < past + new.shape[1]:
+                values.append(new[:, keep - past:])
             new_state.append((sink + take, stored + move))
         seg = None
         if moved:  # quantize before writing anything: a refused value leaves the cache as it was
             seg = _quantize(cfg, side, torch.cat(moved, dim=1))
-        rows = sink_rows + window_rows
 
         def commit() -> None:
             if seg is not None:
@@ -342,14 +387,21 @@ class KiviPagedCache(PagedAttentionCache):
                     index[cfg.group_size] = tuple(torch.tensor(x, dtype=torch.long, device=dev) for x in grp_index)
                 per_row = {f.name: f.tokens_per_row for f in self.layout.layer_fields(layer, side).values()}
                 scatter_tokens(views, seg, index, per_row)
-            if rows:
-                ridx = torch.cat([i for i, _ in rows], dim=0)
-                self._rows[ridx[:, 0], ridx[:, 1]] = torch.cat([r.transpose(0, 1) for _, r in rows], dim=0).to(
-                    self._rows.dtype)  # [n, H, D]
+            blocks_at, rows_at = [], []
+            if row_values:
+                ridx = torch.cat(row_slots, dim=0)  # [n, 2]: (block, row)
+                blocks_at.append(ridx[:, 0])
+                rows_at.append(ridx[:, 1])
+            if dec_values:
+                blocks_at.append(dec_writes[0])
+                rows_at.append(dec_writes[1])
+            if blocks_at:
+                self._rows[torch.cat(blocks_at), torch.cat(rows_at)] = torch.cat(
+                    [r.transpose(0, 1) for r in row_values + dec_values], dim=0).to(self._rows.dtype)  # [n, H, D]
             for st, (sink, stored) in zip(states, new_state):
                 st.sink[layer][s], st.stored[layer][s] = sink, stored
 
-        return seen, commit, rows_buf
+        return seen, commit, rows_in
 
     @staticmethod
     def _set_boundary(view: AttentionView, side: str, cfg: Any, pending: torch.Tensor, window: int, q: int,
@@ -373,4 +425,4 @@ def _quantize(cfg: Any, side: str, x: torch.Tensor):
     return quantize_side(x.unsqueeze(0), cfg.side_format(side))
 
 
-__all__ = ["KiviPagedCache", "DEFAULT_MAX_BATCH_TOKENS"]
+__all__ = ["KiviPagedCache"]

@@ -6,9 +6,12 @@ block holds, per layer, one KIVI page of ``page_size`` tokens: the fields of kiv
 :class:`~kivi.quant.kv.PackedKV` per side, laid out by :func:`kivi.quant.page.page_fields` (the one
 home of the page format, shared with the vLLM plugin).
 
-Each request also keeps full-precision rows (model dtype, ``[H, D]`` per token): its sink tokens and
-its window of recent tokens, ``S + R + G - 1`` rows per layer and side at most, and never more than
-``S + t`` once it holds ``t`` tokens (:meth:`PageLayout.window_slots`). They live in **window blocks**
+Each request also keeps full-precision rows (model dtype, ``[H, D]`` per token): its sink tokens (sink
+token ``t`` in slot ``t``) and its window of recent tokens kept as a **ring** from slot ``S`` (window token
+at position ``t`` in slot ``S + t % (R + G)``, :func:`kivi.cache.schedule.window_ring_slots`: a step writes
+its new token's row and the sink rows taken, and moves nothing), ``S + R + G`` rows per layer and side at
+most, and never more than ``S + t`` once it holds ``t`` tokens (:meth:`PageLayout.window_slots`). They live
+in **window blocks**
 taken from the same pool (so the budget counts them and the scheduler sees them), as many as the
 request's slots need (:meth:`PageLayout.request_window_blocks`; a short request takes fewer than the
 ``window_blocks`` of a full window). Rows are numbered slot-major,
@@ -29,7 +32,7 @@ from typing import Any
 import torch
 
 from ..attention.fused_cpu.paged import PagedLayout
-from ..cache.schedule import layer_sink_tokens, sliding_cut
+from ..cache.schedule import layer_sink_tokens, sliding_cut, window_ring_slots
 from ..cache.support import check_head_dim, model_head_dim, plan_layers, text_config
 from ..config import KiviConfig
 from ..quant.page import AXIS, SIDES, SideField, page_fields
@@ -59,7 +62,8 @@ class PageLayout:
         page_bytes: bytes the fields take in one block (all layers).
         bytes_per_page: what transformers' allocator calls a page (``block_bytes // num_layers``).
         block_bytes: bytes of one block (``page_bytes`` rounded up; a multiple of 128 bytes).
-        window_rows: full-precision rows per layer and side (``S + R + G - 1``, max over layers).
+        window_rows: full-precision rows per layer and side (``S`` sink slots and the window's ring of
+            :func:`kivi.cache.schedule.window_ring_slots` ``= R + G`` slots, max over layers).
         rows_per_block: full-precision rows of ``[H, D]`` one block holds.
         window_blocks: window blocks of a request with a full window (all layers, both sides); a shorter
             request takes :meth:`request_window_blocks`.
@@ -113,6 +117,16 @@ class PageLayout:
         slots ``[0, S)`` and its window from slot ``S`` on (at most all its tokens), capped at ``window_rows``."""
         sink = max(cfg.sink_tokens for cfg in self.layer_configs)
         return min(self.window_rows, sink + max(0, tokens))
+
+    def ring_slots(self, layer: int) -> int:
+        """Slots of layer ``layer``'s window ring (:func:`kivi.cache.schedule.window_ring_slots`, ``R + G``)."""
+        cfg = self.layer_configs[layer]
+        return window_ring_slots(cfg.residual_length, cfg.group_size)
+
+    def window_slot(self, layer: int, position: int) -> int:
+        """The slot of layer ``layer``'s window token at ``position`` (counted from the request's first token):
+        ``S + position % ring_slots(layer)``. A short request's positions stay below its slots (``t < tokens``)."""
+        return self.layer_configs[layer].sink_tokens + position % self.ring_slots(layer)
 
     def request_window_blocks(self, tokens: int) -> int:
         """Window blocks a request holding ``tokens`` tokens needs (``window_blocks`` once its window is full)."""
@@ -190,7 +204,7 @@ def build_layout(model_config: Any, config: KiviConfig, page_size: int, dtype: t
             raise ValueError(f"{where}quantize_after={cfg.quantize_after}: full precision before quantizing is not "
                              "supported in continuous batching (a request's window blocks are sized for the window); "
                              "use kivi's generate() or quantize_after=0")
-        window_rows = max(window_rows, cfg.sink_tokens + cfg.residual_length + cfg.group_size - 1)
+        window_rows = max(window_rows, cfg.sink_tokens + window_ring_slots(cfg.residual_length, cfg.group_size))
         side_fields, offset = page_fields(cfg, heads, head_dim, page_size, dtype, offset=offset, where=where)
         fields.extend(PageField(f.side, f.name, f.shape, f.dtype, f.offset, f.tokens_per_row, layer=layer)
                       for f in side_fields)

@@ -60,6 +60,20 @@ def flush_count(axis: str, pending: int, residual_length: int, group_size: int) 
     return excess // group_size * group_size if axis == KEY_AXIS else excess
 
 
+def window_capacity(residual_length: int, group_size: int) -> int:
+    """The most tokens a side's window holds between forwards once it quantizes (``quantize_after = 0``):
+    ``R + G - 1`` (keys keep ``R`` to ``R + G - 1`` after a flush, values ``R``; while the sink fills, ``R``)."""
+    return residual_length + group_size - 1
+
+
+def window_ring_slots(residual_length: int, group_size: int) -> int:
+    """Slots of a window kept as a ring in place (token ``t`` in ring slot ``t % slots``) when a step writes
+    its new token into the ring before the step's attention reads it: the window's capacity
+    (:func:`window_capacity`) and that token, ``R + G``, so the new token never lands on a token the step
+    still reads. A step writes only its tokens that stay in the window; tokens that leave are not moved."""
+    return window_capacity(residual_length, group_size) + 1
+
+
 def quantizing(held: int, quantize_after: int) -> bool:
     """Whether a side that holds ``held`` tokens (sink + stored + window) quantizes anything at all:
     only once it holds more than ``quantize_after`` (``KiviConfig.quantize_after``; 0 = from the start).
@@ -278,6 +292,7 @@ def freed_tokens(start: int, first_append: int, block_size: int) -> int:
 
 __all__ = [
     "KEY_AXIS", "VALUE_AXIS", "layer_sink_tokens", "sink_take", "flush_count", "window_exits", "query_boundaries",
+    "window_capacity", "window_ring_slots",
     "prefill_exact_queries", "side_tokens", "quantizing",
     "first_store_seen", "key_group_start",
     "sliding_cut", "first_block_tokens", "tier_keeps", "tier_tokens", "tier_passed", "query_tier_ranges", "tier_ranges",

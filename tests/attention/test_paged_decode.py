@@ -143,3 +143,122 @@ def test_bad_inputs_are_refused_by_name(bad, match):
     bad(args)
     with pytest.raises(ValueError, match=match):
         paged_decode_attention(**args)
+
+
+# ------------------------------------------------------------------ rows read in place (RingRows)
+from kivi.attention.fused_cpu.paged import RingRows  # noqa: E402
+
+
+def _ring_form(k_fp, v_fp, counts, w0, ring, dtype, seed=5):
+    """The gathered rows of :func:`_batch` laid out as rings in a shuffled rows pool of ``dtype`` (head stride
+    padded: a view of a larger buffer): ``(k RingRows, v RingRows, k_fp, v_fp)``, the gathered arrays rounded to
+    ``dtype`` so both forms hold the same values. Window token at position ``t`` sits in ring column
+    ``w0 + t % ring``; the window's last row is the step's new token (passed apart)."""
+    g = torch.Generator().manual_seed(seed)
+    N, _, H, D = k_fp.shape
+    k_fp, v_fp = k_fp.to(dtype).float(), v_fp.to(dtype).float()
+    per_block = 7
+    need = N * (w0 + ring)
+    nb = -(-need // per_block) + 2
+    out = []
+    for s, fp in enumerate((k_fp, v_fp)):
+        buf = torch.randn(nb, per_block, H + 1, D + 3, generator=g).to(dtype)  # junk where no row is placed
+        rows = buf[:, :, :H, :D]
+        ids = torch.randperm(nb * per_block, generator=g)[:need].view(N, w0 + ring).to(torch.int32)
+        new = torch.empty(N, H, D)
+        for i in range(N):
+            sink, stored, window = counts[i, 3 * s: 3 * s + 3].tolist()
+            for t in range(sink):
+                r = int(ids[i, t])
+                rows[r // per_block, r % per_block] = fp[i, t].to(dtype)
+            for j in range(window - 1):
+                r = int(ids[i, w0 + (sink + stored + j) % ring])
+                rows[r // per_block, r % per_block] = fp[i, w0 + j].to(dtype)
+            new[i] = fp[i, w0 + window - 1]
+        out.append(RingRows(rows, ids, new))
+    return out[0], out[1], k_fp, v_fp
+
+
+RING_CASES = [  # (case index in CASES, rows dtype, ring slots beyond the longest window's older tokens)
+    (0, torch.float32, 0), (1, torch.bfloat16, 1), (2, torch.float16, 0), (3, torch.bfloat16, 5),
+    (4, torch.float16, 1), (5, torch.float32, 29),
+]
+
+
+RING_IDS = [f"{IDS[c]}-{str(d)[6:]}-ring+{r}" for c, d, r in RING_CASES]
+
+
+@pytest.mark.parametrize("ci, dtype, extra", RING_CASES, ids=RING_IDS)
+@pytest.mark.parametrize("threaded", [False, True], ids=["serial", "threads"])
+def test_rows_read_in_place_match_gathered_rows_and_reference(ci, dtype, extra, threaded):
+    """Rows read through a slot table (the window a ring that wraps many times over requests of up to 301
+    tokens, sinks, odd lengths, 16-bit rows) give what the gathered rows give, and the torch reference agrees."""
+    H, gqa, D, P, G, kb, vb, pdt, sym = CASES[ci]
+    lay = _layout(H, D, P, G, kb, vb, pdt, sym)
+    lens, sinks, w0 = [1, 7, 77, 301, 45, 130], [0, 0, 2, 4, 4, 0], 4
+    pool, table, counts, k_fp, v_fp = _batch(lay, lens, sinks, w0)
+    ring = int(counts[:, [2, 5]].max()) - 1 + extra  # the tightest ring wraps every ring positions
+    kr, vr, k_fp, v_fp = _ring_form(k_fp, v_fp, counts, w0, ring, dtype)
+    q = torch.randn(len(lens), H * gqa, D, generator=torch.Generator().manual_seed(1)).to(
+        torch.float32 if pdt == torch.float32 else pdt)
+    gathered = paged_decode_attention(q, pool, lay, table, counts, k_fp, v_fp, w0, scaling=0.3, threaded=threaded)
+    out = paged_decode_attention(q, pool, lay, table, counts, kr, vr, w0, scaling=0.3, threaded=threaded)
+    ref = torch_paged_decode(q, pool, lay, table, counts, kr, vr, w0, scaling=0.3)
+    assert out.dtype == q.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out, gathered, atol=1e-6, rtol=1e-6)
+    tol = 2e-5 if q.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(ref, torch_paged_decode(q, pool, lay, table, counts, k_fp, v_fp, w0, scaling=0.3),
+                               atol=1e-6, rtol=1e-6)
+
+
+def test_rows_read_in_place_from_a_vllm_style_ring():
+    """The docstring's vLLM form: ``k`` rings of ``Pw`` rows ``[NBw, H, Pw, 2D]`` in one tensor (keys in the first
+    ``D`` channels, values in the last), token ``p`` at ring slot ``p mod (k * Pw)``, no sink, ``w0 = 0``."""
+    H, D, Pw, k = 3, 64, 16, 4
+    lay = _layout(H, D, 64, 32, 2, 2, torch.float32, False)
+    lens = [33, 700, 129]
+    pool, table, counts, k_fp, v_fp = _batch(lay, lens, [0, 0, 0], 0, seed=4)
+    g = torch.Generator().manual_seed(2)
+    nbw = 15
+    rings = torch.randn(nbw, H, Pw, 2 * D, generator=g)
+    ring_table = torch.randperm(nbw, generator=g)[: len(lens) * k].view(len(lens), k)
+    slots = torch.stack([ring_table[i, torch.arange(k * Pw) // Pw] * Pw + torch.arange(k * Pw) % Pw
+                         for i in range(len(lens))]).to(torch.int32)
+    news = []
+    for s, fp in enumerate((k_fp, v_fp)):
+        cols = slice(0, D) if s == 0 else slice(D, 2 * D)
+        new = torch.empty(len(lens), H, D)
+        for i in range(len(lens)):
+            _, stored, window = counts[i, 3 * s: 3 * s + 3].tolist()
+            for j in range(window - 1):
+                p = stored + j
+                rings[ring_table[i, (p % (k * Pw)) // Pw], :, p % Pw, cols] = fp[i, j]
+            new[i] = fp[i, window - 1]
+        news.append(new)
+    kr = RingRows(rings.permute(0, 2, 1, 3)[..., :D], slots, news[0])
+    vr = RingRows(rings.permute(0, 2, 1, 3)[..., D:], slots, news[1])
+    q = torch.randn(len(lens), 9, D, generator=g)
+    out = paged_decode_attention(q, pool, lay, table, counts, kr, vr, 0)
+    torch.testing.assert_close(out, paged_decode_attention(q, pool, lay, table, counts, k_fp, v_fp, 0),
+                               atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda a: a.update(k_fp=RingRows(a["k_fp"].rows, a["k_fp"].slots.long(), a["k_fp"].new)), "slots must be int32"),
+    (lambda a: a["k_fp"].slots.__setitem__((0, 0), 10**6), "outside the rows pool"),
+    (lambda a: a.update(v_fp=RingRows(a["v_fp"].rows.double(), a["v_fp"].slots, a["v_fp"].new)), "v_fp.rows must"),
+    (lambda a: a.update(k_fp=RingRows(a["k_fp"].rows, a["k_fp"].slots[:, :30], a["k_fp"].new),
+                        v_fp=RingRows(a["v_fp"].rows, a["v_fp"].slots[:, :30], a["v_fp"].new)), "do not fit the slot"),
+    (lambda a: a.update(v_fp=a["k_fp"].new.new_zeros(2, 50, 3, 64)), "both be gathered tensors or both RingRows"),
+    (lambda a: a.update(k_fp=RingRows(a["k_fp"].rows, a["k_fp"].slots, a["k_fp"].new[:, :2])), "k_fp.new must"),
+], ids=["slots-dtype", "row-id", "rows-dtype", "ring-too-short", "mixed-forms", "new-shape"])
+def test_bad_ring_rows_are_refused_by_name(bad, match):
+    lay = _layout(3, 64, 64, 32, 2, 2, torch.float32, False)
+    pool, table, counts, k_fp, v_fp = _batch(lay, [300, 90], [4, 4], 4)
+    kr, vr, _, _ = _ring_form(k_fp, v_fp, counts, 4, 64, torch.float32)
+    args = dict(q=torch.randn(2, 9, 64), pool=pool, layout=lay, block_table=table, counts=counts, k_fp=kr,
+                v_fp=vr, w0=4)
+    bad(args)
+    with pytest.raises(ValueError, match=match):
+        paged_decode_attention(**args)

@@ -16,6 +16,7 @@ from kivi.batching.cache import KiviPagedCache
 from kivi.batching.decode import decode_step
 from kivi.batching.layout import build_layout
 from kivi.cache.view import materialize
+from kivi.optional import numba_available
 from tests.helpers import tiny_model
 
 H, D = 2, 32
@@ -57,6 +58,9 @@ def _run(cfg: KiviConfig, dtype: torch.dtype, schedule: list[list[tuple[str, int
     cache = _cache(cfg, dtype)
     packed = _cache(cfg, dtype)
     packed.packed_backend = "reference"
+    # the "cpu" mode: decoding requests read by the paged decode kernel, their rows in place (window rings)
+    kern = _cache(cfg, dtype, packed_backend="cpu") if numba_available() else None
+    decoded = 0
     reqs: dict[str, _Req] = {}
     refs: dict[str, list[KiviLayer]] = {}
     for step in schedule:
@@ -65,13 +69,24 @@ def _run(cfg: KiviConfig, dtype: torch.dtype, schedule: list[list[tuple[str, int
             r = reqs.setdefault(rid, _Req(rid))
             refs.setdefault(rid, [KiviLayer(cfg.for_layer(i)) for i in range(2)])
             assert cache.can_store_request_tokens(r, q) and packed.can_store_request_tokens(r, q)
+            assert kern is None or kern.can_store_request_tokens(r, q)
             batch.append((rid, r.position_offset, q))
         n = sum(q for _, q in step)
+        if kern is not None:
+            kern._decode = decode_step(batch, [kern.allocator.state(rid) for rid, _, _ in batch],
+                                       kern.allocator.block_table, kern.layout)
         for layer in range(2):
             k = (torch.randn(H, n, D) * 3 + torch.randn(1, 1, D)).to(dtype)  # channel offsets, as real keys
             v = torch.randn(H, n, D).to(dtype)
             ks, vs = cache.layer_forward(layer, k, v, batch)
             pk, pv = packed.layer_forward(layer, k, v, batch)
+            kk, kv = kern.layer_forward(layer, k, v, batch) if kern is not None else (pk, pv)
+            dec = kk.decode
+            dec_out = None
+            if dec is not None:
+                query = torch.randn(len(dec.rows), 4, D)
+                dec_out = dec.attend(query, D**-0.5)
+                decoded += 1
             off_new = off_seen = 0
             for i, (rid, past, q) in enumerate(batch):
                 # The materialized mode gives every query of a chunk what KiviLayer's first query reads; the
@@ -79,6 +94,15 @@ def _run(cfg: KiviConfig, dtype: torch.dtype, schedule: list[list[tuple[str, int
                 ref_layer = refs[rid][layer]
                 kview, vview = ref_layer.append(k[None, :, off_new: off_new + q], v[None, :, off_new: off_new + q])
                 rk, rv = materialize(kview, ref_layer.dtype), materialize(vview, ref_layer.dtype)
+                if dec is not None and i in dec.rows:  # the kernel over the rings against KiviLayer's views
+                    r = dec.rows.index(i)
+                    fk, fv = materialize(kview, torch.float32), materialize(vview, torch.float32)  # as the kernel
+                    want = _attend(query[r], fk[0], fv[0], D**-0.5)
+                    torch.testing.assert_close(dec_out[r], want, atol=2e-5, rtol=1e-4)
+                else:
+                    for got_view, ref_view in ((kk.views[i], kview), (kv.views[i], vview)):
+                        assert got_view.fp_from == ref_view.fp_from
+                        assert torch.equal(materialize(got_view, dtype), materialize(ref_view, dtype))
                 for got_view, ref_view in ((pk.views[i], kview), (pv.views[i], vview)):
                     assert (got_view.region is None) == (ref_view.region is None), (rid, layer, past, q)
                     assert torch.equal(materialize(got_view, dtype), materialize(ref_view, dtype))
@@ -104,6 +128,15 @@ def _run(cfg: KiviConfig, dtype: torch.dtype, schedule: list[list[tuple[str, int
             assert ks.shape[1] == off_seen
         for rid, q in step:
             reqs[rid].position_offset += q
+    if kern is not None and all(lay is not None for lay in kern._kernel_layouts):
+        assert decoded > 100  # most steps of SCHEDULE ran the kernel, long after the rings wrapped
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``q [Hq, D]`` over ``k / v [H, T, D]`` (GQA), softmax attention in float32: ``[Hq, D]``."""
+    g = q.shape[0] // k.shape[0]
+    p = torch.softmax(torch.einsum("hgd,htd->hgt", q.view(k.shape[0], g, -1), k) * scaling, dim=-1)
+    return torch.einsum("hgt,htd->hgd", p, v).reshape(q.shape)
 
 
 SCHEDULE = (
@@ -190,7 +223,7 @@ def test_packed_attention_matches_materialized_pages(name, backend):
         v = torch.randn(H, n, D)
         query = torch.randn(1, 4, n, D)  # GQA: 4 query heads over 2 kv heads
         packed._decode = decode_step(batch, [packed.allocator.state(rid) for rid, _, _ in batch],
-                                     packed.allocator.block_table) if backend == "cpu" else None
+                                     packed.allocator.block_table, packed.layout) if backend == "cpu" else None
         pk, pv = packed.layer_forward(0, k, v, batch)
         mk, mv = plain.layer_forward(0, k, v, batch)
         assert isinstance(pk, PagedBatchViews)
@@ -247,3 +280,71 @@ def test_window_rows_are_distinct_and_inside_the_window_blocks():
     assert idx.shape[0] == layout.num_layers * 2 * layout.window_rows
     assert set(idx[:, 0].tolist()) <= set(blocks) and int(idx[:, 1].max()) < layout.rows_per_block
     assert len({(int(b), int(r)) for b, r in idx}) == idx.shape[0]  # no two slots share a row
+
+
+@pytest.mark.parametrize("mode", ["kernel", "views"])
+@pytest.mark.parametrize("name", ["K2V2", "balanced-sink4"])
+def test_a_step_writes_only_its_new_row_and_the_sink_rows_taken(name, mode):
+    """The window is a ring in its slots: a decode step writes one row per side (its new token) and the rows the
+    sink takes; the tokens that stay in the window are not rewritten, those that leave not moved (120 steps:
+    the rings wrap twice). Both paths: the paged decode kernel's (rows read in place) and per-request views."""
+    if mode == "kernel" and not numba_available():
+        pytest.skip("numba not installed")
+    cfg = CONFIGS[name]
+    cache = _cache(cfg, torch.float32, packed_backend="cpu" if mode == "kernel" else "reference")
+    torch.manual_seed(0)
+    reqs = {rid: _Req(rid) for rid in ("a", "b")}
+    for step in range(121):
+        batch = []
+        for rid, q in (("a", 20 if step == 0 else 1), ("b", 3 if step == 0 else 1)):
+            assert cache.can_store_request_tokens(reqs[rid], q)
+            batch.append((rid, reqs[rid].position_offset, q))
+        states = [cache.allocator.state(rid) for rid, _, _ in batch]
+        if mode == "kernel":
+            cache._decode = decode_step(batch, states, cache.allocator.block_table, cache.layout)
+        n = sum(q for _, _, q in batch)
+        sinks = [list(st.sink[0]) for st in states]
+        before = cache._rows.clone()
+        keys, _ = cache.layer_forward(0, torch.randn(H, n, D), torch.randn(H, n, D), batch)
+        windows = torch.tensor(sorted({b for st in states for b in st.window_blocks}))  # pages change too
+        changed = int((cache._rows[windows] != before[windows]).flatten(2).any(-1).sum())
+        if step:
+            if step >= 50:  # both requests hold quantized tokens: the kernel reads them (mode "kernel")
+                assert (keys.decode is not None) == (mode == "kernel")
+            taken = sum(st.sink[0][s] - sinks[i][s] for i, st in enumerate(states) for s in range(2))
+            assert changed == 2 * len(batch) + taken, (step, changed, taken)
+        for rid, _, q in batch:
+            reqs[rid].position_offset += q
+
+
+@pytest.mark.parametrize("mode", ["kernel", "views"])
+def test_refused_value_in_a_decode_step_leaves_rings_pages_and_state_unchanged(mode):
+    """A NaN value enters the window (nothing quantizes it yet) and is refused when it leaves, R steps later:
+    that step writes nothing — no page, no ring slot (its new token's neither), no request state."""
+    if mode == "kernel" and not numba_available():
+        pytest.skip("numba not installed")
+    cfg = CONFIGS["K2V2"]
+    cache = _cache(cfg, torch.float32, packed_backend="cpu" if mode == "kernel" else "reference")
+    torch.manual_seed(0)
+    r = _Req("x")
+    for step in range(cfg.residual_length + 2):
+        q = 40 if step == 0 else 1
+        assert cache.can_store_request_tokens(r, q)
+        batch = [("x", r.position_offset, q)]
+        st = cache.allocator.state("x")
+        if mode == "kernel":
+            cache._decode = decode_step(batch, [st], cache.allocator.block_table, cache.layout)
+        k, v = torch.randn(H, q, D), torch.randn(H, q, D)
+        if step == 1:
+            v[0, 0, 3] = float("nan")  # the token at position 40, in the window for R steps
+        state = (list(st.sink[0]), list(st.stored[0]))
+        before = cache.cache_tensor.clone()
+        if r.position_offset - cfg.residual_length == 40:  # the NaN token leaves the window in this step
+            with pytest.raises(ValueError):
+                cache.layer_forward(0, k, v, batch)
+            assert torch.equal(cache.cache_tensor, before) and (st.sink[0], st.stored[0]) == state
+            break
+        cache.layer_forward(0, k, v, batch)
+        r.position_offset += q
+    else:
+        raise AssertionError("the NaN token never left the window")

@@ -21,6 +21,8 @@ from kivi.cache.schedule import (
     side_tokens,
     sink_take,
     sliding_cut,
+    window_capacity,
+    window_ring_slots,
 )
 from kivi.cache.sliding import new_layer
 from kivi.cache.store import BlockStore, FpSegment
@@ -71,6 +73,21 @@ def test_key_window_is_r_plus_remainder():
     assert side_tokens(KEY_AXIS, 1000, 128, 32) == (0, 864, 136)
     assert side_tokens(VALUE_AXIS, 1000, 128, 32) == (0, 872, 128)
     assert side_tokens(KEY_AXIS, 1000, 128, 32, sink_tokens=4) == (4, 864, 132)
+
+
+@pytest.mark.parametrize("R,G,sink", [(128, 32, 0), (32, 16, 4), (0, 32, 0), (32, 32, 40), (16, 8, 2)])
+def test_window_capacity_is_the_largest_window_and_the_ring_holds_a_step(R, G, sink):
+    """Between forwards a window holds at most window_capacity tokens (keys reach it, values stay at R); a
+    decode step reads that window and its new token, so a ring of window_ring_slots never reuses a slot the
+    step reads: the window's positions and the new one are distinct modulo the ring."""
+    most = {axis: max(side_tokens(axis, seen, R, G, sink)[2] for seen in range(1, 600)) for axis in (KEY_AXIS,
+                                                                                                    VALUE_AXIS)}
+    assert most[KEY_AXIS] == window_capacity(R, G) and most[VALUE_AXIS] <= window_capacity(R, G)
+    ring = window_ring_slots(R, G)
+    for seen in range(1, 600):
+        for axis in (KEY_AXIS, VALUE_AXIS):
+            _, _, window = side_tokens(axis, seen, R, G, sink)
+            assert len({t % ring for t in range(seen - window, seen + 1)}) == window + 1
 
 
 @pytest.mark.parametrize("axis", [KEY_AXIS, VALUE_AXIS])

@@ -739,27 +739,26 @@ def _param_rows(addr, pdt, n, sym_qmax, out_sc, out_bs, base_addr):
 
 
 @inline
-def _paged_rows(pool, lay, side, bt, b, h, ns, nst, nw, fp, w0, t0, t1, d, scr):
-    """Descriptor rows (``d``) of one side of request ``b`` for kv head ``h``: its sink (full-precision rows
-    ``[0, ns)`` of ``fp[b]``), its pages (store positions ``[0, nst)`` after the sink, page ``j`` in block
-    ``bt[b, j]``) and its window (rows ``[w0, w0 + nw)`` of ``fp[b]``). Pages outside ``[t0, t1)`` are left
-    out. A page whose parameters are not float32 asymmetric gets float32 copies of head ``h``'s rows in
-    ``scr[j]``. Returns the number of rows."""
+def _paged_rows(pool, lay, side, bt, b, h, H, D, ns, nst, nw, fsink, fwin, fds1, fds2, t0, t1, d, scr):
+    """Descriptor rows (``d``) of one side of request ``b`` for kv head ``h``: its sink (``ns`` float32
+    full-precision rows at address ``fsink``), its pages (store positions ``[0, nst)`` after the sink, page
+    ``j`` in block ``bt[b, j]``) and its window (``nw`` float32 rows at ``fwin``); the full-precision rows'
+    head and row strides are ``fds1`` / ``fds2`` floats. Pages outside ``[t0, t1)`` are left out. A page
+    whose parameters are not float32 asymmetric gets float32 copies of head ``h``'s rows in ``scr[j]``.
+    Returns the number of rows."""
     P, G = lay[_PL_P], lay[_PL_G]
     bits = lay[_PL_KBITS + side]
     rowb = lay[_PL_KROW + side]
     pack, sco, offo = lay[_PL_KPACK + 3 * side], lay[_PL_KSC + 3 * side], lay[_PL_KOFF + 3 * side]
     pdt = lay[_PL_PDT]
-    _, slots, H, D = fp.shape
     prow = P // G if side == 0 else P  # parameter rows per page and head
     pcol = D if side == 0 else D // G  # parameters per row
-    fpa = fp.ctypes.data + 4 * b * slots * H * D
     direct = pdt == 0 and offo >= 0
     qmax = np.float32(2 ** (bits - 1) - 1)
     n = 0
     if ns > 0:
         d[n, :] = 0
-        d[n, _LO], d[n, _HI], d[n, _DATA], d[n, _DS1], d[n, _DS2], d[n, _H1] = 0, ns, fpa, D, H * D, H
+        d[n, _LO], d[n, _HI], d[n, _DATA], d[n, _DS1], d[n, _DS2], d[n, _H1] = 0, ns, fsink, fds1, fds2, H
         n += 1
     for j in range((nst + P - 1) // P):
         lo = ns + j * P
@@ -786,25 +785,37 @@ def _paged_rows(pool, lay, side, bt, b, h, ns, nst, nw, fp, w0, t0, t1, d, scr):
     if nw > 0:
         d[n, :] = 0
         lo = ns + nst
-        d[n, _LO], d[n, _HI], d[n, _DATA], d[n, _DS1], d[n, _DS2], d[n, _H1] = (lo, lo + nw, fpa + 4 * w0 * H * D,
-                                                                                D, H * D, H)
+        d[n, _LO], d[n, _HI], d[n, _DATA], d[n, _DS1], d[n, _DS2], d[n, _H1] = lo, lo + nw, fwin, fds1, fds2, H
         n += 1
     return n
 
 
 @inline
-def _paged_task(q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, b, h, t0, t1, om, ol, oacc, valid, kscr, vscr):
+def _paged_task(q, pool, lay, bt, cnt, fpk, fpv, H, D, scaling, b, h, t0, t1, om, ol, oacc, valid, kscr, vscr):
     """Kv head ``h`` of request ``b`` over its kv positions ``[t0, t1)``: :func:`_task` on the request's pieces
-    (``kscr`` / ``vscr``: room for float32 copies of its pages' parameters, see :func:`_paged_rows`)."""
+    (``fpk`` / ``fpv``: where each side's full-precision rows are, ``[sink address, window address, head
+    stride, row stride]``; ``kscr`` / ``vscr``: room for float32 copies of its pages' parameters, see
+    :func:`_paged_rows`)."""
     P, G = lay[_PL_P], lay[_PL_G]
     npk, npv = (cnt[b, 1] + P - 1) // P, (cnt[b, 4] + P - 1) // P
     kd = np.empty((npk + 2, NCOL), dtype=np.int64)
     vd = np.empty((npv + 2, NCOL), dtype=np.int64)
-    nk = _paged_rows(pool, lay, 0, bt, b, h, cnt[b, 0], cnt[b, 1], cnt[b, 2], kfp, w0, t0, t1, kd, kscr)
-    nv = _paged_rows(pool, lay, 1, bt, b, h, cnt[b, 3], cnt[b, 4], cnt[b, 5], vfp, w0, t0, t1, vd, vscr)
+    nk = _paged_rows(pool, lay, 0, bt, b, h, H, D, cnt[b, 0], cnt[b, 1], cnt[b, 2], fpk[0], fpk[1], fpk[2], fpk[3],
+                     t0, t1, kd, kscr)
+    nv = _paged_rows(pool, lay, 1, bt, b, h, H, D, cnt[b, 3], cnt[b, 4], cnt[b, 5], fpv[0], fpv[1], fpv[2], fpv[3],
+                     t0, t1, vd, vscr)
     prm = np.array([lay[_PL_KBITS], G, lay[_PL_VBITS], G], dtype=np.int64)
     # the rows address the request's data directly (sequence strides 0)
     _task(q, kd[:nk], vd[:nv], prm, valid, 0, scaling, b, h, t0, t1, om, ol, oacc)
+
+
+@inline
+def _gathered_fp(fp, b, w0):
+    """Where request ``b``'s rows are in a gathered ``fp [N, slots, H, D]`` float32 array: sink from slot 0,
+    window from slot ``w0`` (:func:`_paged_task`'s ``[sink, window, head stride, row stride]``)."""
+    _, slots, H, D = fp.shape
+    fpa = fp.ctypes.data + 4 * b * slots * H * D
+    return (fpa, fpa + 4 * w0 * H * D, D, H * D)
 
 
 @inline
@@ -849,9 +860,8 @@ def _paged_plan(cnt, hkv, chunk):
 
 
 @inline
-def _paged_slot_task(slot, nch, slot0, q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, hkv, chunk, pm, pl, pacc,
-                     valid, kscr, vscr):
-    """Run the task whose partial state goes to ``slot``."""
+def _task_of(slot, nch, slot0, cnt, chunk):
+    """``(request b, kv head h, t0, t1)`` of the task whose partial state goes to ``slot``."""
     b = 0
     while slot0[b + 1] <= slot:
         b += 1
@@ -859,9 +869,17 @@ def _paged_slot_task(slot, nch, slot0, q, pool, lay, bt, cnt, kfp, vfp, w0, scal
     h = r // nch[b]
     c = r - h * nch[b]
     t0 = c * chunk
-    t1 = min(cnt[b, 0] + cnt[b, 1] + cnt[b, 2], t0 + chunk)
-    _paged_task(q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, b, h, t0, t1, pm[slot], pl[slot], pacc[slot], valid,
-                kscr[slot], vscr[slot])
+    return b, h, t0, min(cnt[b, 0] + cnt[b, 1] + cnt[b, 2], t0 + chunk)
+
+
+@inline
+def _paged_slot_task(slot, nch, slot0, q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, hkv, chunk, pm, pl, pacc,
+                     valid, kscr, vscr):
+    """Run the task whose partial state goes to ``slot`` (full-precision rows gathered in ``kfp`` / ``vfp``)."""
+    b, h, t0, t1 = _task_of(slot, nch, slot0, cnt, chunk)
+    _, _, H, D = kfp.shape
+    _paged_task(q, pool, lay, bt, cnt, _gathered_fp(kfp, b, w0), _gathered_fp(vfp, b, w0), H, D, scaling, b, h, t0,
+                t1, pm[slot], pl[slot], pacc[slot], valid, kscr[slot], vscr[slot])
 
 
 @jit
@@ -927,4 +945,111 @@ def paged_decode_serial(q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, hkv, chunk
     for k in range(ntask):
         _paged_slot_task(order[k], nch, slot0, q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, hkv, chunk, pm, pl,
                          pacc, valid, kscr, vscr)
+    _paged_merge(pm, pl, pacc, nch, slot0, out)
+
+
+# ------------------------------------------------------------------------------------- paged decode, rows in place
+# The same tasks, the full-precision rows read where they live: a rows pool ``[blocks, rows_per_block, H, D]``
+# (float32 / bfloat16 / float16, any strides but the channel's) described by one layout row per side (columns
+# ``_RL_*``, written by :class:`.paged.RingRows`), a slot table ``int32 [N, w0 + ring]`` of row ids
+# (``block * rows_per_block + row``) per side, and the step's new token ``[N, H, D]`` per side. Each task copies
+# the rows its chunk covers, of its kv head, to float32 scratch (:func:`_ring_stage`; ``fscr [N * H, 2, w0 + ring
+# + 1, D]``, given by the caller so that it is reused between calls) and runs the pieces over it.
+_RL_ADDR, _RL_SBLOCK, _RL_SROW, _RL_SHEAD, _RL_RPB, _RL_DTYPE = 0, 1, 2, 3, 4, 5
+RING_NCOL = 6
+
+
+@inline
+def _ring_row(rl, rid, h, D, out):
+    """Kv head ``h`` of row ``rid`` (block ``rid // rows_per_block``) of rows pool ``rl``, as float32 into ``out``."""
+    blk = rid // rl[_RL_RPB]
+    addr = rl[_RL_ADDR] + blk * rl[_RL_SBLOCK] + (rid - blk * rl[_RL_RPB]) * rl[_RL_SROW] + h * rl[_RL_SHEAD]
+    dt = rl[_RL_DTYPE]
+    if dt == 0:
+        x = _f32_rows(addr, 0, D)
+        for k in range(D):
+            out[k] = x[k]
+    else:
+        y = carray(_u16p(addr), (D,))
+        for k in range(D):
+            out[k] = _half_f32(np.uint32(y[k]), dt)
+
+
+@inline
+def _ring_stage(rl, slots, new, b, h, ns, nst, nw, w0, t0, t1, out):
+    """Kv head ``h``'s full-precision rows of one side of request ``b`` as float32 in ``out [rows, D]``: sink token
+    ``t < ns`` at ``out[t]`` (row ``slots[b, t]``), window token ``j < nw`` (position ``t = ns + nst + j``) at
+    ``out[ns + j]`` — the first ``nw - 1`` from row ``slots[b, w0 + t % ring]`` (``ring = slots.shape[1] - w0``),
+    the last from ``new[b]``. Only positions in ``[t0, t1)``: the task reads no other."""
+    ring = slots.shape[1] - w0
+    D = out.shape[1]
+    for t in range(max(0, t0), min(ns, t1)):
+        _ring_row(rl, np.int64(slots[b, t]), h, D, out[t])
+    lo = ns + nst
+    for t in range(max(lo, t0), min(lo + nw, t1)):
+        j = t - lo
+        o = out[ns + j]
+        if j == nw - 1:
+            x = new[b, h]
+            for k in range(D):
+                o[k] = x[k]
+        else:
+            _ring_row(rl, np.int64(slots[b, w0 + t % ring]), h, D, o)
+
+
+@inline
+def _ring_slot_task(slot, nch, slot0, q, pool, lay, bt, cnt, ks, vs, rl, knew, vnew, w0, scaling, hkv, chunk, pm, pl,
+                    pacc, valid, kscr, vscr, fscr):
+    """Run the task whose partial state goes to ``slot`` (full-precision rows read through the slot tables)."""
+    b, h, t0, t1 = _task_of(slot, nch, slot0, cnt, chunk)
+    fk, fv = fscr[b * hkv + h, 0], fscr[b * hkv + h, 1]  # shared by the head's chunks: they stage disjoint rows
+    _ring_stage(rl[0], ks, knew, b, h, cnt[b, 0], cnt[b, 1], cnt[b, 2], w0, t0, t1, fk)
+    _ring_stage(rl[1], vs, vnew, b, h, cnt[b, 3], cnt[b, 4], cnt[b, 5], w0, t0, t1, fv)
+    H, D = knew.shape[1], knew.shape[2]
+    ka, va = np.int64(fk.ctypes.data), np.int64(fv.ctypes.data)
+    zero, row = np.int64(0), np.int64(D)  # the scratch holds head h only: head stride 0
+    _paged_task(q, pool, lay, bt, cnt, (ka, ka + 4 * cnt[b, 0] * D, zero, row),
+                (va, va + 4 * cnt[b, 3] * D, zero, row), H, D, scaling, b, h, t0, t1, pm[slot], pl[slot], pacc[slot],
+                valid, kscr[slot], vscr[slot])
+
+
+_RING_SIGNATURE = (
+    "void(float32[:,:,::1], uint8[::1], int64[::1], int32[:,::1], int64[:,::1], int32[:,::1], int32[:,::1], "
+    "int64[:,::1], float32[:,:,::1], float32[:,:,::1], int64, float32, int64, int64, float32[:,:,:,::1], "
+    "float32[:,:,::1])"
+)
+
+
+@numba.njit(_RING_SIGNATURE, parallel=True, fastmath=True, cache=True)
+def paged_ring_decode_threaded(q, pool, lay, bt, cnt, ks, vs, rl, knew, vnew, w0, scaling, hkv, chunk, fscr,
+                              out):
+    """Paged entry point with rows in place, threaded: tasks ``(request, kv head, chunk)`` in ``prange``, then merge."""
+    nch, slot0, order = _paged_plan(cnt, hkv, chunk)
+    g = q.shape[1] // hkv
+    ntask = order.shape[0]
+    pm = np.empty((ntask, g), dtype=np.float32)
+    pl = np.empty((ntask, g), dtype=np.float32)
+    pacc = np.empty((ntask, g, out.shape[2]), dtype=np.float32)
+    valid = np.ones((1, 1), dtype=np.bool_)
+    kscr, vscr = _paged_scratch(cnt, lay, q.shape[2], ntask)
+    for k in prange(ntask):
+        _ring_slot_task(order[k], nch, slot0, q, pool, lay, bt, cnt, ks, vs, rl, knew, vnew, w0, scaling, hkv, chunk,
+                        pm, pl, pacc, valid, kscr, vscr, fscr)
+    _paged_merge(pm, pl, pacc, nch, slot0, out)
+
+
+@numba.njit(_RING_SIGNATURE, fastmath=True, cache=True)
+def paged_ring_decode_serial(q, pool, lay, bt, cnt, ks, vs, rl, knew, vnew, w0, scaling, hkv, chunk, fscr, out):
+    """Paged entry point with rows in place, calling thread only; same tasks as above."""
+    nch, slot0, order = _paged_plan(cnt, hkv, chunk)
+    g = q.shape[1] // hkv
+    ntask = order.shape[0]
+    pm = np.empty((ntask, g), dtype=np.float32)
+    pl = np.empty((ntask, g), dtype=np.float32)
+    pacc = np.empty((ntask, g, out.shape[2]), dtype=np.float32)
+    valid = np.ones((1, 1), dtype=np.bool_)
+    kscr, vscr = _paged_scratch(cnt, lay, q.shape[2], ntask)
+    for k in range(ntask):
+        _ring_slot_task(order[k], nch, slot0, q, pool, lay, bt, cnt, ks, vs, rl, knew, vnew, w0, scaling, hkv, chunk,
+                        pm, pl, pacc, valid, kscr, vscr, fscr)
     _paged_merge(pm, pl, pacc, nch, slot0, out)

@@ -16,8 +16,26 @@ v window]``; both sides cover the same ``sink + stored + window`` positions):
 * ``[sink + stored, sink + stored + window)``: full-precision rows ``fp[i, w0 : w0 + window]`` (the
   window, and the step's new token last).
 
-``fp`` is ``[N, slots, H, D]`` float32 per side; the slot of the window's first row ``w0`` is one
-argument (kivi's window blocks put the window after the configured sink slots).
+The full-precision rows come in one of two forms, the same for both sides:
+
+* **gathered**: ``fp`` is ``[N, slots, H, D]`` float32 per side; the slot of the window's first row ``w0``
+  is one argument (the new token is the window's last row);
+* **in place** (:class:`RingRows`): the rows stay where the cache keeps them, a rows pool
+  ``[blocks, rows_per_block, H, D]`` (float32 / bfloat16 / float16), read through a per-request slot table
+  ``int32 [N, w0 + ring]`` of row ids ``block * rows_per_block + row``: columns ``[0, w0)`` hold the sink
+  (sink token ``t`` in column ``t``), and the window is a **ring**: the window token at position ``t``
+  (``t`` counts the request's tokens from 0) is in column ``w0 + t % ring``. The step's new token comes
+  separately (``new [N, H, D]``), so a caller may write it into its ring after the call (a ring of
+  ``R + G - 1`` slots) or before (its ring then needs a slot more than the window: kivi's window blocks,
+  :func:`kivi.cache.schedule.window_ring_slots`). No gather copy of the rows is made on the host; each
+  task converts the rows its chunk covers, of its kv head, to float32.
+
+  kivi's window blocks: ``rows`` is :func:`kivi.batching.layout.window_view` of the cache pool, ``w0`` the
+  layer's sink slots. A vLLM plugin whose ``k`` window rings ``[NBw, H, Pw, 2D]`` (keys in channels
+  ``[0, D)``, values in ``[D, 2D)``) live in one tensor put token ``p`` at ring slot ``p mod (k * Pw)``:
+  ``rows = ring.permute(0, 2, 1, 3)[..., :D]`` (values ``[..., D:]``), ``w0 = 0`` (no sink), slot table
+  ``table[i, s] = ring_table[i, s // Pw] * Pw + s % Pw`` for ``s < k * Pw``, the step's keys / values as
+  ``new``, the rings written after the call.
 
 :func:`paged_decode_attention` checks the inputs and runs the numba kernel (:mod:`.kernel`,
 ``paged_decode_*``: split-K over ``(request, kv head, chunk)`` tasks on numba's pool, each task running
@@ -28,6 +46,7 @@ and attends.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,6 +123,49 @@ class PagedLayout:
         return flat.as_strided((nb, *shape), (self.block_bytes // item, shape[1] * shape[2], shape[2], 1), off // item)
 
 
+#: dtype codes of the rows pool of :class:`RingRows` (the kernel converts 16-bit rows)
+ROW_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@dataclass(frozen=True)
+class RingRows:
+    """One side's full-precision rows of ``N`` requests read in place (the module docstring's second form).
+
+    ``rows``: the rows pool ``[blocks, rows_per_block, H, D]``, float32 / bfloat16 / float16, channels
+    contiguous (any other strides: a view of a larger buffer). ``slots``: ``int32 [N, w0 + ring]`` row ids
+    (``block * rows_per_block + row``), sink columns first, then the ring (window position ``t`` in column
+    ``w0 + t % ring``). ``new``: ``[N, H, D]`` the step's token of each request, the window's last.
+    """
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    new: torch.Tensor
+
+    def vector(self) -> np.ndarray:
+        """The kernel's rows layout row (columns ``kernel._RL_*``): address, block / row / head strides in
+        bytes, rows per block, dtype code."""
+        item = self.rows.element_size()
+        sb, sr, sh, _ = self.rows.stride()
+        return np.array([self.rows.data_ptr(), sb * item, sr * item, sh * item, self.rows.shape[1],
+                         ROW_DTYPES[self.rows.dtype]], dtype=np.int64)
+
+
+def _check_ring(name: str, rr: RingRows, N: int, H: int, D: int, w0: int) -> None:
+    rows, slots, new = rr.rows, rr.slots, rr.new
+    if rows.dtype not in ROW_DTYPES or rows.dim() != 4 or tuple(rows.shape[2:]) != (H, D) or rows.stride(-1) != 1:
+        raise ValueError(f"{name}.rows must be [blocks, rows, {H}, {D}] of {sorted(map(str, ROW_DTYPES))} with "
+                         f"contiguous channels, got {rows.dtype} {tuple(rows.shape)} strides {rows.stride()}")
+    if slots.dtype != torch.int32 or slots.dim() != 2 or slots.shape[0] != N or slots.shape[1] <= w0:
+        raise ValueError(f"{name}.slots must be int32 [{N}, w0 + ring] with w0={w0} and a ring of at least one slot, "
+                         f"got {slots.dtype} {tuple(slots.shape)}")
+    if not new.is_floating_point() or tuple(new.shape) != (N, H, D):
+        raise ValueError(f"{name}.new must be floating [{N}, {H}, {D}], got {new.dtype} {tuple(new.shape)}")
+    ids = slots.numpy()
+    nrows = rows.shape[0] * rows.shape[1]
+    if ids.size and (ids.min() < 0 or ids.max() >= nrows):
+        raise ValueError(f"{name}.slots names rows outside the rows pool's {nrows}")
+
+
 def _check(q, pool, layout, block_table, counts, k_fp, v_fp, w0) -> None:
     why = layout.unsupported()
     if why is not None:
@@ -121,8 +183,13 @@ def _check(q, pool, layout, block_table, counts, k_fp, v_fp, w0) -> None:
         )
     if counts.dtype != torch.int64 or tuple(counts.shape) != (N, 6):
         raise ValueError(f"counts must be int64 [{N}, 6], got {counts.dtype} {tuple(counts.shape)}")
+    ring = isinstance(k_fp, RingRows)
+    if ring != isinstance(v_fp, RingRows):
+        raise ValueError("k_fp and v_fp must both be gathered tensors or both RingRows")
     for name, fp in (("k_fp", k_fp), ("v_fp", v_fp)):
-        if fp.dtype != torch.float32 or fp.dim() != 4 or fp.shape[0] != N or tuple(fp.shape[2:]) != (H, D):
+        if ring:
+            _check_ring(name, fp, N, H, D, w0)
+        elif fp.dtype != torch.float32 or fp.dim() != 4 or fp.shape[0] != N or tuple(fp.shape[2:]) != (H, D):
             raise ValueError(f"{name} must be float32 [{N}, slots, {H}, {D}], got {fp.dtype} {tuple(fp.shape)}")
     # the per-request checks on numpy views (a handful of microseconds, once per layer)
     c, table = counts.numpy(), block_table.numpy()
@@ -134,7 +201,14 @@ def _check(q, pool, layout, block_table, counts, k_fp, v_fp, w0) -> None:
     pages = (np.maximum(c[:, 1], c[:, 4]) + layout.page_size - 1) // layout.page_size
     if (pages > table.shape[1]).any():
         raise ValueError(f"stored tokens need more pages than block_table's {table.shape[1]} columns")
-    if (c[:, [0, 3]] > w0).any() or (w0 + c[:, [2, 5]] > min(k_fp.shape[1], v_fp.shape[1])).any():
+    if ring:
+        slots = k_fp.slots.shape[1]
+        if v_fp.slots.shape[1] != slots:
+            raise ValueError(f"k_fp.slots and v_fp.slots must have as many columns: {slots} vs {v_fp.slots.shape[1]}")
+        if (c[:, [0, 3]] > w0).any() or (c[:, [2, 5]] < 1).any() or (c[:, [2, 5]] - 1 > slots - w0).any():
+            raise ValueError(f"sink / window rows do not fit the slot table (w0={w0}, ring={slots - w0}; every "
+                             f"window holds the new token and at most ring older tokens): {c.tolist()}")
+    elif (c[:, [0, 3]] > w0).any() or (w0 + c[:, [2, 5]] > min(k_fp.shape[1], v_fp.shape[1])).any():
         raise ValueError(f"sink / window rows do not fit the fp slots (w0={w0}, slots={k_fp.shape[1]})")
     if (c[:, 1] % layout.group_size).any():
         raise ValueError(f"stored keys must be whole groups of {layout.group_size}: {c[:, 1].tolist()}")
@@ -145,10 +219,11 @@ def _check(q, pool, layout, block_table, counts, k_fp, v_fp, w0) -> None:
 
 
 def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: PagedLayout, block_table: torch.Tensor,
-                           counts: torch.Tensor, k_fp: torch.Tensor, v_fp: torch.Tensor, w0: int, *,
-                           scaling: float | None = None, threaded: bool | None = None) -> torch.Tensor:
+                           counts: torch.Tensor, k_fp: torch.Tensor | RingRows, v_fp: torch.Tensor | RingRows,
+                           w0: int, *, scaling: float | None = None, threaded: bool | None = None) -> torch.Tensor:
     """Decode attention of ``q [N, Hq, D]`` (one token per request) over the requests' pages; ``[N, Hq, D]``
-    in ``q.dtype``. Inputs as in the module docstring; ``ValueError`` naming an input that does not fit.
+    in ``q.dtype``. Inputs as in the module docstring (``k_fp`` / ``v_fp``: gathered float32 rows, or
+    :class:`RingRows` read in place); ``ValueError`` naming an input that does not fit.
     ``threaded``: numba's pool or the calling thread (``None``: by size, :data:`.dispatch.SERIAL_BELOW`)."""
     from .dispatch import _chunk_tokens, _kernel, _run_threaded, _use_threads
 
@@ -168,21 +243,62 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: PagedLay
         chunk = _chunk_tokens(int(lens.max()), N * H, numba.get_num_threads())
     else:
         chunk = int(lens.max())
-    args = (q.float().contiguous().numpy(), pool.numpy(), layout.vector(), block_table.contiguous().numpy(),
-            counts.contiguous().numpy(), k_fp.contiguous().numpy(), v_fp.contiguous().numpy(), int(w0),
-            np.float32(scaling), H, chunk, out.numpy())
-    if threaded:
-        _run_threaded(kernel.paged_decode_threaded, args)
+    head = (q.float().contiguous().numpy(), pool.numpy(), layout.vector(), block_table.contiguous().numpy(),
+            counts.contiguous().numpy())
+    tail = (np.float32(scaling), H, chunk, out.numpy())
+    if isinstance(k_fp, RingRows):
+        news = [fp.new.float().contiguous() for fp in (k_fp, v_fp)]  # kept alive through the call
+        scratch = _row_scratch((N * H, 2, k_fp.slots.shape[1] + 1, D))
+        args = (*head, k_fp.slots.contiguous().numpy(), v_fp.slots.contiguous().numpy(),
+                np.stack([k_fp.vector(), v_fp.vector()]), news[0].numpy(), news[1].numpy(), int(w0), *tail[:3],
+                scratch, tail[3])
+        entry = (kernel.paged_ring_decode_threaded, kernel.paged_ring_decode_serial)
     else:
-        kernel.paged_decode_serial(*args)
+        args = (*head, k_fp.contiguous().numpy(), v_fp.contiguous().numpy(), int(w0), *tail)
+        entry = (kernel.paged_decode_threaded, kernel.paged_decode_serial)
+    if threaded:
+        _run_threaded(entry[0], args)
+    else:
+        entry[1](*args)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
+_scratch = threading.local()
+
+
+def _row_scratch(shape: tuple[int, ...]) -> np.ndarray:
+    """Float32 room for the rows the in-place entries stage, kept per calling thread between calls (a fresh
+    array of that size in every call costs its page faults, about the kernel's own time at small batches)."""
+    n = int(np.prod(shape))
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _scratch.buf = np.empty(n, dtype=np.float32)
+    return buf[:n].reshape(shape)
+
+
+def _fp_rows(fp: torch.Tensor | RingRows, i: int, sink: int, first: int, window: int, w0: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request ``i``'s sink ``[H, sink, D]`` and window ``[H, window, D]`` rows in float32 (window positions
+    ``[first, first + window)``), read from either form."""
+    if not isinstance(fp, RingRows):
+        return fp[i, :sink].transpose(0, 1), fp[i, w0: w0 + window].transpose(0, 1)
+    ring = fp.slots.shape[1] - w0
+    per_block = fp.rows.shape[1]
+
+    def read(cols: torch.Tensor) -> torch.Tensor:
+        ids = fp.slots[i, cols].long()
+        return fp.rows[ids // per_block, ids % per_block].float().transpose(0, 1)  # [H, n, D]
+
+    old = read(w0 + torch.arange(first, first + window - 1) % ring)
+    return read(torch.arange(sink)), torch.cat([old, fp.new[i].float().unsqueeze(1)], dim=1)
+
+
 def torch_paged_decode(q: torch.Tensor, pool: torch.Tensor, layout: PagedLayout, block_table: torch.Tensor,
-                       counts: torch.Tensor, k_fp: torch.Tensor, v_fp: torch.Tensor, w0: int, *,
-                       scaling: float | None = None) -> torch.Tensor:
-    """Plain torch reference of :func:`paged_decode_attention`: each request's pages dequantized
-    (:func:`kivi.quant.kv.dequantize_kv`), sink + pages + window concatenated, softmax attention in float32."""
+                       counts: torch.Tensor, k_fp: torch.Tensor | RingRows, v_fp: torch.Tensor | RingRows, w0: int,
+                       *, scaling: float | None = None) -> torch.Tensor:
+    """Plain torch reference of :func:`paged_decode_attention` (both forms of rows): each request's pages
+    dequantized (:func:`kivi.quant.kv.dequantize_kv`), sink + pages + window concatenated, softmax attention
+    in float32."""
     _check(q, pool, layout, block_table, counts, k_fp, v_fp, w0)
     N, hq, D = q.shape
     H, P = layout.num_kv_heads, layout.page_size
@@ -193,7 +309,8 @@ def torch_paged_decode(q: torch.Tensor, pool: torch.Tensor, layout: PagedLayout,
         sides = []
         for s, (side, fp, bits) in enumerate((("k", k_fp, layout.k_bits), ("v", v_fp, layout.v_bits))):
             sink, stored, window = counts[i, 3 * s: 3 * s + 3].tolist()
-            parts = [fp[i, :sink].transpose(0, 1)]  # [H, sink, D]
+            sink_rows, window_rows = _fp_rows(fp, i, sink, sink + stored, window, w0)
+            parts = [sink_rows]  # [H, sink, D]
             if stored:
                 blocks = block_table[i, : -(-stored // P)].long()
                 fields = {}
@@ -206,7 +323,7 @@ def torch_paged_decode(q: torch.Tensor, pool: torch.Tensor, layout: PagedLayout,
                                bits=bits, group_size=layout.group_size, axis="channel" if side == "k" else "token",
                                head_dim=D)
                 parts.append(dequantize_kv(seg, torch.float32)[0, :, :stored])
-            parts.append(fp[i, w0: w0 + window].transpose(0, 1))
+            parts.append(window_rows)
             sides.append(torch.cat(parts, dim=1))  # [H, T, D]
         k, v = sides
         qi = q[i].float().view(H, g, D)
@@ -215,4 +332,4 @@ def torch_paged_decode(q: torch.Tensor, pool: torch.Tensor, layout: PagedLayout,
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-__all__ = ["PagedLayout", "PARAM_DTYPES", "paged_decode_attention", "torch_paged_decode"]
+__all__ = ["PagedLayout", "RingRows", "PARAM_DTYPES", "ROW_DTYPES", "paged_decode_attention", "torch_paged_decode"]
