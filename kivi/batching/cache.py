@@ -50,7 +50,7 @@ from .attention import PagedBatchViews, PagedDecode
 from .decode import DecodeStep, decode_counts, decode_step
 from .layout import AXIS, SIDES, PageLayout, field_views, window_view
 
-TRANSFORMERS_MAX_BATCH_TOKENS = 8192  # transformers' own default where a config gives none (PagedAttentionMemoryHandler)
+TRANSFORMERS_MAX_BATCH_TOKENS = 8192  # transformers' default where a config gives none (PagedAttentionMemoryHandler)
 
 
 class KiviPagedCache(PagedAttentionCache):
