@@ -151,17 +151,11 @@ class PageLayout:
         """Where layer ``layer``'s fields sit in a block, for the paged decode kernel
         (:class:`kivi.attention.fused_cpu.paged.PagedLayout`); ``None`` when the kernel cannot read them
         (compensation codes, a width or group size it does not read)."""
-        k, v = self.layer_fields(layer, "k"), self.layer_fields(layer, "v")
-        if "comp" in k or "comp" in v:
-            return None
         cfg = self.layer_configs[layer]
-        out = PagedLayout(block_bytes=self.block_bytes, page_size=self.page_size, group_size=cfg.group_size,
-                          num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, k_bits=cfg.k_bits, v_bits=cfg.v_bits,
-                          param_dtype=k["scale"].dtype, k_row_bytes=k["packed"].shape[-1],
-                          v_row_bytes=v["packed"].shape[-1], k_packed=k["packed"].offset, k_scale=k["scale"].offset,
-                          k_offset=k["offset"].offset if "offset" in k else None, v_packed=v["packed"].offset,
-                          v_scale=v["scale"].offset, v_offset=v["offset"].offset if "offset" in v else None)
-        return None if out.unsupported() else out
+        return PagedLayout.from_fields(self.layer_fields(layer, "k"), self.layer_fields(layer, "v"),
+                                       block_bytes=self.block_bytes, page_size=self.page_size,
+                                       group_size=cfg.group_size, num_kv_heads=self.num_kv_heads,
+                                       head_dim=self.head_dim, k_bits=cfg.k_bits, v_bits=cfg.v_bits)
 
     def requests_that_fit(self, cache_memory: int, tokens: int) -> int:
         """Requests of ``tokens`` tokens each that ``cache_memory`` bytes of blocks hold at once."""

@@ -62,17 +62,10 @@ class KiviGeometry:
         block, for the paged decode kernel (:class:`kivi.attention.fused_cpu.paged.PagedLayout`, offsets read
         off :attr:`fields`); ``None`` when the kernel cannot read them (compensation codes, a width, group size
         or scale dtype it does not read)."""
-        k, v = self.side_fields("k"), self.side_fields("v")
-        if "comp" in k or "comp" in v:
-            return None
-        k_off, v_off = (None if "offset" not in f else page_at + f["offset"].offset for f in (k, v))
-        out = PagedLayout(block_bytes=block_bytes, page_size=self.page_size, group_size=cfg.group_size,
-                          num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, k_bits=cfg.k_bits,
-                          v_bits=cfg.v_bits, param_dtype=k["scale"].dtype, k_row_bytes=k["packed"].shape[-1],
-                          v_row_bytes=v["packed"].shape[-1], k_packed=page_at + k["packed"].offset,
-                          k_scale=page_at + k["scale"].offset, k_offset=k_off, v_packed=page_at + v["packed"].offset,
-                          v_scale=page_at + v["scale"].offset, v_offset=v_off)
-        return None if out.unsupported() else out
+        return PagedLayout.from_fields(self.side_fields("k"), self.side_fields("v"), block_bytes=block_bytes,
+                                       page_size=self.page_size, group_size=cfg.group_size,
+                                       num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, k_bits=cfg.k_bits,
+                                       v_bits=cfg.v_bits, base=page_at)
 
 
 def build_geometry(cfg: KiviConfig, *, page_size: int, num_kv_heads: int, head_dim: int,

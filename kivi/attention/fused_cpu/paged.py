@@ -94,6 +94,22 @@ class PagedLayout:
                          -1 if self.v_offset is None else self.v_offset, PARAM_DTYPES[self.param_dtype]],
                         dtype=np.int64)
 
+    @classmethod
+    def from_fields(cls, k: dict, v: dict, *, block_bytes: int, page_size: int, group_size: int, num_kv_heads: int,
+                    head_dim: int, k_bits: int, v_bits: int, base: int = 0) -> PagedLayout | None:
+        """The layout of one layer's page fields (name -> field with ``offset`` / ``shape`` / ``dtype``, as
+        :func:`kivi.quant.page.page_fields` gives them) placed ``base`` bytes into blocks ``block_bytes``
+        apart; ``None`` when the kernel cannot read them (compensation codes, or :meth:`unsupported`)."""
+        if "comp" in k or "comp" in v:
+            return None
+        k_off, v_off = (None if "offset" not in f else base + f["offset"].offset for f in (k, v))
+        out = cls(block_bytes=block_bytes, page_size=page_size, group_size=group_size, num_kv_heads=num_kv_heads,
+                  head_dim=head_dim, k_bits=k_bits, v_bits=v_bits, param_dtype=k["scale"].dtype,
+                  k_row_bytes=k["packed"].shape[-1], v_row_bytes=v["packed"].shape[-1],
+                  k_packed=base + k["packed"].offset, k_scale=base + k["scale"].offset, k_offset=k_off,
+                  v_packed=base + v["packed"].offset, v_scale=base + v["scale"].offset, v_offset=v_off)
+        return None if out.unsupported() else out
+
     def unsupported(self) -> str | None:
         """Why the kernel cannot read this layout, or ``None``."""
         from .dispatch import KERNEL_BITS
