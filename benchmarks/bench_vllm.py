@@ -212,7 +212,7 @@ def format_table(report: dict) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--prompt-range", type=int, nargs=2, default=[2048, 4096], metavar=("MIN", "MAX"),
                     help="prompt lengths in tokens, spread evenly over [MIN, MAX]")
     ap.add_argument("--new-tokens", type=int, default=128)
