@@ -123,7 +123,7 @@ def run_row(spec: dict) -> dict:
     extra = {"additional_config": {"kivi": row["kivi"]}} if "kivi" in row else {"kv_cache_dtype": row["kv_cache_dtype"]}
     engine_args = EngineArgs(model=spec["model"], dtype="bfloat16", max_model_len=spec["max_model_len"],
                              block_size=BLOCK_SIZE, enforce_eager=True, seed=0, kv_cache_memory_bytes=spec["budget"],
-                             disable_log_stats=False, **extra)
+                             max_num_batched_tokens=spec["max_batch_tokens"], disable_log_stats=False, **extra)
     t_load = time.perf_counter()
     engine = LLMEngine.from_engine_args(engine_args, stat_loggers=[Held])
     load_s = time.perf_counter() - t_load
@@ -206,7 +206,8 @@ def format_table(report: dict) -> str:
     w = report["workload"]
     lines.append(f"\n{w['requests']} requests, prompts {w['prompt_range'][0]}-{w['prompt_range'][1]} tokens "
                  f"(WikiText-2), {w['new_tokens']} new tokens each, budget {report['budget_bytes'] / 2**20:.1f} MiB, "
-                 f"max_model_len {report['max_model_len']}, {report['threads']} thread(s); {report['command']}")
+                 f"max_model_len {report['max_model_len']}, max_num_batched_tokens {report['max_batch_tokens']}, "
+                 f"{report['threads']} thread(s); {report['command']}")
     return "\n".join(lines)
 
 
@@ -222,8 +223,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="default budget: bytes bf16 needs to hold this many of the longest requests")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="vLLM's max_model_len (default: the longest prompt + --new-tokens, in whole blocks)")
+    ap.add_argument("--max-batch-tokens", type=int, default=None,
+                    help="vLLM's max_num_batched_tokens (default: max_model_len, so every prompt is one prefill "
+                         "chunk; a later chunk goes through KIVI's per-query path, far slower than the exact prefill)")
     ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
-    ap.add_argument("--threads", type=int, default=2, help="cores vLLM binds to (and numba's threads)")
+    ap.add_argument("--threads", type=int, default=1, help="cores vLLM binds to (and numba's threads)")
     ap.add_argument("--smoke", action="store_true",
                     help=f"a short run for a test: {SMOKE} unless given")
     ap.add_argument("--row-timeout", type=float, default=1800, help="seconds one row may take")
@@ -240,8 +244,8 @@ def _args(argv: list[str]):
     if "--smoke" in argv:
         ap.set_defaults(**SMOKE)
     args = ap.parse_args(argv)
-    for name in ("requests", "new_tokens", "bf16_requests", "threads"):
-        if getattr(args, name) < 1:
+    for name in ("requests", "new_tokens", "bf16_requests", "threads", "max_batch_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     lo, hi = args.prompt_range
     if not 1 <= lo <= hi:
@@ -264,8 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     longest = args.prompt_range[1] + args.new_tokens
     max_len = args.max_model_len or -(-longest // BLOCK_SIZE) * BLOCK_SIZE
     budget = args.budget or default_budget(args, path)
+    batch_tokens = args.max_batch_tokens or max_len
     report = {"command": command_line(), "environment": environment(), "model": "smollm2 (embedded, bf16)",
               "model_dir": path, "threads": args.threads, "budget_bytes": budget, "max_model_len": max_len,
+              "max_batch_tokens": batch_tokens,
               "block_size": BLOCK_SIZE, "fresh_process_per_row": True, "profiled": args.profile is not None,
               "workload": {"requests": args.requests, "prompt_range": args.prompt_range,
                            "new_tokens": args.new_tokens, "prompt_tokens": [len(p) for p in prompts],
@@ -277,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     reference = None
     for name in args.rows:
         spec = {"row": name, "model": path, "prompts": prompts, "new_tokens": args.new_tokens,
-                "max_model_len": max_len, "budget": budget, "profile": args.profile is not None}
+                "max_model_len": max_len, "budget": budget, "max_batch_tokens": batch_tokens,
+                "profile": args.profile is not None}
         t0 = time.perf_counter()
         env = child_env(args.threads, args.profile is not None)
         child = run_fresh([__file__, "--child", json.dumps(spec)], env=env, timeout=args.row_timeout)
