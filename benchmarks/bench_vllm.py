@@ -36,7 +36,7 @@ ROWS = {"bf16": {"kv_cache_dtype": "auto"},
         # the balanced preset is K4 V2 with 4 sink tokens; the plugin refuses sink tokens, so the row has none
         "balanced": {"kivi": {"preset": "balanced", "sink_tokens": 0}}}
 BLOCK_SIZE = 128  # vLLM's CPU default; the plugin's pages are blocks of this many tokens
-SMOKE = {"requests": 3, "prompt_range": [256, 384], "new_tokens": 8, "bf16_requests": 1}
+SMOKE = {"requests": 3, "prompt_range": [640, 896], "new_tokens": 8, "bf16_requests": 1}
 
 
 def model_dir() -> str:
@@ -224,8 +224,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="vLLM's max_model_len (default: the longest prompt + --new-tokens, in whole blocks)")
     ap.add_argument("--max-batch-tokens", type=int, default=None,
-                    help="vLLM's max_num_batched_tokens (default: max_model_len, so every prompt is one prefill "
-                         "chunk; a later chunk goes through KIVI's per-query path, far slower than the exact prefill)")
+                    help="vLLM's max_num_batched_tokens (default: max_model_len: the longest prompt fits one step; a "
+                         "later prefill chunk goes through KIVI's per-query path, far slower than the exact prefill)")
     ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     ap.add_argument("--threads", type=int, default=1, help="cores vLLM binds to (and numba's threads)")
     ap.add_argument("--smoke", action="store_true",
