@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -261,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _args(argv)
     if args.child is not None:
-        print(json.dumps(run_row(json.loads(args.child))), flush=True)
+        with open(args.child) as f:  # the row's spec: a file, since the prompts' ids outgrow a command line
+            print(json.dumps(run_row(json.load(f))), flush=True)
         return 0
     path = model_dir()
     prompts = workload(args, path)
@@ -287,7 +289,10 @@ def main(argv: list[str] | None = None) -> int:
                 "profile": args.profile is not None}
         t0 = time.perf_counter()
         env = child_env(args.threads, args.profile is not None)
-        child = run_fresh([__file__, "--child", json.dumps(spec)], env=env, timeout=args.row_timeout)
+        with tempfile.NamedTemporaryFile("w", suffix=".json") as spec_file:
+            json.dump(spec, spec_file)
+            spec_file.flush()
+            child = run_fresh([__file__, "--child", spec_file.name], env=env, timeout=args.row_timeout)
         if child.returncode != 0 or child.result is None:
             print(f"row {name} failed (exit {child.returncode}):\n{child.stderr}", file=sys.stderr, flush=True)
             report["rows"].append({"row": name, **ROWS[name], "error": _last_error(child.stderr)})
