@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 
-def run_engine(job: dict, *, timeout: float = 1800, env: dict | None = None) -> dict:
+def run_engine(job: dict, *, timeout: float = 3600, env: dict | None = None) -> dict:
     """Run ``job`` in a child process (this file) with 1 GiB of KV cache; its result (asserts it finished)."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
     proc = subprocess.run([sys.executable, str(Path(__file__)), json.dumps(job)], capture_output=True, text=True,
