@@ -1,0 +1,122 @@
+"""vLLM's scheduler around the plugin: chunked prefill mixed with decode rows, preemption, prefix caching.
+
+Each engine runs once per module in a child process (``tests/vllm/_engine_runs.py``, engine core in that
+process so the test reads what the scheduler did), SmolLM2 in float32, K2 V2 (G=32, R=32). Each request is
+compared with kivi's own ``quantize_model(model, cfg, prefill_chunk_size=c).generate()`` of every start vLLM
+gave it (``c`` = the first forward's tokens; tests/vllm/_reference.py says why that is the equal one).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.vllm._engine_runs import run_engine
+from tests.vllm._reference import assert_request_matches, mixed_steps, segments
+
+pytestmark = pytest.mark.vllm
+
+KIVI = {"k_bits": 2, "v_bits": 2, "group_size": 32, "residual_length": 32}
+BUDGET = 64  # max_num_batched_tokens: prompts longer than this are chunked, and share steps with decode rows
+TEXTS = [
+    "The history of the printing press begins in the fifteenth century, when",
+    "def merge_sort(values):\n    \"\"\"Sort a list of numbers.\"\"\"\n",
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old clockmaker who "
+    "had never once left the valley. Every morning he opened his shop, wound the clocks on the wall, and "
+    "waited for the travellers who came down the mountain road to have their watches mended. The clocks were "
+    "his only company: a tall case clock from the city, a cuckoo clock with a broken wing, a ship's chronometer "
+    "that still kept perfect time, and a small brass alarm clock that rang every evening at six. The villagers "
+    "said he talked to them when he thought nobody was listening. One winter",
+    "Photosynthesis is the process by which green plants and some other organisms use sunlight to",
+]
+LONG = ("The committee met on Tuesday to review the budget for the coming year. " * 30).strip()
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from kivi import load_model
+    from kivi.models import converted_cache_path
+
+    model, tok = load_model("smollm2", dtype="float32")
+    return model, tok, str(converted_cache_path("smollm2"))
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    from kivi import KiviConfig
+
+    return KiviConfig(**KIVI)
+
+
+@pytest.fixture(scope="module")
+def mixed(smollm2):
+    """One engine, chunked prefill (64 tokens a step) and prefix caching on: the staggered batch (4 prompts x
+    256 new tokens), then one long prompt twice, one run after the other."""
+    _, tok, path = smollm2
+    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    long = tok(LONG)["input_ids"]
+    job = dict(model=path, kivi=KIVI, record=True,
+               engine=dict(dtype="float32", max_model_len=1024, max_num_batched_tokens=BUDGET,
+                           enable_prefix_caching=True, async_scheduling=False),
+               runs=[dict(prompts=prompts, max_tokens=256, logprobs=2),
+                     dict(prompts=[long], max_tokens=32, logprobs=2),
+                     dict(prompts=[long], max_tokens=32, logprobs=2)])
+    return prompts, long, run_engine(job)
+
+
+def check_run(model, cfg, prompts, run) -> list[dict]:
+    return [assert_request_matches(model, cfg, p, run["tokens"][i], run["logprobs"][i], segments(run["steps"], i))
+            for i, p in enumerate(prompts)]
+
+
+def test_chunked_prefill_mixed_with_decode_equals_kivi_generate(smollm2, cfg, mixed):
+    model, _, _ = smollm2
+    prompts, _, result = mixed
+    run = result["runs"][0]
+    assert max(len(p) for p in prompts) > BUDGET > min(len(p) for p in prompts)
+    assert mixed_steps(run["steps"]) > 0, "no step ran a prefill chunk next to a decode row"
+    firsts = [segments(run["steps"], i)[0][1] for i in range(len(prompts))]
+    assert any(f < len(p) for f, p in zip(firsts, prompts)), f"no prompt was chunked: first chunks {firsts}"
+    reports = check_run(model, cfg, prompts, run)
+    assert sum(r["compared"] for r in reports) >= 3 * 256, reports
+
+
+def test_repeated_prompt_with_prefix_caching(smollm2, cfg, mixed):
+    """vLLM reports no prefix hit with the plugin (the window rings are circular-buffer groups, which vLLM's
+    prefix cache never shares): the repeated prompt is computed again and decodes the same tokens."""
+    model, _, _ = smollm2
+    _, long, result = mixed
+    first, again = result["runs"][1], result["runs"][2]
+    assert len(long) > 2 * 128  # two whole blocks a hit could share
+    assert first["cached"] == again["cached"] == [0]
+    assert result["metrics"]["vllm:prefix_cache_queries"] > 0 and result["metrics"]["vllm:prefix_cache_hits"] == 0
+    assert again["tokens"] == first["tokens"]
+    assert segments(again["steps"], 0)[0] == (len(long), BUDGET)  # recomputed from token 0
+    check_run(model, cfg, [long], again)
+
+
+def test_repeated_prompt_hits_without_the_plugin(smollm2):
+    """The control of the test above: the same engine without ``"kivi"`` serves the repeat from its cache."""
+    _, tok, path = smollm2
+    long = tok(LONG)["input_ids"]
+    job = dict(model=path, kivi=None, engine=dict(dtype="float32", max_model_len=1024, max_num_batched_tokens=BUDGET,
+                                                   enable_prefix_caching=True),
+               runs=[dict(prompts=[long], max_tokens=4), dict(prompts=[long], max_tokens=4)])
+    result = run_engine(job)
+    assert result["runs"][1]["cached"][0] >= 2 * 128 and result["metrics"]["vllm:prefix_cache_hits"] > 0
+
+
+def test_preempted_requests_recompute_to_kivis_tokens(smollm2, cfg):
+    """A pool of 11 blocks (a request takes one page block per 128 tokens and 4 window blocks) for 4 requests
+    of up to 256 tokens: vLLM preempts (recompute) and restarts them; every stretch of tokens equals kivi's
+    generate() from the same start."""
+    model, tok, path = smollm2
+    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    job = dict(model=path, kivi=KIVI, record=True,
+               engine=dict(dtype="float32", max_model_len=512, num_gpu_blocks_override=11, async_scheduling=False),
+               runs=[dict(prompts=prompts, max_tokens=128, logprobs=2)])
+    result = run_engine(job)
+    run = result["runs"][0]
+    restarts = [len(segments(run["steps"], i)) - 1 for i in range(len(prompts))]
+    assert result["metrics"]["vllm:num_preemptions"] == sum(restarts) > 0, (result["metrics"], restarts)
+    reports = check_run(model, cfg, prompts, run)
+    assert sum(r["compared"] for r in reports) >= 3 * 128, reports
