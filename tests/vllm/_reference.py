@@ -29,11 +29,20 @@ import torch
 LOGPROB_ATOL = 0.15
 
 
-def segments(steps: list[dict], req: int) -> list[tuple[int, int]]:
-    """``[(tokens, first_chunk)]``: each time request ``req`` started from an empty cache (its first
-    scheduling, and again after each preemption), how many tokens it then had and how many vLLM computed in
-    that first forward."""
-    return [(v[2], v[1]) for step in steps for r, v in step.items() if int(r) == req and v[0] == 0]
+def segments(steps: list[dict], req: int) -> list[tuple[int, int, int]]:
+    """``[(computed, tokens, first_chunk)]``: each time request ``req`` started (its first scheduling, and again
+    after each preemption: a step whose ``computed`` is not where the request's previous step left it), the
+    tokens vLLM already had for it (0: an empty cache; more: a prefix-cache hit), how many tokens it then had,
+    and how many vLLM computed in that first forward."""
+    out, at = [], None
+    for step in steps:
+        for r, (computed, scheduled, tokens) in step.items():
+            if int(r) != req:
+                continue
+            if computed != at:
+                out.append((computed, tokens, scheduled))
+            at = computed + scheduled
+    return out
 
 
 def mixed_steps(steps: list[dict]) -> int:
@@ -102,15 +111,16 @@ def compare_tokens(got: list[int], got_logprobs: list[dict], want: list[int], wa
 
 
 def assert_request_matches(model, cfg, prompt: list[int], got: list[int], got_logprobs: list[dict],
-                           starts: list[tuple[int, int]]) -> dict:
+                           starts: list[tuple[int, int, int]]) -> dict:
     """One vLLM request against kivi's own ``generate()`` of each of its starts (:func:`segments`): the tokens
     vLLM produced between a start and the next (or the end) equal kivi's from that start. Returns
     ``{"compared": tokens checked, "worst": largest logprob difference, "stopped": near-ties}``."""
-    assert starts and starts[0][0] == len(prompt), f"the request started with {starts[:1]}, prompt {len(prompt)}"
+    assert starts and starts[0][1] == len(prompt), f"the request started with {starts[:1]}, prompt {len(prompt)}"
+    assert all(c == 0 for c, _, _ in starts), f"a start from a prefix-cache hit (computed, tokens, chunk): {starts}"
     seq = prompt + got
-    ends = [t for t, _ in starts[1:]] + [len(seq)]
+    ends = [t for _, t, _ in starts[1:]] + [len(seq)]
     report = dict(compared=0, worst=0.0, stopped=0)
-    for (t, chunk), end in zip(starts, ends):
+    for (_, t, chunk), end in zip(starts, ends):
         n = end - t
         if n == 0:  # preempted again before producing a token
             continue

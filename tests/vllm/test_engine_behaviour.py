@@ -1,6 +1,6 @@
 """vLLM's scheduler around the plugin: chunked prefill mixed with decode rows, preemption, prefix caching.
 
-Each engine runs once per module in a child process (``tests/vllm/_engine_runs.py``, engine core in that
+Each engine runs once in a child process (``tests/vllm/_engine_runs.py``, engine core in that
 process so the test reads what the scheduler did), SmolLM2 in float32, K2 V2 (G=32, R=32). Each request is
 compared with kivi's own ``quantize_model(model, cfg, prefill_chunk_size=c).generate()`` of every start vLLM
 gave it (``c`` = the first forward's tokens; tests/vllm/_reference.py says why that is the equal one).
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.vllm._engine_runs import run_engine
-from tests.vllm._reference import assert_request_matches, mixed_steps, segments
+from tests.vllm._reference import assert_request_matches, compare_tokens, mixed_steps, segments
 
 pytestmark = pytest.mark.vllm
 
@@ -49,18 +49,14 @@ def cfg():
 
 @pytest.fixture(scope="module")
 def mixed(smollm2):
-    """One engine, chunked prefill (64 tokens a step) and prefix caching on: the staggered batch (4 prompts x
-    256 new tokens), then one long prompt twice, one run after the other."""
+    """One engine, chunked prefill (64 tokens a step): the staggered batch, 4 prompts x 256 new tokens."""
     _, tok, path = smollm2
     prompts = [tok(t)["input_ids"] for t in TEXTS]
-    long = tok(LONG)["input_ids"]
     job = dict(model=path, kivi=KIVI, record=True,
                engine=dict(dtype="float32", max_model_len=1024, max_num_batched_tokens=BUDGET,
-                           enable_prefix_caching=True, async_scheduling=False),
-               runs=[dict(prompts=prompts, max_tokens=256, logprobs=2),
-                     dict(prompts=[long], max_tokens=32, logprobs=2),
-                     dict(prompts=[long], max_tokens=32, logprobs=2)])
-    return prompts, long, run_engine(job)
+                           enable_prefix_caching=False, async_scheduling=False),
+               runs=[dict(prompts=prompts, max_tokens=256, logprobs=2)])
+    return prompts, run_engine(job)
 
 
 def check_run(model, cfg, prompts, run) -> list[dict]:
@@ -70,49 +66,64 @@ def check_run(model, cfg, prompts, run) -> list[dict]:
 
 def test_chunked_prefill_mixed_with_decode_equals_kivi_generate(smollm2, cfg, mixed):
     model, _, _ = smollm2
-    prompts, _, result = mixed
+    prompts, result = mixed
     run = result["runs"][0]
     assert max(len(p) for p in prompts) > BUDGET > min(len(p) for p in prompts)
     assert mixed_steps(run["steps"]) > 0, "no step ran a prefill chunk next to a decode row"
-    firsts = [segments(run["steps"], i)[0][1] for i in range(len(prompts))]
+    firsts = [segments(run["steps"], i)[0][2] for i in range(len(prompts))]
     assert any(f < len(p) for f, p in zip(firsts, prompts)), f"no prompt was chunked: first chunks {firsts}"
     reports = check_run(model, cfg, prompts, run)
     assert sum(r["compared"] for r in reports) >= 3 * 256, reports
 
 
-def test_repeated_prompt_with_prefix_caching(smollm2, cfg, mixed):
-    """vLLM reports no prefix hit with the plugin (the window rings are circular-buffer groups, which vLLM's
-    prefix cache never shares): the repeated prompt is computed again and decodes the same tokens."""
-    model, _, _ = smollm2
-    _, long, result = mixed
-    first, again = result["runs"][1], result["runs"][2]
+def prefix_job(path: str, kivi: dict | None, long: list[int], other: list[int]) -> dict:
+    """The long prompt, again, another prompt (its window blocks may reuse the first ones'), the long one again;
+    one run after the other, prefix caching on."""
+    runs = [dict(prompts=[p], max_tokens=32, logprobs=2) for p in (long, long, other, long)]
+    return dict(model=path, kivi=kivi, record=True, runs=runs,
+                engine=dict(dtype="float32", max_model_len=1024, max_num_batched_tokens=BUDGET,
+                            enable_prefix_caching=True, async_scheduling=False))
+
+
+@pytest.mark.xfail(strict=True, reason="vLLM reports prefix hits with the plugin (384 of the 420 tokens) and the hit "
+                   "reads window rings that do not hold the prefix's window (docs/vllm.md, prefix caching)")
+def test_repeated_prompt_with_prefix_caching(smollm2):
+    """With prefix caching on, a repeated prompt decodes what its first run did: either vLLM reports no hit
+    and recomputes it, or a hit reads what the first run had (logprobs within the tolerance)."""
+    _, tok, path = smollm2
+    long, other = tok(LONG)["input_ids"], tok(TEXTS[2])["input_ids"]
     assert len(long) > 2 * 128  # two whole blocks a hit could share
-    assert first["cached"] == again["cached"] == [0]
-    assert result["metrics"]["vllm:prefix_cache_queries"] > 0 and result["metrics"]["vllm:prefix_cache_hits"] == 0
-    assert again["tokens"] == first["tokens"]
-    assert segments(again["steps"], 0)[0] == (len(long), BUDGET)  # recomputed from token 0
-    check_run(model, cfg, [long], again)
+    runs = run_engine(prefix_job(path, KIVI, long, other))["runs"]
+    first = runs[0]
+    for again in (runs[1], runs[3]):
+        assert again["tokens"] == first["tokens"]
+        if again["cached"] == [0]:
+            assert segments(again["steps"], 0)[0] == (0, len(long), BUDGET)
+            continue
+        done, worst = compare_tokens(again["tokens"][0], again["logprobs"][0], first["tokens"][0],
+                                     first["logprobs"][0])
+        assert done == 32, (again["cached"], done)
 
 
 def test_repeated_prompt_hits_without_the_plugin(smollm2):
-    """The control of the test above: the same engine without ``"kivi"`` serves the repeat from its cache."""
+    """Without ``"kivi"`` the same engine serves the repeats from its cache: the prompt is long enough to hit."""
     _, tok, path = smollm2
-    long = tok(LONG)["input_ids"]
-    job = dict(model=path, kivi=None, engine=dict(dtype="float32", max_model_len=1024, max_num_batched_tokens=BUDGET,
-                                                   enable_prefix_caching=True),
-               runs=[dict(prompts=[long], max_tokens=4), dict(prompts=[long], max_tokens=4)])
-    result = run_engine(job)
-    assert result["runs"][1]["cached"][0] >= 2 * 128 and result["metrics"]["vllm:prefix_cache_hits"] > 0
+    long, other = tok(LONG)["input_ids"], tok(TEXTS[2])["input_ids"]
+    result = run_engine(prefix_job(path, None, long, other))
+    assert [r["cached"][0] for r in result["runs"]] == [0, 384, 0, 384] and result["metrics"]["vllm:prefix_cache_hits"]
 
 
 def test_preempted_requests_recompute_to_kivis_tokens(smollm2, cfg):
     """A pool of 11 blocks (a request takes one page block per 128 tokens and 4 window blocks) for 4 requests
     of up to 256 tokens: vLLM preempts (recompute) and restarts them; every stretch of tokens equals kivi's
-    generate() from the same start."""
+    generate() from the same start. Prefix caching off: with it, a recompute resumes from a prefix hit of
+    its own page blocks (vLLM counted 2 preemptions where the steps showed 1 restart from token 0), which reads
+    window rings that do not hold its window (the xfail test above)."""
     model, tok, path = smollm2
     prompts = [tok(t)["input_ids"] for t in TEXTS]
     job = dict(model=path, kivi=KIVI, record=True,
-               engine=dict(dtype="float32", max_model_len=512, num_gpu_blocks_override=11, async_scheduling=False),
+               engine=dict(dtype="float32", max_model_len=512, num_gpu_blocks_override=11,
+                           enable_prefix_caching=False, async_scheduling=False),
                runs=[dict(prompts=prompts, max_tokens=128, logprobs=2)])
     result = run_engine(job)
     run = result["runs"][0]
