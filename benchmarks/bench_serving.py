@@ -2,8 +2,9 @@
 KIVI pages (2/2 and ``balanced``), and the same requests served one at a time by ``generate()``.
 
 Every continuous-batching row gets the same byte budget (each of ``--budgets``; by default what the float
-cache needs to hold ``--fp-requests`` of the longest requests at once) and the same requests, all submitted
-at once, greedy, no EOS. Workloads:
+cache needs to hold ``--fp-requests`` of the longest requests at once, also written ``fp:N``) and the same
+requests, all submitted at once, greedy, no EOS; ``--rows NAME@BUDGET`` runs a row at its own budget only,
+so one run (same load, same-run ratios) can hold a tight and a roomy budget. Workloads:
 
 * ``uniform``: ``--requests`` random-id prompts of ``--prompt-len`` tokens (independent, or
   ``--shared-prefix F``: the first ``F`` of every prompt is one common prefix), ``--new-tokens`` each;
@@ -20,11 +21,20 @@ of one layer (materialized KIVI rows), prompt tokens served from shared pages. `
 ``--scheduler`` take several values: every row runs under each (default: kivi's defaults). Each row runs in
 a fresh process (``--same-process``: all in this one). ``--plot F.png``: generated tokens/s vs budget.
 
+``--http ROW[@BUDGET]`` adds rows served over HTTP by ``kivi serve`` (``serving_http.py``: a fresh server
+subprocess, ``--http-clients`` concurrent streaming clients, tokens counted from each response's usage and
+checked equal to the request's). ``--kivi-root-before DIR`` runs every batch and HTTP row a second time with
+kivi imported from the checkout ``DIR`` (a before/after comparison in one run).
+
     OMP_NUM_THREADS=2 python benchmarks/bench_serving.py --model smollm2 --workload decode-heavy --requests 12 \\
         --budgets 400MiB 800MiB 1600MiB --baselines dynamic kivi-2/2 --threads 2 \\
         --out results/serving/serving_decode_heavy_smollm2.json --plot results/serving/serving_decode_heavy_smollm2.png
     OMP_NUM_THREADS=1 python benchmarks/bench_serving.py --model smollm2 --requests 16 --prompt-len 1024 \\
         --new-tokens 64 --fp-requests 4 --threads 1 --out results/serving/serving_smollm2.json
+    OMP_NUM_THREADS=2 python benchmarks/bench_serving.py --model smollm2 --requests 8 --prompt-len 512 \\
+        --new-tokens 128 --shared-prefix 0 --threads 2 --check-single 0 --baselines kivi-2/2 \\
+        --rows kivi-2/2@1GiB float@fp:2 kivi-2/2@fp:2 float@1GiB --http kivi-2/2@1GiB float@1GiB \\
+        --out results/serving/serving_8x512_128.json
 """
 
 from __future__ import annotations
