@@ -50,7 +50,7 @@ from typing import NamedTuple
 import torch
 
 #: the checkout whose kivi a row imports (``--kivi-root-before`` sets it in a row's fresh process)
-KIVI_ROOT_ENV = "KIVI_BENCH_KIVI_ROOT"
+KIVI_ROOT_ENV = "KIVI_ROOT"  # as benchmarks/profile_serving.py reads it
 sys.path.insert(0, os.environ.get(KIVI_ROOT_ENV) or str(Path(__file__).resolve().parent.parent))
 
 from common import command_line, environment, run_fresh, set_threads, write_json  # noqa: E402
