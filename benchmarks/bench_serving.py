@@ -2,8 +2,9 @@
 KIVI pages (2/2 and ``balanced``), and the same requests served one at a time by ``generate()``.
 
 Every continuous-batching row gets the same byte budget (each of ``--budgets``; by default what the float
-cache needs to hold ``--fp-requests`` of the longest requests at once) and the same requests, all submitted
-at once, greedy, no EOS. Workloads:
+cache needs to hold ``--fp-requests`` of the longest requests at once, also written ``fp:N``) and the same
+requests, all submitted at once, greedy, no EOS; ``--rows NAME@BUDGET`` runs a row at its own budget only,
+so one run (same load, same-run ratios) can hold a tight and a roomy budget. Workloads:
 
 * ``uniform``: ``--requests`` random-id prompts of ``--prompt-len`` tokens (independent, or
   ``--shared-prefix F``: the first ``F`` of every prompt is one common prefix), ``--new-tokens`` each;
@@ -20,11 +21,20 @@ of one layer (materialized KIVI rows), prompt tokens served from shared pages. `
 ``--scheduler`` take several values: every row runs under each (default: kivi's defaults). Each row runs in
 a fresh process (``--same-process``: all in this one). ``--plot F.png``: generated tokens/s vs budget.
 
+``--http ROW[@BUDGET]`` adds rows served over HTTP by ``kivi serve`` (``serving_http.py``: a fresh server
+subprocess, ``--http-clients`` concurrent streaming clients, tokens counted from each response's usage and
+checked equal to the request's). ``--kivi-root-before DIR`` runs every batch and HTTP row a second time with
+kivi imported from the checkout ``DIR`` (a before/after comparison in one run).
+
     OMP_NUM_THREADS=2 python benchmarks/bench_serving.py --model smollm2 --workload decode-heavy --requests 12 \\
         --budgets 400MiB 800MiB 1600MiB --baselines dynamic kivi-2/2 --threads 2 \\
         --out results/serving/serving_decode_heavy_smollm2.json --plot results/serving/serving_decode_heavy_smollm2.png
     OMP_NUM_THREADS=1 python benchmarks/bench_serving.py --model smollm2 --requests 16 --prompt-len 1024 \\
         --new-tokens 64 --fp-requests 4 --threads 1 --out results/serving/serving_smollm2.json
+    OMP_NUM_THREADS=2 python benchmarks/bench_serving.py --model smollm2 --requests 8 --prompt-len 512 \\
+        --new-tokens 128 --shared-prefix 0 --threads 2 --check-single 0 --baselines kivi-2/2 \\
+        --rows kivi-2/2@1GiB float@fp:2 kivi-2/2@fp:2 float@1GiB --http kivi-2/2@1GiB float@1GiB \\
+        --out results/serving/serving_8x512_128.json
 """
 
 from __future__ import annotations
@@ -32,16 +42,21 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+#: the checkout whose kivi a row imports (``--kivi-root-before`` sets it in a row's fresh process)
+KIVI_ROOT_ENV = "KIVI_ROOT"  # as benchmarks/profile_serving.py reads it
+sys.path.insert(0, os.environ.get(KIVI_ROOT_ENV) or str(Path(__file__).resolve().parent.parent))
 
 from common import command_line, environment, run_fresh, set_threads, write_json  # noqa: E402
 from kivi.batching import build_layout, fp_block_bytes, generate_batch  # noqa: E402
 from kivi.memory.units import parse_bytes  # noqa: E402
+from serving_http import SERVER_PAGE_SIZE, http_row  # noqa: E402
 from serving_report import format_table, plot_budgets  # noqa: E402
 from serving_rows import (  # noqa: E402
     BASELINES,
@@ -57,8 +72,42 @@ from serving_rows import (  # noqa: E402
 DEFAULT_ROWS = ["float", "kivi-2/2", "balanced"]
 
 
+class FloatNeeds(NamedTuple):
+    """A budget named by what it holds: the bytes float pages need for ``requests`` of the longest requests."""
+
+    requests: int
+
+    def __str__(self) -> str:
+        return f"fp:{self.requests}"
+
+
+def budget_arg(text: str) -> int | FloatNeeds:
+    """A budget: bytes (``67MiB``, ``1GiB``, a byte count) or ``fp:N`` (what float pages need for N of the
+    workload's longest requests)."""
+    if text.startswith("fp:"):
+        n = text[3:]
+        if not n.isdigit() or int(n) < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: fp:N needs a whole number N >= 1 of requests")
+        return FloatNeeds(int(n))
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}; or fp:N (what float pages need for N requests)") from None
+
+
+def row_arg(text: str) -> tuple[str, int | FloatNeeds | None]:
+    """``NAME`` (a row run at every ``--budgets`` value) or ``NAME@BUDGET`` (that row at that budget only)."""
+    name, at, budget = text.partition("@")
+    if name not in ROWS:
+        raise argparse.ArgumentTypeError(f"{text!r}: the row must be one of {', '.join(ROWS)} (optionally @BUDGET)")
+    if at and not budget:
+        raise argparse.ArgumentTypeError(f"{text!r}: NAME@BUDGET needs a budget after @ (1GiB, fp:2)")
+    return name, budget_arg(budget) if at else None
+
+
 def _model(name: str):
-    """``(model, tokenizer or None, vocab size)``: ``tiny`` is a random 4-layer model without a tokenizer."""
+    """``(model, tokenizer or None, vocab size)``: ``tiny`` is a random 4-layer model without a tokenizer; any other
+    name is what ``kivi.load_model`` takes (an alias, a checkpoint folder)."""
     if name == "tiny":
         from tests.helpers import tiny_model
 
@@ -90,15 +139,30 @@ def settings(args) -> list[dict]:
     return out
 
 
-def default_budget(args, model, work: Workload) -> int:
-    """Bytes of float pages that hold ``--fp-requests`` of the workload's longest requests."""
+def float_needs(args, model, work: Workload, requests: int) -> int:
+    """Bytes of float pages that hold ``requests`` of the workload's longest requests."""
     text = model.config.get_text_config()
     longest = max(len(p) + n for p, n in zip(work.prompts, work.new_tokens))
-    return args.fp_requests * -(-longest // args.page_size) * fp_block_bytes(text, model.dtype, args.page_size)
+    return requests * -(-longest // args.page_size) * fp_block_bytes(text, model.dtype, args.page_size)
+
+
+def row_plan(args, model, work: Workload) -> list[tuple[str, str, int]]:
+    """``(kind, row, budget bytes)`` of every batch (``--rows``) and HTTP (``--http``) row, in run order: the rows
+    without a budget of their own at each ``--budgets`` value (budget by budget), then those with one."""
+    default = [args.cache_memory] if args.cache_memory else [FloatNeeds(args.fp_requests)]
+    budgets = args.budgets or default
+    resolve = lambda b: float_needs(args, model, work, b.requests) if isinstance(b, FloatNeeds) else b  # noqa: E731
+    plan = []
+    for kind, rows in (("batch", args.rows), ("http", args.http)):
+        plan += [(kind, name, resolve(b)) for b in budgets for name, own in rows if own is None]
+        plan += [(kind, name, resolve(own)) for name, own in rows if own is not None]
+    return plan
 
 
 def run_one(args, spec: dict) -> dict:
     """One row in this process: ``spec`` names the kind (``batch`` / ``generate``), row, workload and budget."""
+    import kivi
+
     seconds = set_threads(args.threads)
     from kivi.quant.fused_cpu import warmup as warm_quant
 
@@ -117,6 +181,7 @@ def run_one(args, spec: dict) -> dict:
         generate_batch(model, short.prompts, ROWS[spec["row"]], cache_memory=spec["budget"], max_new_tokens=3, **cb)
         row = batch_row(model, ROWS[spec["row"]], work, spec["budget"], cb)
     row["kernel_load_s"] = seconds
+    row["kivi_path"] = os.path.dirname(kivi.__file__)
     return row
 
 
@@ -124,7 +189,8 @@ def run(args, argv: list[str], spec: dict) -> dict:
     """A row in a fresh process (this script with ``--child SPEC``), or here with ``--same-process``."""
     if args.same_process:
         return run_one(args, spec)
-    child = run_fresh([__file__, *argv, "--child", json.dumps(spec)], timeout=args.row_timeout)
+    env = {KIVI_ROOT_ENV: spec["kivi_root"]} if spec.get("kivi_root") else {KIVI_ROOT_ENV: ""}
+    child = run_fresh([__file__, *argv, "--child", json.dumps(spec)], env=env, timeout=args.row_timeout)
     if child.returncode != 0 or child.result is None:
         raise RuntimeError(f"row {spec} failed (exit {child.returncode}):\n{child.stderr}")
     return child.result
@@ -151,13 +217,26 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--new-range", type=int, nargs=2, default=[128, 256], metavar=("MIN", "MAX"),
                     help="decode-heavy: new tokens per request, spread evenly over [MIN, MAX]")
     ap.add_argument("--fp-requests", type=int, default=4,
-                    help="default budget: bytes the float cache needs to hold this many of the longest requests")
+                    help="default budget: bytes the float cache needs to hold this many of the longest requests "
+                    "(the same as --budgets fp:N)")
     ap.add_argument("--cache-memory", type=parse_bytes, default=None, help="one budget (same as --budgets B)")
-    ap.add_argument("--budgets", type=parse_bytes, nargs="+", default=None,
-                    help="budgets to sweep (bytes, 64MiB, 1GiB; overrides --fp-requests)")
+    ap.add_argument("--budgets", type=budget_arg, nargs="+", default=None,
+                    help="budgets to sweep: bytes (64MiB, 1GiB) or fp:N, what float pages need for N of the longest "
+                    "requests (overrides --fp-requests); every row without @BUDGET runs at each")
     ap.add_argument("--shared-prefix", type=float, nargs="+", default=[0.0, 0.75],
                     help="uniform: fractions of every prompt that are one common prefix; one variant each")
-    ap.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, choices=list(ROWS))
+    ap.add_argument("--rows", nargs="*", type=row_arg, default=[(r, None) for r in DEFAULT_ROWS],
+                    metavar="ROW[@BUDGET]",
+                    help=f"continuous-batching rows, of {', '.join(ROWS)}; ROW@BUDGET (1GiB, fp:2) runs that row at "
+                    "that budget only, so one run can mix budgets")
+    ap.add_argument("--http", nargs="*", type=row_arg, default=[], metavar="ROW[@BUDGET]",
+                    help="rows served by `kivi serve` (a subprocess; needs the serve extra) to --http-clients "
+                    "concurrent clients: float (--float-cache) or a KIVI row's config, same model, budget, threads")
+    ap.add_argument("--http-clients", type=int, default=None,
+                    help="concurrent HTTP clients, each taking the next request (default: one per request)")
+    ap.add_argument("--kivi-root-before", default=None, metavar="DIR",
+                    help="also run every batch and HTTP row with kivi imported from the checkout DIR (before/after in "
+                    "one run; fresh processes only)")
     ap.add_argument("--baselines", nargs="*", default=[], choices=list(BASELINES),
                     help="one-at-a-time generate() rows over the same requests (dynamic: DynamicCache)")
     ap.add_argument("--check-single", type=int, default=2,
@@ -182,8 +261,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check(ap: argparse.ArgumentParser, args) -> None:
-    for name in ("requests", "prompt_len", "new_tokens", "fp_requests", "page_size", "threads"):
-        if getattr(args, name) < 1:
+    for name in ("requests", "prompt_len", "new_tokens", "fp_requests", "page_size", "threads", "http_clients"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     for name in ("prompt_range", "new_range"):
         lo, hi = getattr(args, name)
@@ -193,6 +272,18 @@ def _check(ap: argparse.ArgumentParser, args) -> None:
         ap.error(f"--max-batch-tokens={args.max_batch_tokens} must all be >= 1")
     if any(not 0 <= f < 1 for f in args.shared_prefix):
         ap.error(f"--shared-prefix={args.shared_prefix} must be fractions in [0, 1)")
+    if args.http and args.page_size != SERVER_PAGE_SIZE:
+        ap.error(f"--http rows run kivi serve, whose pages are {SERVER_PAGE_SIZE} tokens; --page-size={args.page_size} "
+                 "would measure other pages than the batch rows")
+    if args.http and args.model == "tiny":
+        ap.error("--http needs a model kivi serve loads (an alias or a checkpoint folder with a fast tokenizer), "
+                 "not --model tiny")
+    if args.kivi_root_before is not None:
+        if args.same_process:
+            ap.error("--kivi-root-before runs rows with another checkout's kivi in fresh processes; "
+                     "drop --same-process")
+        if not (Path(args.kivi_root_before) / "kivi" / "__init__.py").is_file():
+            ap.error(f"--kivi-root-before={args.kivi_root_before!r} is not a checkout (no kivi/__init__.py in it)")
     if args.plot is not None:
         try:
             import matplotlib  # noqa: F401
@@ -214,15 +305,15 @@ def main(argv: list[str] | None = None) -> int:
     report = {"command": command_line(), "environment": environment(), "model": args.model, "dtype": str(model.dtype),
               "workload": args.workload, "threads": args.threads, "requests": args.requests,
               "page_size": args.page_size, "fresh_process_per_row": not args.same_process,
+              "load_average": {"start": os.getloadavg()},
               "capacity": {"tokens_per_request": args.capacity_at, "budget_bytes": args.capacity_budget,
                            "requests_that_fit": capacity_table(text, args.capacity_at, args.capacity_budget,
                                                                args.page_size)},
               "rows": []}
-    fixed = args.budgets or ([args.cache_memory] if args.cache_memory else None)
-    budgets_of = {w.name: fixed or [default_budget(args, model, w)] for w in works}
+    plans = {w.name: row_plan(args, model, w) for w in works}
     del model
+    roots = [None] if args.kivi_root_before is None else [args.kivi_root_before, None]
     for work in works:
-        budgets = budgets_of[work.name]
         base = {"workload": work.name, "prompt_tokens": [len(p) for p in work.prompts], "new_tokens": work.new_tokens}
         singles = {}
         for name in args.baselines:
@@ -231,16 +322,17 @@ def main(argv: list[str] | None = None) -> int:
             report["rows"].append({**base, "kind": "one-at-a-time", "cache": name, "budget_bytes": None, **r})
             _progress(report["rows"][-1])
         first_tokens = {}
-        for budget, st, name in itertools.product(budgets, settings(args), args.rows):
-            r = run(args, argv, {"kind": "batch", "row": name, "workload": work.name, "budget": budget, "settings": st})
-            tokens = r.pop("tokens")
-            first_tokens.setdefault(name, tokens)
-            if name in singles:
-                r["same_tokens_as_one_at_a_time"] = identical(tokens, singles[name])
-            report["rows"].append({**base, "kind": "batch", "cache": name, "budget_bytes": budget, **r})
-            _progress(report["rows"][-1])
+        for kind, name, budget in plans[work.name]:
+            for st, root in itertools.product(settings(args) if kind == "batch" else http_settings(args), roots):
+                r = run_row(args, argv, kind, name, work, budget, st, root)
+                if kind == "batch" and root is None:
+                    first_tokens.setdefault(name, r["tokens"])
+                compare(r, singles.get(name), first_tokens.get(name), tok)
+                report["rows"].append({**base, "kind": kind, "cache": name, "budget_bytes": budget, **r})
+                _progress(report["rows"][-1])
         if args.workload == "uniform" and args.check_single and work is works[0]:
             report["single_request_agreement"] = check_single(args, argv, work, first_tokens)
+    report["load_average"]["end"] = os.getloadavg()
     table = format_table(report)
     print(table)
     if args.out:
@@ -251,11 +343,42 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def http_settings(args) -> list[dict]:
+    """The settings an HTTP row runs under: kivi serve takes ``--max-batch-tokens`` (its scheduler is FIFO)."""
+    return [{} if m is None else {"max_batch_tokens": m} for m in args.max_batch_tokens or [None]]
+
+
+def run_row(args, argv: list[str], kind: str, name: str, work: Workload, budget: int, st: dict,
+            root: str | None) -> dict:
+    """One batch row (a fresh process) or HTTP row (a fresh ``kivi serve``); ``root``: kivi from that checkout."""
+    if kind == "batch":
+        r = run(args, argv, {"kind": "batch", "row": name, "workload": work.name, "budget": budget, "settings": st,
+                             "kivi_root": root})
+    else:
+        r = http_row(args.model, ROWS[name], work, budget, clients=args.http_clients or len(work.prompts),
+                     threads=args.threads, max_batch_tokens=st.get("max_batch_tokens"), kivi_root=root,
+                     timeout=args.row_timeout or 7200.0)
+    if root is not None:
+        r["kivi_root"] = root
+    return r
+
+
+def compare(r: dict, single: list[list[int]] | None, batch: list[list[int]] | None, tok) -> None:
+    """Add to row ``r`` (and drop its tokens / texts) how many requests match the one-at-a-time row of the same
+    cache (batch rows: greedy tokens) or its first batch row (HTTP rows: the text those tokens decode to)."""
+    tokens, texts = r.pop("tokens", None), r.pop("texts", None)
+    if tokens is not None and single is not None:
+        r["same_tokens_as_one_at_a_time"] = identical(tokens, single)
+    if texts is not None and batch is not None and tok is not None:
+        same = [tok.decode(t, skip_special_tokens=True) == x for t, x in zip(batch, texts)]
+        r["same_text_as_batch"] = {"requests": len(same), "identical": sum(same)}
+
+
 def check_single(args, argv: list[str], work: Workload, tokens: dict[str, list[list[int]]]) -> dict:
     """Greedy tokens of each KIVI batch row (its first budget and setting) vs one-request ``generate()`` with the
     same config, over the first ``--check-single`` requests."""
     out = {}
-    for name in (r for r in args.rows if ROWS[r] is not None):
+    for name in (r for r in dict.fromkeys(n for n, _ in args.rows) if ROWS[r] is not None and r in tokens):
         ref = run(args, argv, {"kind": "generate", "row": name, "table": "rows", "workload": work.name,
                                "limit": args.check_single})["tokens"]
         out[name] = identical(tokens[name][: len(ref)], ref)

@@ -18,6 +18,10 @@ def format_table(report: dict) -> str:
              f"# model {report['model']} ({report['dtype']}), workload {report['workload']}, {report['requests']} "
              f"requests, page {report['page_size']}, {report['threads']} thread(s), "
              f"{'a fresh process per row' if report['fresh_process_per_row'] else 'rows in one process'}"]
+    load = report.get("load_average")
+    if load and "end" in load:
+        lines.append("# load average (1/5/15 min) at the start " + "/".join(f"{x:.1f}" for x in load["start"])
+                     + ", at the end " + "/".join(f"{x:.1f}" for x in load["end"]))
     for name in dict.fromkeys(r["workload"] for r in report["rows"]):
         rows = [r for r in report["rows"] if r["workload"] == name]
         p, n = rows[0]["prompt_tokens"], rows[0]["new_tokens"]
@@ -28,11 +32,13 @@ def format_table(report: dict) -> str:
                      f"{'transient':>10s} {'shared':>6s} {'same':>6s}")
         for r in rows:
             s = r.get("settings", {})
-            label = ("one-at-a-time " if r["kind"] == "one-at-a-time" else "") + r["cache"]
+            label = {"one-at-a-time": "one-at-a-time ", "http": "http-"}.get(r["kind"], "") + r["cache"]
+            if r.get("kivi_root"):
+                label += f" ({Path(r['kivi_root']).name})"
             budget = "-" if r["budget_bytes"] is None else f"{r['budget_bytes'] / 2**20:.1f}Mi"
             sched = f"{s['scheduler']}/{s['max_batch_tokens']}" if s else "-"
             tr = r.get("dequantized_transient_bytes")
-            same = r.get("same_tokens_as_one_at_a_time")
+            same = r.get("same_tokens_as_one_at_a_time") or r.get("same_text_as_batch")
             same = "-" if same is None else f"{same['identical']}/{same['requests']}"
             lines.append(
                 f"{label:26s} {budget:>9s} {sched:>14s} {r['generated_tokens_per_s']:9.2f} "
@@ -41,6 +47,9 @@ def format_table(report: dict) -> str:
                 f"{r.get('capacity_requests', '-'):>4} {'-' if tr is None else f'{tr / 2**20:.1f}Mi':>10s} "
                 f"{r.get('shared_prompt_tokens') or 0:6d} "
                 f"{same:>6s}")
+    if any(r["kind"] == "http" for r in report["rows"]):
+        lines.append("same: batch rows, greedy tokens equal to the one-at-a-time row of the same cache; http rows, "
+                     "text equal to the first batch row of the same cache")
     for name, a in report.get("single_request_agreement", {}).items():
         lines.append(f"greedy tokens vs one-request generate() with the same config ({name}): {a['identical']}/"
                      f"{a['requests']} requests identical (first differing token: {a['first_differing_token']})")
@@ -71,12 +80,15 @@ def plot_budgets(report: dict, path: str | Path) -> Path:
             key = r["cache"] + (f" ({s['scheduler']}/{s['max_batch_tokens']})" if len(
                 {(x.get("settings") or {}).get("max_batch_tokens") for x in rows if x["kind"] == "batch"}) > 1
                 or len({(x.get("settings") or {}).get("scheduler") for x in rows if x["kind"] == "batch"}) > 1
-                else "")
+                else "") + (f" (kivi from {Path(r['kivi_root']).name})" if r.get("kivi_root") else "")
             lines.setdefault(key, []).append((r["budget_bytes"] / 2**20, r["generated_tokens_per_s"]))
         for key, pts in lines.items():
             pts.sort()
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=key)
         for r in rows:
+            if r["kind"] == "http":
+                ax.scatter([r["budget_bytes"] / 2**20], [r["generated_tokens_per_s"]], marker="x", s=60,
+                           label=f"kivi serve (HTTP), {r['cache']}")
             if r["kind"] == "one-at-a-time":
                 ax.axhline(r["generated_tokens_per_s"], linestyle="--", linewidth=1,
                            label=f"one at a time, {r['cache']}", color="gray" if r["cache"] == "dynamic" else None)

@@ -35,8 +35,9 @@ class Workload:
 def uniform(n: int, length: int, new_tokens: int, shared: float, vocab: int, seed: int) -> Workload:
     """``n`` random-id prompts of ``length`` tokens; the first ``shared`` fraction is one common prefix."""
     g = torch.Generator().manual_seed(seed)
-    common = torch.randint(100, vocab - 1, (int(length * shared),), generator=g).tolist()
-    prompts = [common + torch.randint(100, vocab - 1, (length - len(common),), generator=g).tolist() for _ in range(n)]
+    low = min(100, vocab // 4)  # above the special tokens of a real vocabulary (and of a tiny one)
+    common = torch.randint(low, vocab - 1, (int(length * shared),), generator=g).tolist()
+    prompts = [common + torch.randint(low, vocab - 1, (length - len(common),), generator=g).tolist() for _ in range(n)]
     return Workload(f"shared_prefix_{shared:.2f}", prompts, [new_tokens] * n)
 
 
@@ -56,7 +57,7 @@ def decode_heavy(n: int, prompt_range: tuple[int, int], new_range: tuple[int, in
     g = torch.Generator().manual_seed(seed)
     for length in lengths:
         if ids is None:
-            prompts.append(torch.randint(100, vocab - 1, (length,), generator=g).tolist())
+            prompts.append(torch.randint(min(100, vocab // 4), vocab - 1, (length,), generator=g).tolist())
             continue
         if at + length > len(ids):
             at = 0
@@ -76,7 +77,12 @@ def latency_columns(t0: float, stamps: list[list[float]], prompts: list[list[int
     """Throughput and latency from each request's token times (``stamps[i]``: seconds of each generated token)."""
     ttft = [s[0] - t0 for s in stamps if s]
     tpot = [(s[-1] - s[0]) / (len(s) - 1) for s in stamps if len(s) > 1]
-    gen = sum(len(s) for s in stamps)
+    return summary(ttft, tpot, sum(len(s) for s in stamps), prompts, wall)
+
+
+def summary(ttft: list[float], tpot: list[float], gen: int, prompts: list[list[int]], wall: float) -> dict:
+    """The columns every row reports: ``gen`` generated tokens in ``wall`` seconds, the percentiles of the
+    requests' times to first token (``ttft``) and per-token latencies (``tpot``)."""
     return {"generated_tokens_per_s": gen / wall, "wall_s": wall, "generated_tokens": gen,
             "total_tokens_per_s": (gen + sum(len(p) for p in prompts)) / wall,
             "ttft_p50_s": _pct(ttft, 0.5), "ttft_p95_s": _pct(ttft, 0.95),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -76,6 +77,93 @@ def test_a_row_runs_in_a_fresh_process(tmp_path):
     (["--budgets", "lots"], "argument --budgets"),
 ])
 def test_bad_options_are_refused_before_any_work(bad, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        bs.main([*TINY, *bad])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_rows_with_their_own_budget_run_once_at_it_and_fp_n_is_what_float_pages_need(tmp_path):
+    out = tmp_path / "mixed.json"
+    assert bs.main([*TINY, "--budgets", "400000", "--rows", "kivi-2/2@fp:2", "float", "kivi-2/2@900000",
+                    "--same-process", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    longest = max(p + n for p, n in zip(rows[0]["prompt_tokens"], rows[0]["new_tokens"]))
+    from kivi.batching import fp_block_bytes
+    from tests.helpers import tiny_model
+
+    model = tiny_model(num_hidden_layers=4)
+    fp2 = 2 * -(-longest // 32) * fp_block_bytes(model.config, model.dtype, 32)
+    # the rows without a budget of their own at each --budgets value first, then the others in command order
+    assert [(r["cache"], r["budget_bytes"]) for r in rows] == [
+        ("float", 400000), ("kivi-2/2", fp2), ("kivi-2/2", 900000)]
+    assert all(r["generated_tokens"] == sum(r["new_tokens"]) for r in rows)
+
+
+def test_kivi_root_before_runs_the_batch_rows_again_with_that_checkouts_kivi(tmp_path):
+    other = tmp_path / "checkout"
+    other.mkdir()
+    (other / "kivi").symlink_to(Path(bs.__file__).resolve().parents[1] / "kivi")
+    (other / "tests").symlink_to(Path(bs.__file__).resolve().parents[1] / "tests")  # the tiny model's helpers
+    out = tmp_path / "before.json"
+    assert bs.main([*TINY, "--requests", "2", "--rows", "kivi-2/2@1000000", "--baselines", "kivi-2/2",
+                    "--kivi-root-before", str(other), "--out", str(out)]) == 0
+    single, before, after = json.loads(out.read_text())["rows"]
+    assert before["kivi_root"] == str(other) and before["kivi_path"] == str(other / "kivi")
+    assert "kivi_root" not in after and after["kivi_path"] == str(Path(bs.__file__).resolve().parents[1] / "kivi")
+    for r in (before, after):  # the same requests, compared with the one-at-a-time row
+        assert r["generated_tokens"] == sum(r["new_tokens"]) and r["same_tokens_as_one_at_a_time"]["requests"] == 2
+    assert "(checkout)" in out.with_suffix(".txt").read_text()
+
+
+def test_the_http_row_serves_every_request_its_tokens_through_kivi_serve(tmp_path):
+    for name in ("fastapi", "uvicorn", "httpx"):
+        pytest.importorskip(name)
+    from tests.serving.server import save_tiny_checkpoint
+
+    checkpoint = save_tiny_checkpoint(tmp_path / "tiny")
+    out = tmp_path / "http.json"
+    assert bs.main(["--model", str(checkpoint), "--shared-prefix", "0", "--requests", "3", "--prompt-len", "40",
+                    "--new-tokens", "5", "--threads", "1", "--check-single", "0", "--rows", "kivi-2/2@2MiB",
+                    "--http", "kivi-2/2@2MiB", "float@2MiB", "--http-clients", "2", "--same-process",
+                    "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    batch, *http = report["rows"]
+    assert [(r["kind"], r["cache"], r["budget_bytes"]) for r in http] == [
+        ("http", "kivi-2/2", 2 * 2**20), ("http", "float", 2 * 2**20)]
+    for r in http:
+        assert r["completion_tokens"] == r["requested_tokens"] == [5, 5, 5]
+        assert r["generated_tokens"] == 15 and r["finish_reasons"] == ["length"] * 3 and r["clients"] == 2
+        assert r["generated_tokens_per_s"] == pytest.approx(15 / r["wall_s"])
+        assert 0 < r["ttft_p50_s"] <= r["ttft_p95_s"] < r["wall_s"] and r["cache_blocks"] > 0
+        assert r["settings"]["max_batch_tokens"] == 512
+    # greedy through the server: the text the batch row's tokens decode to
+    assert http[0]["same_text_as_batch"] == {"requests": 3, "identical": 3}
+    assert "http-kivi-2/2" in out.with_suffix(".txt").read_text()
+
+
+def test_the_http_row_fails_naming_a_request_that_got_fewer_tokens():
+    from serving_http import check_counts
+    from serving_rows import Workload
+
+    work = Workload("w", [[5, 6], [7, 8, 9]], [4, 4])
+    ok = {"usage": {"completion_tokens": 4, "prompt_tokens": 2}, "finish_reason": "length"}
+    check_counts(work, [ok, {**ok, "usage": {"completion_tokens": 4, "prompt_tokens": 3}}])
+    with pytest.raises(RuntimeError, match=r"request 1 got 2 of 4 tokens \(finish_reason 'stop'\).*no ignore_eos"):
+        check_counts(work, [ok, {"usage": {"completion_tokens": 2, "prompt_tokens": 3}, "finish_reason": "stop"}])
+    with pytest.raises(RuntimeError, match="request 1: kivi serve counted 2 prompt tokens, sent 3"):
+        check_counts(work, [ok, ok])
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--rows", "kivi-9/9"], "'kivi-9/9': the row must be one of float, kivi-2/2"),
+    (["--rows", "float@"], "needs a budget after @"),
+    (["--budgets", "fp:0"], "fp:N needs a whole number N >= 1"),
+    (["--http", "float"], "--http rows run kivi serve, whose pages are 256 tokens; --page-size=32"),
+    (["--http-clients", "0"], "--http-clients=0 must be >= 1"),
+    (["--kivi-root-before", "/nonexistent"], "is not a checkout"),
+    (["--kivi-root-before", ".", "--same-process"], "drop --same-process"),
+])
+def test_bad_row_budget_and_http_options_are_refused(bad, message, capsys):
     with pytest.raises(SystemExit) as e:
         bs.main([*TINY, *bad])
     assert e.value.code == 2 and message in capsys.readouterr().err

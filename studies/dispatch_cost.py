@@ -6,7 +6,7 @@ a mask-free decode step), ``run_backend`` over the step's views with the backend
 scanned per call), the kernel alone (``fused_decode_attention``), and the qualification checks alone
 (``fused_decode_supported``, scanning or not). Medians of ``--repeat`` calls each.
 
-    python benchmarks/bench_dispatch.py [--context 2048] [--repeat 2000]
+    python studies/dispatch_cost.py [--context 2048] [--repeat 2000]
 """
 
 from __future__ import annotations
