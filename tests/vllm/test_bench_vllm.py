@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # engine runs of minutes each: KIVI_SLOW=1
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_vllm.py"
 ROWS = ["bf16", "fp8", "kivi-2/2", "balanced"]

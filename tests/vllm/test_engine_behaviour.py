@@ -13,7 +13,7 @@ import pytest
 from tests.vllm._engine_runs import run_engine
 from tests.vllm._reference import assert_request_matches, compare_tokens, mixed_steps, segments
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # engine runs of minutes each: KIVI_SLOW=1
 
 KIVI = {"k_bits": 2, "v_bits": 2, "group_size": 32, "residual_length": 32}
 BUDGET = 64  # max_num_batched_tokens: prompts longer than this are chunked, and share steps with decode rows

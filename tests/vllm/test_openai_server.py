@@ -22,7 +22,7 @@ import pytest
 
 from tests.vllm._reference import compare_tokens, kivi_generate
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # engine runs of minutes each: KIVI_SLOW=1
 
 KIVI = {"k_bits": 2, "v_bits": 2, "group_size": 32, "residual_length": 32}
 NEW_TOKENS = 48
