@@ -15,7 +15,9 @@ of each checkout to the first.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import subprocess
 import sys
@@ -23,7 +25,8 @@ import time
 from pathlib import Path
 
 
-def one_row(root: str, config: str, context: int, batch: int, steps: int, warmup: int, threads: int) -> dict:
+def one_row(root: str, config: str, context: int, batch: int, steps: int, warmup: int, threads: int,
+            profile: int = 0) -> dict:
     sys.path.insert(0, root)
     import torch
 
@@ -46,15 +49,26 @@ def one_row(root: str, config: str, context: int, batch: int, steps: int, warmup
                      li)
     ids = torch.randint(100, 1000, (batch, 1), generator=g)
     times = []
+    prof = cProfile.Profile() if profile else None
     with torch.inference_mode():
         for i in range(warmup + steps):
             pos = torch.full((batch, 1), context + i, dtype=torch.long)
+            if prof is not None and i == warmup:
+                prof.enable()
             t0 = time.perf_counter()
             model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
-    return {"root": root, "config": config, "batch": batch, "context": context, "step_s": statistics.median(times),
-            "steps": steps, "threads": threads}
+    row = {"root": root, "config": config, "batch": batch, "context": context, "step_s": statistics.median(times),
+           "steps": steps, "threads": threads}
+    if prof is not None:  # the functions taking the most time of their own, per timed step
+        prof.disable()
+        stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, primitive, tottime, cumtime, callers)}
+        top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:profile]
+        row["profile"] = [{"function": f"{Path(f).name}:{line}({name})", "calls_per_step": st[0] / steps,
+                           "own_ms_per_step": st[2] / steps * 1e3, "cum_ms_per_step": st[3] / steps * 1e3}
+                          for (f, line, name), st in top]
+    return row
 
 
 def main() -> None:
@@ -67,6 +81,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also profile the timed steps (cProfile: adds overhead to the timing) and print, per "
+                        "checkout, the N functions with the most time of their own per step")
     p.add_argument("--out", help="JSON file for every row")
     p.add_argument("--row", help=argparse.SUPPRESS)  # internal: run one row (JSON args) and print its result
     a = p.parse_args()
@@ -79,7 +96,7 @@ def main() -> None:
             for batch in a.batches:
                 for root in a.roots:
                     args = dict(root=root, config=config, context=a.context, batch=batch, steps=a.steps,
-                                warmup=a.warmup, threads=a.threads)
+                                warmup=a.warmup, threads=a.threads, profile=a.profile)
                     out = subprocess.run([sys.executable, __file__, "--roots", root, "--row", json.dumps(args)],
                                          capture_output=True, text=True, cwd=root)
                     if out.returncode:
@@ -97,6 +114,13 @@ def main() -> None:
             base = med[a.roots[0]]
             cells = "  ".join(f"{Path(rt).name}: {m * 1e3:.1f} ({base / m:.2f}x)" for rt, m in med.items())
             print(f"  {Path(config).stem} batch {batch}: {cells}")
+    for row in rows:
+        if row["round"] == 0 and row.get("profile"):
+            print(f"\nprofile, {Path(row['root']).name} {Path(row['config']).stem} batch {row['batch']} "
+                  "(ms per step: own, cumulative; calls per step):")
+            for f in row["profile"]:
+                print(f"  {f['own_ms_per_step']:8.2f} {f['cum_ms_per_step']:8.2f} {f['calls_per_step']:7.0f}  "
+                      f"{f['function']}")
     if a.out:
         Path(a.out).write_text(json.dumps({"argv": sys.argv, "rows": rows}, indent=2) + "\n")
 
