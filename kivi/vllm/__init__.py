@@ -7,7 +7,7 @@ process through the ``vllm.general_plugins`` entry point; without a ``"kivi"`` k
 Modules: ``version`` (the one vLLM release the plugin is tested with), ``config`` (reading
 ``additional_config``), ``geometry`` (bytes of a page and of a window block), ``paged`` (one layer's step
 over the block tables, framework-free), ``decode`` (its decode rows through the batched paged decode
-kernel), ``select`` / ``backend`` (the vLLM classes; imported by vLLM only).
+kernel), ``select`` / ``backend`` / ``spec`` (the vLLM classes; imported by vLLM only).
 Nothing here imports :mod:`kivi.batching` (it pins a transformers release vLLM's pins exclude).
 """
 
@@ -16,13 +16,17 @@ from __future__ import annotations
 
 def register() -> None:
     """vLLM's general-plugin entry point: refuse an untested vLLM (one line), then point vLLM's ``CPU_ATTN``
-    entry at :mod:`kivi.vllm.select`, which answers with vLLM's own class unless ``"kivi"`` is configured."""
+    entry at :mod:`kivi.vllm.select`, which answers with vLLM's own class unless ``"kivi"`` is configured, and
+    register the KIVI page group's spec (:mod:`kivi.vllm.spec`: its blocks are never a prefix hit)."""
     from .version import check_vllm_version
 
     check_vllm_version()
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CPU_ATTN, "kivi.vllm.select.CPU_ATTN")
+    from .spec import register_spec
+
+    register_spec()
 
 
 __all__ = ["register"]

@@ -2,7 +2,8 @@
 
 * :class:`KiviAttentionBackend` replaces ``CPU_ATTN`` for every decoder attention layer when
   ``additional_config["kivi"]`` is set (:mod:`kivi.vllm.select`). ``customize_spec`` gives vLLM the packed
-  page's bytes (:func:`kivi.vllm.geometry.build_geometry`), so vLLM's allocator counts KIVI pages.
+  page's bytes (:func:`kivi.vllm.geometry.build_geometry`), so vLLM's allocator counts KIVI pages, as a
+  :class:`kivi.vllm.spec.KiviPageSpec` (a prefix hit would read a window the shared blocks do not hold).
 * Each :class:`KiviAttentionImpl` makes ``k`` :class:`KiviWindowLayer` next to its layer
   (:attr:`kivi.vllm.geometry.KiviGeometry.window_rings`), registered in vLLM's static forward context as
   ``kivi_window.<n>``: each a circular-buffer layer (``CircularBufferSpec``: one block of ``Pw`` tokens per
@@ -19,7 +20,7 @@ Imports vLLM: loaded only by vLLM, through :mod:`kivi.vllm.select`.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -41,6 +42,7 @@ from ..config import KiviConfig
 from .config import kivi_config
 from .geometry import KiviGeometry, build_geometry
 from .paged import StepBatch, paged_step
+from .spec import page_spec
 
 WINDOW_PREFIX = "kivi_window."
 
@@ -109,7 +111,7 @@ class KiviAttentionBackend(AttentionBackend):
             raise RuntimeError("KiviAttentionBackend is used through kivi.vllm.backend.backend_class(config)")
         geo = build_geometry(cls.kivi, page_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
                              head_dim=spec.head_size, dtype=spec.dtype)
-        return replace(spec, state_content_bytes=geo.state_bytes)
+        return page_spec(spec, geo.state_bytes)  # vLLM's spec with the page's bytes, never a prefix hit
 
 
 @functools.cache
