@@ -27,7 +27,7 @@ from ..cache.schedule import side_tokens
 from ..config import KiviConfig
 from ..optional import numba_available
 from ..quant.page import AXIS, SIDES
-from .geometry import KiviGeometry, block_pool, ring_slots
+from .geometry import KiviGeometry, block_pool
 
 
 @dataclass(frozen=True)
@@ -91,21 +91,21 @@ def gather_decode(cfg: KiviConfig, rows: list[int], query_start: list[int], seq_
                                  device=device) for side in SIDES}
     count = {side: seq - stored[side] for side in SIDES}  # window + the new token
     slots = int(max(count["k"].max(), count["v"].max()))
-    rtab = ring_table[idx]  # [N, k]
-    n, pw, h, d = len(rows), rings[0].shape[2], rings[0].shape[1], key.shape[-1]
+    rtab = ring_table[idx].long()  # [N, k]
+    n, d = len(rows), key.shape[-1]
+    # each request's k ring blocks side by side: [N, H, k * Pw, 2D], slot s = ring * Pw + row (one copy per
+    # ring instead of a masked read per ring and side)
+    ring_rows = torch.cat([cache[rtab[:, r]] for r, cache in enumerate(rings)], dim=2)
+    j = torch.arange(slots, device=device)
+    req = torch.arange(n, device=device)
     fp = {}
     for side, new in (("k", key), ("v", value)):
-        j = torch.arange(slots, device=device)
-        pos = stored[side][:, None] + j  # [N, slots]
+        slot = (stored[side][:, None] + j) % ring_rows.shape[2]  # [N, slots]: token p at slot p mod (k * Pw)
         old = j[None, :] < count[side][:, None] - 1  # the rows in the rings (the new token is not there yet)
-        ring, block, row = ring_slots(pos, rtab, pw)
         cols = slice(0, d) if side == "k" else slice(d, 2 * d)
-        rows_fp = torch.zeros(n, slots, h, d, dtype=rings[0].dtype, device=device)
-        for r, cache in enumerate(rings):
-            m = old & (ring == r)
-            if m.any():
-                rows_fp[m] = cache[block[m], :, row[m], cols]  # [M, H, D]
-        rows_fp[torch.arange(n, device=device), count[side] - 1] = new[tokens].to(rows_fp.dtype)
+        rows_fp = ring_rows[req[:, None], :, slot, cols]  # [N, slots, H, D]
+        rows_fp = torch.where(old[:, :, None, None], rows_fp, torch.zeros((), dtype=rows_fp.dtype, device=device))
+        rows_fp[req, count[side] - 1] = new[tokens].to(rows_fp.dtype)
         fp[side] = rows_fp
     zero = torch.zeros_like(seq)
     counts = torch.stack([zero, stored["k"], count["k"], zero, stored["v"], count["v"]], dim=1).cpu()
