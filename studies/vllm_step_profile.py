@@ -5,8 +5,9 @@ one in-process ``LLMEngine`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, enforce_eage
 one thread) serving the same requests (WikiText-2 prompts spread over ``--prompt-range``, greedy,
 ignore_eos), all submitted at once. Timers wrap, by name (whatever the checkout defines):
 
-* ``engine.step()`` (the whole step), vLLM's ``GPUModelRunner._model_forward`` (the model, attention
-  included), the attention impl's ``forward`` (and bf16's ``do_kv_cache_update``);
+* ``engine.step()`` (the whole step), vLLM's ``GPUModelRunner._model_forward`` (the model: its time less
+  the attention's is "model outside attention"), the attention impl's ``forward`` (and bf16's
+  ``do_kv_cache_update``); "engine outside the model" is the step less both (scheduling, inputs, sampling);
 * for ``kivi``: :func:`kivi.vllm.paged.paged_step` and the functions it calls (``PARTS``), each timed
   exclusive of the timed functions it calls; "paged_step: rest" is its own Python and torch ops (the
   per-request views, concatenations, index lists).
@@ -100,7 +101,7 @@ def child(job: dict) -> None:
         load_model("smollm2")
     clock = Clock()
     kind = {"prefill": False}
-    patch(GPUModelRunner, "_model_forward", clock, "model forward (total)")
+    patch(GPUModelRunner, "_model_forward", clock, "model outside attention")
     if job["kivi"] is None:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl as Impl
 
@@ -179,25 +180,20 @@ def table(variant: str, r: dict) -> str:
              f"{r['generated_tokens'] / r['wall_s']:.2f} gen tok/s, wall {r['wall_s']:.1f} s",
              "| part | prefill ms/step | share | decode ms/step | share |", "|---|---|---|---|---|"]
     sec = r["seconds"]
-    labels = list(dict.fromkeys([*sec["prefill"], *sec["decode"]]))
-    order = ["engine step (total)", "model forward (total)"]
-    labels = order + sorted((x for x in labels if x not in order), key=lambda x: -sum(sec[k].get(x, 0) for k in sec))
-    inner = [x for x in labels if x not in order]
+    model, total = "model outside attention", "engine step (total)"
+    inner = sorted({x for k in sec for x in sec[k]} - {model, total}, key=lambda x: -sum(sec[k].get(x, 0) for k in sec))
     rows = {}
     for k in ("prefill", "decode"):
-        n = max(1, r["steps"][k])
         v = dict(sec[k])
-        # derived rows: model outside attention, engine outside the model
-        v["model outside attention"] = v.get("model forward (total)", 0) - sum(v.get(x, 0) for x in inner)
-        v["engine outside the model"] = v.get("engine step (total)", 0) - v.get("model forward (total)", 0)
-        v["attention (all)"] = sum(sec[k].get(x, 0) for x in inner)
-        rows[k] = (v, n, v.get("engine step (total)", 0) or 1)
-    for label in [*order, "engine outside the model", "model outside attention", "attention (all)", *inner]:
+        v["attention (all)"] = sum(v.get(x, 0) for x in inner)
+        v["engine outside the model"] = v.get(total, 0) - v.get(model, 0) - v["attention (all)"]
+        rows[k] = (v, max(1, r["steps"][k]), v.get(total, 0) or 1)
+    for label in [total, "engine outside the model", model, "attention (all)", *inner]:
         cells = []
         for k in ("prefill", "decode"):
-            v, n, total = rows[k]
+            v, n, t = rows[k]
             s = v.get(label, 0.0)
-            cells += [f"{1e3 * s / n:.2f}", f"{100 * s / total:.1f}%"]
+            cells += [f"{1e3 * s / n:.2f}", f"{100 * s / t:.1f}%"]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

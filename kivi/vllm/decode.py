@@ -93,18 +93,24 @@ def gather_decode(cfg: KiviConfig, rows: list[int], query_start: list[int], seq_
     slots = int(max(count["k"].max(), count["v"].max()))
     rtab = ring_table[idx].long()  # [N, k]
     n, d = len(rows), key.shape[-1]
-    # each request's k ring blocks side by side: [N, H, k * Pw, 2D], slot s = ring * Pw + row (one copy per
-    # ring instead of a masked read per ring and side)
-    ring_rows = torch.cat([cache[rtab[:, r]] for r, cache in enumerate(rings)], dim=2)
+    _, h, pw, c = rings[0].shape
+    ring = len(rings) * pw
+    # each request's k ring blocks in slot order (slot s = ring * Pw + row), as rows [N * k * Pw, H, 2D], then
+    # one zero row: a side's rows are then one index_select of whole rows (slots past a row's count read the
+    # zero row)
+    flat = torch.empty(n * ring + 1, h, c, dtype=rings[0].dtype, device=device)
+    by_request = flat[:-1].view(n, ring, h, c)
+    for r, cache in enumerate(rings):
+        by_request[:, r * pw:(r + 1) * pw] = cache.index_select(0, rtab[:, r]).transpose(1, 2)
+    flat[-1] = 0
     j = torch.arange(slots, device=device)
     req = torch.arange(n, device=device)
     fp = {}
     for side, new in (("k", key), ("v", value)):
-        slot = (stored[side][:, None] + j) % ring_rows.shape[2]  # [N, slots]: token p at slot p mod (k * Pw)
         old = j[None, :] < count[side][:, None] - 1  # the rows in the rings (the new token is not there yet)
+        at = torch.where(old, req[:, None] * ring + (stored[side][:, None] + j) % ring, n * ring)  # [N, slots]
         cols = slice(0, d) if side == "k" else slice(d, 2 * d)
-        rows_fp = ring_rows[req[:, None], :, slot, cols]  # [N, slots, H, D]
-        rows_fp = torch.where(old[:, :, None, None], rows_fp, torch.zeros((), dtype=rows_fp.dtype, device=device))
+        rows_fp = flat.index_select(0, at.flatten()).view(n, slots, h, c)[..., cols]  # [N, slots, H, D]
         rows_fp[req, count[side] - 1] = new[tokens].to(rows_fp.dtype)
         fp[side] = rows_fp
     zero = torch.zeros_like(seq)
