@@ -14,7 +14,7 @@ ignore_eos), all submitted at once. Timers wrap, by name (whatever the checkout 
 
 A step is a *prefill step* when any request in it has more than one token (its decode rows, if any, are
 counted with it), else a *decode step*. Prints one table per variant (ms per step and share of the step)
-and a JSON line. Run with .venv-vllm:
+and the SHA-1 of the generated tokens (two checkouts' runs of a variant compare their results). Run with .venv-vllm:
 
     PYTHONPATH=$PWD .venv-vllm/bin/python studies/vllm_step_profile.py --requests 4 --prompt-range 1024 2048
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import os
 import subprocess
@@ -150,6 +151,7 @@ def child(job: dict) -> None:
     def serve(batch: list[list[int]], tag: str, record: bool) -> dict:
         steps = {"prefill": defaultdict(float), "decode": defaultdict(float)}
         count = {"prefill": 0, "decode": 0}
+        done = {}
         for i, p in enumerate(batch):
             engine.add_request(f"{tag}{i}", {"prompt_token_ids": p}, greedy)
         t_all = time.perf_counter()
@@ -157,15 +159,17 @@ def child(job: dict) -> None:
             clock.now.clear()
             kind["prefill"] = False
             t0 = time.perf_counter()
-            engine.step()
+            outs = engine.step()
             dt = time.perf_counter() - t0
+            done.update((o.request_id, list(o.outputs[0].token_ids)) for o in outs if o.finished)
             k = "prefill" if kind["prefill"] else "decode"
             count[k] += 1
             steps[k]["engine step (total)"] += dt
             for label, s in clock.now.items():
                 steps[k][label] += s
-        return {"wall_s": time.perf_counter() - t_all, "steps": count,
-                "seconds": {k: dict(v) for k, v in steps.items()}} if record else {}
+        tokens = json.dumps([done[f"{tag}{i}"] for i in range(len(batch))])
+        return {"wall_s": time.perf_counter() - t_all, "steps": count, "seconds": {k: dict(v) for k, v in steps.items()},
+                "tokens_sha1": hashlib.sha1(tokens.encode()).hexdigest()} if record else {}
 
     serve([prompts[0][:200]], "warmup", False)  # first-call costs (numba kernels load from their cache)
     clock.calls.clear()
@@ -177,7 +181,8 @@ def child(job: dict) -> None:
 
 def table(variant: str, r: dict) -> str:
     lines = [f"\n{variant}: {r['steps']['prefill']} prefill steps, {r['steps']['decode']} decode steps, "
-             f"{r['generated_tokens'] / r['wall_s']:.2f} gen tok/s, wall {r['wall_s']:.1f} s",
+             f"{r['generated_tokens'] / r['wall_s']:.2f} gen tok/s, wall {r['wall_s']:.1f} s, "
+             f"generated tokens sha1 {r['tokens_sha1'][:12]}",
              "| part | prefill ms/step | share | decode ms/step | share |", "|---|---|---|---|---|"]
     sec = r["seconds"]
     model, total = "model outside attention", "engine step (total)"
