@@ -254,20 +254,27 @@ def write_rings(rings: list[torch.Tensor], ring_table: torch.Tensor, key: torch.
                 reqs: list[int], firsts: list[int], counts: list[int], rows: list[int]) -> None:
     """Write, for every request ``reqs[s]``, positions ``[firsts[s], firsts[s] + counts[s])`` from the step's
     input rows ``[rows[s], rows[s] + counts[s])`` of ``key / value [n, H, D]`` to their ring slots: one
-    indexed write per ring (keys in channels ``[0, D)``, values in ``[D, 2D)``)."""
-    device = key.device
-    span, offset = _spans(counts, device)
-    if not span.numel():
+    indexed write per ring (keys in channels ``[0, D)``, values in ``[D, 2D)``). The slots are worked out in
+    Python (at most ``R + G - 1`` tokens per request), sorted by ring."""
+    k, pw = len(rings), rings[0].shape[2]
+    table = ring_table.tolist()
+    where = [[] for _ in range(k)]  # per ring: (block, row, input row)
+    for i, first, count, src in zip(reqs, firsts, counts, rows):
+        blocks = table[i]
+        for p in range(first, first + count):
+            slot = p % (k * pw)
+            where[slot // pw].append((blocks[slot // pw], slot % pw, src + p - first))
+    flat = [w for ring in where for w in ring]
+    if not flat:
         return
-    pos = torch.tensor(firsts, dtype=torch.long, device=device)[span] + offset
-    src = torch.tensor(rows, dtype=torch.long, device=device)[span] + offset
-    table = ring_table[torch.tensor(reqs, dtype=torch.long, device=device)[span]]  # [M, k]
-    ring, block, row = (t[:, 0] for t in ring_slots(pos[:, None], table, rings[0].shape[2]))
-    kv = torch.cat([key[src], value[src]], dim=-1).to(rings[0].dtype)  # [M, H, 2D]
-    order = torch.argsort(ring, stable=True)
-    for r, sel in zip(rings, order.split(torch.bincount(ring, minlength=len(rings)).tolist())):
-        if sel.numel():
+    block, row, src = torch.tensor(flat, dtype=torch.long, device=key.device).unbind(1)
+    kv = torch.cat([key[src], value[src]], dim=-1).to(rings[0].dtype)  # [M, H, 2D], ring by ring
+    at = 0
+    for r, ring in zip(rings, where):
+        if ring:
+            sel = slice(at, at + len(ring))
             r[block[sel], :, row[sel]] = kv[sel]
+            at += len(ring)
 
 
 def _set_boundary(view: AttentionView, cfg: KiviConfig, side: str, pending: torch.Tensor, window: int, q_len: int,
