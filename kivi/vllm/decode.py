@@ -44,18 +44,14 @@ class DecodeInputs:
     """The kernel rows of one step and layer: ``rows`` (batch rows), ``tokens`` (long ``[N]``: each row's
     query in the step's input), ``counts`` (int64 ``[N, 6]``: ``[0, k stored, k window + 1, 0, v stored,
     v window + 1]``), ``table`` (int32 ``[N, max_pages]``) and ``fp`` (per side ``[N, slots, H, D]`` in the
-    rings' dtype: the window's rows, then the new token; slots past a row's count are zero)."""
+    rings' dtype, views of one gathered copy: the window's rows, then the new token; slots past a row's
+    count are zero)."""
 
     rows: list[int]
     tokens: torch.Tensor
     counts: torch.Tensor
     table: torch.Tensor
     fp: dict[str, torch.Tensor]
-
-    def window(self, j: int, side: str) -> torch.Tensor:
-        """Request ``j``'s full-precision rows of ``side``, ``[H, window + 1, D]`` (a view)."""
-        n = int(self.counts[j, 2 if side == "k" else 5])
-        return self.fp[side][j, :n].transpose(0, 1)
 
 
 def decode_kernel(cfg: KiviConfig, geo: KiviGeometry, backend: str, pages: torch.Tensor) -> DecodeKernel | None:
