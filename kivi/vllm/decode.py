@@ -27,7 +27,7 @@ from ..cache.schedule import side_tokens
 from ..config import KiviConfig
 from ..optional import numba_available
 from ..quant.page import AXIS, SIDES
-from .geometry import KiviGeometry, block_pool, ring_slots
+from .geometry import KiviGeometry, block_pool
 
 
 @dataclass(frozen=True)
@@ -44,18 +44,14 @@ class DecodeInputs:
     """The kernel rows of one step and layer: ``rows`` (batch rows), ``tokens`` (long ``[N]``: each row's
     query in the step's input), ``counts`` (int64 ``[N, 6]``: ``[0, k stored, k window + 1, 0, v stored,
     v window + 1]``), ``table`` (int32 ``[N, max_pages]``) and ``fp`` (per side ``[N, slots, H, D]`` in the
-    rings' dtype: the window's rows, then the new token; slots past a row's count are zero)."""
+    rings' dtype, views of one gathered copy: the window's rows, then the new token; slots past a row's
+    count are zero)."""
 
     rows: list[int]
     tokens: torch.Tensor
     counts: torch.Tensor
     table: torch.Tensor
     fp: dict[str, torch.Tensor]
-
-    def window(self, j: int, side: str) -> torch.Tensor:
-        """Request ``j``'s full-precision rows of ``side``, ``[H, window + 1, D]`` (a view)."""
-        n = int(self.counts[j, 2 if side == "k" else 5])
-        return self.fp[side][j, :n].transpose(0, 1)
 
 
 def decode_kernel(cfg: KiviConfig, geo: KiviGeometry, backend: str, pages: torch.Tensor) -> DecodeKernel | None:
@@ -91,21 +87,27 @@ def gather_decode(cfg: KiviConfig, rows: list[int], query_start: list[int], seq_
                                  device=device) for side in SIDES}
     count = {side: seq - stored[side] for side in SIDES}  # window + the new token
     slots = int(max(count["k"].max(), count["v"].max()))
-    rtab = ring_table[idx]  # [N, k]
-    n, pw, h, d = len(rows), rings[0].shape[2], rings[0].shape[1], key.shape[-1]
+    rtab = ring_table[idx].long()  # [N, k]
+    n, d = len(rows), key.shape[-1]
+    _, h, pw, c = rings[0].shape
+    ring = len(rings) * pw
+    # each request's k ring blocks in slot order (slot s = ring * Pw + row), as rows [N * k * Pw, H, 2D], then
+    # one zero row: a side's rows are then one index_select of whole rows (slots past a row's count read the
+    # zero row)
+    flat = torch.empty(n * ring + 1, h, c, dtype=rings[0].dtype, device=device)
+    by_request = flat[:-1].view(n, ring, h, c)
+    for r, cache in enumerate(rings):
+        by_request[:, r * pw:(r + 1) * pw] = cache.index_select(0, rtab[:, r]).transpose(1, 2)
+    flat[-1] = 0
+    j = torch.arange(slots, device=device)
+    req = torch.arange(n, device=device)
     fp = {}
     for side, new in (("k", key), ("v", value)):
-        j = torch.arange(slots, device=device)
-        pos = stored[side][:, None] + j  # [N, slots]
         old = j[None, :] < count[side][:, None] - 1  # the rows in the rings (the new token is not there yet)
-        ring, block, row = ring_slots(pos, rtab, pw)
+        at = torch.where(old, req[:, None] * ring + (stored[side][:, None] + j) % ring, n * ring)  # [N, slots]
         cols = slice(0, d) if side == "k" else slice(d, 2 * d)
-        rows_fp = torch.zeros(n, slots, h, d, dtype=rings[0].dtype, device=device)
-        for r, cache in enumerate(rings):
-            m = old & (ring == r)
-            if m.any():
-                rows_fp[m] = cache[block[m], :, row[m], cols]  # [M, H, D]
-        rows_fp[torch.arange(n, device=device), count[side] - 1] = new[tokens].to(rows_fp.dtype)
+        rows_fp = flat.index_select(0, at.flatten()).view(n, slots, h, c)[..., cols]  # [N, slots, H, D]
+        rows_fp[req, count[side] - 1] = new[tokens].to(rows_fp.dtype)
         fp[side] = rows_fp
     zero = torch.zeros_like(seq)
     counts = torch.stack([zero, stored["k"], count["k"], zero, stored["v"], count["v"]], dim=1).cpu()

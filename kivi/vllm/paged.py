@@ -14,9 +14,10 @@ per-request state is kept here, so preemption (recompute) and prefix hits need n
    attention (pages as a :class:`~kivi.cache.store.BlockStore` aliasing the page memory, then the
    full-precision tokens), with kivi's per-query precision for a chunk into a request that holds tokens
    (:func:`kivi.cache.schedule.query_boundaries`; a request's first chunk is an exact prefill);
-3. quantizes what leaves the window in this step (keys in whole groups of ``G`` once ``R`` newer remain,
-   values beyond ``R``) -- both sides before writing either, so a refused value (NaN) writes nothing to
-   the pages -- and writes it to its page rows;
+3. quantizes what leaves the windows in this step (keys in whole groups of ``G`` once ``R`` newer remain,
+   values beyond ``R``), every request's tokens in one call per side (groups never span requests: keys
+   leave in whole aligned groups), both sides before writing either, so a refused value (NaN) writes
+   nothing to the pages; then writes them to their page rows, one indexed write per field;
 4. attends: the decode rows with something stored in one call of kivi's batched paged decode kernel
    reading the pages through the block table (:mod:`kivi.vllm.decode`, where it applies:
    :func:`~kivi.vllm.decode.decode_kernel`); every other request on its own: with nothing stored yet
@@ -24,7 +25,8 @@ per-request state is kept here, so preemption (recompute) and prefix hits need n
    (:func:`kivi.attention.interface.run_backend`: ``"reference"`` dequantizes, ``"cpu"`` reads the packed
    pages: the fused numba kernel for one query token, the blocked path for a chunk);
 5. writes the new tokens still in the window after the step (the last ``R + G - 1`` tokens) to the rings,
-   after every read of the step (a ring slot is reused once its token has left the window).
+   after every read of the step (a ring slot is reused once its token has left the window): one indexed
+   write per ring for all requests (:func:`write_rings`).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch.nn.functional as F
 
 from ..attention.interface import run_backend
 from ..cache.boundary import SideCounts, set_boundary
-from ..cache.pages import page_store, scatter_tokens, store_rows
+from ..cache.pages import page_store, scatter_tokens
 from ..cache.schedule import prefill_exact_queries, side_tokens
 from ..cache.view import AttentionView, exact_queries
 from ..config import KiviConfig
@@ -76,18 +78,6 @@ def _ring_read(rings: list[torch.Tensor], pos: torch.Tensor, ring_table_row: tor
     return out
 
 
-def _ring_write(rings: list[torch.Tensor], pos: torch.Tensor, ring_table_row: torch.Tensor, k_rows: torch.Tensor,
-                v_rows: torch.Tensor) -> None:
-    """Write keys / values ``[len(pos), H, D]`` of positions ``pos`` to their ring slots."""
-    pw, d = rings[0].shape[2], k_rows.shape[-1]
-    ring, block, row = ring_slots(pos, ring_table_row, pw)
-    for j, r in enumerate(rings):
-        sel = (ring == j).nonzero().flatten()
-        if sel.numel():
-            r[block[sel], :, row[sel], :d] = k_rows[sel].to(r.dtype)
-            r[block[sel], :, row[sel], d:] = v_rows[sel].to(r.dtype)
-
-
 def _quantize(cfg: KiviConfig, side: str, x: torch.Tensor):
     """``x [H, T, D]`` leaving the window (T a multiple of G for keys) as the pages store it."""
     return quantize_side(x.unsqueeze(0), cfg.side_format(side))
@@ -115,7 +105,9 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
     request), ``pages`` the layer's vLLM cache, ``rings`` its ``k`` window rings' caches ``[NBw, H, Pw, 2D]``;
     writes ``[n, Hq, D]`` attention into ``out`` (returned). ``batched_decode``: decode rows through the
     batched paged decode kernel where it applies (:func:`kivi.vllm.decode.decode_kernel`), else (or
-    ``False``) request by request."""
+    ``False``) request by request. What leaves the windows is quantized in one call per side for the whole
+    step, and the rings and pages are written in one indexed write per ring / field (the groups of
+    different requests never share a group: each request's keys leave in whole aligned groups)."""
     P = geo.page_size
     if len(rings) * rings[0].shape[2] < geo.sliding_window - 1:
         raise ValueError(f"{len(rings)} window rings of {rings[0].shape[2]} tokens cannot hold the "
@@ -129,45 +121,58 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
     decode = None if not rows else gather_decode(cfg, rows, batch.query_start, batch.seq_lens, batch.page_table,
                                                  batch.ring_table, rings, key, value)
     in_kernel = {i: j for j, i in enumerate(rows)}
-    jobs, writes, ring_writes = [], [], []
+    jobs = []
+    leaving = {side: _Leaving() for side in SIDES}  # what leaves the windows in this step, per side
+    kernel_leaving = {side: {} for side in SIDES}  # count -> [(kernel row, request, stored)]
+    ring_spans = ([], [], [], [])  # request, first position, count, first input row of the tokens kept
     for i, seq in enumerate(batch.seq_lens):
         lo, hi = batch.query_start[i], batch.query_start[i + 1]
         q_len = hi - lo
         if q_len == 0:
             continue
         past = seq - q_len
+        keep = max(past, seq - (geo.sliding_window - 1))  # new tokens still in the window after the step
+        for span, x in zip(ring_spans, (i, keep, seq - keep, lo + keep - past)):
+            span.append(x)
+        if i in in_kernel:  # the kernel reads the pages and the rows gathered above, before any write
+            for side in SIDES:
+                stored, after = (side_tokens(AXIS[side], t, R, G)[1] for t in (past, seq))
+                if after > stored:
+                    kernel_leaving[side].setdefault(after - stored, []).append((in_kernel[i], i, stored))
+            continue
         page_ids, ring_ids = batch.page_table[i], batch.ring_table[i]
         side_views = []
         for side, new in (("k", key[lo:hi]), ("v", value[lo:hi])):  # 1-2. the view kivi's cache would build
             axis = AXIS[side]
             stored = side_tokens(axis, past, R, G)[1]
             after = side_tokens(axis, seq, R, G)[1]
-            if i in in_kernel:  # the kernel reads the pages and these rows (gathered above, before any write)
-                fp = decode.window(in_kernel[i], side)  # [H, seq - stored, D]
-            else:
+            if stored < past:
                 old = _ring_read(rings, torch.arange(stored, past, device=key.device), ring_ids, geo.head_dim, side)
                 fp = torch.cat([old, new.transpose(0, 1).to(old.dtype)], dim=1)  # [H, seq - stored, D]
-                table = page_ids[: -(-stored // P)].tolist()
-                store = page_store(views[side], table, 0, stored, P, **meta[side])
-                view = AttentionView(store, stored, fp.unsqueeze(0), quantized=True)
-                _set_boundary(view, cfg, side, fp, past - stored, q_len, past)
-                side_views.append(view)
+            else:
+                fp = new.transpose(0, 1).to(rings[0].dtype).contiguous()
+            table = page_ids[: -(-stored // P)].tolist()
+            store = page_store(views[side], table, 0, stored, P, **meta[side])
+            view = AttentionView(store, stored, fp.unsqueeze(0), quantized=True)
+            seg = _Once(cfg, side, fp, after - stored)
+            _set_boundary(view, cfg, side, fp, past - stored, q_len, past, seg)
+            side_views.append(view)
             if after > stored:  # 3. what leaves the window in this step
-                writes.append((side, _quantize(cfg, side, fp[:, : after - stored]), page_ids.tolist(), stored,
-                               after - stored))
-        if i not in in_kernel:
-            jobs.append((lo, hi, side_views))
-        keep = max(past, seq - (geo.sliding_window - 1))  # new tokens still in the window after the step
-        ring_writes.append((torch.arange(keep, seq, device=key.device), ring_ids, key[lo + keep - past:hi],
-                            value[lo + keep - past:hi]))
-    for pos, ring_ids, k_rows, v_rows in ring_writes:  # every request's reads are done: now the rings
-        _ring_write(rings, pos, ring_ids, k_rows, v_rows)
-    for side, seg, table, start, count in writes:  # every quantization succeeded: now write
-        index = {1: _rows(table, start, count, P, 1, pages.device)}
-        if side == "k":
-            index[G] = _rows(table, start, count, P, G, pages.device)
-        per_row = {name: f.tokens_per_row for name, f in geo.side_fields(side).items()}
-        scatter_tokens(views[side], seg, index, per_row)
+                leaving[side].add(seg, [(i, stored, after - stored)])
+        jobs.append((lo, hi, side_views))
+    for side in SIDES:  # the kernel rows' leaving tokens: one indexed read per count
+        for count, group in kernel_leaving[side].items():
+            j = torch.tensor([g[0] for g in group], dtype=torch.long, device=key.device)
+            rows_out = decode.fp[side][j, :count].flatten(0, 1).transpose(0, 1)  # [H, m * count, D]
+            leaving[side].add(rows_out, [(i, stored, count) for _, i, stored in group])
+    segs = {side: leaving[side].quantize(cfg, side) for side in SIDES}  # every quantization before any write
+    if ring_spans[0]:  # every request's reads are done: now the rings
+        write_rings(rings, batch.ring_table, key, value, *ring_spans)
+    for side in SIDES:
+        if segs[side] is not None:
+            index = _page_index(leaving[side], batch.page_table, P, G if side == "k" else 1)
+            per_row = {name: f.tokens_per_row for name, f in geo.side_fields(side).items()}
+            scatter_tokens(views[side], segs[side], index, per_row)
     if decode is not None:  # 4. attention: the kernel rows in one call, the others request by request
         out[decode.tokens] = paged_decode(kernel, decode, query, scale).to(out.dtype)
     for lo, hi, (kv, vv) in jobs:
@@ -180,21 +185,108 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
     return out
 
 
-def _rows(table: list[int], start: int, count: int, page_size: int, per_row: int, device) -> tuple[torch.Tensor, ...]:
-    blocks, rows = store_rows(table, start, count, page_size, per_row)
-    return torch.tensor(blocks, dtype=torch.long, device=device), torch.tensor(rows, dtype=torch.long, device=device)
+class _Once:
+    """The quantized tokens ``[0, count)`` of one request's pending rows ``fp [H, T, D]``, computed at most once
+    (the per-query precision of a chunk and the page write need the same segment)."""
+
+    def __init__(self, cfg: KiviConfig, side: str, fp: torch.Tensor, count: int) -> None:
+        self.cfg, self.side, self.fp, self.count, self.seg = cfg, side, fp, count, None
+
+    def rows(self) -> torch.Tensor:
+        return self.fp[:, : self.count]
+
+    def __call__(self, lo: int, hi: int):
+        if (lo, hi) != (0, self.count):
+            return _quantize(self.cfg, self.side, self.fp[:, lo:hi])
+        if self.seg is None:
+            self.seg = _quantize(self.cfg, self.side, self.rows())
+        return self.seg
+
+
+class _Leaving:
+    """One side's tokens leaving the windows in a step: ``parts`` (rows ``[H, n, D]``, or a :class:`_Once`) and
+    ``spans`` ``(request, first store position, count)``, both in token order (a part may hold several
+    requests' spans)."""
+
+    def __init__(self) -> None:
+        self.parts, self.spans = [], []
+
+    def add(self, part, spans: list[tuple[int, int, int]]) -> None:
+        self.parts.append(part)
+        self.spans += spans
+
+    def quantize(self, cfg: KiviConfig, side: str):
+        """All the leaving tokens as the pages store them, ``[1, H, M, ...]`` in token order (``None``: none)."""
+        if not self.parts:
+            return None
+        if len(self.parts) == 1 and isinstance(self.parts[0], _Once):
+            return self.parts[0](0, self.parts[0].count)
+        rows = [p.rows() if isinstance(p, _Once) else p for p in self.parts]
+        return _quantize(cfg, side, torch.cat(rows, dim=1) if len(rows) > 1 else rows[0])
+
+
+def _spans(counts: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For spans of ``counts`` items laid end to end: each item's span and its offset inside it."""
+    c = torch.tensor(counts, dtype=torch.long, device=device)
+    span = torch.repeat_interleave(torch.arange(len(counts), device=device), c)
+    offset = torch.arange(span.numel(), device=device) - (torch.cumsum(c, 0) - c)[span]
+    return span, offset
+
+
+def _page_index(leaving: _Leaving, page_table: torch.Tensor, page_size: int, group: int
+                ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """``{tokens per row: (blocks, rows)}`` of the page rows the leaving tokens go to (:func:`scatter_tokens`):
+    store position ``u`` of request ``i`` is in block ``page_table[i, u // P]``, row ``u % P`` (per-group
+    fields: row ``(u % P) // G``, one per group; spans are whole aligned groups)."""
+    device = page_table.device
+    reqs, starts, counts = zip(*leaving.spans)
+    span, offset = _spans(list(counts), device)
+    pos = torch.tensor(starts, dtype=torch.long, device=device)[span] + offset
+    req = torch.tensor(reqs, dtype=torch.long, device=device)[span]
+    blocks = page_table[req, pos // page_size].long()
+    index = {1: (blocks, pos % page_size)}
+    if group > 1:
+        index[group] = (blocks[::group], (pos[::group] % page_size) // group)
+    return index
+
+
+def write_rings(rings: list[torch.Tensor], ring_table: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                reqs: list[int], firsts: list[int], counts: list[int], rows: list[int]) -> None:
+    """Write, for every request ``reqs[s]``, positions ``[firsts[s], firsts[s] + counts[s])`` from the step's
+    input rows ``[rows[s], rows[s] + counts[s])`` of ``key / value [n, H, D]`` to their ring slots: one
+    indexed write per ring (keys in channels ``[0, D)``, values in ``[D, 2D)``). The slots are worked out in
+    Python (at most ``R + G - 1`` tokens per request), sorted by ring."""
+    k, pw = len(rings), rings[0].shape[2]
+    table = ring_table.tolist()
+    where = [[] for _ in range(k)]  # per ring: (block, row, input row)
+    for i, first, count, src in zip(reqs, firsts, counts, rows):
+        blocks = table[i]
+        for p in range(first, first + count):
+            slot = p % (k * pw)
+            where[slot // pw].append((blocks[slot // pw], slot % pw, src + p - first))
+    flat = [w for ring in where for w in ring]
+    if not flat:
+        return
+    block, row, src = torch.tensor(flat, dtype=torch.long, device=key.device).unbind(1)
+    kv = torch.cat([key[src], value[src]], dim=-1).to(rings[0].dtype)  # [M, H, 2D], ring by ring
+    at = 0
+    for r, ring in zip(rings, where):
+        if ring:
+            sel = slice(at, at + len(ring))
+            r[block[sel], :, row[sel]] = kv[sel]
+            at += len(ring)
 
 
 def _set_boundary(view: AttentionView, cfg: KiviConfig, side: str, pending: torch.Tensor, window: int, q_len: int,
-                  past: int) -> None:
+                  past: int, quantize) -> None:
     """Per-query precision of a chunk of ``q_len`` tokens into a request holding ``past`` (as
     :class:`kivi.cache.KiviLayer`, :func:`kivi.cache.boundary.set_boundary`): query ``i`` reads the tokens
     one-token decoding would have moved out of the window by its step as they are once moved (bit-identical
     to what the pages then hold). A request's first chunk (``past == 0``) is an exact prefill.
-    ``pending [H, window + q_len, D]``."""
+    ``pending [H, window + q_len, D]``; ``quantize(lo, hi)`` its tokens ``[lo, hi)`` as the pages store them."""
     counts = SideCounts(AXIS[side], cfg.residual_length, cfg.group_size, 0, 0)  # no sink
     set_boundary(view, counts, pending.unsqueeze(0), q_len, prefill_exact_queries(past, q_len, None),
-                 lambda lo, hi: _quantize(cfg, side, pending[:, lo:hi]))
+                 quantize)
 
 
-__all__ = ["StepBatch", "paged_step", "exact_attention", "decode_rows", "ring_slots"]
+__all__ = ["StepBatch", "paged_step", "exact_attention", "decode_rows", "ring_slots", "write_rings"]

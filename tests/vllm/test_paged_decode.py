@@ -147,3 +147,29 @@ def test_stores_any_follows_the_schedule():
     cfg = KiviConfig(k_bits=2, v_bits=2, group_size=8, residual_length=16)
     # values leave the window once more than R are held, before keys (a whole group with R newer behind it)
     assert [p for p in range(60) if stores_any(cfg, p)] == list(range(17, 60))
+
+
+def test_a_step_quantizes_what_leaves_every_window_in_one_call_per_side(monkeypatch):
+    """Prefills of several requests in one step, then decode steps: what leaves all the windows of a step is
+    quantized in one call per side (not one per request), and the pages still equal the per-request path's."""
+    from kivi.vllm import paged as vpaged
+
+    cfg = CONFIGS[0]
+    geo = build_geometry(cfg, page_size=P, num_kv_heads=H, head_dim=D, dtype=torch.float32)
+    fast, slow = Cache(geo, torch.float32), Cache(geo, torch.float32)
+    calls = []
+    quantize = vpaged._quantize
+    monkeypatch.setattr(vpaged, "_quantize", lambda cfg, side, x: calls.append(side) or quantize(cfg, side, x))
+    steps = steps_of({0: 40, 1: 57, 2: 33, 3: 80, 4: 26}, late={}, decode_steps=12)
+    g = torch.Generator().manual_seed(3)
+    for rows in steps:
+        n = sum(q for _, _, q in rows)
+        q, k, v = (torch.randn(n, h, D, generator=g) for h in (HQ, H, H))
+        calls.clear()
+        paged_step(cfg, geo, "cpu", q, k, v, fast.pages, fast.rings, fast.batch(rows), 0.25, torch.empty(n, HQ, D))
+        assert len(calls) == len(set(calls)), f"step {rows}: quantize calls {calls}"
+        if rows is steps[0]:  # five prefills, each with keys and values leaving the window
+            assert sorted(calls) == ["k", "v"], calls
+        paged_step(cfg, geo, "cpu", q, k, v, slow.pages, slow.rings, slow.batch(rows), 0.25, torch.empty(n, HQ, D),
+                   batched_decode=False)
+        assert torch.equal(fast.pages.view(torch.uint8), slow.pages.view(torch.uint8)), f"pages differ after {rows}"
