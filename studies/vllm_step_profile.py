@@ -111,7 +111,7 @@ def child(job: dict) -> None:
         def prefill_of(md) -> bool:
             return md.max_query_len > 1
     else:
-        from kivi.vllm import backend, paged
+        from kivi.vllm import backend
 
         Impl = backend.KiviAttentionImpl
         for mod, name, label in PARTS:
@@ -168,7 +168,8 @@ def child(job: dict) -> None:
             for label, s in clock.now.items():
                 steps[k][label] += s
         tokens = json.dumps([done[f"{tag}{i}"] for i in range(len(batch))])
-        return {"wall_s": time.perf_counter() - t_all, "steps": count, "seconds": {k: dict(v) for k, v in steps.items()},
+        return {"wall_s": time.perf_counter() - t_all, "steps": count,
+                "seconds": {k: dict(v) for k, v in steps.items()},
                 "tokens_sha1": hashlib.sha1(tokens.encode()).hexdigest()} if record else {}
 
     serve([prompts[0][:200]], "warmup", False)  # first-call costs (numba kernels load from their cache)
