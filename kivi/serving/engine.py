@@ -57,6 +57,9 @@ _log = logging.getLogger(__name__)
 #: ``t`` overflow (see the module docstring).
 GREEDY_BELOW = 1e-5
 
+#: the end token of a request that ignores the model's (no token id is -1: it never ends a request)
+NO_EOS = -1
+
 
 class RequestRefused(ValueError):
     """A request the engine cannot serve; ``code`` is the OpenAI-style error code, ``param`` the field."""
@@ -70,11 +73,13 @@ class RequestRefused(ValueError):
 class Sampling:
     """How one request picks tokens. ``temperature=None`` or below :data:`GREEDY_BELOW`: greedy.
     ``top_p`` in ``(0, 1]``: the most likely token is always kept, so a ``top_p`` that rounds to 0 in
-    float32 is greedy as well."""
+    float32 is greedy as well. ``ignore_eos``: the model's end token does not end the request (it runs
+    to ``max_new_tokens``)."""
 
     max_new_tokens: int
     temperature: float | None = None
     top_p: float = 1.0
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         t, p = self.temperature, self.top_p
@@ -134,8 +139,8 @@ class Engine:
     """
 
     def __init__(self, model: Any, tokenizer: Any, kivi_config: KiviConfig | None, *, cache_memory: int,
-                 max_new_tokens: int, max_batch_tokens: int = 512, factory: ManagerFactory | None = None,
-                 start_timeout: float = 120.0) -> None:
+                 max_new_tokens: int, max_batch_tokens: int = 512, page_size: int = 256,
+                 factory: ManagerFactory | None = None, start_timeout: float = 120.0) -> None:
         from ..models import model_max_context
 
         self.model, self.tokenizer, self.kivi_config = model, tokenizer, kivi_config
@@ -148,11 +153,11 @@ class Engine:
         eos = model.generation_config.eos_token_id
         if eos is None:
             eos = tokenizer.eos_token_id
-        self.eos_token_id = -1 if eos is None else eos
+        self.eos_token_id = NO_EOS if eos is None else eos
         gen = GenerationConfig(do_sample=True, eos_token_id=self.eos_token_id, max_new_tokens=max_new_tokens,
                                **_PROCESSOR_DEFAULTS)
-        cb = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens, per_request_processors=True,
-                                      use_async_batching=False)
+        cb = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens, page_size=page_size,
+                                      per_request_processors=True, use_async_batching=False)
         factory = DEFAULT_FACTORY if factory is None else factory
         self.manager = factory(model, kivi_config, cache_memory=cache_memory, generation_config=gen,
                                continuous_batching_config=cb)
@@ -232,9 +237,10 @@ class Engine:
             request_id = f"kivi-{self._next_id}"
             self._next_id += 1
             self._routes[request_id] = (loop, on_output)
+        eos = NO_EOS if sampling.ignore_eos else self.eos_token_id
         try:
             self.manager.add_request(list(input_ids), request_id=request_id, max_new_tokens=sampling.max_new_tokens,
-                                     streaming=True, eos_token_id=self.eos_token_id, **sampling.processor_kwargs())
+                                     streaming=True, eos_token_id=eos, **sampling.processor_kwargs())
         except BaseException:
             with self._lock:
                 self._routes.pop(request_id, None)

@@ -135,7 +135,8 @@ def test_the_http_row_serves_every_request_its_tokens_through_kivi_serve(tmp_pat
         assert r["generated_tokens"] == 15 and r["finish_reasons"] == ["length"] * 3 and r["clients"] == 2
         assert r["generated_tokens_per_s"] == pytest.approx(15 / r["wall_s"])
         assert 0 < r["ttft_p50_s"] <= r["ttft_p95_s"] < r["wall_s"] and r["cache_blocks"] > 0
-        assert r["settings"]["max_batch_tokens"] == 512
+        assert r["settings"]["max_batch_tokens"] == 512 and r["settings"]["ignore_eos"] is True
+        assert r["settings"]["page_size"] == 256
     # greedy through the server: the text the batch row's tokens decode to
     assert http[0]["same_text_as_batch"] == {"requests": 3, "identical": 3}
     assert "http-kivi-2/2" in out.with_suffix(".txt").read_text()
@@ -148,7 +149,7 @@ def test_the_http_row_fails_naming_a_request_that_got_fewer_tokens():
     work = Workload("w", [[5, 6], [7, 8, 9]], [4, 4])
     ok = {"usage": {"completion_tokens": 4, "prompt_tokens": 2}, "finish_reason": "length"}
     check_counts(work, [ok, {**ok, "usage": {"completion_tokens": 4, "prompt_tokens": 3}}])
-    with pytest.raises(RuntimeError, match=r"request 1 got 2 of 4 tokens \(finish_reason 'stop'\).*no ignore_eos"):
+    with pytest.raises(RuntimeError, match=r"request 1 got 2 of 4 tokens \(finish_reason 'stop'\).*without ignore_eos"):
         check_counts(work, [ok, {"usage": {"completion_tokens": 2, "prompt_tokens": 3}, "finish_reason": "stop"}])
     with pytest.raises(RuntimeError, match="request 1: kivi serve counted 2 prompt tokens, sent 3"):
         check_counts(work, [ok, ok])
