@@ -138,10 +138,10 @@ def _serve(args: argparse.Namespace, sock: Any, kivi_config: Any, cache_memory: 
     model, tokenizer = load_model_from_args(args)  # --weight-bits 8 / 4: quanto weights
     if not getattr(tokenizer, "is_fast", False):
         raise CliError(f"kivi serve streams text with a fast (Rust) tokenizer; {args.model!r} has a slow one")
-    if args.threads is not None:
-        from .threads import set_cpu_threads
+    from .threads import load_kernels_then_set_threads
 
-        set_cpu_threads(args.threads)
+    # KIVI pages on CPU decode with numba kernels: loaded first, or --threads would not reach numba's pool
+    load_kernels_then_set_threads(args.threads, kernels=kivi_config is not None and model.device.type == "cpu")
     try:
         engine = Engine(model, tokenizer, kivi_config, cache_memory=cache_memory,
                         max_new_tokens=args.max_new_tokens, max_batch_tokens=args.max_batch_tokens,

@@ -150,3 +150,20 @@ def test_a_page_size_the_pages_cannot_hold_fails_in_one_line(monkeypatch, capsys
                "--page-size", "100"])
     err = capsys.readouterr().err
     assert rc == 2 and "page_size=100" in err and "group_size=32" in err and err.count("\n") == 1, err
+
+
+def test_kivi_pages_load_their_kernels_before_the_threads_are_set(monkeypatch, capsys):
+    """--threads reaches numba's pool only when the kernels are loaded first (loading them can reset torch's
+    count, and numba's is set only once numba is loaded); the engine starts after both."""
+    import kivi.attention.fused_cpu as fused_cpu
+    import kivi.cli.threads as threads
+
+    order = []
+    monkeypatch.setattr(fused_cpu, "fused_decode_available", lambda: True)
+    monkeypatch.setattr(fused_cpu, "warmup", lambda: order.append("kernels") or 0.0)
+    monkeypatch.setattr(threads, "set_cpu_threads", lambda n: order.append(("threads", n)))
+    rc, seen = _serve_until_the_engine(monkeypatch, ["--k-bits", "2", "--v-bits", "2", "--threads", "1"])
+    assert rc == 2 and seen and order == ["kernels", ("threads", 1)], (order, capsys.readouterr().err)
+    order.clear()
+    rc, seen = _serve_until_the_engine(monkeypatch, ["--float-cache", "--threads", "1"])
+    assert rc == 2 and order == [("threads", 1)]  # float pages use no kivi kernel
