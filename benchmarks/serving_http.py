@@ -44,8 +44,9 @@ class Server:
     answers 200, stopped on exit (SIGINT, then SIGKILL). Its output goes to a temporary file (a pipe nobody
     reads could fill and block it); :attr:`output` holds it after the stop."""
 
-    def __init__(self, args: list[str], *, env: dict[str, str] | None = None, start_timeout: float = 600.0) -> None:
-        self.args, self.env, self.start_timeout = args, env or {}, start_timeout
+    def __init__(self, args: list[str], *, env: dict[str, str] | None = None, start_timeout: float = 600.0,
+                 cwd: str | None = None) -> None:
+        self.args, self.env, self.start_timeout, self.cwd = args, env or {}, start_timeout, cwd
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.output = ""
@@ -57,7 +58,7 @@ class Server:
         self._log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "kivi", "serve", "--port", str(self.port), *self.args],
                                      env={**os.environ, **self.env}, stdout=self._log, stderr=subprocess.STDOUT,
-                                     text=True)
+                                     text=True, cwd=self.cwd)
         try:
             deadline = time.monotonic() + self.start_timeout
             while True:
@@ -232,7 +233,8 @@ def http_row(model: str, cfg, work: Workload, budget: int, *, clients: int, thre
     with tempfile.TemporaryDirectory() as folder:
         args = server_args(model, cfg, budget, max(work.new_tokens), threads, max_batch_tokens, Path(folder),
                            page_size if "page_size" in features else None)
-        with Server(args, env=env) as server:
+        # ``python -m`` imports from its working directory first: the checkout's, so its kivi is the one served
+        with Server(args, env=env, cwd=kivi_root) as server:
             warm = Workload("warmup", [work.prompts[0][:300][::-1]], [3])
             send_all(server.url, warm, 1, time.perf_counter(), timeout, ignore_eos=ignore_eos)
             blocks = server.health()["cache"]["blocks_total"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,23 @@ def test_bad_row_budget_and_http_options_are_refused(bad, message, capsys):
     with pytest.raises(SystemExit) as e:
         bs.main([*TINY, *bad])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_http_row_of_another_checkout_serves_that_checkouts_kivi(monkeypatch, tmp_path):
+    """``python -m kivi`` imports kivi from its working directory first, so the server of a --kivi-root-before
+    row starts in that checkout (started from here, it served this checkout's kivi whatever PYTHONPATH said)."""
+    import serving_http
+    from serving_rows import Workload
+
+    seen = {}
+
+    def popen(argv, **kwargs):
+        seen.update(kwargs, argv=argv)
+        raise OSError("not started")
+
+    monkeypatch.setattr(serving_http.subprocess, "Popen", popen)
+    monkeypatch.setattr(serving_http, "serve_features", lambda root: {"ignore_eos", "page_size"})
+    with pytest.raises(OSError, match="not started"):
+        serving_http.http_row("smollm2", None, Workload("w", [[5, 6]], [2]), 2**20, clients=1, threads=1,
+                              max_batch_tokens=None, kivi_root=str(tmp_path))
+    assert seen["cwd"] == str(tmp_path) and seen["env"]["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path)
