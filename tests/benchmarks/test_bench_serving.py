@@ -160,7 +160,7 @@ def test_the_http_row_fails_naming_a_request_that_got_fewer_tokens():
     (["--rows", "kivi-9/9"], "'kivi-9/9': the row must be one of float, kivi-2/2"),
     (["--rows", "float@"], "needs a budget after @"),
     (["--budgets", "fp:0"], "fp:N needs a whole number N >= 1"),
-    (["--http", "float"], "--http rows run kivi serve, whose pages are 256 tokens; --page-size=32"),
+    (["--http", "float"], "--http needs a model kivi serve loads"),
     (["--http-clients", "0"], "--http-clients=0 must be >= 1"),
     (["--kivi-root-before", "/nonexistent"], "is not a checkout"),
     (["--kivi-root-before", ".", "--same-process"], "drop --same-process"),
@@ -169,6 +169,16 @@ def test_bad_row_budget_and_http_options_are_refused(bad, message, capsys):
     with pytest.raises(SystemExit) as e:
         bs.main([*TINY, *bad])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_checkout_whose_server_has_no_page_size_is_refused_for_other_pages(tmp_path, capsys):
+    """kivi serve takes --page-size now; a --kivi-root-before checkout from before it serves 256-token pages only."""
+    for path in ("kivi/__init__.py", "kivi/serving/params.py", "kivi/cli/serve.py"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("")
+    with pytest.raises(SystemExit) as e:
+        bs.main([*TINY, "--http", "float", "--kivi-root-before", str(tmp_path)])
+    assert e.value.code == 2 and "its kivi serve has no --page-size" in capsys.readouterr().err
 
 
 def test_the_http_row_of_another_checkout_serves_that_checkouts_kivi(monkeypatch, tmp_path):
