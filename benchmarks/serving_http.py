@@ -105,8 +105,8 @@ def serve_features(kivi_root: str | None) -> set[str]:
     root = Path(kivi_root) if kivi_root is not None else Path(__file__).resolve().parent.parent
     params = (root / "kivi" / "serving" / "params.py").read_text()
     serve = (root / "kivi" / "cli" / "serve.py").read_text()
-    return {name for name, present in (("ignore_eos", '"ignore_eos"' in params), ("page_size", '"--page-size"' in serve))
-            if present}
+    found = (("ignore_eos", '"ignore_eos"' in params), ("page_size", '"--page-size"' in serve))
+    return {name for name, present in found if present}
 
 
 def server_args(model: str, cfg, budget: int, max_new_tokens: int, threads: int, max_batch_tokens: int | None,
@@ -227,8 +227,8 @@ def http_row(model: str, cfg, work: Workload, budget: int, *, clients: int, thre
         env["PYTHONPATH"] = os.pathsep.join([kivi_root, *filter(None, [os.environ.get("PYTHONPATH")])])
     features = serve_features(kivi_root)
     if page_size != SERVER_PAGE_SIZE and "page_size" not in features:
-        raise RuntimeError(f"the kivi serve of {kivi_root} has no --page-size: it serves {SERVER_PAGE_SIZE}-token pages "
-                           f"only, not {page_size}")
+        raise RuntimeError(f"the kivi serve of {kivi_root} has no --page-size: it serves {SERVER_PAGE_SIZE}-token "
+                           f"pages only, not {page_size}")
     ignore_eos = "ignore_eos" in features
     with tempfile.TemporaryDirectory() as folder:
         args = server_args(model, cfg, budget, max(work.new_tokens), threads, max_batch_tokens, Path(folder),
