@@ -56,7 +56,7 @@ sys.path.insert(0, os.environ.get(KIVI_ROOT_ENV) or str(Path(__file__).resolve()
 from common import command_line, environment, run_fresh, set_threads, write_json  # noqa: E402
 from kivi.batching import build_layout, fp_block_bytes, generate_batch  # noqa: E402
 from kivi.memory.units import parse_bytes  # noqa: E402
-from serving_http import SERVER_PAGE_SIZE, http_row  # noqa: E402
+from serving_http import SERVER_PAGE_SIZE, http_row, serve_features  # noqa: E402
 from serving_report import format_table, plot_budgets  # noqa: E402
 from serving_rows import (  # noqa: E402
     BASELINES,
@@ -272,9 +272,10 @@ def _check(ap: argparse.ArgumentParser, args) -> None:
         ap.error(f"--max-batch-tokens={args.max_batch_tokens} must all be >= 1")
     if any(not 0 <= f < 1 for f in args.shared_prefix):
         ap.error(f"--shared-prefix={args.shared_prefix} must be fractions in [0, 1)")
-    if args.http and args.page_size != SERVER_PAGE_SIZE:
-        ap.error(f"--http rows run kivi serve, whose pages are {SERVER_PAGE_SIZE} tokens; --page-size={args.page_size} "
-                 "would measure other pages than the batch rows")
+    if args.http and args.kivi_root_before and args.page_size != SERVER_PAGE_SIZE \
+            and "page_size" not in serve_features(args.kivi_root_before):
+        ap.error(f"--kivi-root-before={args.kivi_root_before!r}: its kivi serve has no --page-size (its pages are "
+                 f"{SERVER_PAGE_SIZE} tokens); --page-size={args.page_size} would measure other pages")
     if args.http and args.model == "tiny":
         ap.error("--http needs a model kivi serve loads (an alias or a checkpoint folder with a fast tokenizer), "
                  "not --model tiny")
@@ -357,7 +358,7 @@ def run_row(args, argv: list[str], kind: str, name: str, work: Workload, budget:
     else:
         r = http_row(args.model, ROWS[name], work, budget, clients=args.http_clients or len(work.prompts),
                      threads=args.threads, max_batch_tokens=st.get("max_batch_tokens"), kivi_root=root,
-                     timeout=args.row_timeout or 7200.0)
+                     timeout=args.row_timeout or 7200.0, page_size=args.page_size)
     if root is not None:
         r["kivi_root"] = root
     return r

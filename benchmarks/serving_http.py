@@ -1,14 +1,16 @@
 """The HTTP row of ``bench_serving.py``: the same requests sent to ``kivi serve`` by concurrent clients.
 
 The server runs as a subprocess (``python -m kivi serve``) on a free localhost port with the row's model, pages
-(``--float-cache``, or the row's ``KiviConfig`` as a ``--config`` file), budget, threads and tokens per forward.
-It is waited for (``GET /health``) and stopped with SIGINT (SIGKILL after 15 s) whatever happens. Each client
-(a thread with its own ``httpx`` client) takes the next request and streams ``POST /v1/completions`` with the
-prompt as token ids, ``temperature`` 0 (greedy) and ``max_tokens`` = the request's new tokens.
+(``--float-cache``, or the row's ``KiviConfig`` as a ``--config`` file), budget, threads, page size and tokens per
+forward. It is waited for (``GET /health``) and stopped with SIGINT (SIGKILL after 15 s) whatever happens. Each
+client (a thread with its own ``httpx`` client) takes the next request and streams ``POST /v1/completions`` with
+the prompt as token ids, ``temperature`` 0 (greedy), ``max_tokens`` = the request's new tokens and
+``ignore_eos`` (as the batch rows, which run with no EOS).
 
-kivi serve has no ``ignore_eos``: a request may end at the model's EOS. The row counts the tokens from each
-response's ``usage`` and fails, naming the request, when one got fewer than it asked for (``finish_reason``
-``stop``), so every row it reports generated exactly the requested tokens.
+A checkout whose kivi serve has no ``ignore_eos`` / ``--page-size`` (``--kivi-root-before`` an older one) is
+served without them: its requests may end at the model's EOS. Either way the row counts the tokens from each
+response's ``usage`` and fails, naming the request, when one got fewer than it asked for, so every row it
+reports generated exactly the requested tokens.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 
 from serving_rows import Workload, summary
 
-#: where every kivi serve page size comes from: the server takes transformers' default page (no option)
+#: kivi serve's page size without --page-size (a checkout from before the option has only this one)
 SERVER_PAGE_SIZE = 256
 
 
@@ -42,8 +44,9 @@ class Server:
     answers 200, stopped on exit (SIGINT, then SIGKILL). Its output goes to a temporary file (a pipe nobody
     reads could fill and block it); :attr:`output` holds it after the stop."""
 
-    def __init__(self, args: list[str], *, env: dict[str, str] | None = None, start_timeout: float = 600.0) -> None:
-        self.args, self.env, self.start_timeout = args, env or {}, start_timeout
+    def __init__(self, args: list[str], *, env: dict[str, str] | None = None, start_timeout: float = 600.0,
+                 cwd: str | None = None) -> None:
+        self.args, self.env, self.start_timeout, self.cwd = args, env or {}, start_timeout, cwd
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.output = ""
@@ -55,7 +58,7 @@ class Server:
         self._log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "kivi", "serve", "--port", str(self.port), *self.args],
                                      env={**os.environ, **self.env}, stdout=self._log, stderr=subprocess.STDOUT,
-                                     text=True)
+                                     text=True, cwd=self.cwd)
         try:
             deadline = time.monotonic() + self.start_timeout
             while True:
@@ -96,11 +99,24 @@ class Server:
         return httpx.get(f"{self.url}/health", timeout=5.0).json()
 
 
+def serve_features(kivi_root: str | None) -> set[str]:
+    """What the kivi serve of checkout ``kivi_root`` (None: this one) takes of ``ignore_eos`` (a request
+    field) and ``page_size`` (``--page-size``): read from its source, so an older checkout still runs."""
+    root = Path(kivi_root) if kivi_root is not None else Path(__file__).resolve().parent.parent
+    params = (root / "kivi" / "serving" / "params.py").read_text()
+    serve = (root / "kivi" / "cli" / "serve.py").read_text()
+    found = (("ignore_eos", '"ignore_eos"' in params), ("page_size", '"--page-size"' in serve))
+    return {name for name, present in found if present}
+
+
 def server_args(model: str, cfg, budget: int, max_new_tokens: int, threads: int, max_batch_tokens: int | None,
-                folder: Path) -> list[str]:
-    """kivi serve's options for a row: ``cfg`` None is ``--float-cache``, else written to ``folder`` as JSON."""
+                folder: Path, page_size: int | None = None) -> list[str]:
+    """kivi serve's options for a row: ``cfg`` None is ``--float-cache``, else written to ``folder`` as JSON;
+    ``page_size`` None: the server's default."""
     args = ["--model", model, "--cache-memory", str(budget), "--max-new-tokens", str(max_new_tokens),
             "--threads", str(threads)]
+    if page_size is not None:
+        args += ["--page-size", str(page_size)]
     if max_batch_tokens is not None:
         args += ["--max-batch-tokens", str(max_batch_tokens)]
     if cfg is None:
@@ -110,10 +126,13 @@ def server_args(model: str, cfg, budget: int, max_new_tokens: int, threads: int,
     return [*args, "--config", str(path)]
 
 
-def stream_completion(client, url: str, prompt: list[int], max_tokens: int, t0: float) -> dict:
+def stream_completion(client, url: str, prompt: list[int], max_tokens: int, t0: float, *,
+                      ignore_eos: bool = True) -> dict:
     """One streamed greedy completion: seconds (from ``t0``) of its first and last text piece, its usage, its
     finish reason and text."""
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    if ignore_eos:
+        body["ignore_eos"] = True
     first = last = None
     usage, finish, text = None, None, []
     with client.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -138,7 +157,8 @@ def stream_completion(client, url: str, prompt: list[int], max_tokens: int, t0: 
     return {"first_s": first, "last_s": last, "usage": usage, "finish_reason": finish, "text": "".join(text)}
 
 
-def send_all(url: str, work: Workload, clients: int, t0: float, timeout: float) -> list[dict]:
+def send_all(url: str, work: Workload, clients: int, t0: float, timeout: float, *,
+             ignore_eos: bool = True) -> list[dict]:
     """Every request of ``work`` through ``clients`` concurrent clients (each takes the next request)."""
     import httpx
 
@@ -156,7 +176,8 @@ def send_all(url: str, work: Workload, clients: int, t0: float, timeout: float) 
                 except queue.Empty:
                     return
                 try:
-                    results[i] = stream_completion(client, url, work.prompts[i], work.new_tokens[i], t0)
+                    results[i] = stream_completion(client, url, work.prompts[i], work.new_tokens[i], t0,
+                                                   ignore_eos=ignore_eos)
                 except BaseException as e:  # reported below, after every client has stopped
                     errors.append(RuntimeError(f"request {i}: {e}"))
 
@@ -187,8 +208,8 @@ def check_counts(work: Workload, results: list[dict]) -> None:
              if r["usage"]["completion_tokens"] != work.new_tokens[i]]
     if short:
         i, got, why = short[0]
-        raise RuntimeError(f"request {i} got {got} of {work.new_tokens[i]} tokens (finish_reason {why!r}): kivi serve "
-                           f"has no ignore_eos, so the HTTP row needs requests that do not reach EOS "
+        raise RuntimeError(f"request {i} got {got} of {work.new_tokens[i]} tokens (finish_reason {why!r}): a kivi "
+                           f"serve without ignore_eos needs requests that do not reach EOS "
                            f"({len(short)} of {len(results)} did not get their tokens)")
     for i, r in enumerate(results):
         if r["usage"]["prompt_tokens"] != len(work.prompts[i]):
@@ -197,24 +218,32 @@ def check_counts(work: Workload, results: list[dict]) -> None:
 
 
 def http_row(model: str, cfg, work: Workload, budget: int, *, clients: int, threads: int,
-             max_batch_tokens: int | None, timeout: float = 7200.0, kivi_root: str | None = None) -> dict:
+             max_batch_tokens: int | None, timeout: float = 7200.0, kivi_root: str | None = None,
+             page_size: int = SERVER_PAGE_SIZE) -> dict:
     """The requests of ``work`` sent at once to a fresh ``kivi serve`` by ``clients`` concurrent clients, after an
     untimed warm-up request (the first 300 prompt tokens reversed, so no page of it is shared with a timed one)."""
     env = {"OMP_NUM_THREADS": str(threads)}
     if kivi_root is not None:
         env["PYTHONPATH"] = os.pathsep.join([kivi_root, *filter(None, [os.environ.get("PYTHONPATH")])])
+    features = serve_features(kivi_root)
+    if page_size != SERVER_PAGE_SIZE and "page_size" not in features:
+        raise RuntimeError(f"the kivi serve of {kivi_root} has no --page-size: it serves {SERVER_PAGE_SIZE}-token "
+                           f"pages only, not {page_size}")
+    ignore_eos = "ignore_eos" in features
     with tempfile.TemporaryDirectory() as folder:
-        args = server_args(model, cfg, budget, max(work.new_tokens), threads, max_batch_tokens, Path(folder))
-        with Server(args, env=env) as server:
+        args = server_args(model, cfg, budget, max(work.new_tokens), threads, max_batch_tokens, Path(folder),
+                           page_size if "page_size" in features else None)
+        # ``python -m`` imports from its working directory first: the checkout's, so its kivi is the one served
+        with Server(args, env=env, cwd=kivi_root) as server:
             warm = Workload("warmup", [work.prompts[0][:300][::-1]], [3])
-            send_all(server.url, warm, 1, time.perf_counter(), timeout)
+            send_all(server.url, warm, 1, time.perf_counter(), timeout, ignore_eos=ignore_eos)
             blocks = server.health()["cache"]["blocks_total"]
             stop, held = threading.Event(), [0]
             watcher = threading.Thread(target=_watch_held, args=(server, stop, held), daemon=True)
             watcher.start()
             t0 = time.perf_counter()
             try:
-                results = send_all(server.url, work, clients, t0, timeout)
+                results = send_all(server.url, work, clients, t0, timeout, ignore_eos=ignore_eos)
             finally:
                 wall = time.perf_counter() - t0
                 stop.set()
@@ -229,6 +258,7 @@ def http_row(model: str, cfg, work: Workload, budget: int, *, clients: int, thre
                 "completion_tokens": counts, "requested_tokens": list(work.new_tokens),
                 "finish_reasons": [r["finish_reason"] for r in results],
                 "settings": {"max_batch_tokens": 512 if max_batch_tokens is None else max_batch_tokens,
-                             "scheduler": "fifo", "server": "kivi serve, /v1/completions, streamed"},
+                             "scheduler": "fifo", "page_size": page_size, "ignore_eos": ignore_eos,
+                             "server": "kivi serve, /v1/completions, streamed"},
                 "texts": [r["text"] for r in results]})
     return row

@@ -13,6 +13,7 @@ from .options import add_config_args, add_model_args, config_from_args
 from .validators import byte_size, non_negative_float, port_number, positive_int, utf8_text
 
 DEFAULT_PRESET = "balanced"
+DEFAULT_PAGE_SIZE = 256
 GRACEFUL_SHUTDOWN_S = 5.0
 #: the environment variable --api-key defaults to (a key on the command line is visible to every local user)
 API_KEY_ENV = "KIVI_API_KEY"
@@ -44,6 +45,9 @@ def register(sub: Any) -> None:
                    "(default 512)")
     p.add_argument("--max-batch-tokens", type=positive_int, default=512,
                    help="tokens per forward (prompts are prefilled in chunks of this size; default 512)")
+    p.add_argument("--page-size", type=positive_int, default=DEFAULT_PAGE_SIZE,
+                   help="tokens per page of the paged cache (KIVI pages: a multiple of the config's group size; "
+                   f"default {DEFAULT_PAGE_SIZE}, transformers' default)")
     p.add_argument(
         "--served-model-name", default=None, type=utf8_text, help="the model id /v1/models lists (default: --model)"
     )
@@ -134,15 +138,18 @@ def _serve(args: argparse.Namespace, sock: Any, kivi_config: Any, cache_memory: 
     model, tokenizer = load_model_from_args(args)  # --weight-bits 8 / 4: quanto weights
     if not getattr(tokenizer, "is_fast", False):
         raise CliError(f"kivi serve streams text with a fast (Rust) tokenizer; {args.model!r} has a slow one")
-    if args.threads is not None:
-        from .threads import set_cpu_threads
+    from .threads import load_kernels_then_set_threads
 
-        set_cpu_threads(args.threads)
+    # KIVI pages on CPU decode with numba kernels: loaded first, or --threads would not reach numba's pool
+    load_kernels_then_set_threads(args.threads, kernels=kivi_config is not None and model.device.type == "cpu")
     try:
         engine = Engine(model, tokenizer, kivi_config, cache_memory=cache_memory,
-                        max_new_tokens=args.max_new_tokens, max_batch_tokens=args.max_batch_tokens)
+                        max_new_tokens=args.max_new_tokens, max_batch_tokens=args.max_batch_tokens,
+                        page_size=args.page_size)
     except RuntimeError as e:  # the manager did not start (e.g. the budget holds no block)
         raise CliError(str(e)) from None
+    except ValueError as e:  # the pages cannot be built (e.g. --page-size not a multiple of the group size)
+        raise CliError(f"cannot build the paged cache: {e}") from None
     try:
         name = args.served_model_name or args.model
         app = build_app(engine, model_name=name, api_key=api_key, max_body_bytes=args.max_body_size)

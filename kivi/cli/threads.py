@@ -22,4 +22,20 @@ def set_cpu_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
-__all__ = ["set_cpu_threads"]
+def load_kernels_then_set_threads(n: int | None, *, kernels: bool) -> float | None:
+    """Load kivi's CPU decode kernels (when ``kernels`` and numba is there), then give torch and numba ``n``
+    threads (``None``: keep their defaults), in the order :func:`set_cpu_threads` needs. Returns the seconds
+    the load took, ``None`` when nothing was loaded. A server calls it before it starts its generation thread,
+    so the load (or compilation) is not paid by the first request either."""
+    seconds = None
+    if kernels:
+        from ..attention.fused_cpu import fused_decode_available, warmup
+
+        if fused_decode_available():
+            seconds = warmup()
+    if n is not None:
+        set_cpu_threads(n)
+    return seconds
+
+
+__all__ = ["load_kernels_then_set_threads", "set_cpu_threads"]

@@ -227,7 +227,8 @@ def _start(engine: Engine, ids: list[int], req: GenerationRequest, prompt_field:
         max_new = engine.plan(len(ids), req.max_tokens, prompt_field=prompt_field)
     except RequestRefused as e:
         raise ApiError(400, str(e), param=e.param, code=e.code) from None
-    sampling = Sampling(max_new, req.temperature, req.top_p)  # a tiny temperature is greedy (Sampling.greedy)
+    # a tiny temperature is greedy (Sampling.greedy)
+    sampling = Sampling(max_new, req.temperature, req.top_p, ignore_eos=req.ignore_eos)
     try:
         return RunningRequest(engine, ids, sampling, req.stop)
     except RuntimeError as e:  # the generation loop has stopped, or the server is shutting down

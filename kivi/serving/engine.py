@@ -7,13 +7,11 @@ statistics that ``GET /health`` reports.
 
 Per-request sampling on one manager: transformers' continuous batching fixes ``do_sample`` and the
 set of logits processors when the manager is built; per request it only takes processor arguments
-(``add_request(..., temperature=, top_k=, top_p=)`` with ``per_request_processors=True``). The
-manager is therefore built sampling, with a temperature, top-k and top-p processor, and every
-request passes all three: a greedy request is ``top_k=1`` (one token keeps a non-zero probability,
-so the multinomial draw is the argmax; the serving tests check it equals ``model.generate`` greedy).
-A temperature below :data:`GREEDY_BELOW` is greedy too: the processor divides float32 logits by it,
-and a temperature that rounds to 0 in float32 (``1e-300``) or makes a logit overflow (``1e-40``)
-gives ``inf``/``nan`` probabilities that the multinomial draw refuses.
+(``add_request(..., temperature=, top_p=)``). The manager is built greedy (``do_sample=False``: an
+argmax) with kivi's two processors (:mod:`kivi.serving.sampler`): a greedy request (``temperature``
+0, or below :data:`GREEDY_BELOW`) gets the argmax of the model's logits, as ``model.generate`` greedy
+(the serving tests check it), and costs no sort or draw; a sampled request's token is drawn from its
+temperature-scaled top-p nucleus.
 
 One request's failure stays its own: transformers ends its generation loop for good on any exception
 in a step (every later request would get a 503). :func:`_keep_loop_alive` makes such an exception
@@ -39,6 +37,7 @@ from transformers.generation.continuous_batching.continuous_api import Continuou
 from ..batching import block_usage, init_continuous_batching
 from ..batching.requests import InvalidRequest, check_context
 from ..config import KiviConfig
+from .sampler import GREEDY_BELOW, serving_processors
 
 #: The manager factory's signature: ``factory(model, kivi_config, *, cache_memory, generation_config,
 #: continuous_batching_config) -> ContinuousBatchingManager`` (with ``check_request_fits``,
@@ -52,10 +51,9 @@ DEFAULT_FACTORY: ManagerFactory = init_continuous_batching
 
 _log = logging.getLogger(__name__)
 
-#: Temperatures below this are greedy (vLLM's threshold, ``_SAMPLING_EPS``): at ``t = 1e-5`` a logit
-#: gap of 0.001 is already a probability ratio of e^100, and float32 logits divided by a much smaller
-#: ``t`` overflow (see the module docstring).
-GREEDY_BELOW = 1e-5
+
+#: the end token of a request that ignores the model's (no token id is -1: it never ends a request)
+NO_EOS = -1
 
 
 class RequestRefused(ValueError):
@@ -70,11 +68,13 @@ class RequestRefused(ValueError):
 class Sampling:
     """How one request picks tokens. ``temperature=None`` or below :data:`GREEDY_BELOW`: greedy.
     ``top_p`` in ``(0, 1]``: the most likely token is always kept, so a ``top_p`` that rounds to 0 in
-    float32 is greedy as well."""
+    float32 is greedy as well. ``ignore_eos``: the model's end token does not end the request (it runs
+    to ``max_new_tokens``)."""
 
     max_new_tokens: int
     temperature: float | None = None
     top_p: float = 1.0
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         t, p = self.temperature, self.top_p
@@ -88,15 +88,10 @@ class Sampling:
         return self.temperature is None or self.temperature < GREEDY_BELOW
 
     def processor_kwargs(self) -> dict[str, Any]:
-        """The per-request logits-processor arguments (see the module docstring: greedy is ``top_k=1``)."""
+        """The per-request arguments of :func:`~kivi.serving.sampler.serving_processors` (greedy: temperature 0)."""
         if self.greedy:
-            return {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
-        return {"temperature": float(self.temperature), "top_k": 0x7FFFFFFF, "top_p": float(self.top_p)}
-
-
-#: What the manager is built with: its values only make transformers create the three processors;
-#: every request overrides all of them (Sampling.processor_kwargs).
-_PROCESSOR_DEFAULTS = {"temperature": 0.5, "top_k": 1, "top_p": 0.5}
+            return {"temperature": 0.0, "top_p": 1.0}
+        return {"temperature": float(self.temperature), "top_p": float(self.top_p)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,8 +129,8 @@ class Engine:
     """
 
     def __init__(self, model: Any, tokenizer: Any, kivi_config: KiviConfig | None, *, cache_memory: int,
-                 max_new_tokens: int, max_batch_tokens: int = 512, factory: ManagerFactory | None = None,
-                 start_timeout: float = 120.0) -> None:
+                 max_new_tokens: int, max_batch_tokens: int = 512, page_size: int = 256,
+                 factory: ManagerFactory | None = None, start_timeout: float = 120.0) -> None:
         from ..models import model_max_context
 
         self.model, self.tokenizer, self.kivi_config = model, tokenizer, kivi_config
@@ -148,14 +143,14 @@ class Engine:
         eos = model.generation_config.eos_token_id
         if eos is None:
             eos = tokenizer.eos_token_id
-        self.eos_token_id = -1 if eos is None else eos
-        gen = GenerationConfig(do_sample=True, eos_token_id=self.eos_token_id, max_new_tokens=max_new_tokens,
-                               **_PROCESSOR_DEFAULTS)
-        cb = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens, per_request_processors=True,
+        self.eos_token_id = NO_EOS if eos is None else eos
+        gen = GenerationConfig(do_sample=False, eos_token_id=self.eos_token_id, max_new_tokens=max_new_tokens)
+        cb = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens, page_size=page_size,
                                       use_async_batching=False)
         factory = DEFAULT_FACTORY if factory is None else factory
         self.manager = factory(model, kivi_config, cache_memory=cache_memory, generation_config=gen,
                                continuous_batching_config=cb)
+        self.manager.logit_processor = serving_processors()  # read when the loop starts (start() below)
         _keep_loop_alive(self.manager)
         self._routes: dict[str, tuple[asyncio.AbstractEventLoop, Callable[[Any], None]]] = {}
         self._lock = threading.Lock()
@@ -232,9 +227,10 @@ class Engine:
             request_id = f"kivi-{self._next_id}"
             self._next_id += 1
             self._routes[request_id] = (loop, on_output)
+        eos = NO_EOS if sampling.ignore_eos else self.eos_token_id
         try:
             self.manager.add_request(list(input_ids), request_id=request_id, max_new_tokens=sampling.max_new_tokens,
-                                     streaming=True, eos_token_id=self.eos_token_id, **sampling.processor_kwargs())
+                                     streaming=True, eos_token_id=eos, **sampling.processor_kwargs())
         except BaseException:
             with self._lock:
                 self._routes.pop(request_id, None)

@@ -14,7 +14,8 @@ from typing import Any
 from .errors import ApiError
 
 #: fields both endpoints take
-COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "stop", "stream", "stream_options", "n", "user")
+COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "stop", "stream", "stream_options", "n", "user",
+                 "ignore_eos")
 CHAT_FIELDS = COMMON_FIELDS + ("messages", "max_completion_tokens")
 COMPLETION_FIELDS = COMMON_FIELDS + ("prompt", "echo", "suffix")
 MAX_STOP_SEQUENCES = 4
@@ -26,7 +27,8 @@ class GenerationRequest:
     """A checked request. ``messages`` (chat) or ``prompt`` (completions: text, or token ids) is set.
 
     ``max_tokens=None``: as many as fit (the server's cap, the context, the budget). ``temperature``
-    ``None`` or 0: greedy.
+    ``None`` or 0: greedy. ``ignore_eos`` (vLLM's extension field): the model's end token does not end
+    the request, which then generates exactly ``max_tokens`` (stop sequences still end it).
     """
 
     model: str | None
@@ -37,6 +39,7 @@ class GenerationRequest:
     stream: bool
     messages: tuple[dict[str, str], ...] = ()
     prompt: str | tuple[int, ...] | None = None
+    ignore_eos: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -120,8 +123,11 @@ def _common(body: dict) -> dict[str, Any]:
     if (not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOP_SEQUENCES
             or any(not isinstance(s, str) or not s for s in stop)):
         raise _bad("stop", stop, f"a non-empty string or a list of at most {MAX_STOP_SEQUENCES} non-empty strings")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise _bad("ignore_eos", ignore_eos, "true or false")
     top_p = _number(body, "top_p", 0.0, 1.0, low_open=True)
-    return {"model": model, "stream": stream, "stop": tuple(stop),
+    return {"model": model, "stream": stream, "stop": tuple(stop), "ignore_eos": ignore_eos,
             "temperature": _number(body, "temperature", 0.0, 2.0), "top_p": 1.0 if top_p is None else top_p}
 
 

@@ -67,7 +67,8 @@ class RunningRequest:
                     tail = self._stop.flush()
                     if tail:
                         yield tail
-                    hit_eos = last_token is not None and last_token in self._eos_ids()
+                    hit_eos = (not self.sampling.ignore_eos and last_token is not None
+                               and last_token in self._eos_ids())
                     self.finish_reason = "length" if not hit_eos and self.completion_tokens >= \
                         self.sampling.max_new_tokens else "stop"
         finally:

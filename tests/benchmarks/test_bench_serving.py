@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -135,7 +136,8 @@ def test_the_http_row_serves_every_request_its_tokens_through_kivi_serve(tmp_pat
         assert r["generated_tokens"] == 15 and r["finish_reasons"] == ["length"] * 3 and r["clients"] == 2
         assert r["generated_tokens_per_s"] == pytest.approx(15 / r["wall_s"])
         assert 0 < r["ttft_p50_s"] <= r["ttft_p95_s"] < r["wall_s"] and r["cache_blocks"] > 0
-        assert r["settings"]["max_batch_tokens"] == 512
+        assert r["settings"]["max_batch_tokens"] == 512 and r["settings"]["ignore_eos"] is True
+        assert r["settings"]["page_size"] == 256
     # greedy through the server: the text the batch row's tokens decode to
     assert http[0]["same_text_as_batch"] == {"requests": 3, "identical": 3}
     assert "http-kivi-2/2" in out.with_suffix(".txt").read_text()
@@ -148,7 +150,7 @@ def test_the_http_row_fails_naming_a_request_that_got_fewer_tokens():
     work = Workload("w", [[5, 6], [7, 8, 9]], [4, 4])
     ok = {"usage": {"completion_tokens": 4, "prompt_tokens": 2}, "finish_reason": "length"}
     check_counts(work, [ok, {**ok, "usage": {"completion_tokens": 4, "prompt_tokens": 3}}])
-    with pytest.raises(RuntimeError, match=r"request 1 got 2 of 4 tokens \(finish_reason 'stop'\).*no ignore_eos"):
+    with pytest.raises(RuntimeError, match=r"request 1 got 2 of 4 tokens \(finish_reason 'stop'\).*without ignore_eos"):
         check_counts(work, [ok, {"usage": {"completion_tokens": 2, "prompt_tokens": 3}, "finish_reason": "stop"}])
     with pytest.raises(RuntimeError, match="request 1: kivi serve counted 2 prompt tokens, sent 3"):
         check_counts(work, [ok, ok])
@@ -158,7 +160,7 @@ def test_the_http_row_fails_naming_a_request_that_got_fewer_tokens():
     (["--rows", "kivi-9/9"], "'kivi-9/9': the row must be one of float, kivi-2/2"),
     (["--rows", "float@"], "needs a budget after @"),
     (["--budgets", "fp:0"], "fp:N needs a whole number N >= 1"),
-    (["--http", "float"], "--http rows run kivi serve, whose pages are 256 tokens; --page-size=32"),
+    (["--http", "float"], "--http needs a model kivi serve loads"),
     (["--http-clients", "0"], "--http-clients=0 must be >= 1"),
     (["--kivi-root-before", "/nonexistent"], "is not a checkout"),
     (["--kivi-root-before", ".", "--same-process"], "drop --same-process"),
@@ -167,3 +169,33 @@ def test_bad_row_budget_and_http_options_are_refused(bad, message, capsys):
     with pytest.raises(SystemExit) as e:
         bs.main([*TINY, *bad])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_checkout_whose_server_has_no_page_size_is_refused_for_other_pages(tmp_path, capsys):
+    """kivi serve takes --page-size now; a --kivi-root-before checkout from before it serves 256-token pages only."""
+    for path in ("kivi/__init__.py", "kivi/serving/params.py", "kivi/cli/serve.py"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("")
+    with pytest.raises(SystemExit) as e:
+        bs.main([*TINY, "--http", "float", "--kivi-root-before", str(tmp_path)])
+    assert e.value.code == 2 and "its kivi serve has no --page-size" in capsys.readouterr().err
+
+
+def test_the_http_row_of_another_checkout_serves_that_checkouts_kivi(monkeypatch, tmp_path):
+    """``python -m kivi`` imports kivi from its working directory first, so the server of a --kivi-root-before
+    row starts in that checkout (started from here, it served this checkout's kivi whatever PYTHONPATH said)."""
+    import serving_http
+    from serving_rows import Workload
+
+    seen = {}
+
+    def popen(argv, **kwargs):
+        seen.update(kwargs, argv=argv)
+        raise OSError("not started")
+
+    monkeypatch.setattr(serving_http.subprocess, "Popen", popen)
+    monkeypatch.setattr(serving_http, "serve_features", lambda root: {"ignore_eos", "page_size"})
+    with pytest.raises(OSError, match="not started"):
+        serving_http.http_row("smollm2", None, Workload("w", [[5, 6]], [2]), 2**20, clients=1, threads=1,
+                              max_batch_tokens=None, kivi_root=str(tmp_path))
+    assert seen["cwd"] == str(tmp_path) and seen["env"]["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path)

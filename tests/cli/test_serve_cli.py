@@ -16,6 +16,7 @@ from kivi.cli import main
     (["--cache-memory=-5MiB"], "--cache-memory"),
     (["--max-new-tokens", "0"], "argument --max-new-tokens: 0 is not a positive integer"),
     (["--max-batch-tokens", "-1"], "argument --max-batch-tokens: -1 is not a positive integer"),
+    (["--page-size", "0"], "argument --page-size: 0 is not a positive integer"),
     (["--port", "70000"], "argument --port: 70000 is not a port number"),
     (["--threads", "0"], "--threads"),
     (["--float-cache", "--preset", "extreme"], "--float-cache"),
@@ -25,7 +26,7 @@ from kivi.cli import main
     (["--float-cache", "--api-key", " "], "--api-key / $KIVI_API_KEY is empty"),
     (["--max-body-size", "lots"], "--max-body-size"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
-], ids=["cache-memory", "negative-cache", "max-new-tokens", "max-batch-tokens", "port", "threads",
+], ids=["cache-memory", "negative-cache", "max-new-tokens", "max-batch-tokens", "page-size", "port", "threads",
         "float-and-preset", "unknown-preset", "preset-and-config", "quantize-after", "empty-key", "body-size",
         "shutdown-timeout"])
 def test_bad_options_fail_with_one_line(capsys, argv, message):
@@ -100,3 +101,69 @@ def test_an_untested_transformers_version_fails_in_one_line_naming_it(monkeypatc
     rc = main(["serve", "--model", "/nonexistent/never-loaded", "--preset", "extreme"])
     err = capsys.readouterr().err
     assert rc == 2 and "5.99.0" in err and "--float-cache" in err and err.count("\n") == 1, err
+
+
+def _serve_until_the_engine(monkeypatch, argv):
+    """Run ``kivi serve argv`` on the tiny model up to the engine's construction; the engine's arguments
+    (``kwargs``, plus ``torch_threads``: torch's thread count then)."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    import torch
+
+    import kivi.serving.engine as engine_module
+    from tests.serving.server import tiny_chat_model, tiny_tokenizer
+
+    serve = importlib.import_module("kivi.cli.serve")
+    seen = {}
+
+    class Captured:
+        def __init__(self, *args, **kwargs):
+            seen.update(kwargs, torch_threads=torch.get_num_threads())
+            raise RuntimeError("stop at the engine")
+
+    monkeypatch.setattr(serve, "load_model_from_args", lambda args: (tiny_chat_model(), tiny_tokenizer()))
+    monkeypatch.setattr(engine_module, "Engine", Captured)
+    threads = torch.get_num_threads()
+    try:
+        rc = main(["serve", "--model", "tiny", "--port", "0", *argv])
+    finally:
+        torch.set_num_threads(threads)
+    return rc, seen
+
+
+def test_page_size_and_max_batch_tokens_reach_the_engine(monkeypatch, capsys):
+    rc, seen = _serve_until_the_engine(monkeypatch, ["--float-cache", "--page-size", "128",
+                                                     "--max-batch-tokens", "64"])
+    assert rc == 2 and "stop at the engine" in capsys.readouterr().err
+    assert (seen["page_size"], seen["max_batch_tokens"]) == (128, 64)
+
+
+def test_a_page_size_the_pages_cannot_hold_fails_in_one_line(monkeypatch, capsys):
+    """KIVI pages hold whole key groups: --page-size 100 with group_size 32 is refused naming both."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from tests.serving.server import tiny_chat_model, tiny_tokenizer
+
+    serve = importlib.import_module("kivi.cli.serve")
+    monkeypatch.setattr(serve, "load_model_from_args", lambda args: (tiny_chat_model(), tiny_tokenizer()))
+    rc = main(["serve", "--model", "tiny", "--port", "0", "--k-bits", "2", "--v-bits", "2", "--group-size", "32",
+               "--page-size", "100"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "page_size=100" in err and "group_size=32" in err and err.count("\n") == 1, err
+
+
+def test_kivi_pages_load_their_kernels_before_the_threads_are_set(monkeypatch, capsys):
+    """--threads reaches numba's pool only when the kernels are loaded first (loading them can reset torch's
+    count, and numba's is set only once numba is loaded); the engine starts after both."""
+    import kivi.attention.fused_cpu as fused_cpu
+    import kivi.cli.threads as threads
+
+    order = []
+    monkeypatch.setattr(fused_cpu, "fused_decode_available", lambda: True)
+    monkeypatch.setattr(fused_cpu, "warmup", lambda: order.append("kernels") or 0.0)
+    monkeypatch.setattr(threads, "set_cpu_threads", lambda n: order.append(("threads", n)))
+    rc, seen = _serve_until_the_engine(monkeypatch, ["--k-bits", "2", "--v-bits", "2", "--threads", "1"])
+    assert rc == 2 and seen and order == ["kernels", ("threads", 1)], (order, capsys.readouterr().err)
+    order.clear()
+    rc, seen = _serve_until_the_engine(monkeypatch, ["--float-cache", "--threads", "1"])
+    assert rc == 2 and order == [("threads", 1)]  # float pages use no kivi kernel

@@ -51,10 +51,9 @@ def test_plan_refusals(engine, prompt, max_tokens, code, param):
 
 
 def test_greedy_and_sampling_processor_arguments():
-    greedy = {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
+    greedy = {"temperature": 0.0, "top_p": 1.0}
     assert Sampling(5).processor_kwargs() == greedy
-    kw = Sampling(5, temperature=0.7, top_p=0.9).processor_kwargs()
-    assert kw["temperature"] == 0.7 and kw["top_p"] == 0.9 and kw["top_k"] > 10**6
+    assert Sampling(5, temperature=0.7, top_p=0.9).processor_kwargs() == {"temperature": 0.7, "top_p": 0.9}
     for tiny in (0.0, 1e-300, 5e-324, 1e-40, GREEDY_BELOW * 0.999):  # would divide float32 logits into inf/nan
         assert Sampling(5, temperature=tiny, top_p=0.5).processor_kwargs() == greedy, tiny
     assert Sampling(5, temperature=GREEDY_BELOW).processor_kwargs()["temperature"] == GREEDY_BELOW
@@ -216,3 +215,35 @@ def test_a_manager_that_does_not_start_in_time_is_stopped():
         Engine(tiny_chat_model(), tiny_tokenizer(), None, cache_memory=2**20, max_new_tokens=8, factory=factory,
                start_timeout=0.2)
     assert not made[0].is_running()
+
+
+def test_ignore_eos_runs_a_request_to_max_new_tokens(engine):
+    """With the model's end token set to the token greedy decoding emits first, a request stops after it
+    (finish_reason "stop"); with ``ignore_eos`` the same request generates all its tokens ("length")."""
+    from kivi.serving.running import RunningRequest
+
+    ids = list(range(2, 30))
+
+    async def run(sampling):
+        running = RunningRequest(engine, ids, sampling, ())
+        await running.text()
+        return running.completion_tokens, running.finish_reason
+
+    first = asyncio.run(_run_to_end(engine, ids, Sampling(1))).generated_tokens[0]
+    saved = engine.eos_token_id
+    engine.eos_token_id = first
+    try:
+        assert asyncio.run(run(Sampling(6))) == (1, "stop")
+        assert asyncio.run(run(Sampling(6, ignore_eos=True))) == (6, "length")
+    finally:
+        engine.eos_token_id = saved
+
+
+def test_page_size_reaches_the_manager():
+    e = Engine(tiny_chat_model(), tiny_tokenizer(), None, cache_memory=2 * 2**20, max_new_tokens=16,
+               page_size=128, factory=init_continuous_batching)
+    try:
+        assert e.manager.continuous_batching_config.page_size == 128 == e.manager.page_size
+        assert e.stats().blocks_total == 16  # 2 MiB of 128-token float blocks (128 KiB each)
+    finally:
+        e.stop()

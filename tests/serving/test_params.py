@@ -75,3 +75,15 @@ def test_a_body_that_is_not_an_object(body):
     with pytest.raises(ApiError, match="JSON object") as e:
         parse_chat(body)
     assert e.value.code == "invalid_body"
+
+
+def test_ignore_eos_is_read_on_both_endpoints_and_must_be_a_bool():
+    """vLLM's ``ignore_eos`` extension field: read as given (default false); anything but a JSON bool is a 400."""
+    assert parse_completion({"prompt": "a", "ignore_eos": True}).ignore_eos is True
+    assert parse_chat({"messages": MSG, "ignore_eos": False}).ignore_eos is False
+    assert parse_completion({"prompt": "a"}).ignore_eos is False
+    for bad in (1, "true", [True]):
+        with pytest.raises(ApiError) as e:
+            parse_completion({"prompt": "a", "ignore_eos": bad})
+        assert e.value.status == 400 and e.value.param == "ignore_eos" and repr(bad) in e.value.message
+        assert "true or false" in e.value.message
