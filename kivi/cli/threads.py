@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -24,10 +25,16 @@ def set_cpu_threads(n: int) -> None:
 
 def load_kernels_then_set_threads(n: int | None, *, kernels: bool) -> float | None:
     """Load kivi's CPU decode kernels (when ``kernels`` and numba is there), then give torch and numba ``n``
-    threads (``None``: keep their defaults), in the order :func:`set_cpu_threads` needs. Returns the seconds
+    threads (``None``: keep their defaults), in the order :func:`set_cpu_threads` needs; numba not loaded yet gets
+    ``NUMBA_NUM_THREADS=n`` first, so threads started later (the server's generation thread) run its kernels
+    with ``n`` threads too. Returns the seconds
     the load took, ``None`` when nothing was loaded. A server calls it before it starts its generation thread,
     so the load (or compilation) is not paid by the first request either."""
     seconds = None
+    if n is not None and "numba" not in sys.modules:
+        # numba's thread count is per thread (set_num_threads is the calling thread's) and a new thread starts
+        # at NUMBA_NUM_THREADS: set before numba loads, it is what the generation thread's kernels get too
+        os.environ["NUMBA_NUM_THREADS"] = str(n)
     if kernels:
         from ..attention.fused_cpu import fused_decode_available, warmup
 

@@ -161,6 +161,27 @@ def test_cpu_threads_survive_loading_the_numba_kernels():
     assert p.stdout.split() == ["1", "1"]
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="numba's default is 1 thread on a 1-core machine")
+def test_threads_started_after_the_kernel_load_run_the_kernels_with_the_count_asked():
+    """numba's thread count is per thread: ``kivi serve --threads 1`` loads the kernels, then transformers starts
+    the generation thread, whose kernels must get 1 thread too (not numba's default of one per core)."""
+    code = (
+        "import threading\n"
+        "from kivi.cli.threads import load_kernels_then_set_threads\n"
+        "load_kernels_then_set_threads(1, kernels=True)\n"
+        "import numba, torch\n"
+        "seen = []\n"
+        "t = threading.Thread(target=lambda: seen.append((numba.get_num_threads(), torch.get_num_threads())))\n"
+        "t.start(); t.join()\n"
+        "print(numba.get_num_threads(), *seen[0])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_NUM_THREADS"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert p.returncode == 0, p.stderr
+    main_numba, thread_numba, _ = p.stdout.split()
+    assert (main_numba, thread_numba) == ("1", "1")
+
+
 @pytest.mark.slow
 def test_generate_json():
     p = kivi("generate", "--prompt", "The capital of France is", "--raw", "--max-new-tokens", "4", "--json",
