@@ -21,8 +21,6 @@ def _unsupported(cfg: KiviConfig) -> str | None:
     if not (cfg.quantize_key and cfg.quantize_value):
         return (f"quantize_key={cfg.quantize_key}, quantize_value={cfg.quantize_value}: vLLM KIVI pages hold quantized "
                 "keys and values only")
-    if cfg.sink_tokens:
-        return f"sink_tokens={cfg.sink_tokens}: sink tokens are not supported by the vLLM plugin yet (use 0)"
     if cfg.tiers:
         return f"tiers={[list(t) for t in cfg.tiers]}: position tiers are not supported by the vLLM plugin"
     if cfg.quantize_after:

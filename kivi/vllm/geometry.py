@@ -7,8 +7,15 @@ Each attention layer has two KV cache groups in vLLM's hybrid allocator (docs/vl
   tokens, values per token), ``P`` = vLLM's block size, a multiple of ``G``;
 * **window** (``k`` companion layers, each a vLLM circular-buffer group: one block per request for its
   whole life): together ``k * Pw`` slots holding, in the model dtype ``[H, Pw, 2D]`` (keys in ``[..., :D]``,
-  values in ``[..., D:]``), the at most ``R + G - 1`` tokens that have not left KIVI's full-precision
-  window, token ``p`` at slot ``p mod (k * Pw)``.
+  values in ``[..., D:]``), the request's full-precision rows: with ``S = sink_tokens``, slots ``[0, S)``
+  hold positions ``[0, S)`` (sink tokens, and first tokens not yet in the sink: a position below ``S`` is
+  never stored, :func:`kivi.cache.schedule.sink_take` fills the sink first), and the slots from ``S`` on
+  are a ring for the at most ``R + G - 1`` tokens after them that have not left KIVI's full-precision
+  window (:func:`ring_slot`). A token's row is written once, when it arrives, and never moves.
+
+With sinks the pages hold a side's stored tokens counted from the end of the sink (store position
+``u = p - S``), so key groups (aligned on ``S + k*G``, :func:`kivi.cache.schedule.key_group_start`) stay
+whole inside pages of ``P`` tokens (``G | P``), as in kivi's own cache and :mod:`kivi.batching.layout`.
 
 vLLM needs one page size for every group: ``Pw`` is the number of full-precision tokens that fit in one
 packed page, and the window page is padded to the packed page's bytes. Pure torch (no vLLM import).
@@ -21,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.fused_cpu.paged import PagedLayout
+from ..cache.schedule import window_capacity
 from ..config import KiviConfig
 from ..quant.page import SideField, page_fields
 
@@ -38,11 +46,18 @@ class KiviGeometry:
     state_bytes: int  # vLLM's state_content_bytes: bytes per (kv head, token) so that H * P * it >= page_bytes
     window_tokens: int  # Pw: full-precision tokens one window block holds
     sliding_window: int  # R + G: the full-precision tokens after a step are at most R + G - 1
+    sink_tokens: int = 0  # S: sink slots [0, S) before the ring
+
+    @property
+    def fp_slots(self) -> int:
+        """Full-precision rows a request keeps at most: ``S`` sink slots and the ring's ``R + G - 1``
+        (:func:`kivi.cache.schedule.window_capacity`)."""
+        return self.sink_tokens + self.sliding_window - 1
 
     @property
     def window_rings(self) -> int:
-        """k: window rings (one vLLM block each per request) that hold the R + G - 1 full-precision tokens."""
-        return -(-(self.sliding_window - 1) // self.window_tokens)
+        """k: window rings (one vLLM block each per request) that hold :attr:`fp_slots` rows."""
+        return -(-self.fp_slots // self.window_tokens)
 
     @property
     def block_bytes(self) -> int:
@@ -85,17 +100,26 @@ def build_geometry(cfg: KiviConfig, *, page_size: int, num_kv_heads: int, head_d
         raise ValueError(f"block_size={page_size} is too small: one KIVI block ({block_bytes} bytes) cannot hold one "
                          f"full-precision token ({fp_token} bytes) of the window")
     return KiviGeometry(page_size, num_kv_heads, head_dim, dtype, fields, end, state_bytes, window_tokens,
-                        cfg.residual_length + cfg.group_size)
+                        window_capacity(cfg.residual_length, cfg.group_size) + 1, cfg.sink_tokens)
+
+
+def ring_slot(pos, slots: int, sink: int):
+    """The slot of position ``pos`` (an int or a long tensor) among a request's ``slots`` full-precision rows:
+    ``pos`` itself below ``sink`` (the sink slots), else ``sink + (pos - sink) mod (slots - sink)`` (the ring
+    of the window's tokens after the sink). The one rule for where the plugin's rows live."""
+    ring = slots - sink
+    return pos - (pos >= sink) * ((pos - sink) // ring * ring)
 
 
 def ring_slots(
-    pos: torch.Tensor, ring_table: torch.Tensor, pw: int
+    pos: torch.Tensor, ring_table: torch.Tensor, pw: int, sink: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Where positions ``pos`` live in a request's window rings: token ``p`` at ring slot ``p mod (k * Pw)``,
-    i.e. ring ``slot // Pw`` (its block ``ring_table[..., ring]``), row ``slot % Pw``. Returns (ring, block,
-    row). ``ring_table`` is one request's ``[k]`` blocks, or ``[N, k]`` for ``pos [N, T]`` of ``N`` requests."""
+    """Where positions ``pos`` live in a request's window rings: token ``p`` at slot :func:`ring_slot` of the
+    ``k * Pw`` slots, i.e. ring ``slot // Pw`` (its block ``ring_table[..., ring]``), row ``slot % Pw``. Returns
+    (ring, block, row). ``ring_table`` is one request's ``[k]`` blocks, or ``[N, k]`` for ``pos [N, T]`` of ``N``
+    requests; ``sink``: the sink slots ``S``."""
     k = ring_table.shape[-1]
-    slot = pos % (k * pw)
+    slot = ring_slot(pos, k * pw, sink)
     ring = slot // pw
     block = ring_table[ring] if ring_table.dim() == 1 else ring_table.gather(1, ring)
     return ring, block.long(), slot % pw
@@ -149,4 +173,4 @@ def block_field_views(cache: torch.Tensor, geo: KiviGeometry, side: str) -> dict
     return out
 
 
-__all__ = ["KiviGeometry", "build_geometry", "block_field_views", "block_pool", "ring_slots"]
+__all__ = ["KiviGeometry", "build_geometry", "block_field_views", "block_pool", "ring_slot", "ring_slots"]

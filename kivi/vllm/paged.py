@@ -3,19 +3,23 @@
 vLLM hands an attention layer, per step, the batch's new tokens and, per request, ``seq_len`` (tokens
 after the step) and ``query_len`` (tokens of the step); nothing else about a request. kivi's schedule
 depends on token counts only (:mod:`kivi.cache.schedule`), so ``past = seq_len - query_len`` and
-``seq_len`` say where every token is: a side's tokens ``[0, stored)`` are in the packed pages
-(``side_tokens``), ``[stored, seq_len)`` are full precision: those before the step in the request's window
-rings (token ``p`` at slot ``p mod (k * Pw)``, at most ``R + G - 1`` of them), the step's own from its input. No
-per-request state is kept here, so preemption (recompute) and prefix hits need nothing special.
+``seq_len`` say where every token is (``side_tokens``): a side's sink ``[0, sink)`` (``sink <= S``) is full
+precision in the request's window rings (slot ``p``), its stored tokens ``[sink, sink + stored)`` are in the
+packed pages (store position ``p - sink``), ``[sink + stored, seq_len)`` are full precision: those before
+the step in the rings' window part (at most ``R + G - 1`` of them, :func:`~kivi.vllm.geometry.ring_slot`),
+the step's own from its input. No per-request state is kept here, so preemption (recompute) and prefix hits
+need nothing special.
 
 :func:`paged_step` does, for one layer:
 
 1-2. builds, per request, the :class:`~kivi.cache.view.AttentionView` kivi's own cache would hand
-   attention (pages as a :class:`~kivi.cache.store.BlockStore` aliasing the page memory, then the
-   full-precision tokens), with kivi's per-query precision for a chunk into a request that holds tokens
+   attention (the sink rows, the pages as a :class:`~kivi.cache.store.BlockStore` aliasing the page memory,
+   then the full-precision tokens), with kivi's per-query precision for a chunk into a request that holds tokens
    (:func:`kivi.cache.schedule.query_boundaries`; a request's first chunk is an exact prefill);
-3. quantizes what leaves the windows in this step (keys in whole groups of ``G`` once ``R`` newer remain,
-   values beyond ``R``), every request's tokens in one call per side (groups never span requests: keys
+3. quantizes what leaves the windows in this step for the pages (after the first tokens to leave filled the
+   sink, :func:`~kivi.cache.schedule.window_exits`: keys in whole groups of ``G`` once ``R`` newer remain,
+   values beyond ``R``; sink tokens are never quantized and never move: their rows are already in their
+   slots), every request's tokens in one call per side (groups never span requests: keys
    leave in whole aligned groups), both sides before writing either, so a refused value (NaN) writes
    nothing to the pages; then writes them to their page rows, one indexed write per field;
 4. attends: the decode rows with something stored in one call of kivi's batched paged decode kernel
@@ -24,8 +28,8 @@ per-request state is kept here, so preemption (recompute) and prefix hits need n
    exactly (torch SDPA, causal bottom-right), else through kivi's backend
    (:func:`kivi.attention.interface.run_backend`: ``"reference"`` dequantizes, ``"cpu"`` reads the packed
    pages: the fused numba kernel for one query token, the blocked path for a chunk);
-5. writes the new tokens still in the window after the step (the last ``R + G - 1`` tokens) to the rings,
-   after every read of the step (a ring slot is reused once its token has left the window): one indexed
+5. writes the new tokens still in full precision after the step (positions below ``S``, and the last
+   ``R + G - 1`` tokens) to the rings, after every read of the step (a ring slot is reused once its token has left the window): one indexed
    write per ring for all requests (:func:`write_rings`).
 """
 
@@ -39,13 +43,13 @@ import torch.nn.functional as F
 from ..attention.interface import run_backend
 from ..cache.boundary import SideCounts, set_boundary
 from ..cache.pages import page_store, scatter_tokens
-from ..cache.schedule import prefill_exact_queries, side_tokens
+from ..cache.schedule import prefill_exact_queries, side_tokens, window_exits
 from ..cache.view import AttentionView, exact_queries
 from ..config import KiviConfig
 from ..quant.kv import quantize_side
 from ..quant.page import AXIS, SIDES
 from .decode import decode_kernel, gather_decode, paged_decode, stores_any
-from .geometry import KiviGeometry, block_field_views, ring_slots
+from .geometry import KiviGeometry, block_field_views, ring_slot, ring_slots
 
 
 @dataclass(frozen=True)
@@ -64,10 +68,10 @@ class StepBatch:
 
 
 def _ring_read(rings: list[torch.Tensor], pos: torch.Tensor, ring_table_row: torch.Tensor, head_dim: int,
-               side: str) -> torch.Tensor:
-    """Rows ``[H, len(pos), D]`` of one side at ``pos`` from the rings (a copy)."""
+               side: str, sink: int) -> torch.Tensor:
+    """Rows ``[H, len(pos), D]`` of one side at ``pos`` from the rings (a copy); ``sink``: the sink slots ``S``."""
     pw = rings[0].shape[2]
-    ring, block, row = ring_slots(pos, ring_table_row, pw)
+    ring, block, row = ring_slots(pos, ring_table_row, pw, sink)
     h = rings[0].shape[1]
     out = torch.empty(h, pos.numel(), head_dim, dtype=rings[0].dtype, device=rings[0].device)
     cols = slice(0, head_dim) if side == "k" else slice(head_dim, 2 * head_dim)
@@ -108,10 +112,12 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
     ``False``) request by request. What leaves the windows is quantized in one call per side for the whole
     step, and the rings and pages are written in one indexed write per ring / field (the groups of
     different requests never share a group: each request's keys leave in whole aligned groups)."""
-    P = geo.page_size
-    if len(rings) * rings[0].shape[2] < geo.sliding_window - 1:
+    P, S = geo.page_size, cfg.sink_tokens
+    if S != geo.sink_tokens:
+        raise ValueError(f"sink_tokens={S} but the geometry was built for {geo.sink_tokens}")
+    if len(rings) * rings[0].shape[2] < geo.fp_slots:
         raise ValueError(f"{len(rings)} window rings of {rings[0].shape[2]} tokens cannot hold the "
-                         f"{geo.sliding_window - 1} full-precision tokens KIVI keeps")
+                         f"{geo.fp_slots} full-precision tokens KIVI keeps ({S} sink + {geo.sliding_window - 1})")
     views = {side: block_field_views(pages, geo, side) for side in SIDES}
     meta = {side: dict(bits=cfg.k_bits if side == "k" else cfg.v_bits, group_size=cfg.group_size, axis=AXIS[side],
                        head_dim=geo.head_dim, residual_bits=cfg.residual_bits) for side in SIDES}
@@ -123,7 +129,7 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
     in_kernel = {i: j for j, i in enumerate(rows)}
     jobs = []
     leaving = {side: _Leaving() for side in SIDES}  # what leaves the windows in this step, per side
-    kernel_leaving = {side: {} for side in SIDES}  # count -> [(kernel row, request, stored)]
+    kernel_leaving = {side: {} for side in SIDES}  # (first window row, count) -> [(kernel row, request, stored)]
     ring_spans = ([], [], [], [])  # request, first position, count, first input row of the tokens kept
     for i, seq in enumerate(batch.seq_lens):
         lo, hi = batch.query_start[i], batch.query_start[i + 1]
@@ -131,43 +137,53 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
         if q_len == 0:
             continue
         past = seq - q_len
-        keep = max(past, seq - (geo.sliding_window - 1))  # new tokens still in the window after the step
-        for span, x in zip(ring_spans, (i, keep, seq - keep, lo + keep - past)):
-            span.append(x)
+        # the new tokens in full precision after the step: positions below S (sink, or not yet left the
+        # window), then those still in the window (among the last R + G - 1)
+        for first, end in ((past, min(seq, S)), (max(past, S, seq - (geo.sliding_window - 1)), seq)):
+            if first < end:
+                for span, x in zip(ring_spans, (i, first, end - first, lo + first - past)):
+                    span.append(x)
         if i in in_kernel:  # the kernel reads the pages and the rows gathered above, before any write
             for side in SIDES:
-                stored, after = (side_tokens(AXIS[side], t, R, G)[1] for t in (past, seq))
-                if after > stored:
-                    kernel_leaving[side].setdefault(after - stored, []).append((in_kernel[i], i, stored))
+                sink, stored, window = side_tokens(AXIS[side], past, R, G, S)
+                take, move = window_exits(AXIS[side], window + q_len, R, G, sink, S)
+                if move:
+                    kernel_leaving[side].setdefault((take, move), []).append((in_kernel[i], i, stored))
             continue
         page_ids, ring_ids = batch.page_table[i], batch.ring_table[i]
         side_views = []
         for side, new in (("k", key[lo:hi]), ("v", value[lo:hi])):  # 1-2. the view kivi's cache would build
             axis = AXIS[side]
-            stored = side_tokens(axis, past, R, G)[1]
-            after = side_tokens(axis, seq, R, G)[1]
-            if stored < past:
-                old = _ring_read(rings, torch.arange(stored, past, device=key.device), ring_ids, geo.head_dim, side)
-                fp = torch.cat([old, new.transpose(0, 1).to(old.dtype)], dim=1)  # [H, seq - stored, D]
+            sink, stored, window = side_tokens(axis, past, R, G, S)
+            take, move = window_exits(axis, window + q_len, R, G, sink, S)
+            split = sink + stored
+            if window:
+                old = _ring_read(rings, torch.arange(split, past, device=key.device), ring_ids, geo.head_dim, side, S)
+                fp = torch.cat([old, new.transpose(0, 1).to(old.dtype)], dim=1)  # [H, seq - split, D]
             else:
                 fp = new.transpose(0, 1).to(rings[0].dtype).contiguous()
+            sink_rows = None
+            if sink:
+                sink_rows = _ring_read(rings, torch.arange(sink, device=key.device), ring_ids, geo.head_dim, side,
+                                       S).unsqueeze(0)  # [1, H, sink, D], bit-exact as they arrived
             table = page_ids[: -(-stored // P)].tolist()
-            store = page_store(views[side], table, 0, stored, P, **meta[side])
-            view = AttentionView(store, stored, fp.unsqueeze(0), quantized=True)
-            seg = _Once(cfg, side, fp, after - stored)
-            _set_boundary(view, cfg, side, fp, past - stored, q_len, past, seg)
+            store = page_store(views[side], table, sink, stored, P, **meta[side])
+            view = AttentionView(store, split, fp.unsqueeze(0), quantized=True, sink=sink_rows)
+            seg = _Once(cfg, side, fp, take, move)
+            _set_boundary(view, cfg, side, fp, q_len, past, sink, seg)
             side_views.append(view)
-            if after > stored:  # 3. what leaves the window in this step
-                leaving[side].add(seg, [(i, stored, after - stored)])
+            if move:  # 3. what leaves the window for the pages in this step
+                leaving[side].add(seg, [(i, stored, move)])
         jobs.append((lo, hi, side_views))
-    for side in SIDES:  # the kernel rows' leaving tokens: one indexed read per count
-        for count, group in kernel_leaving[side].items():
+    for side in SIDES:  # the kernel rows' leaving tokens: one indexed read per (first row, count)
+        for (take, count), group in kernel_leaving[side].items():
             j = torch.tensor([g[0] for g in group], dtype=torch.long, device=key.device)
-            rows_out = decode.fp[side][j, :count].flatten(0, 1).transpose(0, 1)  # [H, m * count, D]
+            first = decode.w0 + take
+            rows_out = decode.fp[side][j, first:first + count].flatten(0, 1).transpose(0, 1)  # [H, m * count, D]
             leaving[side].add(rows_out, [(i, stored, count) for _, i, stored in group])
     segs = {side: leaving[side].quantize(cfg, side) for side in SIDES}  # every quantization before any write
     if ring_spans[0]:  # every request's reads are done: now the rings
-        write_rings(rings, batch.ring_table, key, value, *ring_spans)
+        write_rings(rings, batch.ring_table, key, value, *ring_spans, sink=S)
     for side in SIDES:
         if segs[side] is not None:
             index = _page_index(leaving[side], batch.page_table, P, G if side == "k" else 1)
@@ -186,17 +202,18 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
 
 
 class _Once:
-    """The quantized tokens ``[0, count)`` of one request's pending rows ``fp [H, T, D]``, computed at most once
-    (the per-query precision of a chunk and the page write need the same segment)."""
+    """The quantized tokens ``[first, first + count)`` of one request's pending rows ``fp [H, T, D]`` (the step's
+    tokens for the pages, after the ``first`` that go to the sink), computed at most once (the per-query
+    precision of a chunk and the page write need the same segment)."""
 
-    def __init__(self, cfg: KiviConfig, side: str, fp: torch.Tensor, count: int) -> None:
-        self.cfg, self.side, self.fp, self.count, self.seg = cfg, side, fp, count, None
+    def __init__(self, cfg: KiviConfig, side: str, fp: torch.Tensor, first: int, count: int) -> None:
+        self.cfg, self.side, self.fp, self.first, self.count, self.seg = cfg, side, fp, first, count, None
 
     def rows(self) -> torch.Tensor:
-        return self.fp[:, : self.count]
+        return self.fp[:, self.first: self.first + self.count]
 
     def __call__(self, lo: int, hi: int):
-        if (lo, hi) != (0, self.count):
+        if (lo, hi) != (self.first, self.first + self.count):
             return _quantize(self.cfg, self.side, self.fp[:, lo:hi])
         if self.seg is None:
             self.seg = _quantize(self.cfg, self.side, self.rows())
@@ -220,7 +237,8 @@ class _Leaving:
         if not self.parts:
             return None
         if len(self.parts) == 1 and isinstance(self.parts[0], _Once):
-            return self.parts[0](0, self.parts[0].count)
+            once = self.parts[0]
+            return once(once.first, once.first + once.count)
         rows = [p.rows() if isinstance(p, _Once) else p for p in self.parts]
         return _quantize(cfg, side, torch.cat(rows, dim=1) if len(rows) > 1 else rows[0])
 
@@ -251,18 +269,19 @@ def _page_index(leaving: _Leaving, page_table: torch.Tensor, page_size: int, gro
 
 
 def write_rings(rings: list[torch.Tensor], ring_table: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                reqs: list[int], firsts: list[int], counts: list[int], rows: list[int]) -> None:
-    """Write, for every request ``reqs[s]``, positions ``[firsts[s], firsts[s] + counts[s])`` from the step's
-    input rows ``[rows[s], rows[s] + counts[s])`` of ``key / value [n, H, D]`` to their ring slots: one
-    indexed write per ring (keys in channels ``[0, D)``, values in ``[D, 2D)``). The slots are worked out in
-    Python (at most ``R + G - 1`` tokens per request), sorted by ring."""
+                reqs: list[int], firsts: list[int], counts: list[int], rows: list[int], *, sink: int = 0) -> None:
+    """Write, for every span ``s``, request ``reqs[s]``'s positions ``[firsts[s], firsts[s] + counts[s])`` from
+    the step's input rows ``[rows[s], rows[s] + counts[s])`` of ``key / value [n, H, D]`` to their slots
+    (:func:`~kivi.vllm.geometry.ring_slot`, ``sink`` sink slots): one indexed write per ring (keys in channels
+    ``[0, D)``, values in ``[D, 2D)``). The slots are worked out in Python (at most ``S + R + G - 1`` tokens
+    per request), sorted by ring."""
     k, pw = len(rings), rings[0].shape[2]
     table = ring_table.tolist()
     where = [[] for _ in range(k)]  # per ring: (block, row, input row)
     for i, first, count, src in zip(reqs, firsts, counts, rows):
         blocks = table[i]
         for p in range(first, first + count):
-            slot = p % (k * pw)
+            slot = ring_slot(p, k * pw, sink)
             where[slot // pw].append((blocks[slot // pw], slot % pw, src + p - first))
     flat = [w for ring in where for w in ring]
     if not flat:
@@ -277,14 +296,15 @@ def write_rings(rings: list[torch.Tensor], ring_table: torch.Tensor, key: torch.
             at += len(ring)
 
 
-def _set_boundary(view: AttentionView, cfg: KiviConfig, side: str, pending: torch.Tensor, window: int, q_len: int,
-                  past: int, quantize) -> None:
+def _set_boundary(view: AttentionView, cfg: KiviConfig, side: str, pending: torch.Tensor, q_len: int, past: int,
+                  sink: int, quantize) -> None:
     """Per-query precision of a chunk of ``q_len`` tokens into a request holding ``past`` (as
     :class:`kivi.cache.KiviLayer`, :func:`kivi.cache.boundary.set_boundary`): query ``i`` reads the tokens
-    one-token decoding would have moved out of the window by its step as they are once moved (bit-identical
-    to what the pages then hold). A request's first chunk (``past == 0``) is an exact prefill.
-    ``pending [H, window + q_len, D]``; ``quantize(lo, hi)`` its tokens ``[lo, hi)`` as the pages store them."""
-    counts = SideCounts(AXIS[side], cfg.residual_length, cfg.group_size, 0, 0)  # no sink
+    one-token decoding would have moved out of the window by its step as they are once moved (sink tokens
+    exact, stored tokens bit-identical to what the pages then hold). A request's first chunk (``past == 0``)
+    is an exact prefill. ``pending [H, window + q_len, D]``; ``sink``: sink tokens held before the chunk;
+    ``quantize(lo, hi)`` pending tokens ``[lo, hi)`` as the pages store them."""
+    counts = SideCounts(AXIS[side], cfg.residual_length, cfg.group_size, sink, cfg.sink_tokens)
     set_boundary(view, counts, pending.unsqueeze(0), q_len, prefill_exact_queries(past, q_len, None),
                  quantize)
 

@@ -28,10 +28,10 @@ def test_fields_and_presets():
     ({"preset": "extreme", "v_bit": 2}, ["v_bit", "unknown"]),
     ({"preset": "nope"}, ["preset='nope'", "extreme"]),
     ({"k_bits": 5}, ["k_bits"]),
-    ({"preset": "balanced"}, ["sink_tokens=4", "not supported"]),
+    ({"preset": "balanced", "quantize_after": 64}, ["quantize_after=64", "not supported"]),
     ({"attention_backend": "triton"}, ["attention_backend='triton'"]),
     ({"tiers": [[128, None], [None, 2]]}, ["tiers"]),
-], ids=["unknown-field", "unknown-override", "unknown-preset", "bad-bits", "sinks", "triton", "tiers"])
+], ids=["unknown-field", "unknown-override", "unknown-preset", "bad-bits", "quantize-after", "triton", "tiers"])
 def test_errors_name_the_field(bad, words):
     with pytest.raises(ValueError) as e:
         kivi_config({"kivi": bad})
@@ -39,6 +39,22 @@ def test_errors_name_the_field(bad, words):
     assert msg.startswith('additional_config["kivi"]') and "\n" not in msg
     for w in words:
         assert w in msg
+
+
+@pytest.mark.parametrize("preset", ["balanced", "high"])
+def test_presets_with_sinks_accepted(preset):
+    cfg = kivi_config({"kivi": {"preset": preset}})
+    assert cfg == KiviConfig.preset(preset) and cfg.sink_tokens == 4
+    assert kivi_config({"kivi": {"k_bits": 2, "v_bits": 2, "sink_tokens": 5}}).sink_tokens == 5
+
+
+def test_window_rings_hold_the_sink_and_the_window():
+    """With S sink tokens a request keeps S + R + G - 1 full-precision rows: the rings grow to hold them."""
+    for sink in (0, 4, 5, 40):
+        cfg = KiviConfig(k_bits=2, v_bits=2, group_size=32, residual_length=32, sink_tokens=sink)
+        geo = build_geometry(cfg, page_size=128, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
+        assert geo.sink_tokens == sink and geo.fp_slots == sink + 63
+        assert (geo.window_rings - 1) * geo.window_tokens < geo.fp_slots <= geo.window_rings * geo.window_tokens
 
 
 def test_not_an_object():

@@ -5,7 +5,9 @@ one with ``paged_step(..., batched_decode=True)`` (one kernel call per step for 
 something stored) and one with ``batched_decode=False`` (request by request through ``run_backend``).
 Many requests of odd lengths, some still with nothing stored, prefills and chunks mixed into decode steps,
 windows partly full and rings wrapping: the outputs agree to float rounding, and pages and rings stay
-bit-identical (both paths quantize the same rows). No vLLM needed.
+bit-identical (both paths quantize the same rows). With sink tokens the kernel reads each request's sink
+rows too (from column 0, the window from ``w0 = S``), also for requests whose sink is still filling. No vLLM
+needed.
 """
 
 from __future__ import annotations
@@ -93,6 +95,29 @@ CONFIGS = [KiviConfig(k_bits=2, v_bits=2, group_size=8, residual_length=16),
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["k2v2-G8-R16", "k4v3-G8-R8-clip", "k2v4-G16-R16-sym"])
 def test_batched_decode_equals_per_request(cfg, dtype):
     run_both(cfg, dtype)
+
+
+SINK_CONFIGS = [KiviConfig(k_bits=2, v_bits=2, group_size=8, residual_length=16, sink_tokens=4),
+                KiviConfig(k_bits=4, v_bits=2, group_size=8, residual_length=8, sink_tokens=5),
+                KiviConfig(k_bits=2, v_bits=4, group_size=16, residual_length=16, symmetric=True, sink_tokens=1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cfg", SINK_CONFIGS, ids=["k2v2-G8-R16-S4", "k4v2-G8-R8-S5", "k2v4-G16-R16-sym-S1"])
+def test_batched_decode_with_sinks_equals_per_request(cfg, dtype, monkeypatch):
+    """The kernel is handed each row's sink (``counts`` columns 0 and 3, ``w0 = S``), rows whose sink is not
+    full yet included."""
+    calls = []
+    kernel = vdecode.paged_decode_attention
+    monkeypatch.setattr(vdecode, "paged_decode_attention",
+                        lambda *a, **k: calls.append((a[4].clone(), a[7])) or kernel(*a, **k))
+    run_both(cfg, dtype)
+    S = cfg.sink_tokens
+    assert calls and all(w0 == S for _, w0 in calls)
+    sinks = torch.cat([c[:, [0, 3]] for c, _ in calls])
+    assert (sinks[:, 0] == sinks[:, 1]).all() and (sinks == S).any()
+    if S > 1:
+        assert ((sinks > 0) & (sinks < S)).any(), "a row with its sink still filling must reach the kernel"
 
 
 @pytest.mark.parametrize("layer", [0, 1, 2])

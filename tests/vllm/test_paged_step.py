@@ -4,7 +4,9 @@ Two requests are run through ``paged_step`` with scattered block ids, as vLLM's 
 (ring slots never written are NaN, so reading one poisons the output),
 in steps that mix a prefill, a chunk into a request that holds tokens and decode rows; every step's
 attention output must equal what :class:`kivi.cache.KiviLayer`'s views give through the reference
-attention, and the pages must hold what kivi's own store holds.
+attention, and the pages must hold what kivi's own store holds. With sink tokens (``S`` = 1, 4, 5: 5 does
+not divide ``G``) the sink rows in the rings must stay bit-identical to the tokens as they arrived and to
+``KiviLayer``'s sink, whichever step (prefill, chunk, decode) filled the sink.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from kivi.attention.interface import run_backend
 from kivi.cache.layer import KiviLayer
 from kivi.cache.view import exact_queries
 from kivi.config import KiviConfig
-from kivi.vllm.geometry import build_geometry
+from kivi.vllm.geometry import build_geometry, ring_slots
 from kivi.vllm.paged import StepBatch, exact_attention, paged_step
 
 H, HQ, D = 2, 4, 16
@@ -65,18 +67,13 @@ def reference_step(layer: KiviLayer, q, k, v, scale):
     return o[0].transpose(0, 1)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
-@pytest.mark.parametrize("cfg", [KiviConfig(k_bits=2, v_bits=2, group_size=16, residual_length=32),
-                                 KiviConfig(k_bits=4, v_bits=2, group_size=16, residual_length=16, clip=True)],
-                         ids=["k2v2-R32", "k4v2-R16-clip"])
-def test_paged_step_matches_kivi_layer(cfg, backend):
+def run_steps(cfg, backend, steps, seed=1):
+    """Run ``steps`` ([(rid, past, q_len)] each) through ``paged_step`` and each request's own ``KiviLayer``;
+    every output must match. Returns the fake vLLM cache, the layers and each request's keys / values."""
     geo = build_geometry(cfg, page_size=P, num_kv_heads=H, head_dim=D, dtype=torch.float32)
     vl = FakeVllm(geo)
-    g = torch.Generator().manual_seed(1)
-    # (rid, past, q_len) per step: prefill A; prefill B + decode A; chunk into B + decode A; decodes
-    steps = [[(0, 0, 70)], [(1, 0, 45), (0, 70, 1)], [(0, 71, 1), (1, 45, 50)]]
-    steps += [[(0, 72 + j, 1), (1, 95 + j, 1)] for j in range(40)]
-    refs = {0: KiviLayer(cfg), 1: KiviLayer(cfg)}
+    g = torch.Generator().manual_seed(seed)
+    refs, inputs = {}, {}
     scale = D ** -0.5
     for rows in steps:
         n = sum(q for _, _, q in rows)
@@ -84,29 +81,90 @@ def test_paged_step_matches_kivi_layer(cfg, backend):
         out = paged_step(cfg, geo, backend, q, k, v, vl.pages, vl.rings, vl.batch(rows), scale,
                          torch.empty(n, HQ, D))
         lo = 0
-        for rid, _, ql in rows:
-            want = reference_step(refs[rid], q[lo:lo + ql], k[lo:lo + ql], v[lo:lo + ql], scale)
+        for rid, past, ql in rows:
+            layer = refs.setdefault(rid, KiviLayer(cfg))
+            assert layer.get_seq_length() == past
+            want = reference_step(layer, q[lo:lo + ql], k[lo:lo + ql], v[lo:lo + ql], scale)
+            inputs.setdefault(rid, []).append((k[lo:lo + ql], v[lo:lo + ql]))
             tol = dict(atol=0, rtol=0) if backend == "reference" else dict(atol=2e-5, rtol=1e-4)
             torch.testing.assert_close(out[lo:lo + ql], want, **tol, msg=f"step {rows}, request {rid}")
             lo += ql
-    assert 72 + 40 > 2 * len(vl.rings) * geo.window_tokens, "the test must wrap the rings (reuse their slots)"
+    return vl, refs, {rid: [torch.cat(x) for x in zip(*kv)] for rid, kv in inputs.items()}
 
 
-def test_nan_refused_writes_nothing():
-    cfg = KiviConfig(k_bits=2, v_bits=2, group_size=16, residual_length=16)
+CONFIGS = [KiviConfig(k_bits=2, v_bits=2, group_size=16, residual_length=32),
+           KiviConfig(k_bits=4, v_bits=2, group_size=16, residual_length=16, clip=True)]
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["k2v2-R32", "k4v2-R16-clip"])
+def test_paged_step_matches_kivi_layer(cfg, backend):
+    # (rid, past, q_len) per step: prefill A; prefill B + decode A; chunk into B + decode A; decodes
+    steps = [[(0, 0, 70)], [(1, 0, 45), (0, 70, 1)], [(0, 71, 1), (1, 45, 50)]]
+    steps += [[(0, 72 + j, 1), (1, 95 + j, 1)] for j in range(40)]
+    vl, _, _ = run_steps(cfg, backend, steps)
+    assert 72 + 40 > 2 * len(vl.rings) * vl.geo.window_tokens, "the test must wrap the rings (reuse their slots)"
+
+
+def sink_steps(decodes=40):
+    """A: a prefill past the sink; B: a prefill, then a chunk into it; C: a short prefill whose sink fills one
+    decode step at a time; D: a short prefill, then a chunk that fills the sink and stores (a per-query
+    boundary across the sink); all decoding together after."""
+    steps = [[(0, 0, 70), (2, 0, 10), (3, 0, 12)], [(1, 0, 45), (0, 70, 1), (2, 10, 1), (3, 12, 30)],
+             [(0, 71, 1), (1, 45, 50), (2, 11, 1), (3, 42, 1)]]
+    steps += [[(0, 72 + j, 1), (1, 95 + j, 1), (2, 12 + j, 1), (3, 43 + j, 1)] for j in range(decodes)]
+    return steps
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("sink", [1, 4, 5])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["k2v2-R32", "k4v2-R16-clip"])
+def test_paged_step_with_sinks_matches_kivi_layer(cfg, sink, backend):
+    """Sink tokens: the same steps equal KiviLayer with ``sink_tokens`` = S, and the sink rows kept in the
+    rings' slots [0, S) are the tokens as they arrived, bit for bit, as KiviLayer's sink."""
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, sink_tokens=sink)
+    vl, refs, inputs = run_steps(cfg, backend, sink_steps(80))
+    geo = vl.geo
+    assert geo.window_rings * geo.window_tokens >= sink + cfg.residual_length + cfg.group_size - 1
+    for rid, layer in refs.items():
+        ring_ids = torch.tensor(vl.rtab[rid])
+        ring, block, row = ring_slots(torch.arange(sink), ring_ids, geo.window_tokens, sink)
+        rows = torch.stack([vl.rings[r][b, :, w] for r, b, w in zip(ring.tolist(), block.tolist(), row.tolist())],
+                           dim=1)  # [H, S, 2D]
+        for side, (lo, x) in zip(("k", "v"), ((0, inputs[rid][0]), (D, inputs[rid][1]))):
+            assert getattr(layer, side).sink_len == sink, f"request {rid} must have filled its sink"
+            want = x[:sink].transpose(0, 1)  # [H, S, D] as the request's first tokens arrived
+            assert torch.equal(rows[..., lo:lo + D], want), f"request {rid} {side} sink rows"
+            assert torch.equal(getattr(layer, side).sink[0], want)
+    ring_part = geo.window_rings * geo.window_tokens - sink
+    assert 72 + 80 - sink > 2 * ring_part, "the test must wrap the window's ring (reuse its slots)"
+
+
+@pytest.mark.parametrize("sink", [0, 4])
+def test_nan_refused_writes_nothing(sink):
+    cfg = KiviConfig(k_bits=2, v_bits=2, group_size=16, residual_length=16, sink_tokens=sink)
     geo = build_geometry(cfg, page_size=P, num_kv_heads=H, head_dim=D, dtype=torch.float32)
     vl = FakeVllm(geo)
+    if sink:  # a request holding its sink and a window; the chunk stores values and keys after the sink
+        paged_step(cfg, geo, "reference", torch.randn(20, HQ, D), torch.randn(20, H, D), torch.randn(20, H, D),
+                   vl.pages, vl.rings, vl.batch([(0, 0, 20)]), 0.25, torch.empty(20, HQ, D))
+    past = 20 if sink else 0
     q, k, v = torch.randn(40, HQ, D), torch.randn(40, H, D), torch.randn(40, H, D)
-    v[3] = float("nan")  # leaves the window in this step (40 - 16 = 24 values move)
-    before = vl.pages.clone()
+    v[3] = float("nan")  # leaves the window for the pages in this step (past + 40 - S - 16 values are stored)
+    before, rings = vl.pages.clone(), [r.clone() for r in vl.rings]
     with pytest.raises(ValueError, match="finite|NaN|nan"):
-        paged_step(cfg, geo, "reference", q, k, v, vl.pages, vl.rings, vl.batch([(0, 0, 40)]), 0.25,
+        paged_step(cfg, geo, "reference", q, k, v, vl.pages, vl.rings, vl.batch([(0, past, 40)]), 0.25,
                    torch.empty(40, HQ, D))
     assert torch.equal(vl.pages, before)
+    for r, b in zip(vl.rings, rings):
+        assert torch.equal(r.nan_to_num(7.0), b.nan_to_num(7.0)), "a refused step wrote a ring"
 
 
-def test_rings_too_small_are_refused():
-    cfg = KiviConfig(k_bits=2, v_bits=2, group_size=16, residual_length=32)
+@pytest.mark.parametrize("sink", [0, 5])
+def test_rings_too_small_are_refused(sink):
+    cfg = KiviConfig(k_bits=2, v_bits=2, group_size=16, residual_length=32, sink_tokens=sink)
     geo = build_geometry(cfg, page_size=P, num_kv_heads=H, head_dim=D, dtype=torch.float32)
     vl = FakeVllm(geo)
     q, k, v = torch.randn(4, HQ, D), torch.randn(4, H, D), torch.randn(4, H, D)
