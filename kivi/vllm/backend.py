@@ -7,11 +7,11 @@
 * Each :class:`KiviAttentionImpl` makes ``k`` :class:`KiviWindowLayer` next to its layer
   (:attr:`kivi.vllm.geometry.KiviGeometry.window_rings`), registered in vLLM's static forward context as
   ``kivi_window.<n>``: each a circular-buffer layer (``CircularBufferSpec``: one block of ``Pw`` tokens per
-  request for its whole life, no prefix caching); together they are a ring of ``k * Pw >= R + G - 1`` slots
-  for the tokens still in KIVI's full-precision window. vLLM gives each its own KV cache group and block
-  table; the layer is never called, its impl reads and writes its cache. (vLLM's DeepSeek compressor state
-  caches are built the same way: an ``AttentionLayerBase`` module registered by name whose cache another
-  layer uses.)
+  request for its whole life, no prefix caching); together they hold ``k * Pw >= S + R + G - 1`` slots:
+  the ``S`` sink rows, then a ring for the tokens still in KIVI's full-precision window. vLLM gives each its
+  own KV cache group and block table; the layer is never called, its impl reads and writes its cache.
+  (vLLM's DeepSeek compressor state caches are built the same way: an ``AttentionLayerBase`` module
+  registered by name whose cache another layer uses.)
 * :class:`KiviMetadataBuilder` (both groups) keeps what :func:`kivi.vllm.paged.paged_step` needs.
 
 Imports vLLM: loaded only by vLLM, through :mod:`kivi.vllm.select`.

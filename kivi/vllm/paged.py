@@ -29,8 +29,8 @@ need nothing special.
    (:func:`kivi.attention.interface.run_backend`: ``"reference"`` dequantizes, ``"cpu"`` reads the packed
    pages: the fused numba kernel for one query token, the blocked path for a chunk);
 5. writes the new tokens still in full precision after the step (positions below ``S``, and the last
-   ``R + G - 1`` tokens) to the rings, after every read of the step (a ring slot is reused once its token has left the window): one indexed
-   write per ring for all requests (:func:`write_rings`).
+   ``R + G - 1`` tokens) to the rings, after every read of the step (a ring slot is reused once its token
+   has left the window): one indexed write per ring for all requests (:func:`write_rings`).
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
     in_kernel = {i: j for j, i in enumerate(rows)}
     jobs = []
     leaving = {side: _Leaving() for side in SIDES}  # what leaves the windows in this step, per side
-    kernel_leaving = {side: {} for side in SIDES}  # (first window row, count) -> [(kernel row, request, stored)]
+    kernel_leaving = {side: {} for side in SIDES}  # (to the sink, to the pages) -> [(kernel row, request, stored)]
     ring_spans = ([], [], [], [])  # request, first position, count, first input row of the tokens kept
     for i, seq in enumerate(batch.seq_lens):
         lo, hi = batch.query_start[i], batch.query_start[i + 1]

@@ -60,9 +60,12 @@ def kivi_generate(model, ids: list[int], cfg) -> list[int]:
     return out.sequences[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("kivi", [{"k_bits": 8, "v_bits": 8, "group_size": 32, "residual_length": 32},
-                                  {"k_bits": 2, "v_bits": 2, "group_size": 32, "residual_length": 32}],
-                         ids=["k8v8-R32", "k2v2-R32"])
+R32 = {"group_size": 32, "residual_length": 32}
+
+
+@pytest.mark.parametrize("kivi", [{"k_bits": 8, "v_bits": 8, **R32}, {"k_bits": 2, "v_bits": 2, **R32},
+                                  {"k_bits": 2, "v_bits": 2, **R32, "sink_tokens": 4}],
+                         ids=["k8v8-R32", "k2v2-R32", "k2v2-R32-sink4"])
 def test_greedy_tokens_equal_kivi_generate(smollm2, kivi):
     from kivi import KiviConfig
 
