@@ -34,8 +34,7 @@ from kivi.memory.units import parse_bytes  # noqa: E402
 ROWS = {"bf16": {"kv_cache_dtype": "auto"},
         "fp8": {"kv_cache_dtype": "fp8"},  # fp8_e4m3 in vLLM's CPU attention (it needs AVX-512 or AMX)
         "kivi-2/2": {"kivi": {"k_bits": 2, "v_bits": 2}},
-        # the balanced preset is K4 V2 with 4 sink tokens; the plugin refuses sink tokens, so the row has none
-        "balanced": {"kivi": {"preset": "balanced", "sink_tokens": 0}}}
+        "balanced": {"kivi": {"preset": "balanced"}}}  # K4 V2 + 4 sink tokens
 BLOCK_SIZE = 128  # vLLM's CPU default; the plugin's pages are blocks of this many tokens
 SMOKE = {"requests": 3, "prompt_range": [640, 896], "new_tokens": 8, "bf16_requests": 1}
 
