@@ -107,14 +107,15 @@ def gather_decode(cfg: KiviConfig, rows: list[int], query_start: list[int], seq_
     j = torch.arange(slots, device=device)
     req = torch.arange(n, device=device)
     fp = {}
-    w = j - S  # columns from w0 = S: the window's rows
+    w = j[: slots - S]  # columns [S, slots): the window's rows
     for side, new in (("k", key), ("v", value)):
-        # column j < S: sink position j; column S + w: window position sink + stored + w (the new token is not
-        # in the rings yet: its column is filled from the input)
-        pos = torch.where(j[None, :] < S, j[None, :], (sink[side] + stored[side])[:, None] + w[None, :])  # [N, slots]
-        held_row = torch.where(j[None, :] < S, j[None, :] < sink[side][:, None],
-                               (w[None, :] >= 0) & (w[None, :] < count[side][:, None] - 1))
-        at = torch.where(held_row, req[:, None] * ring + ring_slot(pos, ring, S), n * ring)
+        # column S + w: window position sink + stored + w (the new token is not in the rings yet: its column is
+        # filled from the input); column j < S: sink position j, at slot j
+        pos = (sink[side] + stored[side])[:, None] + w[None, :]  # [N, slots - S]
+        at = torch.where(w[None, :] < count[side][:, None] - 1, req[:, None] * ring + ring_slot(pos, ring, S), n * ring)
+        if S:
+            at = torch.cat([torch.where(j[None, :S] < sink[side][:, None], req[:, None] * ring + j[None, :S], n * ring),
+                            at], dim=1)  # [N, slots]
         cols = slice(0, d) if side == "k" else slice(d, 2 * d)
         rows_fp = flat.index_select(0, at.flatten()).view(n, slots, h, c)[..., cols]  # [N, slots, H, D]
         rows_fp[req, S + count[side] - 1] = new[tokens].to(rows_fp.dtype)

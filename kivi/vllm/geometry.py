@@ -107,6 +107,8 @@ def ring_slot(pos, slots: int, sink: int):
     """The slot of position ``pos`` (an int or a long tensor) among a request's ``slots`` full-precision rows:
     ``pos`` itself below ``sink`` (the sink slots), else ``sink + (pos - sink) mod (slots - sink)`` (the ring
     of the window's tokens after the sink). The one rule for where the plugin's rows live."""
+    if not sink:
+        return pos % slots
     ring = slots - sink
     return pos - (pos >= sink) * ((pos - sink) // ring * ring)
 
