@@ -48,6 +48,7 @@ PARTS = [
     ("kivi.vllm.paged", "paged_decode", "paged_decode (query, float32 rows)"),
     ("kivi.vllm.decode", "paged_decode_attention", "decode kernel call"),
     ("kivi.vllm.paged", "exact_attention", "exact prefill (SDPA)"),
+    ("kivi.vllm.prefill", "vllm_cpu_prefill", "exact prefill (vLLM's CPU kernel, all first chunks)"),
     ("kivi.vllm.paged", "run_backend", "run_backend (chunk / per-request decode)"),
 ]
 

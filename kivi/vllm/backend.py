@@ -41,7 +41,7 @@ from ..backends import resolve_attention_backend
 from ..config import KiviConfig
 from .config import kivi_config
 from .geometry import KiviGeometry, build_geometry
-from .paged import StepBatch, paged_step
+from .paged import StepBatch, paged_step, sdpa_prefill
 from .spec import page_spec
 
 WINDOW_PREFIX = "kivi_window."
@@ -176,6 +176,21 @@ class KiviWindowLayer(torch.nn.Module, AttentionLayerBase):
         raise RuntimeError("the KIVI window layer is read by its attention layer, never called")
 
 
+def _exact_prefill(backend: str, head_dim: int, dtype: torch.dtype):
+    """The step's exact prefill (:data:`kivi.vllm.paged.ExactPrefill`) for a resolved backend: vLLM's CPU
+    attention kernel with ``"cpu"`` (what vLLM itself runs; a head size or dtype it does not take is refused
+    as vLLM's own CPU backend refuses it), torch SDPA per request with ``"reference"``."""
+    if backend == "reference":
+        return sdpa_prefill
+    from .prefill import supports, vllm_cpu_prefill
+
+    if not supports(head_dim, dtype):
+        raise NotImplementedError(f"head size {head_dim} / dtype {dtype}: vLLM's CPU attention kernel, which "
+                                  "kivi's vLLM plugin prefills with, does not take it; run with "
+                                  'additional_config={"kivi": {..., "attention_backend": "reference"}}')
+    return vllm_cpu_prefill
+
+
 class KiviAttentionImpl(AttentionImpl[KiviMetadata]):
     def __init__(self, num_heads, head_size, scale, num_kv_heads=None, alibi_slopes=None, sliding_window=None,
                  kv_cache_dtype="auto", logits_soft_cap=None, attn_type=AttentionType.DECODER,
@@ -203,6 +218,7 @@ class KiviAttentionImpl(AttentionImpl[KiviMetadata]):
             name = f"{WINDOW_PREFIX}{sum(1 for k in context if k.startswith(WINDOW_PREFIX))}"
             self.rings.append(KiviWindowLayer(self.num_kv_heads, head_size, dtype, name))
         self._geometry: KiviGeometry | None = None
+        self.prefill = _exact_prefill(self.backend, head_size, dtype)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None) -> torch.Tensor:
@@ -219,5 +235,5 @@ class KiviAttentionImpl(AttentionImpl[KiviMetadata]):
         batch = StepBatch(attn_metadata.query_start, attn_metadata.seq_lens, attn_metadata.block_table, ring_table)
         n = attn_metadata.num_actual_tokens
         paged_step(self.config, self._geometry, self.backend, query[:n], key[:n], value[:n], kv_cache,
-                   [r.kv_cache for r in self.rings], batch, self.scale, output[:n])
+                   [r.kv_cache for r in self.rings], batch, self.scale, output[:n], prefill=self.prefill)
         return output

@@ -24,8 +24,10 @@ need nothing special.
    nothing to the pages; then writes them to their page rows, one indexed write per field;
 4. attends: the decode rows with something stored in one call of kivi's batched paged decode kernel
    reading the pages through the block table (:mod:`kivi.vllm.decode`, where it applies:
-   :func:`~kivi.vllm.decode.decode_kernel`); every other request on its own: with nothing stored yet
-   exactly (torch SDPA, causal bottom-right), else through kivi's backend
+   :func:`~kivi.vllm.decode.decode_kernel`); every request's first chunk exactly, all of them in one call of
+   the step's exact prefill (vLLM's CPU attention kernel in the plugin, :mod:`kivi.vllm.prefill`; torch SDPA
+   request by request for reference, :func:`sdpa_prefill`); every other request on its own: with nothing
+   stored yet exactly (torch SDPA, causal bottom-right), else through kivi's backend
    (:func:`kivi.attention.interface.run_backend`: ``"reference"`` dequantizes, ``"cpu"`` reads the packed
    pages: the fused numba kernel for one query token, the blocked path for a chunk);
 5. writes the new tokens still in full precision after the step (positions below ``S``, and the last
@@ -35,6 +37,7 @@ need nothing special.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +98,21 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
+ExactPrefill = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int]], float, torch.Tensor], None]
+"""``(query [n, Hq, D], key [n, H, D], value [n, H, D], spans, scale, out [n, Hq, D])``: for every span
+``(lo, hi)`` of the step's rows (a request's first chunk: its whole prompt so far), rows ``[lo, hi)`` attend
+causally to themselves; writes ``out[lo:hi]`` for every span and nothing else."""
+
+
+def sdpa_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: list[tuple[int, int]],
+                 scale: float, out: torch.Tensor) -> None:
+    """The reference :data:`ExactPrefill`: torch SDPA request by request (:func:`exact_attention`)."""
+    for lo, hi in spans:
+        q = query[lo:hi].transpose(0, 1).unsqueeze(0)
+        k, v = (x[lo:hi].transpose(0, 1).unsqueeze(0).to(q.dtype) for x in (key, value))
+        out[lo:hi] = exact_attention(q, k, v, scale)[0].transpose(0, 1).to(out.dtype)
+
+
 def decode_rows(batch: StepBatch) -> list[int]:
     """Requests of the batch whose step is one query token (the batched paged decode kernel serves those with
     something stored: :func:`kivi.vllm.decode.stores_any`)."""
@@ -104,12 +122,15 @@ def decode_rows(batch: StepBatch) -> list[int]:
 
 def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, pages: torch.Tensor, rings: list[torch.Tensor], batch: StepBatch, scale: float,
-               out: torch.Tensor, *, batched_decode: bool = True) -> torch.Tensor:
+               out: torch.Tensor, *, batched_decode: bool = True, prefill: ExactPrefill = sdpa_prefill
+               ) -> torch.Tensor:
     """One layer's step: ``query [n, Hq, D]``, ``key / value [n, H, D]`` (the batch's new tokens, request by
     request), ``pages`` the layer's vLLM cache, ``rings`` its ``k`` window rings' caches ``[NBw, H, Pw, 2D]``;
     writes ``[n, Hq, D]`` attention into ``out`` (returned). ``batched_decode``: decode rows through the
     batched paged decode kernel where it applies (:func:`kivi.vllm.decode.decode_kernel`), else (or
-    ``False``) request by request. What leaves the windows is quantized in one call per side for the whole
+    ``False``) request by request; every request's first chunk (nothing before it: an exact prefill of its
+    prompt so far) in one call of ``prefill`` (:data:`ExactPrefill`; the plugin passes vLLM's CPU attention
+    kernel, :func:`kivi.vllm.prefill.vllm_cpu_prefill`, where the backend is ``"cpu"``). What leaves the windows is quantized in one call per side for the whole
     step, and the rings and pages are written in one indexed write per ring / field (the groups of
     different requests never share a group: each request's keys leave in whole aligned groups)."""
     P, S = geo.page_size, cfg.sink_tokens
@@ -174,7 +195,7 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
             side_views.append(view)
             if move:  # 3. what leaves the window for the pages in this step
                 leaving[side].add(seg, [(i, stored, move)])
-        jobs.append((lo, hi, side_views))
+        jobs.append((lo, hi, past, side_views))
     for side in SIDES:  # the kernel rows' leaving tokens: one indexed read per (first row, count)
         for (take, count), group in kernel_leaving[side].items():
             j = torch.tensor([g[0] for g in group], dtype=torch.long, device=key.device)
@@ -191,7 +212,12 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
             scatter_tokens(views[side], segs[side], index, per_row)
     if decode is not None:  # 4. attention: the kernel rows in one call, the others request by request
         out[decode.tokens] = paged_decode(kernel, decode, query, scale).to(out.dtype)
-    for lo, hi, (kv, vv) in jobs:
+    firsts = [(lo, hi) for lo, hi, past, _ in jobs if past == 0]
+    if firsts:
+        prefill(query, key, value, firsts, scale, out)
+    for lo, hi, past, (kv, vv) in jobs:
+        if past == 0:
+            continue
         q = query[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
         if exact_queries(q.shape[-2], kv, vv) == q.shape[-2]:
             o = exact_attention(q, kv.fp.to(q.dtype), vv.fp.to(q.dtype), scale)
@@ -309,4 +335,4 @@ def _set_boundary(view: AttentionView, cfg: KiviConfig, side: str, pending: torc
                  quantize)
 
 
-__all__ = ["StepBatch", "paged_step", "exact_attention", "decode_rows", "ring_slots", "write_rings"]
+__all__ = ["StepBatch", "ExactPrefill", "paged_step", "sdpa_prefill", "exact_attention", "decode_rows", "ring_slots", "write_rings"]
