@@ -130,7 +130,8 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
     batched paged decode kernel where it applies (:func:`kivi.vllm.decode.decode_kernel`), else (or
     ``False``) request by request; every request's first chunk (nothing before it: an exact prefill of its
     prompt so far) in one call of ``prefill`` (:data:`ExactPrefill`; the plugin passes vLLM's CPU attention
-    kernel, :func:`kivi.vllm.prefill.vllm_cpu_prefill`, where the backend is ``"cpu"``). What leaves the windows is quantized in one call per side for the whole
+    kernel, :func:`kivi.vllm.prefill.vllm_cpu_prefill`, where the backend is ``"cpu"``). What leaves the windows
+    is quantized in one call per side for the whole
     step, and the rings and pages are written in one indexed write per ring / field (the groups of
     different requests never share a group: each request's keys leave in whole aligned groups)."""
     P, S = geo.page_size, cfg.sink_tokens
@@ -335,4 +336,5 @@ def _set_boundary(view: AttentionView, cfg: KiviConfig, side: str, pending: torc
                  quantize)
 
 
-__all__ = ["StepBatch", "ExactPrefill", "paged_step", "sdpa_prefill", "exact_attention", "decode_rows", "ring_slots", "write_rings"]
+__all__ = ["StepBatch", "ExactPrefill", "paged_step", "sdpa_prefill", "exact_attention", "decode_rows", "ring_slots",
+           "write_rings"]
