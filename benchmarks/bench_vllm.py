@@ -32,6 +32,9 @@ from kivi.memory.units import parse_bytes  # noqa: E402
 
 #: row name -> what the engine gets: vLLM's kv_cache_dtype, or the plugin's additional_config["kivi"]
 ROWS = {"bf16": {"kv_cache_dtype": "auto"},
+        # bf16 in a budget that holds every request at once (not the run's budget): the most any cache that
+        # attends as fast as bf16 could serve on this workload, whatever memory it saves
+        "bf16-room": {"kv_cache_dtype": "auto", "budget": "every request"},
         "fp8": {"kv_cache_dtype": "fp8"},  # fp8_e4m3 in vLLM's CPU attention (it needs AVX-512 or AMX)
         "kivi-2/2": {"kivi": {"k_bits": 2, "v_bits": 2}},
         "balanced": {"kivi": {"preset": "balanced"}}}  # K4 V2 + 4 sink tokens
@@ -77,11 +80,12 @@ def bf16_bytes_per_token(path: str) -> int:
     return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 2
 
 
-def default_budget(args, path: str) -> int:
-    """Bytes of bf16 blocks that hold ``--bf16-requests`` of the longest requests, plus the one block vLLM's
-    allocator keeps back (its null block)."""
+def default_budget(args, path: str, requests: int | None = None) -> int:
+    """Bytes of bf16 blocks that hold ``requests`` (default ``--bf16-requests``) of the longest requests, plus
+    the one block vLLM's allocator keeps back (its null block)."""
     blocks = -(-(args.prompt_range[1] + args.new_tokens) // BLOCK_SIZE)
-    return (args.bf16_requests * blocks + 1) * BLOCK_SIZE * bf16_bytes_per_token(path)
+    n = args.bf16_requests if requests is None else requests
+    return (n * blocks + 1) * BLOCK_SIZE * bf16_bytes_per_token(path)
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -200,7 +204,8 @@ def format_table(report: dict) -> str:
             continue
         kv = f"{r['kv_cache_tokens'] / base['kv_cache_tokens']:.2f}x" if base else ""
         tp = f"{r['generated_tokens_per_s'] / base['generated_tokens_per_s']:.2f}x" if base else ""
-        lines.append(f"| {r['row']} | {r['kv_cache_tokens']:,} | {kv} | {r['requests_held_at_once']} | "
+        name = r["row"] if r["row"] != "bf16-room" else f"bf16-room ({r['budget_bytes'] / 2**20:.1f} MiB)"
+        lines.append(f"| {name} | {r['kv_cache_tokens']:,} | {kv} | {r['requests_held_at_once']} | "
                      f"{r['preemptions']} | {r['generated_tokens_per_s']:.2f} | {tp} | {r['ttft_p50_s']:.1f} | "
                      f"{r['wall_s']:.1f} |")
     w = report["workload"]
@@ -226,7 +231,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-batch-tokens", type=int, default=None,
                     help="vLLM's max_num_batched_tokens (default: max_model_len: the longest prompt fits one step; a "
                          "later prefill chunk goes through KIVI's per-query path, far slower than the exact prefill)")
-    ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    ap.add_argument("--rows", nargs="+", default=[r for r in ROWS if r != "bf16-room"], choices=list(ROWS),
+                    help="rows to run (default: all but bf16-room, bf16 in a budget that holds every request)")
     ap.add_argument("--threads", type=int, default=1, help="cores vLLM binds to (and numba's threads)")
     ap.add_argument("--smoke", action="store_true",
                     help=f"a short run for a test: {SMOKE} unless given")
@@ -283,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     report["environment"]["vllm"] = vllm.__version__
     reference = None
     for name in args.rows:
+        row_budget = default_budget(args, path, args.requests) if "budget" in ROWS[name] else budget
         spec = {"row": name, "model": path, "prompts": prompts, "new_tokens": args.new_tokens,
-                "max_model_len": max_len, "budget": budget, "max_batch_tokens": batch_tokens,
+                "max_model_len": max_len, "budget": row_budget, "max_batch_tokens": batch_tokens,
                 "profile": args.profile is not None}
         t0 = time.perf_counter()
         env = child_env(args.threads, args.profile is not None)
@@ -296,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"row {name} failed (exit {child.returncode}):\n{child.stderr}", file=sys.stderr, flush=True)
             report["rows"].append({"row": name, **ROWS[name], "error": _last_error(child.stderr)})
             continue
-        r = {"row": name, **ROWS[name], **child.result, "process_s": time.perf_counter() - t0}
+        r = {"row": name, **ROWS[name], **child.result, "budget_bytes": row_budget,
+             "process_s": time.perf_counter() - t0}
         tokens = r.pop("tokens")
         profile = r.pop("profile")
         if profile is not None:
