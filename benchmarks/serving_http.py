@@ -99,6 +99,11 @@ class Server:
         return httpx.get(f"{self.url}/health", timeout=5.0).json()
 
 
+#: how often a row asks ``/health`` how many requests hold blocks: each poll is a request the server and the
+#: client process (on the same cores here) pay for; every request lives for seconds, so 0.5 s sees them all
+HELD_POLL_S = 0.5
+
+
 def serve_features(kivi_root: str | None) -> set[str]:
     """What the kivi serve of checkout ``kivi_root`` (None: this one) takes of ``ignore_eos`` (a request
     field) and ``page_size`` (``--page-size``): read from its source, so an older checkout still runs."""
@@ -191,14 +196,14 @@ def send_all(url: str, work: Workload, clients: int, t0: float, timeout: float, 
     return results
 
 
-def _watch_held(server: Server, stop: threading.Event, seen: list[int]) -> None:
-    """The largest ``requests_holding_blocks`` in ``/health`` (polled every 0.1 s) until ``stop``."""
+def _watch_held(server: Server, stop: threading.Event, seen: list[int], every: float = HELD_POLL_S) -> None:
+    """The largest ``requests_holding_blocks`` in ``/health`` (polled every ``every`` s) until ``stop``."""
     while not stop.is_set():
         try:
             seen.append(server.health()["cache"]["requests_holding_blocks"])
         except Exception:  # noqa: BLE001 (a poll that fails is not a measurement; the requests tell the errors)
             pass
-        stop.wait(0.1)
+        stop.wait(every)
 
 
 def check_counts(work: Workload, results: list[dict]) -> None:

@@ -167,3 +167,19 @@ def test_kivi_pages_load_their_kernels_before_the_threads_are_set(monkeypatch, c
     order.clear()
     rc, seen = _serve_until_the_engine(monkeypatch, ["--float-cache", "--threads", "1"])
     assert rc == 2 and order == [("threads", 1)]  # float pages use no kivi kernel
+
+
+@pytest.mark.parametrize(("argv", "pinned"), [
+    (["serve", "--model", "/nonexistent/never-loaded", "--float-cache", "--preset", "extreme"], False),
+    (["eval", "ppl", "--model", "/nonexistent/never-loaded"], True),
+], ids=["serve", "eval"])
+def test_serve_keeps_glibcs_allocator_default(monkeypatch, capsys, argv, pinned):
+    """``kivi serve`` does not pin the mmap threshold (its cache is one pool made at start; pinned, every step's
+    temporaries were fresh mappings and a float decode step took 1.8x as long); long CPU runs still pin it."""
+    import kivi.allocator
+
+    calls = []
+    monkeypatch.setattr(kivi.allocator, "reduce_fragmentation", lambda *a, **k: calls.append(a) or True)
+    main(argv)  # both fail on their options (after the allocator decision, before any model loads)
+    capsys.readouterr()
+    assert bool(calls) == pinned

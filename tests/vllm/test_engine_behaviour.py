@@ -1,7 +1,8 @@
 """vLLM's scheduler around the plugin: chunked prefill mixed with decode rows, preemption, prefix caching.
 
 Each engine runs once in a child process (``tests/vllm/_engine_runs.py``, engine core in that
-process so the test reads what the scheduler did), SmolLM2 in float32, K2 V2 (G=32, R=32). Each request is
+process so the test reads what the scheduler did), SmolLM2 in float32, K2 V2 (G=32, R=32), without sinks and with
+5 sink tokens (5 does not divide G; the sink rows live in the window rings' first slots). Each request is
 compared with kivi's own ``quantize_model(model, cfg, prefill_chunk_size=c).generate()`` of every start vLLM
 gave it (``c`` = the first forward's tokens; tests/vllm/_reference.py says why that is the equal one).
 """
@@ -16,6 +17,7 @@ from tests.vllm._reference import assert_request_matches, compare_tokens, mixed_
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # engine runs of minutes each: KIVI_SLOW=1
 
 KIVI = {"k_bits": 2, "v_bits": 2, "group_size": 32, "residual_length": 32}
+CONFIGS = {"k2v2": KIVI, "k2v2-sinks": {**KIVI, "sink_tokens": 5}}
 BUDGET = 64  # max_num_batched_tokens: prompts longer than this are chunked, and share steps with decode rows
 TEXTS = [
     "The history of the printing press begins in the fifteenth century, when",
@@ -40,19 +42,24 @@ def smollm2():
     return model, tok, str(converted_cache_path("smollm2"))
 
 
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def fields(request):
+    return CONFIGS[request.param]
+
+
 @pytest.fixture(scope="module")
-def cfg():
+def cfg(fields):
     from kivi import KiviConfig
 
-    return KiviConfig(**KIVI)
+    return KiviConfig(**fields)
 
 
 @pytest.fixture(scope="module")
-def mixed(smollm2):
+def mixed(smollm2, fields):
     """One engine, chunked prefill (64 tokens a step): the staggered batch, 4 prompts x 256 new tokens."""
     _, tok, path = smollm2
     prompts = [tok(t)["input_ids"] for t in TEXTS]
-    job = dict(model=path, kivi=KIVI, record=True,
+    job = dict(model=path, kivi=fields, record=True,
                engine=dict(dtype="float32", max_model_len=1024, max_num_batched_tokens=BUDGET,
                            enable_prefix_caching=False, async_scheduling=False),
                runs=[dict(prompts=prompts, max_tokens=256, logprobs=2)])
@@ -85,7 +92,7 @@ def prefix_job(path: str, kivi: dict | None, long: list[int], other: list[int]) 
                             enable_prefix_caching=True, async_scheduling=False))
 
 
-def test_repeated_prompt_with_prefix_caching(smollm2):
+def test_repeated_prompt_with_prefix_caching(smollm2, fields):
     """With prefix caching on, a repeated prompt decodes what its first run did: the KIVI page group is never
     a hit (kivi.vllm.spec: a hit would read a window the shared blocks do not hold), so vLLM reports no
     cached token and recomputes the prompt from an empty cache in one chunk. The same engine without the
@@ -93,7 +100,7 @@ def test_repeated_prompt_with_prefix_caching(smollm2):
     _, tok, path = smollm2
     long, other = tok(LONG)["input_ids"], tok(TEXTS[2])["input_ids"]
     assert len(long) > 2 * 128  # two whole blocks a hit could share
-    result = run_engine(prefix_job(path, KIVI, long, other))
+    result = run_engine(prefix_job(path, fields, long, other))
     runs = result["runs"]
     assert [r["cached"] for r in runs] == [[0]] * 4
     assert not result["metrics"].get("vllm:prefix_cache_hits")
@@ -114,7 +121,7 @@ def test_repeated_prompt_hits_without_the_plugin(smollm2):
     assert [r["cached"][0] for r in result["runs"]] == [0, 384, 0, 384] and result["metrics"]["vllm:prefix_cache_hits"]
 
 
-def test_preempted_requests_recompute_to_kivis_tokens(smollm2, cfg):
+def test_preempted_requests_recompute_to_kivis_tokens(smollm2, fields, cfg):
     """A pool of 11 blocks (a request takes one page block per 128 tokens and 4 window blocks) for 4 requests
     of up to 256 tokens: vLLM preempts (recompute) and restarts them; every stretch of tokens equals kivi's
     generate() from the same start. Prefix caching on (vLLM's default): before the KIVI page group opted out
@@ -123,7 +130,7 @@ def test_preempted_requests_recompute_to_kivis_tokens(smollm2, cfg):
     window; now every restart is from token 0."""
     model, tok, path = smollm2
     prompts = [tok(t)["input_ids"] for t in TEXTS]
-    job = dict(model=path, kivi=KIVI, record=True,
+    job = dict(model=path, kivi=fields, record=True,
                engine=dict(dtype="float32", max_model_len=512, num_gpu_blocks_override=11,
                            enable_prefix_caching=True, async_scheduling=False),
                runs=[dict(prompts=prompts, max_tokens=128, logprobs=2)])
