@@ -6,8 +6,11 @@ holds several times the cache's size (measured: RSS grew ~4x faster than ``cache
 filling a cache in chunks of 1024 tokens). Pinning the threshold at 128 KiB keeps large
 temporaries in mmap'ed memory, returned on free (measured: RSS grows like ``cache.nbytes``).
 
-This is a process-wide setting, so ``import kivi`` does not apply it: the ``kivi`` CLI and the
-benchmarks call :func:`reduce_fragmentation`; call it yourself in a long-running CPU server.
+This is a process-wide setting, so ``import kivi`` does not apply it: the ``kivi`` CLI's long runs and the
+benchmarks call :func:`reduce_fragmentation`; call it yourself in a long-running CPU process whose caches grow.
+Not for a server over a paged pool made when it starts (``kivi serve``, transformers' continuous batching):
+nothing long-lived lands between its temporaries, and pinned, each step's temporaries are fresh mappings
+faulted in page by page (measured: a float decode step 150 ms against 85 ms, docs/serving.md).
 """
 
 from __future__ import annotations
