@@ -18,7 +18,9 @@ from kivi.batching import init_continuous_batching
 #: continuous-batching rows: name -> the pages' KiviConfig (None: transformers' float paged cache)
 ROWS = {"float": None, "kivi-2/2": KiviConfig(k_bits=2, v_bits=2), "balanced": KiviConfig.preset("balanced"),
         # the materialized path: pages dequantized one layer at a time, transformers' SDPA (not run by default)
-        "kivi-2/2-sdpa": KiviConfig(k_bits=2, v_bits=2, attention_backend="reference")}
+        "kivi-2/2-sdpa": KiviConfig(k_bits=2, v_bits=2, attention_backend="reference"),
+        # a 32-token window: a short request's window blocks, not its pages, bound how many fit a tight budget
+        "kivi-2/2-r32": KiviConfig(k_bits=2, v_bits=2, residual_length=32)}
 #: one-at-a-time rows: name -> the cache generate() builds (None: DynamicCache; a KiviConfig: quantize_model's)
 BASELINES = {"dynamic": None, "kivi-2/2": ROWS["kivi-2/2"], "balanced": ROWS["balanced"]}
 

@@ -122,7 +122,8 @@ def test_repeated_prompt_hits_without_the_plugin(smollm2):
 
 
 def test_preempted_requests_recompute_to_kivis_tokens(smollm2, fields, cfg):
-    """A pool of 11 blocks (a request takes one page block per 128 tokens and 4 window blocks) for 4 requests
+    """A pool of 11 blocks (a request takes one page block per 128 tokens and 4 window blocks; 13 and 5 with
+    sinks) for 4 requests
     of up to 256 tokens: vLLM preempts (recompute) and restarts them; every stretch of tokens equals kivi's
     generate() from the same start. Prefix caching on (vLLM's default): before the KIVI page group opted out
     of hits (kivi.vllm.spec), a recompute resumed from a hit of its own page blocks (vLLM counted 2
@@ -130,8 +131,10 @@ def test_preempted_requests_recompute_to_kivis_tokens(smollm2, fields, cfg):
     window; now every restart is from token 0."""
     model, tok, path = smollm2
     prompts = [tok(t)["input_ids"] for t in TEXTS]
+    # with 5 sinks a request holds 5 window blocks, not 4: 13 blocks admit two requests that cannot both grow
+    blocks = 11 if not fields.get("sink_tokens") else 13
     job = dict(model=path, kivi=fields, record=True,
-               engine=dict(dtype="float32", max_model_len=512, num_gpu_blocks_override=11,
+               engine=dict(dtype="float32", max_model_len=512, num_gpu_blocks_override=blocks,
                            enable_prefix_caching=True, async_scheduling=False),
                runs=[dict(prompts=prompts, max_tokens=128, logprobs=2)])
     result = run_engine(job)
