@@ -20,6 +20,7 @@ Imports vLLM: loaded only by vLLM, through :mod:`kivi.vllm.select`.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -40,11 +41,14 @@ from vllm.v1.kv_cache_interface import AttentionSpec, CircularBufferSpec, KVCach
 from ..backends import resolve_attention_backend
 from ..config import KiviConfig
 from .config import kivi_config
+from .decode import decode_kernel
 from .geometry import KiviGeometry, build_geometry
 from .paged import StepBatch, paged_step, sdpa_prefill
-from .spec import page_spec
+from .plan import StepPlan, step_plan
+from .spec import KiviPageSpec, page_spec
 
 WINDOW_PREFIX = "kivi_window."
+logger = logging.getLogger(__name__)
 
 
 def _config(vllm_config=None):
@@ -58,24 +62,36 @@ def _config(vllm_config=None):
 
 @dataclass
 class KiviMetadata:
+    """One KV cache group's step; ``plan``: the step's schedule (:func:`kivi.vllm.plan.step_plan`), made once
+    per step for the page group, shared by all its layers (``None`` for a window group)."""
+
     num_actual_tokens: int
     query_start: list[int]
     seq_lens: list[int]
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
+    plan: StepPlan | None = None
 
 
 class KiviMetadataBuilder(AttentionMetadataBuilder[KiviMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_reorder_batch_threshold(1)
+        self._kivi = None  # (config, geometry) of the page group; the window groups need no plan
+        if isinstance(kv_cache_spec, KiviPageSpec):
+            cfg = _config(vllm_config)
+            self._kivi = cfg, build_geometry(cfg, page_size=kv_cache_spec.block_size,
+                                             num_kv_heads=kv_cache_spec.num_kv_heads,
+                                             head_dim=kv_cache_spec.head_size, dtype=kv_cache_spec.dtype)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KiviMetadata:
         m = common_attn_metadata
         n_req = m.num_reqs
-        return KiviMetadata(m.num_actual_tokens, m.query_start_loc_cpu[: n_req + 1].tolist(),
-                            m.seq_lens[:n_req].cpu().tolist(), m.block_table_tensor[:n_req], m.slot_mapping)
+        query_start, seq_lens = m.query_start_loc_cpu[: n_req + 1].tolist(), m.seq_lens[:n_req].cpu().tolist()
+        plan = None if self._kivi is None else step_plan(*self._kivi, query_start, seq_lens)
+        return KiviMetadata(m.num_actual_tokens, query_start, seq_lens, m.block_table_tensor[:n_req], m.slot_mapping,
+                            plan)
 
 
 class KiviAttentionBackend(AttentionBackend):
@@ -218,6 +234,8 @@ class KiviAttentionImpl(AttentionImpl[KiviMetadata]):
             name = f"{WINDOW_PREFIX}{sum(1 for k in context if k.startswith(WINDOW_PREFIX))}"
             self.rings.append(KiviWindowLayer(self.num_kv_heads, head_size, dtype, name))
         self._geometry: KiviGeometry | None = None
+        self._warned = False
+        self._kernel = None  # (key of the caches, their decode kernel or None)
         self.prefill = _exact_prefill(self.backend, head_size, dtype)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
@@ -232,8 +250,29 @@ class KiviAttentionImpl(AttentionImpl[KiviMetadata]):
                                             head_dim=self.head_size, dtype=self.rings[0].kv_cache.dtype)
         n_req = len(attn_metadata.seq_lens)
         ring_table = torch.stack([mds[r.layer_name].block_table[:n_req, 0] for r in self.rings], dim=1)
-        batch = StepBatch(attn_metadata.query_start, attn_metadata.seq_lens, attn_metadata.block_table, ring_table)
+        plan = attn_metadata.plan
+        if plan is not None and not plan.fits(self._geometry):  # correct either way: paged_step makes its own
+            if not self._warned:
+                logger.warning("kivi: the step plan of the page group (%d ring slots of %d) does not fit layer "
+                               "geometry (%d of %d): planning per layer", plan.slots, plan.window_tokens,
+                               self._geometry.window_rings * self._geometry.window_tokens,
+                               self._geometry.window_tokens)
+                self._warned = True
+            plan = None
+        batch = StepBatch(attn_metadata.query_start, attn_metadata.seq_lens, attn_metadata.block_table, ring_table,
+                          plan)
         n = attn_metadata.num_actual_tokens
-        paged_step(self.config, self._geometry, self.backend, query[:n], key[:n], value[:n], kv_cache,
-                   [r.kv_cache for r in self.rings], batch, self.scale, output[:n], prefill=self.prefill)
+        rings = [r.kv_cache for r in self.rings]
+        kernel = self._decode_kernel(kv_cache, rings)
+        paged_step(self.config, self._geometry, self.backend, query[:n], key[:n], value[:n], kv_cache, rings, batch,
+                   self.scale, output[:n], prefill=self.prefill, batched_decode=kernel is not None, kernel=kernel)
         return output
+
+    def _decode_kernel(self, kv_cache: torch.Tensor, rings: list[torch.Tensor]):
+        """The layer's :func:`kivi.vllm.decode.decode_kernel`, made once for the caches vLLM allocated (again if
+        vLLM hands other tensors: the key is each one's storage, offset, shape and strides)."""
+        key = tuple((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+                    for t in (kv_cache, *rings))
+        if self._kernel is None or self._kernel[0] != key:
+            self._kernel = key, decode_kernel(self.config, self._geometry, self.backend, kv_cache, rings)
+        return self._kernel[1]

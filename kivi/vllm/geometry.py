@@ -157,6 +157,51 @@ def block_pool(cache: torch.Tensor, geo: KiviGeometry) -> tuple[torch.Tensor, in
     return pool, stride, first - start
 
 
+@dataclass(frozen=True)
+class RingPool:
+    """A layer's ``k`` window rings as one rows pool per side over their shared storage (vLLM puts every
+    layer of every group in one allocation): ``rows[side]`` ``[blocks, Pw, H, D]`` (keys: channels ``[0, D)`` of
+    each ring row, values ``[D, 2D)``), pool block ``base[r] + b * step[r]`` is block ``b`` of ring ``r`` (long
+    ``[k]`` each). Row id ``block * Pw + row`` (:meth:`slot_ids`) names a row of either side."""
+
+    rows: dict[str, torch.Tensor]
+    base: torch.Tensor
+    step: torch.Tensor
+
+    def slot_ids(self, ring_table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Row ids (long, the shape of ``slots``) of slots ``slots [N, m]`` (:func:`ring_slot` values) of the
+        requests whose ring blocks are ``ring_table [N, k]``."""
+        pw = self.rows["k"].shape[1]
+        blocks = self.base + ring_table.long() * self.step  # [N, k] pool blocks
+        return blocks.gather(1, slots // pw) * pw + slots % pw
+
+
+def ring_pool(rings: list[torch.Tensor], geo: KiviGeometry) -> RingPool | None:
+    """The rings ``[NBw, H, Pw, 2D]`` of one layer as one :class:`RingPool` aliasing their storage (no copy), or
+    ``None`` when they do not share one: a different storage or dtype, other strides inside a block, or a ring
+    whose first block or block stride is not a whole number of :attr:`KiviGeometry.block_bytes` from the
+    storage's start (the one unit every ring block then sits on)."""
+    first = rings[0]
+    storage, item, unit = first.untyped_storage(), first.element_size(), geo.block_bytes
+    inner = first.stride()[1:]
+    base, step = [], []
+    for r in rings:
+        if (r.untyped_storage().data_ptr() != storage.data_ptr() or r.dtype != first.dtype or r.stride()[1:] != inner
+                or r.shape[1:] != first.shape[1:] or (r.storage_offset() * item) % unit
+                or (r.stride(0) * item) % unit or inner[-1] != 1):
+            return None
+        base.append(r.storage_offset() * item // unit)
+        step.append(r.stride(0) * item // unit)
+    _, h, pw, c = first.shape
+    blocks = storage.nbytes() // unit  # every ring block lies inside (each is at most one unit of bytes)
+    typed = torch.empty(0, dtype=first.dtype, device=first.device).set_(storage)
+    d = c // 2
+    rows = {side: typed.as_strided((blocks, pw, h, d), (unit // item, inner[1], inner[0], 1), at)
+            for side, at in (("k", 0), ("v", d))}
+    return RingPool(rows, torch.tensor(base, dtype=torch.long, device=first.device),
+                    torch.tensor(step, dtype=torch.long, device=first.device))
+
+
 def block_field_views(cache: torch.Tensor, geo: KiviGeometry, side: str) -> dict[str, torch.Tensor]:
     """``{field: [NB, *shape]}`` views of one layer's vLLM cache (``[NB, ...]``: each block's bytes dense, in
     whatever order vLLM's layout puts its logical ``[H, N, C]``; blocks ``cache.stride(0)`` apart): element ``[b]`` is
@@ -175,4 +220,5 @@ def block_field_views(cache: torch.Tensor, geo: KiviGeometry, side: str) -> dict
     return out
 
 
-__all__ = ["KiviGeometry", "build_geometry", "block_field_views", "block_pool", "ring_slot", "ring_slots"]
+__all__ = ["KiviGeometry", "RingPool", "build_geometry", "block_field_views", "block_pool", "ring_pool", "ring_slot",
+           "ring_slots"]

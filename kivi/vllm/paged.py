@@ -10,12 +10,15 @@ the step in the rings' window part (at most ``R + G - 1`` of them, :func:`~kivi.
 the step's own from its input. No per-request state is kept here, so preemption (recompute) and prefix hits
 need nothing special.
 
-:func:`paged_step` does, for one layer:
+The step's schedule, the same for every layer, is worked out once per step (:func:`kivi.vllm.plan.step_plan`:
+which rows the batched decode kernel serves, the ring slots its columns read, what leaves their windows, the
+ring slots the step writes); :func:`paged_step` does, for one layer:
 
-1-2. builds, per request, the :class:`~kivi.cache.view.AttentionView` kivi's own cache would hand
-   attention (the sink rows, the pages as a :class:`~kivi.cache.store.BlockStore` aliasing the page memory,
-   then the full-precision tokens), with kivi's per-query precision for a chunk into a request that holds tokens
-   (:func:`kivi.cache.schedule.query_boundaries`; a request's first chunk is an exact prefill);
+1-2. builds, per request not served by the kernel, the :class:`~kivi.cache.view.AttentionView` kivi's own
+   cache would hand attention (the sink rows, the pages as a :class:`~kivi.cache.store.BlockStore` aliasing
+   the page memory, then the full-precision tokens), with kivi's per-query precision for a chunk into a
+   request that holds tokens (:func:`kivi.cache.schedule.query_boundaries`; a request's first chunk is an
+   exact prefill);
 3. quantizes what leaves the windows in this step for the pages (after the first tokens to leave filled the
    sink, :func:`~kivi.cache.schedule.window_exits`: keys in whole groups of ``G`` once ``R`` newer remain,
    values beyond ``R``; sink tokens are never quantized and never move: their rows are already in their
@@ -23,16 +26,18 @@ need nothing special.
    leave in whole aligned groups), both sides before writing either, so a refused value (NaN) writes
    nothing to the pages; then writes them to their page rows, one indexed write per field;
 4. attends: the decode rows with something stored in one call of kivi's batched paged decode kernel
-   reading the pages through the block table (:mod:`kivi.vllm.decode`, where it applies:
-   :func:`~kivi.vllm.decode.decode_kernel`); every request's first chunk exactly, all of them in one call of
-   the step's exact prefill (vLLM's CPU attention kernel in the plugin, :mod:`kivi.vllm.prefill`; torch SDPA
-   request by request for reference, :func:`sdpa_prefill`); every other request on its own: with nothing
-   stored yet exactly (torch SDPA, causal bottom-right), else through kivi's backend
-   (:func:`kivi.attention.interface.run_backend`: ``"reference"`` dequantizes, ``"cpu"`` reads the packed
-   pages: the fused numba kernel for one query token, the blocked path for a chunk);
+   reading the pages through the block table and the full-precision rows in the rings where they are
+   (:mod:`kivi.vllm.decode`, where it applies: :func:`~kivi.vllm.decode.decode_kernel`); every request's
+   first chunk exactly, all of them in one call of the step's exact prefill (vLLM's CPU attention kernel in
+   the plugin, :mod:`kivi.vllm.prefill`; torch SDPA request by request for reference, :func:`sdpa_prefill`);
+   every other request on its own: with nothing stored yet exactly (torch SDPA, causal bottom-right), else
+   through kivi's backend (:func:`kivi.attention.interface.run_backend`: ``"reference"`` dequantizes,
+   ``"cpu"`` reads the packed pages: the fused numba kernel for one query token, the blocked path for a
+   chunk);
 5. writes the new tokens still in full precision after the step (positions below ``S``, and the last
    ``R + G - 1`` tokens) to the rings, after every read of the step (a ring slot is reused once its token
-   has left the window): one indexed write per ring for all requests (:func:`write_rings`).
+   has left the window): one indexed write per ring for all requests (:func:`write_rings`, slots from the
+   plan).
 """
 
 from __future__ import annotations
@@ -51,8 +56,9 @@ from ..cache.view import AttentionView, exact_queries
 from ..config import KiviConfig
 from ..quant.kv import quantize_side
 from ..quant.page import AXIS, SIDES
-from .decode import decode_kernel, gather_decode, paged_decode, stores_any
-from .geometry import KiviGeometry, block_field_views, ring_slot, ring_slots
+from .decode import DecodeKernel, decode_kernel, leaving_rows, paged_decode
+from .geometry import KiviGeometry, block_field_views, ring_slots
+from .plan import RingWrites, StepPlan, step_plan
 
 
 @dataclass(frozen=True)
@@ -61,13 +67,16 @@ class StepBatch:
 
     ``query_start`` ``[R+1]`` and ``seq_lens`` ``[R]`` as lists; ``page_table`` ``[R, max_pages]`` (the layer's
     full-attention group) and ``ring_table`` ``[R, k]`` (the request's one block in each of the layer's ``k``
-    window rings, vLLM's circular-buffer groups).
+    window rings, vLLM's circular-buffer groups); ``plan``: the step's schedule
+    (:func:`kivi.vllm.plan.step_plan` of ``query_start`` / ``seq_lens``, made once per step by the caller;
+    ``None``: :func:`paged_step` makes it).
     """
 
     query_start: list[int]
     seq_lens: list[int]
     page_table: torch.Tensor
     ring_table: torch.Tensor
+    plan: StepPlan | None = None
 
 
 def _ring_read(rings: list[torch.Tensor], pos: torch.Tensor, ring_table_row: torch.Tensor, head_dim: int,
@@ -122,56 +131,46 @@ def decode_rows(batch: StepBatch) -> list[int]:
 
 def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, pages: torch.Tensor, rings: list[torch.Tensor], batch: StepBatch, scale: float,
-               out: torch.Tensor, *, batched_decode: bool = True, prefill: ExactPrefill = sdpa_prefill
-               ) -> torch.Tensor:
+               out: torch.Tensor, *, batched_decode: bool = True, prefill: ExactPrefill = sdpa_prefill,
+               kernel: DecodeKernel | None = None) -> torch.Tensor:
     """One layer's step: ``query [n, Hq, D]``, ``key / value [n, H, D]`` (the batch's new tokens, request by
     request), ``pages`` the layer's vLLM cache, ``rings`` its ``k`` window rings' caches ``[NBw, H, Pw, 2D]``;
     writes ``[n, Hq, D]`` attention into ``out`` (returned). ``batched_decode``: decode rows through the
     batched paged decode kernel where it applies (:func:`kivi.vllm.decode.decode_kernel`), else (or
-    ``False``) request by request; every request's first chunk (nothing before it: an exact prefill of its
-    prompt so far) in one call of ``prefill`` (:data:`ExactPrefill`; the plugin passes vLLM's CPU attention
-    kernel, :func:`kivi.vllm.prefill.vllm_cpu_prefill`, where the backend is ``"cpu"``). What leaves the windows
-    is quantized in one call per side for the whole
-    step, and the rings and pages are written in one indexed write per ring / field (the groups of
-    different requests never share a group: each request's keys leave in whole aligned groups)."""
+    ``False``) request by request; ``kernel``: that kernel for these ``pages`` and ``rings``, which a caller
+    that keeps them makes once (``None``: made here). Every request's first chunk (nothing before it: an
+    exact prefill of its prompt so far) goes in one call of ``prefill`` (:data:`ExactPrefill`; the plugin
+    passes vLLM's CPU attention kernel, :func:`kivi.vllm.prefill.vllm_cpu_prefill`, where the backend is
+    ``"cpu"``). The step's schedule is ``batch.plan`` (:func:`kivi.vllm.plan.step_plan`, made here when
+    ``None``). What leaves the windows is quantized in one call per side for the whole step, and the rings
+    and pages are written in one indexed write per ring / field (the groups of different requests never
+    share a group: each request's keys leave in whole aligned groups)."""
     P, S = geo.page_size, cfg.sink_tokens
     if S != geo.sink_tokens:
         raise ValueError(f"sink_tokens={S} but the geometry was built for {geo.sink_tokens}")
     if len(rings) * rings[0].shape[2] < geo.fp_slots:
         raise ValueError(f"{len(rings)} window rings of {rings[0].shape[2]} tokens cannot hold the "
                          f"{geo.fp_slots} full-precision tokens KIVI keeps ({S} sink + {geo.sliding_window - 1})")
+    plan = batch.plan if batch.plan is not None else step_plan(cfg, geo, batch.query_start, batch.seq_lens)
+    if not plan.fits(geo):
+        raise ValueError(f"the step's plan was made for {plan.slots} ring slots of {plan.window_tokens} per block and "
+                         f"{plan.sink_tokens} sink tokens, this layer has {geo.window_rings * geo.window_tokens}, "
+                         f"{geo.window_tokens} and {geo.sink_tokens}")
     views = {side: block_field_views(pages, geo, side) for side in SIDES}
     meta = {side: dict(bits=cfg.k_bits if side == "k" else cfg.v_bits, group_size=cfg.group_size, axis=AXIS[side],
                        head_dim=geo.head_dim, residual_bits=cfg.residual_bits) for side in SIDES}
     R, G = cfg.residual_length, cfg.group_size
-    kernel = decode_kernel(cfg, geo, backend, pages) if batched_decode else None
-    rows = [] if kernel is None else [i for i in decode_rows(batch) if stores_any(cfg, batch.seq_lens[i] - 1)]
-    decode = None if not rows else gather_decode(cfg, rows, batch.query_start, batch.seq_lens, batch.page_table,
-                                                 batch.ring_table, rings, key, value)
-    in_kernel = {i: j for j, i in enumerate(rows)}
+    if not batched_decode or plan.kernel is None:
+        kernel = None
+    elif kernel is None:
+        kernel = decode_kernel(cfg, geo, backend, pages, rings)
+    per_request = plan.others if kernel is not None or plan.kernel is None else sorted(plan.others + plan.kernel.rows)
     jobs = []
     leaving = {side: _Leaving() for side in SIDES}  # what leaves the windows in this step, per side
-    kernel_leaving = {side: {} for side in SIDES}  # (to the sink, to the pages) -> [(kernel row, request, stored)]
-    ring_spans = ([], [], [], [])  # request, first position, count, first input row of the tokens kept
-    for i, seq in enumerate(batch.seq_lens):
+    for i in per_request:
         lo, hi = batch.query_start[i], batch.query_start[i + 1]
         q_len = hi - lo
-        if q_len == 0:
-            continue
-        past = seq - q_len
-        # the new tokens in full precision after the step: positions below S (sink, or not yet left the
-        # window), then those still in the window (among the last R + G - 1)
-        for first, end in ((past, min(seq, S)), (max(past, S, seq - (geo.sliding_window - 1)), seq)):
-            if first < end:
-                for span, x in zip(ring_spans, (i, first, end - first, lo + first - past)):
-                    span.append(x)
-        if i in in_kernel:  # the kernel reads the pages and the rows gathered above, before any write
-            for side in SIDES:
-                sink, stored, window = side_tokens(AXIS[side], past, R, G, S)
-                take, move = window_exits(AXIS[side], window + q_len, R, G, sink, S)
-                if move:
-                    kernel_leaving[side].setdefault((take, move), []).append((in_kernel[i], i, stored))
-            continue
+        past = batch.seq_lens[i] - q_len
         page_ids, ring_ids = batch.page_table[i], batch.ring_table[i]
         side_views = []
         for side, new in (("k", key[lo:hi]), ("v", value[lo:hi])):  # 1-2. the view kivi's cache would build
@@ -197,22 +196,22 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
             if move:  # 3. what leaves the window for the pages in this step
                 leaving[side].add(seg, [(i, stored, move)])
         jobs.append((lo, hi, past, side_views))
-    for side in SIDES:  # the kernel rows' leaving tokens: one indexed read per (first row, count)
-        for (take, count), group in kernel_leaving[side].items():
-            j = torch.tensor([g[0] for g in group], dtype=torch.long, device=key.device)
-            first = decode.w0 + take
-            rows_out = decode.fp[side][j, first:first + count].flatten(0, 1).transpose(0, 1)  # [H, m * count, D]
-            leaving[side].add(rows_out, [(i, stored, count) for _, i, stored in group])
+    if kernel is not None:  # the kernel rows' leaving tokens: one indexed read per side, before any write
+        for side, new in (("k", key), ("v", value)):
+            gone = plan.kernel.leaving[side]
+            if gone is not None:
+                leaving[side].add(leaving_rows(kernel, plan.kernel, gone, batch.ring_table, side, new), gone.spans)
+        decoded = paged_decode(kernel, plan.kernel, batch.page_table, batch.ring_table, query, key, value, scale)
     segs = {side: leaving[side].quantize(cfg, side) for side in SIDES}  # every quantization before any write
-    if ring_spans[0]:  # every request's reads are done: now the rings
-        write_rings(rings, batch.ring_table, key, value, *ring_spans, sink=S)
+    if plan.writes is not None:  # every request's reads are done: now the rings
+        write_rings(rings, batch.ring_table, key, value, plan.writes)
     for side in SIDES:
         if segs[side] is not None:
             index = _page_index(leaving[side], batch.page_table, P, G if side == "k" else 1)
             per_row = {name: f.tokens_per_row for name, f in geo.side_fields(side).items()}
             scatter_tokens(views[side], segs[side], index, per_row)
-    if decode is not None:  # 4. attention: the kernel rows in one call, the others request by request
-        out[decode.tokens] = paged_decode(kernel, decode, query, scale).to(out.dtype)
+    if kernel is not None:  # 4. attention: the kernel rows in one call, the others request by request
+        out[plan.kernel.tokens] = decoded.to(out.dtype)
     firsts = [(lo, hi) for lo, hi, past, _ in jobs if past == 0]
     if firsts:
         prefill(query, key, value, firsts, scale, out)
@@ -296,31 +295,15 @@ def _page_index(leaving: _Leaving, page_table: torch.Tensor, page_size: int, gro
 
 
 def write_rings(rings: list[torch.Tensor], ring_table: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                reqs: list[int], firsts: list[int], counts: list[int], rows: list[int], *, sink: int = 0) -> None:
-    """Write, for every span ``s``, request ``reqs[s]``'s positions ``[firsts[s], firsts[s] + counts[s])`` from
-    the step's input rows ``[rows[s], rows[s] + counts[s])`` of ``key / value [n, H, D]`` to their slots
-    (:func:`~kivi.vllm.geometry.ring_slot`, ``sink`` sink slots): one indexed write per ring (keys in channels
-    ``[0, D)``, values in ``[D, 2D)``). The slots are worked out in Python (at most ``S + R + G - 1`` tokens
-    per request), sorted by ring."""
-    k, pw = len(rings), rings[0].shape[2]
-    table = ring_table.tolist()
-    where = [[] for _ in range(k)]  # per ring: (block, row, input row)
-    for i, first, count, src in zip(reqs, firsts, counts, rows):
-        blocks = table[i]
-        for p in range(first, first + count):
-            slot = ring_slot(p, k * pw, sink)
-            where[slot // pw].append((blocks[slot // pw], slot % pw, src + p - first))
-    flat = [w for ring in where for w in ring]
-    if not flat:
-        return
-    block, row, src = torch.tensor(flat, dtype=torch.long, device=key.device).unbind(1)
-    kv = torch.cat([key[src], value[src]], dim=-1).to(rings[0].dtype)  # [M, H, 2D], ring by ring
-    at = 0
-    for r, ring in zip(rings, where):
-        if ring:
-            sel = slice(at, at + len(ring))
-            r[block[sel], :, row[sel]] = kv[sel]
-            at += len(ring)
+                writes: RingWrites) -> None:
+    """Write the step's tokens ``writes`` names (:class:`kivi.vllm.plan.RingWrites`: request, ring slot, input row
+    of ``key / value [n, H, D]``) to their rows: one indexed write per ring (keys in channels ``[0, D)``,
+    values in ``[D, 2D)``)."""
+    pw = rings[0].shape[2]
+    kv = torch.cat([key[writes.src], value[writes.src]], dim=-1).to(rings[0].dtype)  # [M, H, 2D], ring by ring
+    block = ring_table[writes.req].long()
+    for ring, lo, hi in writes.bounds:
+        rings[ring][block[lo:hi, ring], :, writes.slot[lo:hi] % pw] = kv[lo:hi]
 
 
 def _set_boundary(view: AttentionView, cfg: KiviConfig, side: str, pending: torch.Tensor, q_len: int, past: int,

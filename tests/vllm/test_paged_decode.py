@@ -1,6 +1,7 @@
 """kivi.vllm.decode: a step's decode rows through the batched paged decode kernel equal the per-request path.
 
-Two copies of the same vLLM-style cache (scattered block ids, rings that start as NaN) run the same steps,
+Two copies of the same vLLM-style cache (scattered block ids, rings that start as NaN, all ``k`` rings in one
+allocation as vLLM lays them out, so the kernel reads their rows in place) run the same steps,
 one with ``paged_step(..., batched_decode=True)`` (one kernel call per step for the decode rows with
 something stored) and one with ``batched_decode=False`` (request by request through ``run_backend``).
 Many requests of odd lengths, some still with nothing stored, prefills and chunks mixed into decode steps,
@@ -42,7 +43,12 @@ class Cache:
         self.pages = buf.as_strided((nblocks, H, P, geo.state_bytes), (layers * bb, P * geo.state_bytes,
                                                                         geo.state_bytes, 1), layer * bb)
         self.pages.zero_()
-        self.rings = [torch.full((nblocks, H, geo.window_tokens, 2 * D), float("nan"), dtype=dtype) for _ in range(k)]
+        # the k rings in one allocation, as vLLM overlays its groups on one buffer (ring r's block b at
+        # (b * k + r) * block bytes): the kernel reads their rows in place (kivi.vllm.geometry.ring_pool)
+        rbuf = torch.full((nblocks * k * bb // dtype.itemsize,), float("nan"), dtype=dtype)
+        rw = geo.window_tokens * 2 * D
+        self.rings = [rbuf.as_strided((nblocks, H, geo.window_tokens, 2 * D), (k * bb // dtype.itemsize, rw, 2 * D, 1),
+                                      r * bb // dtype.itemsize) for r in range(k)]
         self.ptab: dict[int, list[int]] = {}
         self.rtab: dict[int, list[int]] = {}
 
@@ -130,7 +136,7 @@ def test_batched_decode_reads_interleaved_layers(layer):
 def run_both(cfg, dtype, decode_steps=44, **layout):
     geo = build_geometry(cfg, page_size=P, num_kv_heads=H, head_dim=D, dtype=dtype)
     fast, slow = Cache(geo, dtype, **layout), Cache(geo, dtype, **layout)
-    assert decode_kernel(cfg, geo, "cpu", fast.pages) is not None, "the kernel must apply, or nothing is compared"
+    assert decode_kernel(cfg, geo, "cpu", fast.pages, fast.rings) is not None, "the kernel must apply"
     prompts = {0: 3, 1: 13, 2: 29, 3: 41, 4: 1, 5: 66, 6: 17, 7: 90}
     steps = steps_of(prompts, late={8: (5, 11), 9: (9, 35)}, decode_steps=decode_steps)
     g = torch.Generator().manual_seed(2)
@@ -158,14 +164,24 @@ def run_both(cfg, dtype, decode_steps=44, **layout):
 def test_where_the_kernel_applies(monkeypatch):
     cfg = KiviConfig(k_bits=2, v_bits=2, group_size=8, residual_length=8)
     geo = build_geometry(cfg, page_size=P, num_kv_heads=H, head_dim=D, dtype=torch.float32)
-    pages = Cache(geo, torch.float32).pages
-    assert decode_kernel(cfg, geo, "cpu", pages) is not None
-    assert decode_kernel(cfg, geo, "reference", pages) is None  # the ground truth goes request by request
+    cache = Cache(geo, torch.float32)
+    pages, rings = cache.pages, cache.rings
+    assert decode_kernel(cfg, geo, "cpu", pages, rings) is not None
+    assert decode_kernel(cfg, geo, "reference", pages, rings) is None  # the ground truth goes request by request
     comp = KiviConfig(k_bits=2, v_bits=2, group_size=8, residual_length=8, residual_bits=1)
     geo_comp = build_geometry(comp, page_size=P, num_kv_heads=H, head_dim=D, dtype=torch.float32)
-    assert decode_kernel(comp, geo_comp, "cpu", Cache(geo_comp, torch.float32).pages) is None
+    comp_cache = Cache(geo_comp, torch.float32)
+    assert decode_kernel(comp, geo_comp, "cpu", comp_cache.pages, comp_cache.rings) is None
+    # rings in separate allocations, or one not on a whole block of the shared one: no in-place rows
+    apart = [r.clone() for r in rings]
+    assert decode_kernel(cfg, geo, "cpu", pages, apart) is None
+    shifted = [rings[0]] + [r[1:] if j == 1 else r for j, r in enumerate(rings[1:], 1)]
+    assert decode_kernel(cfg, geo, "cpu", pages, shifted) is not None  # whole blocks: still in place
+    storage = rings[0].untyped_storage()
+    odd = torch.empty(0).set_(storage, rings[0].storage_offset() + 2 * D, rings[0].shape, rings[0].stride())
+    assert decode_kernel(cfg, geo, "cpu", pages, [odd] + rings[1:]) is None
     monkeypatch.setattr(vdecode, "numba_available", lambda: False)
-    assert decode_kernel(cfg, geo, "cpu", pages) is None
+    assert decode_kernel(cfg, geo, "cpu", pages, rings) is None
 
 
 def test_stores_any_follows_the_schedule():

@@ -18,6 +18,8 @@ from kivi.attention.interface import run_backend
 from kivi.cache.layer import KiviLayer
 from kivi.cache.view import exact_queries
 from kivi.config import KiviConfig
+from kivi.optional import numba_available
+from kivi.vllm.decode import decode_kernel
 from kivi.vllm.geometry import build_geometry, ring_slots
 from kivi.vllm.paged import StepBatch, exact_attention, paged_step
 
@@ -36,7 +38,12 @@ class FakeVllm:
         k = geo.window_rings
         self.rfree = [torch.randperm(nblocks - 1, generator=g).add(1).tolist() for _ in range(k)]
         self.pages = torch.zeros(nblocks, H, P, geo.state_bytes // 4, dtype=torch.float32)
-        self.rings = [torch.full((nblocks, H, geo.window_tokens, 2 * D), float("nan")) for _ in range(k)]
+        # the k rings overlay one allocation as vLLM's groups do (ring r's block b at (b * k + r) * block bytes),
+        # so with the "cpu" backend decode rows go through the batched kernel reading them in place
+        bb = geo.block_bytes // 4
+        rbuf = torch.full((nblocks * k * bb,), float("nan"))
+        self.rings = [rbuf.as_strided((nblocks, H, geo.window_tokens, 2 * D),
+                                      (k * bb, geo.window_tokens * 2 * D, 2 * D, 1), r * bb) for r in range(k)]
         self.ptab: dict[int, list[int]] = {}
         self.rtab: dict[int, list[int]] = {}
 
@@ -104,6 +111,8 @@ def test_paged_step_matches_kivi_layer(cfg, backend):
     steps += [[(0, 72 + j, 1), (1, 95 + j, 1)] for j in range(40)]
     vl, _, _ = run_steps(cfg, backend, steps)
     assert 72 + 40 > 2 * len(vl.rings) * vl.geo.window_tokens, "the test must wrap the rings (reuse their slots)"
+    if backend == "cpu" and numba_available():  # the decode rows went through the batched kernel
+        assert decode_kernel(cfg, vl.geo, backend, vl.pages, vl.rings) is not None
 
 
 def sink_steps(decodes=40):

@@ -721,21 +721,37 @@ def _half_f32(x, pdt):
 
 
 @inline
+def _half_into(addr, pdt, n, out):
+    """The ``n`` 16-bit floats at ``addr`` (``pdt`` 1 = bfloat16, 2 = float16) as float32 into ``out[:n]``: one
+    view of the row, the dtype branch outside the loop (a bfloat16 row converts in vector lanes)."""
+    y = carray(_u16p(addr), (n,))
+    if pdt == 1:
+        for i in range(n):
+            out[i] = _u32_f32(np.uint32(y[i]) << np.uint32(16))
+    else:
+        for i in range(n):
+            out[i] = _half_f32(np.uint32(y[i]), 2)
+
+
+@inline
 def _param_rows(addr, pdt, n, sym_qmax, out_sc, out_bs, base_addr):
     """Head rows of a page's scale (at ``addr``) and base (offset at ``base_addr``, or ``-qmax * scale`` when
     ``base_addr < 0``) as float32 into ``out_sc`` / ``out_bs`` (``n`` values each; params of dtype ``pdt``)."""
-    for i in range(n):
-        if pdt == 0:
-            s = _f32_rows(addr, i, 1)[0]
-        else:
-            s = _half_f32(np.uint32(carray(_u16p(addr + 2 * i), (1,))[0]), pdt)
-        out_sc[i] = s
-        if base_addr < 0:
-            out_bs[i] = -sym_qmax * s
-        elif pdt == 0:
-            out_bs[i] = _f32_rows(base_addr, i, 1)[0]
-        else:
-            out_bs[i] = _half_f32(np.uint32(carray(_u16p(base_addr + 2 * i), (1,))[0]), pdt)
+    if pdt == 0:
+        x = _f32_rows(addr, 0, n)
+        for i in range(n):
+            out_sc[i] = x[i]
+    else:
+        _half_into(addr, pdt, n, out_sc)
+    if base_addr < 0:
+        for i in range(n):
+            out_bs[i] = -sym_qmax * out_sc[i]
+    elif pdt == 0:
+        x = _f32_rows(base_addr, 0, n)
+        for i in range(n):
+            out_bs[i] = x[i]
+    else:
+        _half_into(base_addr, pdt, n, out_bs)
 
 
 @inline
@@ -970,9 +986,7 @@ def _ring_row(rl, rid, h, D, out):
         for k in range(D):
             out[k] = x[k]
     else:
-        y = carray(_u16p(addr), (D,))
-        for k in range(D):
-            out[k] = _half_f32(np.uint32(y[k]), dt)
+        _half_into(addr, dt, D, out)
 
 
 @inline

@@ -31,11 +31,11 @@ The full-precision rows come in one of two forms, the same for both sides:
   task converts the rows its chunk covers, of its kv head, to float32.
 
   kivi's window blocks: ``rows`` is :func:`kivi.batching.layout.window_view` of the cache pool, ``w0`` the
-  layer's sink slots. A vLLM plugin whose ``k`` window rings ``[NBw, H, Pw, 2D]`` (keys in channels
-  ``[0, D)``, values in ``[D, 2D)``) live in one tensor put token ``p`` at ring slot ``p mod (k * Pw)``:
-  ``rows = ring.permute(0, 2, 1, 3)[..., :D]`` (values ``[..., D:]``), ``w0 = 0`` (no sink), slot table
-  ``table[i, s] = ring_table[i, s // Pw] * Pw + s % Pw`` for ``s < k * Pw``, the step's keys / values as
-  ``new``, the rings written after the call.
+  layer's sink slots. kivi's vLLM plugin: ``rows`` is its ``k`` window rings ``[NBw, H, Pw, 2D]`` seen as one
+  pool over vLLM's shared allocation (:func:`kivi.vllm.geometry.ring_pool`, keys in channels ``[0, D)``,
+  values in ``[D, 2D)``), ``w0`` the sink slots, the slot table per request and side from the step's plan
+  (:class:`kivi.vllm.plan.KernelRows`: the ring slot each column reads), the step's keys / values as ``new``,
+  the rings written after the call.
 
 :func:`paged_decode_attention` checks the inputs and runs the numba kernel (:mod:`.kernel`,
 ``paged_decode_*``: split-K over ``(request, kv head, chunk)`` tasks on numba's pool, each task running
