@@ -31,30 +31,49 @@ import torch
 
 from ..optional import numba_available
 from .clipping import shrink_factors
+from .kv import PackedKV
 from .packing import packed_size
 from .primitives import SUPPORTED_BITS
 from .side_format import VALUE_AXIS, SideFormat
 
 
-def token_quantizer_supported(fmt: SideFormat, dtype: torch.dtype) -> bool:
-    """Whether :func:`quantize_tokens_into` reproduces :func:`kivi.quant.kv.quantize_side` for the value format
-    ``fmt`` and cached tensors of ``dtype``."""
+#: dtypes of the values :func:`quantize_tokens` takes (converted to float32 exactly, as the reference does) and of
+#: the parameters it stores (float16 parameters: the torch path).
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PARAM_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def tokens_quantizable(fmt: SideFormat, dtype: torch.dtype) -> bool:
+    """Whether :func:`quantize_tokens` reproduces :func:`kivi.quant.kv.quantize_side` for the value format ``fmt``
+    and cached tensors of ``dtype``: numba installed, values (per-token groups), asymmetric min/max (optionally
+    clipped), no compensation, finiteness checked, ``dtype`` in :data:`INPUT_DTYPES` and parameters in
+    :data:`PARAM_DTYPES`."""
     return (
         numba_available()
         and fmt.axis == VALUE_AXIS
-        and dtype == torch.float32
-        and fmt.param_dtype(dtype) == torch.float32
+        and dtype in INPUT_DTYPES
+        and fmt.param_dtype(dtype) in PARAM_DTYPES
         and not fmt.symmetric
         and fmt.residual_bits == 0
         and fmt.check_finite
     )
 
 
-def _quantize_tokens(x, bits, G, shrinks, packed, scale, offset):
+def token_quantizer_supported(fmt: SideFormat, dtype: torch.dtype) -> bool:
+    """Whether :func:`quantize_tokens_into` (float32 values and parameters, written in place) reproduces
+    :func:`kivi.quant.kv.quantize_side` for the value format ``fmt`` and cached tensors of ``dtype``."""
+    return tokens_quantizable(fmt, dtype) and dtype == torch.float32 and fmt.param_dtype(dtype) == torch.float32
+
+
+def _quantize_tokens(x, bits, G, shrinks, packed, scale, offset, bf16):
     """Kernel: quantize every token row of ``x [B, H, n, D]`` in groups of ``G`` channels.
 
     ``shrinks`` (float32): the clipping grid of :mod:`kivi.quant.clipping`, or ``[1.0]`` for min/max.
-    Returns 0, or 1 when a non-finite value was met (nothing is guaranteed written then).
+    ``bf16``: the parameters are stored as bfloat16: each is rounded to the nearest bfloat16 (ties to even, as
+    torch converts) and the codes are computed against the rounded values, as the reference does; ``scale`` /
+    ``offset`` get them as float32 (exactly representable in bfloat16).
+    Every row is checked before anything is written: returns 1, having written nothing, when a value is not
+    finite, else 0.
     """
     B, H, n, D = x.shape
     levels = (1 << bits) - 1
@@ -63,6 +82,17 @@ def _quantize_tokens(x, bits, G, shrinks, packed, scale, offset):
     zero = np.float32(0.0)
     nb = packed.shape[3]
     R = shrinks.shape[0]
+    f = np.empty(1, dtype=np.float32)
+    u = f.view(np.uint32)  # f's bits: a bit cast without an intrinsic
+
+    def stored(v):  # v as the parameters store it
+        if not bf16 or v != v:
+            return v
+        f[0] = v
+        w = u[0]
+        u[0] = (w + np.uint32(0x7FFF) + ((w >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+        return f[0]
+
     for b in range(B):
         for h in range(H):
             for t in range(n):
@@ -70,6 +100,10 @@ def _quantize_tokens(x, bits, G, shrinks, packed, scale, offset):
                 for c in range(D):
                     if not np.isfinite(row[c]):
                         return 1
+    for b in range(B):
+        for h in range(H):
+            for t in range(n):
+                row = x[b, h, t]
                 out = packed[b, h, t]
                 for j in range(nb):
                     out[j] = 0
@@ -81,12 +115,14 @@ def _quantize_tokens(x, bits, G, shrinks, packed, scale, offset):
                         v = row[c]
                         lo = min(lo, v)
                         hi = max(hi, v)
-                    sc = (hi - lo) / flevels
-                    if R > 1:  # clipping: the candidate with the smallest squared error, first on ties
+                    if R == 1:
+                        lo = stored(lo)
+                        sc = stored((hi - lo) / flevels)
+                    else:  # clipping: the candidate with the smallest squared error, first on ties
                         mid = (lo + hi) / two
                         best_err = zero
                         best_lo = lo
-                        best_sc = sc
+                        best_sc = zero
                         for ri in range(R):
                             r = shrinks[ri]
                             clo = lo
@@ -95,7 +131,8 @@ def _quantize_tokens(x, bits, G, shrinks, packed, scale, offset):
                                 half = (hi - lo) / two * r
                                 clo = mid - half
                                 chi = mid + half
-                            csc = (chi - clo) / flevels
+                            clo = stored(clo)
+                            csc = stored((chi - clo) / flevels)
                             err = zero
                             for c in range(c0, c0 + G):
                                 q = zero
@@ -131,7 +168,8 @@ def _kernel():
     import numba
 
     return numba.njit(
-        "int64(float32[:,:,:,:], int64, int64, float32[:], uint8[:,:,:,:], float32[:,:,:,:], float32[:,:,:,:])",
+        "int64(float32[:,:,:,:], int64, int64, float32[:], uint8[:,:,:,:], float32[:,:,:,:], float32[:,:,:,:], "
+        "boolean)",
         cache=True,
     )(_quantize_tokens)
 
@@ -156,11 +194,41 @@ def quantize_tokens_into(
         raise ValueError(f"group_size={group_size} must divide head_dim={D}")
     if tuple(packed.shape) != (B, H, n, packed_size(D, bits)) or tuple(scale.shape) != (B, H, n, D // group_size):
         raise ValueError(f"output views {tuple(packed.shape)} / {tuple(scale.shape)} do not match x {tuple(x.shape)}")
-    if _kernel()(x.detach().numpy(), bits, group_size, _shrinks(clip), packed.numpy(), scale.numpy(), offset.numpy()):
+    if _kernel()(x.detach().numpy(), bits, group_size, _shrinks(clip), packed.numpy(), scale.numpy(), offset.numpy(),
+                 False):
         raise ValueError(
             "x contains NaN or Inf; KV quantization needs finite values (pass check_finite=False to let a "
             "non-finite value poison its group instead)"
         )
+
+
+def quantize_tokens(x: torch.Tensor, fmt: SideFormat) -> PackedKV:
+    """:func:`kivi.quant.kv.quantize_side` of values ``x [B, H, n, D]`` (on the CPU) in one compiled pass, bit for bit,
+    where :func:`tokens_quantizable` says so (``ValueError`` otherwise, and on NaN / Inf as the reference).
+
+    The torch reference spends ~15 small tensor operations on a decode step's few leaving rows; this is one call.
+    """
+    if x.device.type != "cpu" or not tokens_quantizable(fmt, x.dtype):
+        raise ValueError(f"quantize_tokens does not reproduce quantize_side for {fmt} and {x.dtype} values on "
+                         f"{x.device.type}: see tokens_quantizable")
+    if x.dim() != 4:
+        raise ValueError(f"x must be [batch, heads, tokens, head_dim], got shape {tuple(x.shape)}")
+    B, H, n, D = x.shape
+    G = fmt.group_size
+    if G <= 0 or D % G:
+        raise ValueError(f"group_size={G} must divide head_dim={D}")
+    pdt = fmt.param_dtype(x.dtype)
+    packed = torch.empty(B, H, n, packed_size(D, fmt.bits), dtype=torch.uint8)
+    scale, offset = torch.empty(B, H, n, D // G), torch.empty(B, H, n, D // G)
+    xf = x.detach().float().contiguous()
+    if _kernel()(xf.numpy(), fmt.bits, G, _shrinks(fmt.clip), packed.numpy(), scale.numpy(), offset.numpy(),
+                 pdt == torch.bfloat16):
+        raise ValueError(
+            "x contains NaN or Inf; KV quantization needs finite values (pass check_finite=False to let a "
+            "non-finite value poison its group instead)"
+        )
+    return PackedKV(packed=packed, scale=scale.to(pdt), offset=offset.to(pdt), comp=None, bits=fmt.bits,
+                    group_size=G, axis=fmt.axis, head_dim=D)
 
 
 @functools.cache
@@ -174,4 +242,5 @@ def warmup() -> None:
     _kernel()
 
 
-__all__ = ["numba_available", "token_quantizer_supported", "quantize_tokens_into", "warmup"]
+__all__ = ["numba_available", "token_quantizer_supported", "quantize_tokens_into", "tokens_quantizable", "quantize_tokens",
+           "INPUT_DTYPES", "PARAM_DTYPES", "warmup"]

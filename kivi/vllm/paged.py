@@ -22,9 +22,10 @@ ring slots the step writes); :func:`paged_step` does, for one layer:
 3. quantizes what leaves the windows in this step for the pages (after the first tokens to leave filled the
    sink, :func:`~kivi.cache.schedule.window_exits`: keys in whole groups of ``G`` once ``R`` newer remain,
    values beyond ``R``; sink tokens are never quantized and never move: their rows are already in their
-   slots), every request's tokens in one call per side (groups never span requests: keys
-   leave in whole aligned groups), both sides before writing either, so a refused value (NaN) writes
-   nothing to the pages; then writes them to their page rows, one indexed write per field;
+   slots), every request's tokens in one call per side (groups never span requests: keys leave in whole
+   aligned groups; values on the CPU in one compiled pass, :func:`kivi.quant.fused_cpu.quantize_tokens`), both
+   sides before writing either, so a refused value (NaN) writes nothing to the pages; then writes them to
+   their page rows, one indexed write per field;
 4. attends: the decode rows with something stored in one call of kivi's batched paged decode kernel
    reading the pages through the block table and the full-precision rows in the rings where they are
    (:mod:`kivi.vllm.decode`, where it applies: :func:`~kivi.vllm.decode.decode_kernel`); every request's
@@ -54,6 +55,7 @@ from ..cache.pages import page_store, scatter_tokens
 from ..cache.schedule import prefill_exact_queries, side_tokens, window_exits
 from ..cache.view import AttentionView, exact_queries
 from ..config import KiviConfig
+from ..quant.fused_cpu import quantize_tokens, tokens_quantizable
 from ..quant.kv import quantize_side
 from ..quant.page import AXIS, SIDES
 from .decode import DecodeKernel, decode_kernel, leaving_rows, paged_decode
@@ -95,8 +97,12 @@ def _ring_read(rings: list[torch.Tensor], pos: torch.Tensor, ring_table_row: tor
 
 
 def _quantize(cfg: KiviConfig, side: str, x: torch.Tensor):
-    """``x [H, T, D]`` leaving the window (T a multiple of G for keys) as the pages store it."""
-    return quantize_side(x.unsqueeze(0), cfg.side_format(side))
+    """``x [H, T, D]`` leaving the window (T a multiple of G for keys) as the pages store it: values on the CPU in
+    one compiled pass where it reproduces the reference (:func:`kivi.quant.fused_cpu.tokens_quantizable`)."""
+    fmt = cfg.side_format(side)
+    if x.device.type == "cpu" and tokens_quantizable(fmt, x.dtype):
+        return quantize_tokens(x.unsqueeze(0), fmt)
+    return quantize_side(x.unsqueeze(0), fmt)
 
 
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""quantize_tokens_into (numba, per-token values) against quantize_kv(axis="token"): bit for bit."""
+"""quantize_tokens_into / quantize_tokens (numba, per-token values) against quantize_kv(axis="token") / quantize_side:
+bit for bit."""
 
 from __future__ import annotations
 
@@ -11,8 +12,13 @@ from hypothesis import strategies as st
 
 pytest.importorskip("numba")
 
-from kivi.quant.fused_cpu import quantize_tokens_into, token_quantizer_supported  # noqa: E402
-from kivi.quant.kv import dequantize_kv, quantize_kv  # noqa: E402
+from kivi.quant.fused_cpu import (  # noqa: E402
+    quantize_tokens,
+    quantize_tokens_into,
+    token_quantizer_supported,
+    tokens_quantizable,
+)
+from kivi.quant.kv import dequantize_kv, quantize_kv, quantize_side  # noqa: E402
 from kivi.quant.packing import packed_size  # noqa: E402
 from kivi.quant.side_format import SideFormat  # noqa: E402
 
@@ -139,3 +145,83 @@ def test_supported_only_where_it_is_exact():
     assert not token_quantizer_supported(replace(ok, scale_dtype=torch.float16), torch.float32)
     assert token_quantizer_supported(replace(ok, scale_dtype=torch.float32), torch.float32)
     assert not token_quantizer_supported(replace(ok, check_finite=False), torch.float32)
+
+
+# ------------------------------------------------------------------------ quantize_tokens (any supported dtype)
+def _assert_side_same(x, fmt):
+    ref, got = quantize_side(x, fmt), quantize_tokens(x, fmt)
+    for name in ("packed", "scale", "offset"):
+        a, b = getattr(ref, name), getattr(got, name)
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a, b), name
+    assert got.comp is None and (got.bits, got.group_size, got.axis, got.head_dim) == (fmt.bits, fmt.group_size,
+                                                                                        fmt.axis, x.shape[-1])
+    return got
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    scale_dtype=st.sampled_from([None, torch.float32, torch.bfloat16]),
+    bits=st.sampled_from([1, 2, 3, 4, 8]),
+    G=st.sampled_from([3, 4, 13, 32]),
+    groups=st.integers(1, 3),
+    n=st.integers(1, 6),
+    mag=st.sampled_from([1e-4, 1.0, 300.0]),
+    clip=st.booleans(),
+    constant=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_quantize_tokens_matches_quantize_side(dtype, scale_dtype, bits, G, groups, n, mag, clip, constant, seed):
+    """Every input dtype and parameter dtype it accepts, bfloat16 parameters rounded (ties to even) before the
+    codes are computed against them, clipping included, and all-constant groups."""
+    fmt = SideFormat("token", bits, G, clip=clip, scale_dtype=scale_dtype)
+    if fmt.param_dtype(dtype) == torch.float16:
+        assert not tokens_quantizable(fmt, dtype)
+        return
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(2, 3, n, G * groups, generator=g) * mag).to(dtype)
+    if constant:
+        x[:, :, :, :G] = 0.75
+    got = _assert_side_same(x, fmt)
+    if constant:
+        assert torch.all(got.scale[..., 0] == 0)
+
+
+def test_quantize_tokens_bfloat16_params_round_before_the_codes():
+    """The rounding of a bfloat16 scale changes codes (so the test would fail if the parameters were rounded only
+    when stored): some rows whose codes differ from those computed against the float32 parameters."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 4, 64, 32, generator=g)
+    fmt = SideFormat("token", 2, 32, scale_dtype=torch.bfloat16)
+    got = _assert_side_same(x, fmt)
+    assert not torch.equal(got.packed, quantize_side(x, SideFormat("token", 2, 32)).packed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_tokens_refuses_non_finite_and_what_it_cannot_reproduce(dtype):
+    x = torch.randn(1, 2, 3, 32).to(dtype)
+    x[0, 1, 2, 7] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        quantize_tokens(x, SideFormat("token", 2, 32))
+    for fmt in (SideFormat("channel", 2, 32), SideFormat("token", 2, 32, symmetric=True),
+                SideFormat("token", 2, 32, residual_bits=2), SideFormat("token", 2, 32, scale_dtype=torch.float16)):
+        assert not tokens_quantizable(fmt, dtype)
+        with pytest.raises(ValueError, match="tokens_quantizable"):
+            quantize_tokens(x, fmt)
+    with pytest.raises(ValueError, match="group_size=12"):
+        quantize_tokens(torch.randn(1, 1, 2, 32), SideFormat("token", 2, 12))
+    with pytest.raises(ValueError, match="batch, heads, tokens, head_dim"):
+        quantize_tokens(torch.randn(2, 32), SideFormat("token", 2, 32))
+    assert not tokens_quantizable(SideFormat("token", 2, 32), torch.float16)  # float16 parameters: the torch path
+    assert tokens_quantizable(SideFormat("token", 2, 32, scale_dtype=torch.float32), torch.float16)
+
+
+def test_quantize_tokens_into_writes_nothing_when_a_later_row_is_not_finite():
+    """Every row is checked before any is written (the first rows used to be written before the NaN was met)."""
+    x = torch.randn(1, 2, 3, 32)
+    x[0, 1, 2, 0] = float("inf")
+    pk, sc, of = (torch.full_like(t, 7) for t in _outputs(1, 2, 3, 32, 2, 32))
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        quantize_tokens_into(x, 2, 32, pk, sc, of)
+    assert torch.all(pk == 7) and torch.all(sc == 7) and torch.all(of == 7)

@@ -20,7 +20,8 @@ from kivi.cache.view import exact_queries
 from kivi.config import KiviConfig
 from kivi.optional import numba_available
 from kivi.vllm.decode import decode_kernel
-from kivi.vllm.geometry import build_geometry, ring_slots
+from kivi.cache.pages import gather_pages
+from kivi.vllm.geometry import block_field_views, build_geometry, ring_slots
 from kivi.vllm.paged import StepBatch, exact_attention, paged_step
 
 H, HQ, D = 2, 4, 16
@@ -31,17 +32,18 @@ class FakeVllm:
     """Block tables the way vLLM's groups give them: pages of P tokens (full attention) and, per request,
     one block in each of the ``k`` window rings (circular-buffer groups), each from its own pool."""
 
-    def __init__(self, geo, nblocks=64, seed=0):
+    def __init__(self, geo, nblocks=64, seed=0, dtype=torch.float32):
         self.geo = geo
         g = torch.Generator().manual_seed(seed)
         self.free = torch.randperm(nblocks - 1, generator=g).add(1).tolist()  # block 0 is vLLM's null block
         k = geo.window_rings
         self.rfree = [torch.randperm(nblocks - 1, generator=g).add(1).tolist() for _ in range(k)]
-        self.pages = torch.zeros(nblocks, H, P, geo.state_bytes // 4, dtype=torch.float32)
+        size = dtype.itemsize
+        self.pages = torch.zeros(nblocks, H, P, geo.state_bytes // size, dtype=dtype)
         # the k rings overlay one allocation as vLLM's groups do (ring r's block b at (b * k + r) * block bytes),
         # so with the "cpu" backend decode rows go through the batched kernel reading them in place
-        bb = geo.block_bytes // 4
-        rbuf = torch.full((nblocks * k * bb,), float("nan"))
+        bb = geo.block_bytes // size
+        rbuf = torch.full((nblocks * k * bb,), float("nan"), dtype=dtype)
         self.rings = [rbuf.as_strided((nblocks, H, geo.window_tokens, 2 * D),
                                       (k * bb, geo.window_tokens * 2 * D, 2 * D, 1), r * bb) for r in range(k)]
         self.ptab: dict[int, list[int]] = {}
@@ -74,26 +76,28 @@ def reference_step(layer: KiviLayer, q, k, v, scale):
     return o[0].transpose(0, 1)
 
 
-def run_steps(cfg, backend, steps, seed=1):
+def run_steps(cfg, backend, steps, seed=1, dtype=torch.float32, tol=None):
     """Run ``steps`` ([(rid, past, q_len)] each) through ``paged_step`` and each request's own ``KiviLayer``;
-    every output must match. Returns the fake vLLM cache, the layers and each request's keys / values."""
-    geo = build_geometry(cfg, page_size=P, num_kv_heads=H, head_dim=D, dtype=torch.float32)
-    vl = FakeVllm(geo)
+    every output must match (``tol``: by default exact for the reference backend). Returns the fake vLLM cache,
+    the layers and each request's keys / values."""
+    geo = build_geometry(cfg, page_size=P, num_kv_heads=H, head_dim=D, dtype=dtype)
+    vl = FakeVllm(geo, dtype=dtype)
     g = torch.Generator().manual_seed(seed)
     refs, inputs = {}, {}
     scale = D ** -0.5
     for rows in steps:
         n = sum(q for _, _, q in rows)
-        q, k, v = (torch.randn(n, h, D, generator=g) for h in (HQ, H, H))
+        q, k, v = (torch.randn(n, h, D, generator=g).to(dtype) for h in (HQ, H, H))
         out = paged_step(cfg, geo, backend, q, k, v, vl.pages, vl.rings, vl.batch(rows), scale,
-                         torch.empty(n, HQ, D))
+                         torch.empty(n, HQ, D, dtype=dtype))
         lo = 0
         for rid, past, ql in rows:
             layer = refs.setdefault(rid, KiviLayer(cfg))
             assert layer.get_seq_length() == past
             want = reference_step(layer, q[lo:lo + ql], k[lo:lo + ql], v[lo:lo + ql], scale)
             inputs.setdefault(rid, []).append((k[lo:lo + ql], v[lo:lo + ql]))
-            tol = dict(atol=0, rtol=0) if backend == "reference" else dict(atol=2e-5, rtol=1e-4)
+            if tol is None:
+                tol = dict(atol=0, rtol=0) if backend == "reference" else dict(atol=2e-5, rtol=1e-4)
             torch.testing.assert_close(out[lo:lo + ql], want, **tol, msg=f"step {rows}, request {rid}")
             lo += ql
     return vl, refs, {rid: [torch.cat(x) for x in zip(*kv)] for rid, kv in inputs.items()}
@@ -113,6 +117,28 @@ def test_paged_step_matches_kivi_layer(cfg, backend):
     assert 72 + 40 > 2 * len(vl.rings) * vl.geo.window_tokens, "the test must wrap the rings (reuse their slots)"
     if backend == "cpu" and numba_available():  # the decode rows went through the batched kernel
         assert decode_kernel(cfg, vl.geo, backend, vl.pages, vl.rings) is not None
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_paged_step_bfloat16_matches_kivi_layer(backend):
+    """A bfloat16 model's caches (the pages' parameters in bfloat16, values quantized in one compiled pass on the
+    CPU): the same steps give KiviLayer's outputs, and the pages hold its stored values bit for bit."""
+    cfg = CONFIGS[0]
+    steps = [[(0, 0, 70)], [(1, 0, 45), (0, 70, 1)], [(0, 71, 1), (1, 45, 50)]]
+    steps += [[(0, 72 + j, 1), (1, 95 + j, 1)] for j in range(40)]
+    tol = dict(atol=0, rtol=0) if backend == "reference" else dict(atol=2e-2, rtol=2e-2)
+    vl, refs, _ = run_steps(cfg, backend, steps, dtype=torch.bfloat16, tol=tol)
+    views = block_field_views(vl.pages, vl.geo, "v")
+    for rid, layer in refs.items():
+        store = layer.v.store
+        n = store.length
+        assert n > 2 * P, "the values must fill pages"
+        got = gather_pages(views, torch.tensor(vl.ptab[rid]), bits=cfg.v_bits, group_size=cfg.group_size,
+                           axis="token", head_dim=D, residual_bits=0)
+        want = store.read_range(0, n)
+        assert want.scale.dtype == torch.bfloat16
+        for name in ("packed", "scale", "offset"):
+            assert torch.equal(getattr(got, name)[:, :, :n], getattr(want, name)), f"request {rid} values' {name}"
 
 
 def sink_steps(decodes=40):
