@@ -1,16 +1,22 @@
-"""Per-token (value) quantization and packing in one compiled pass (numba), written in place.
+"""Per-token (value) quantization and packing in one compiled pass (numba).
 
 The reference is :func:`kivi.quant.kv.quantize_kv` with ``axis="token"``; this computes the same
-codes, scales and offsets bit for bit, for the configurations it accepts
-(:func:`token_quantizer_supported`): float32 input and parameters, asymmetric min/max (optionally
+codes, scales and offsets bit for bit, for the configurations it accepts: asymmetric min/max (optionally
 clipped), no error compensation, 1, 2, 3, 4 or 8 bits, finiteness checked. It exists for the decode step, where one
 value token leaves the full-precision window of every layer: the torch path spends ~15 small tensor ops
-(~300 us on the 2-core development machine) on those 64 numbers, this one call ~10-20 us, and it writes
-straight into the cache's block storage (:meth:`kivi.cache.store.BlockStore.append_in_place`).
+(~300 us on the 2-core development machine) on those 64 numbers, this one call ~10-20 us. Two entries:
 
-Numerics, kept identical to the torch reference (``fastmath`` off, float32 throughout):
-``offset = min``, ``scale = (max - offset) / (2**bits - 1)``, ``code = clamp(rint((x - offset) /
-scale), 0, 2**bits - 1)`` (round half to even, like ``torch.round``), code 0 where ``scale == 0``.
+* :func:`quantize_tokens_into` (:func:`token_quantizer_supported`: float32 values and parameters) writes
+  straight into the cache's block storage (:meth:`kivi.cache.store.BlockStore.append_in_place`);
+* :func:`quantize_tokens` (:func:`tokens_quantizable`: float32 / bfloat16 / float16 values, float32 or
+  bfloat16 parameters) returns what :func:`kivi.quant.kv.quantize_side` returns (the vLLM pages' write step,
+  :mod:`kivi.vllm.paged`). bfloat16 parameters are rounded to the nearest bfloat16 (ties to even, as torch
+  converts) before the codes are computed against them, as the reference does.
+
+Numerics, kept identical to the torch reference (``fastmath`` off, float32 throughout; ``stored(x)``: ``x``, or
+its nearest bfloat16): ``offset = stored(min)``, ``scale = stored((max - offset) / (2**bits - 1))``,
+``code = clamp(rint((x - offset) / scale), 0, 2**bits - 1)`` (round half to even, like ``torch.round``), code 0
+where ``scale == 0``.
 With ``clip=True`` the group's parameters are chosen as :mod:`kivi.quant.clipping` chooses them (same
 candidates, same float32 operations, the error summed in the same element order), so the codes stay
 bit-identical to the torch reference with clipping on.
@@ -35,7 +41,6 @@ from .kv import PackedKV
 from .packing import packed_size
 from .primitives import SUPPORTED_BITS
 from .side_format import VALUE_AXIS, SideFormat
-
 
 #: dtypes of the values :func:`quantize_tokens` takes (converted to float32 exactly, as the reference does) and of
 #: the parameters it stores (float16 parameters: the torch path).
@@ -242,5 +247,5 @@ def warmup() -> None:
     _kernel()
 
 
-__all__ = ["numba_available", "token_quantizer_supported", "quantize_tokens_into", "tokens_quantizable", "quantize_tokens",
-           "INPUT_DTYPES", "PARAM_DTYPES", "warmup"]
+__all__ = ["numba_available", "token_quantizer_supported", "quantize_tokens_into", "tokens_quantizable",
+           "quantize_tokens", "INPUT_DTYPES", "PARAM_DTYPES", "warmup"]

@@ -16,11 +16,11 @@ import torch
 
 from kivi.attention.interface import run_backend
 from kivi.cache.layer import KiviLayer
+from kivi.cache.pages import gather_pages
 from kivi.cache.view import exact_queries
 from kivi.config import KiviConfig
 from kivi.optional import numba_available
 from kivi.vllm.decode import decode_kernel
-from kivi.cache.pages import gather_pages
 from kivi.vllm.geometry import block_field_views, build_geometry, ring_slots
 from kivi.vllm.paged import StepBatch, exact_attention, paged_step
 
