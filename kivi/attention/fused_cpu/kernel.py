@@ -20,8 +20,8 @@ output ``[B, Hq, Dv]``. Per ``(batch b, kv head h)`` and its ``g = Hq / Hkv`` qu
 * codes are unpacked *token-major*: a block's rows are transposed to 32-bit words
   (:func:`_transpose_words`; 3-bit rows: one 24-bit run of 8 codes per word, :func:`_transpose_runs`)
   so that every unpack loop runs over tokens, vectorised in 32-bit lanes (the :func:`_code`
-  intrinsic), and each pass over a word serves :data:`HC` = 4 query heads while 3 or more remain,
-  then single heads (GQA without repeating the cache);
+  intrinsic), and each pass over a word serves :data:`HC` = 4 query heads while 4 or more remain, 3
+  when 3 remain, then single heads (GQA without repeating the cache);
 * keys (per-channel groups, ``x = code * scale + base``; ``base`` = offset, offset +
   compensation, or ``-qmax * scale`` when symmetric): ``s_i(t) = c_i + sum_d q'_{i,d} code_d(t)``
   with ``q' = q * scale * scaling`` and ``c_i = scaling * q_i . base`` per group
@@ -180,8 +180,7 @@ def _exp_into(si, n, mx):
 
 
 #: Query heads handled per pass over a block's codes (register blocking). Passes take 4 heads while
-#: 3 or more remain (a GQA ratio of 3 runs one 4-head pass with a zero row: a quarter of its
-#: multiply-adds wasted, still cheaper than unpacking twice), then single heads (MHA, ratio 2).
+#: 4 or more remain, 3 when 3 remain (GQA ratio 3, SmolLM2's: no zero row), then single heads (MHA, ratio 2).
 HC = 4
 
 
@@ -273,17 +272,9 @@ def _transpose(codes, r0, n, ds2, bits, nbytes, nw, tw):
 
 @inline
 def _pass_width(g, i0):
-    """Heads of the pass starting at head ``i0``: :data:`HC` while 3 or more remain, else 1."""
-    return HC if g - i0 >= 3 else 1
-
-
-@inline
-def _padded_heads(g):
-    """Rows the head passes touch (the last 4-head pass may run past ``g`` on zero rows)."""
-    i0 = 0
-    while i0 < g:
-        i0 += _pass_width(g, i0)
-    return i0
+    """Heads of the pass starting at head ``i0``: :data:`HC` while that many remain, 3 when 3 remain, else 1."""
+    r = g - i0
+    return HC if r >= HC else (3 if r == 3 else 1)
 
 
 @jit
@@ -314,6 +305,34 @@ def _key_pass4(tw, nw, cpw, bits, D, qp, i0, s, o, n):
                 s1[t] += e0 * x0 + e1 * x1 + e2 * x2 + e3 * x3
                 s2[t] += f0 * x0 + f1 * x1 + f2 * x2 + f3 * x3
                 s3[t] += h0 * x0 + h1 * x1 + h2 * x2 + h3 * x3
+
+
+@jit
+def _key_pass3(tw, nw, cpw, bits, D, qp, i0, s, o, n):
+    """:func:`_key_pass4` for the 3 heads ``i0 .. i0 + 2``."""
+    mask = np.uint32((1 << bits) - 1)
+    b1, b2, b3 = np.uint32(bits), np.uint32(2 * bits), np.uint32(3 * bits)
+    s0, s1, s2 = s[i0, o : o + n], s[i0 + 1, o : o + n], s[i0 + 2, o : o + n]
+    for w in range(nw):
+        tww = tw[w]
+        for m in range(cpw // 4):
+            c = w * cpw + 4 * m
+            if c >= D:
+                break
+            a0, a1, a2, a3 = qp[i0, c], qp[i0, c + 1], qp[i0, c + 2], qp[i0, c + 3]
+            e0, e1, e2, e3 = qp[i0 + 1, c], qp[i0 + 1, c + 1], qp[i0 + 1, c + 2], qp[i0 + 1, c + 3]
+            f0, f1, f2, f3 = qp[i0 + 2, c], qp[i0 + 2, c + 1], qp[i0 + 2, c + 2], qp[i0 + 2, c + 3]
+            sh0 = np.uint32(4 * bits * m)
+            sh1, sh2, sh3 = sh0 + b1, sh0 + b2, sh0 + b3
+            for t in range(n):
+                x = tww[t]
+                x0 = _code(x, sh0, mask)
+                x1 = _code(x, sh1, mask)
+                x2 = _code(x, sh2, mask)
+                x3 = _code(x, sh3, mask)
+                s0[t] += a0 * x0 + a1 * x1 + a2 * x2 + a3 * x3
+                s1[t] += e0 * x0 + e1 * x1 + e2 * x2 + e3 * x3
+                s2[t] += f0 * x0 + f1 * x1 + f2 * x2 + f3 * x3
 
 
 @jit
@@ -379,6 +398,44 @@ def _value_pass4(tw, nw, cpw, bits, Dv, G, wt, i0, accq, n):
             a2[c + 1] += r21
             a3[c] += r30
             a3[c + 1] += r31
+
+
+@jit
+def _value_pass3(tw, nw, cpw, bits, Dv, G, wt, i0, accq, n):
+    """:func:`_value_pass4` for the 3 heads ``i0 .. i0 + 2`` (6 accumulators)."""
+    mask = np.uint32((1 << bits) - 1)
+    b1 = np.uint32(bits)
+    a0, a1, a2 = accq[i0], accq[i0 + 1], accq[i0 + 2]
+    for w in range(nw):
+        tww = tw[w]
+        for m in range(cpw // 2):
+            c = w * cpw + 2 * m
+            if c >= Dv:
+                break
+            gg = c // G
+            w0, w1, w2 = wt[i0, gg, :n], wt[i0 + 1, gg, :n], wt[i0 + 2, gg, :n]
+            sh0 = np.uint32(2 * bits * m)
+            sh1 = sh0 + b1
+            r00 = r01 = r10 = r11 = r20 = r21 = _F0
+            for t in range(n):
+                x = tww[t]
+                x0 = _code(x, sh0, mask)
+                x1 = _code(x, sh1, mask)
+                y = w0[t]
+                r00 += y * x0
+                r01 += y * x1
+                y = w1[t]
+                r10 += y * x0
+                r11 += y * x1
+                y = w2[t]
+                r20 += y * x0
+                r21 += y * x1
+            a0[c] += r00
+            a0[c + 1] += r01
+            a1[c] += r10
+            a1[c + 1] += r11
+            a2[c] += r20
+            a2[c + 1] += r21
 
 
 @jit
@@ -465,6 +522,8 @@ def _key_scores(d, p, b, h, a, e, qsc, bits, G, c0, s, qp, tw):
             w = _pass_width(g, i0)
             if w == HC:
                 _key_pass4(tw, nw, cpw, bits, D, qp, i0, s, o, n)
+            elif w == 3:
+                _key_pass3(tw, nw, cpw, bits, D, qp, i0, s, o, n)
             else:
                 _key_pass1(tw, nw, cpw, bits, D, qp, i0, s, o, n)
             i0 += w
@@ -526,6 +585,8 @@ def _value_accumulate(d, p, b, h, a, e, bits, G, c0, pr, accq, accf, accb, wt, s
         w = _pass_width(g, i0)
         if w == HC:
             _value_pass4(tw, nw, cpw, bits, Dv, G, wt, i0, accq, n)
+        elif w == 3:
+            _value_pass3(tw, nw, cpw, bits, Dv, G, wt, i0, accq, n)
         else:
             _value_pass1(tw, nw, cpw, bits, Dv, G, wt, i0, accq, n)
         i0 += w
@@ -540,7 +601,6 @@ def _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, t1, om, ol, oacc):
     Walks ``[t0, t1)`` in steps of :data:`SUB` tokens with an online softmax.
     """
     g = om.shape[0]
-    gp = _padded_heads(g)  # rows the head passes touch (zero rows past g)
     D = q.shape[2]
     Dv = oacc.shape[1]
     kbits, kG, vbits, vG = prm[0], prm[1], prm[2], prm[3]
@@ -550,12 +610,12 @@ def _task(q, kd, vd, prm, valid, has_mask, scaling, b, h, t0, t1, om, ol, oacc):
     for i in range(g):
         for k in range(D):
             qsc[i, k] = q[b, h * g + i, k] * scaling
-    s = np.zeros((gp, SUB), dtype=np.float32)
-    qp = np.zeros((gp, (D + 3) // 4 * 4), dtype=np.float32)  # channels read 4 at a time
+    s = np.zeros((g, SUB), dtype=np.float32)
+    qp = np.zeros((g, (D + 3) // 4 * 4), dtype=np.float32)  # channels read 4 at a time
     tw = np.empty((nw, SUB), dtype=np.uint32)
-    wt = np.zeros((gp, nvg, SUB), dtype=np.float32)
+    wt = np.zeros((g, nvg, SUB), dtype=np.float32)
     sbt = np.empty((2, nvg, SUB), dtype=np.float32)
-    accq = np.zeros((gp, Dv), dtype=np.float32)
+    accq = np.zeros((g, Dv), dtype=np.float32)
     accf = np.zeros((g, Dv), dtype=np.float32)
     accb = np.zeros((g, Dv), dtype=np.float32)
     m_run = np.full(g, _NEG32, dtype=np.float32)
