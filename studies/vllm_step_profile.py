@@ -48,6 +48,7 @@ PARTS = [
     ("kivi.vllm.paged", "_rows", "page row indices (_rows, per request)"),
     ("kivi.vllm.paged", "_page_index", "page row indices (_page_index, all requests)"),
     ("kivi.vllm.paged", "scatter_tokens", "scatter_tokens (page writes)"),
+    ("kivi.vllm.paged", "write_step", "write_step (a decode-only step's writes, one compiled call)"),
     ("kivi.vllm.paged", "paged_decode", "paged_decode (row ids, query)"),
     ("kivi.vllm.decode", "paged_decode_attention", "decode kernel call"),
     ("kivi.vllm.paged", "exact_attention", "exact prefill (SDPA)"),

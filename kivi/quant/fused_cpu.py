@@ -24,8 +24,9 @@ Codes are packed as in :mod:`kivi.quant.packing`: a little-endian bit stream alo
 code ``c`` at bits ``[c * bits, (c + 1) * bits)`` of the row (for 1, 2, 4, 8 bits ``8 // bits`` codes per
 byte; for 3 bits the same stream is the runs of 8 codes in 3 bytes, a code may straddle two bytes).
 numba is imported, and the kernel compiled or loaded from numba's on-disk cache, on first use
-(:func:`_kernel`): ``import kivi`` does not import it. :func:`kivi.optional.numba_available` is kivi's one check
-for numba (the fused decode attention of :mod:`kivi.attention.fused_cpu` uses it too).
+(:func:`_kernel`, the kernel in :mod:`kivi.quant.fused_cpu_kernel`): ``import kivi`` does not import it.
+:func:`kivi.optional.numba_available` is kivi's one check for numba (the fused decode attention of
+:mod:`kivi.attention.fused_cpu` uses it too).
 """
 
 from __future__ import annotations
@@ -70,113 +71,13 @@ def token_quantizer_supported(fmt: SideFormat, dtype: torch.dtype) -> bool:
     return tokens_quantizable(fmt, dtype) and dtype == torch.float32 and fmt.param_dtype(dtype) == torch.float32
 
 
-def _quantize_tokens(x, bits, G, shrinks, packed, scale, offset, bf16):
-    """Kernel: quantize every token row of ``x [B, H, n, D]`` in groups of ``G`` channels.
-
-    ``shrinks`` (float32): the clipping grid of :mod:`kivi.quant.clipping`, or ``[1.0]`` for min/max.
-    ``bf16``: the parameters are stored as bfloat16: each is rounded to the nearest bfloat16 (ties to even, as
-    torch converts) and the codes are computed against the rounded values, as the reference does; ``scale`` /
-    ``offset`` get them as float32 (exactly representable in bfloat16).
-    Every row is checked before anything is written: returns 1, having written nothing, when a value is not
-    finite, else 0.
-    """
-    B, H, n, D = x.shape
-    levels = (1 << bits) - 1
-    flevels = np.float32(levels)
-    two = np.float32(2.0)
-    zero = np.float32(0.0)
-    nb = packed.shape[3]
-    R = shrinks.shape[0]
-    f = np.empty(1, dtype=np.float32)
-    u = f.view(np.uint32)  # f's bits: a bit cast without an intrinsic
-
-    def stored(v):  # v as the parameters store it
-        if not bf16 or v != v:
-            return v
-        f[0] = v
-        w = u[0]
-        u[0] = (w + np.uint32(0x7FFF) + ((w >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-        return f[0]
-
-    for b in range(B):
-        for h in range(H):
-            for t in range(n):
-                row = x[b, h, t]
-                for c in range(D):
-                    if not np.isfinite(row[c]):
-                        return 1
-    for b in range(B):
-        for h in range(H):
-            for t in range(n):
-                row = x[b, h, t]
-                out = packed[b, h, t]
-                for j in range(nb):
-                    out[j] = 0
-                for gi in range(D // G):
-                    c0 = gi * G
-                    lo = row[c0]
-                    hi = row[c0]
-                    for c in range(c0 + 1, c0 + G):
-                        v = row[c]
-                        lo = min(lo, v)
-                        hi = max(hi, v)
-                    if R == 1:
-                        lo = stored(lo)
-                        sc = stored((hi - lo) / flevels)
-                    else:  # clipping: the candidate with the smallest squared error, first on ties
-                        mid = (lo + hi) / two
-                        best_err = zero
-                        best_lo = lo
-                        best_sc = zero
-                        for ri in range(R):
-                            r = shrinks[ri]
-                            clo = lo
-                            chi = hi
-                            if r != np.float32(1.0):
-                                half = (hi - lo) / two * r
-                                clo = mid - half
-                                chi = mid + half
-                            clo = stored(clo)
-                            csc = stored((chi - clo) / flevels)
-                            err = zero
-                            for c in range(c0, c0 + G):
-                                q = zero
-                                if csc > zero:
-                                    q = np.rint((row[c] - clo) / csc)
-                                    q = min(max(q, zero), flevels)
-                                d = q * csc + clo - row[c]
-                                err += d * d
-                            if ri == 0 or err < best_err:
-                                best_err = err
-                                best_lo = clo
-                                best_sc = csc
-                        lo = best_lo
-                        sc = best_sc
-                    scale[b, h, t, gi] = sc
-                    offset[b, h, t, gi] = lo
-                    if sc > zero:
-                        for c in range(c0, c0 + G):
-                            q = np.rint((row[c] - lo) / sc)
-                            q = min(max(q, zero), flevels)
-                            qi = np.int32(q)
-                            p = c * bits  # the code's first bit in the row's little-endian bit stream
-                            sh = p & 7
-                            out[p >> 3] |= np.uint8((qi << sh) & 0xFF)
-                            if sh + bits > 8:  # 3 bits: the code straddles two bytes
-                                out[(p >> 3) + 1] |= np.uint8(qi >> (8 - sh))
-    return 0
-
-
 @functools.cache
 def _kernel():
-    """:func:`_quantize_tokens` compiled (or loaded from numba's cache); imports numba on first use."""
-    import numba
+    """The compiled kernel (:func:`kivi.quant.fused_cpu_kernel.quantize_tokens`, or numba's cached copy); imports
+    numba on first use."""
+    from . import fused_cpu_kernel
 
-    return numba.njit(
-        "int64(float32[:,:,:,:], int64, int64, float32[:], uint8[:,:,:,:], float32[:,:,:,:], float32[:,:,:,:], "
-        "boolean)",
-        cache=True,
-    )(_quantize_tokens)
+    return fused_cpu_kernel.quantize_tokens
 
 
 def quantize_tokens_into(
@@ -199,8 +100,8 @@ def quantize_tokens_into(
         raise ValueError(f"group_size={group_size} must divide head_dim={D}")
     if tuple(packed.shape) != (B, H, n, packed_size(D, bits)) or tuple(scale.shape) != (B, H, n, D // group_size):
         raise ValueError(f"output views {tuple(packed.shape)} / {tuple(scale.shape)} do not match x {tuple(x.shape)}")
-    if _kernel()(x.detach().numpy(), bits, group_size, _shrinks(clip), packed.numpy(), scale.numpy(), offset.numpy(),
-                 False):
+    if _kernel()(x.detach().numpy(), bits, group_size, shrinks_array(clip), packed.numpy(), scale.numpy(),
+                 offset.numpy(), False):
         raise ValueError(
             "x contains NaN or Inf; KV quantization needs finite values (pass check_finite=False to let a "
             "non-finite value poison its group instead)"
@@ -226,7 +127,7 @@ def quantize_tokens(x: torch.Tensor, fmt: SideFormat) -> PackedKV:
     packed = torch.empty(B, H, n, packed_size(D, fmt.bits), dtype=torch.uint8)
     scale, offset = torch.empty(B, H, n, D // G), torch.empty(B, H, n, D // G)
     xf = x.detach().float().contiguous()
-    if _kernel()(xf.numpy(), fmt.bits, G, _shrinks(fmt.clip), packed.numpy(), scale.numpy(), offset.numpy(),
+    if _kernel()(xf.numpy(), fmt.bits, G, shrinks_array(fmt.clip), packed.numpy(), scale.numpy(), offset.numpy(),
                  pdt == torch.bfloat16):
         raise ValueError(
             "x contains NaN or Inf; KV quantization needs finite values (pass check_finite=False to let a "
@@ -237,8 +138,9 @@ def quantize_tokens(x: torch.Tensor, fmt: SideFormat) -> PackedKV:
 
 
 @functools.cache
-def _shrinks(clip: bool) -> np.ndarray:
-    """The kernel's ``shrinks`` argument: the clipping grid, or ``[1.0]`` (min/max); made once, never written."""
+def shrinks_array(clip: bool) -> np.ndarray:
+    """The compiled quantizers' ``shrinks`` argument: the clipping grid, or ``[1.0]`` (min/max); made once, never
+    written."""
     return (shrink_factors() if clip else torch.ones(1)).numpy()
 
 
@@ -248,4 +150,4 @@ def warmup() -> None:
 
 
 __all__ = ["numba_available", "token_quantizer_supported", "quantize_tokens_into", "tokens_quantizable",
-           "quantize_tokens", "INPUT_DTYPES", "PARAM_DTYPES", "warmup"]
+           "quantize_tokens", "INPUT_DTYPES", "PARAM_DTYPES", "shrinks_array", "warmup"]

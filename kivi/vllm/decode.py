@@ -28,16 +28,20 @@ from ..config import KiviConfig
 from ..optional import numba_available
 from .geometry import KiviGeometry, RingPool, block_pool, ring_pool
 from .plan import KernelLeaving, KernelRows, stores_any
+from .write import DecodeWriter, decode_writer
 
 
 @dataclass(frozen=True)
 class DecodeKernel:
     """A layer's cache as the paged decode kernel reads it: ``pool`` (flat uint8, aliasing the cache),
-    ``layout`` (where the page fields sit in each block) and ``rings`` (its window rings' rows in place)."""
+    ``layout`` (where the page fields sit in each block) and ``rings`` (its window rings' rows in place);
+    ``writer``: the same caches for a decode step's compiled writes (:func:`kivi.vllm.write.decode_writer`,
+    ``None`` where they do not apply: the torch writes)."""
 
     pool: torch.Tensor
     layout: PagedLayout
     rings: RingPool
+    writer: DecodeWriter | None = None
 
 
 def decode_kernel(cfg: KiviConfig, geo: KiviGeometry, backend: str, pages: torch.Tensor,
@@ -51,7 +55,9 @@ def decode_kernel(cfg: KiviConfig, geo: KiviGeometry, backend: str, pages: torch
     if pool is None or ring is None:
         return None
     layout = geo.kernel_layout(cfg, pool[1], pool[2])
-    return None if layout is None else DecodeKernel(pool[0], layout, ring)
+    if layout is None:
+        return None
+    return DecodeKernel(pool[0], layout, ring, decode_writer(cfg, pool[0], layout, ring))
 
 
 def paged_decode(kernel: DecodeKernel, rows: KernelRows, page_table: torch.Tensor, ring_table: torch.Tensor,

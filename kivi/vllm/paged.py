@@ -61,6 +61,7 @@ from ..quant.page import AXIS, SIDES
 from .decode import DecodeKernel, decode_kernel, leaving_rows, paged_decode
 from .geometry import KiviGeometry, block_field_views, ring_slots
 from .plan import RingWrites, StepPlan, step_plan
+from .write import write_step
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ def decode_rows(batch: StepBatch) -> list[int]:
 def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, pages: torch.Tensor, rings: list[torch.Tensor], batch: StepBatch, scale: float,
                out: torch.Tensor, *, batched_decode: bool = True, prefill: ExactPrefill = sdpa_prefill,
-               kernel: DecodeKernel | None = None) -> torch.Tensor:
+               kernel: DecodeKernel | None = None, compiled_writes: bool = True) -> torch.Tensor:
     """One layer's step: ``query [n, Hq, D]``, ``key / value [n, H, D]`` (the batch's new tokens, request by
     request), ``pages`` the layer's vLLM cache, ``rings`` its ``k`` window rings' caches ``[NBw, H, Pw, 2D]``;
     writes ``[n, Hq, D]`` attention into ``out`` (returned). ``batched_decode``: decode rows through the
@@ -150,7 +151,9 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
     ``"cpu"``). The step's schedule is ``batch.plan`` (:func:`kivi.vllm.plan.step_plan`, made here when
     ``None``). What leaves the windows is quantized in one call per side for the whole step, and the rings
     and pages are written in one indexed write per ring / field (the groups of different requests never
-    share a group: each request's keys leave in whole aligned groups)."""
+    share a group: each request's keys leave in whole aligned groups). ``compiled_writes``: a step whose every
+    request is a kernel row writes pages and rings in one compiled call where it applies
+    (:mod:`kivi.vllm.write`; ``False``: the torch writes, its reference)."""
     P, S = geo.page_size, cfg.sink_tokens
     if S != geo.sink_tokens:
         raise ValueError(f"sink_tokens={S} but the geometry was built for {geo.sink_tokens}")
@@ -162,14 +165,20 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
         raise ValueError(f"the step's plan was made for {plan.slots} ring slots of {plan.window_tokens} per block and "
                          f"{plan.sink_tokens} sink tokens, this layer has {geo.window_rings * geo.window_tokens}, "
                          f"{geo.window_tokens} and {geo.sink_tokens}")
-    views = {side: block_field_views(pages, geo, side) for side in SIDES}
-    meta = {side: dict(bits=cfg.k_bits if side == "k" else cfg.v_bits, group_size=cfg.group_size, axis=AXIS[side],
-                       head_dim=geo.head_dim, residual_bits=cfg.residual_bits) for side in SIDES}
     R, G = cfg.residual_length, cfg.group_size
     if not batched_decode or plan.kernel is None:
         kernel = None
     elif kernel is None:
         kernel = decode_kernel(cfg, geo, backend, pages, rings)
+    if (kernel is not None and compiled_writes and not plan.others and kernel.writer is not None
+            and kernel.writer.takes(key, value)):  # a decode-only step: one kernel call, one call of writes
+        decoded = paged_decode(kernel, plan.kernel, batch.page_table, batch.ring_table, query, key, value, scale)
+        write_step(kernel.writer, plan, batch.page_table, batch.ring_table, key, value)
+        out[plan.kernel.tokens] = decoded.to(out.dtype)
+        return out
+    views = {side: block_field_views(pages, geo, side) for side in SIDES}
+    meta = {side: dict(bits=cfg.k_bits if side == "k" else cfg.v_bits, group_size=cfg.group_size, axis=AXIS[side],
+                       head_dim=geo.head_dim, residual_bits=cfg.residual_bits) for side in SIDES}
     per_request = plan.others if kernel is not None or plan.kernel is None else sorted(plan.others + plan.kernel.rows)
     jobs = []
     leaving = {side: _Leaving() for side in SIDES}  # what leaves the windows in this step, per side

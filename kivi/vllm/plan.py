@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..cache.schedule import side_tokens, window_exits
@@ -35,7 +36,9 @@ class KernelLeaving:
     """One side's tokens leaving the kernel rows' windows, in token order: ``row`` (long ``[M]``: the kernel
     row), ``req`` (long ``[M]``: its batch row), ``slot`` (long ``[M]``: the token's ring slot), ``new`` (bool
     ``[M]``: the step's own token, read from the input: it is not in the rings yet; ``any_new``: whether any is)
-    and ``spans`` ``(request, first store position, count)``."""
+    and ``spans`` ``(request, first store position, count)``; ``table`` (int64 ``[M, 4]``: ``(request, ring slot or
+    -1, input row or -1, store position)`` per token, a new token's from the input) is the same for the compiled
+    writes (:mod:`kivi.vllm.write`)."""
 
     row: torch.Tensor
     req: torch.Tensor
@@ -43,6 +46,7 @@ class KernelLeaving:
     new: torch.Tensor
     any_new: bool
     spans: list[tuple[int, int, int]]
+    table: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -65,12 +69,13 @@ class KernelRows:
 class RingWrites:
     """Tokens to write to the rings after the step's reads: request ``req``, ring slot ``slot`` and input row
     ``src`` (long ``[M]`` each), sorted by ring (``slot // Pw``); ``bounds`` ``(ring, first, end)`` per ring
-    written."""
+    written; ``table`` (int64 ``[M, 3]``: the columns ``req, slot, src``) for the compiled writes."""
 
     req: torch.Tensor
     slot: torch.Tensor
     src: torch.Tensor
     bounds: list[tuple[int, int, int]]
+    table: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -144,15 +149,20 @@ def step_plan(cfg: KiviConfig, geo: KiviGeometry, query_start: list[int], seq_le
             if not leaving[side]:
                 out[side] = None
                 continue
-            j, pos, new, spans = [], [], [], []
+            j, pos, new, spans, reqs, src, store = [], [], [], [], [], [], []
             for k_row, first, move, i, stored in leaving[side]:
                 j += [k_row] * move
                 pos += range(first, first + move)
                 new += [p == seq_lens[i] - 1 for p in range(first, first + move)]
                 spans.append((i, stored, move))
+                reqs += [i] * move
+                src += [query_start[i] if p == seq_lens[i] - 1 else -1 for p in range(first, first + move)]
+                store += range(stored, stored + move)
             j = torch.tensor(j, dtype=torch.long)
             slot = ring_slot(torch.tensor(pos, dtype=torch.long), slots, S)
-            out[side] = KernelLeaving(j, index[j], slot, torch.tensor(new), any(new), spans)
+            new_t = torch.tensor(new)
+            tab = np.stack([reqs, slot.masked_fill(new_t, -1).numpy(), src, store], axis=1).astype(np.int64)
+            out[side] = KernelLeaving(j, index[j], slot, new_t, any(new), spans, tab)
         kernel = KernelRows(rows, torch.tensor([query_start[i] for i in rows], dtype=torch.long), c, table, out, S,
                             index)
     ring_writes = None
@@ -165,7 +175,7 @@ def step_plan(cfg: KiviConfig, geo: KiviGeometry, query_start: list[int], seq_le
             if at == len(ring) or ring[at] != ring[first]:
                 bounds.append((ring[first], first, at))
                 first = at
-        ring_writes = RingWrites(req, slot, src, bounds)
+        ring_writes = RingWrites(req, slot, src, bounds, np.stack([req.numpy(), slot.numpy(), src.numpy()], axis=1))
     return StepPlan(kernel, others, ring_writes, slots, pw, S)
 
 

@@ -32,6 +32,8 @@ class Cache:
     """Pages and window rings of one layer as vLLM's groups hand them out (block 0 is vLLM's null block)."""
 
     def __init__(self, geo, dtype, nblocks=96, seed=0, layers=1, layer=0):
+        H, P, D = geo.num_kv_heads, geo.page_size, geo.head_dim  # the module's names, for any geometry
+        self.page_size = P
         g = torch.Generator().manual_seed(seed)
         self.free = torch.randperm(nblocks - 1, generator=g).add(1).tolist()
         k = geo.window_rings
@@ -55,6 +57,7 @@ class Cache:
     def batch(self, rows):
         """rows: [(rid, past, q_len)] -> StepBatch."""
         qs, seqs = [0], []
+        P = self.page_size
         for rid, past, q in rows:
             pt = self.ptab.setdefault(rid, [])
             while len(pt) * P < past + q:

@@ -9,6 +9,7 @@ pool's row ids are checked against the ring tensors themselves.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -75,6 +76,12 @@ def test_plan_follows_the_schedule(cfg):
         assert gone.row.tolist() == want_row
         assert gone.slot.tolist() == [ring_slot(p, slots, S) for p in want_pos]
         assert gone.new.tolist() == [p == rows[kernel.rows[j]][0] for j, p in zip(want_row, want_pos)]
+        # the compiled writes' table: (request, ring slot or -1, input row of a new token or -1, store position)
+        want_table = [(kernel.rows[j], -1 if new else ring_slot(p, slots, S), qs[kernel.rows[j]] if new else -1, u)
+                      for (j, p, new, u) in zip(want_row, want_pos, gone.new.tolist(),
+                                                [stored + c for _, _, _, move, stored in spans[side]
+                                                 for c in range(move)])]
+        assert gone.table.dtype == np.int64 and [tuple(r) for r in gone.table.tolist()] == want_table
     assert spans["v"], "values must leave some kernel row's window"
 
 
@@ -87,6 +94,8 @@ def test_ring_writes_are_the_tokens_kept_in_full_precision(cfg):
     qs, seqs = batch_of(rows)
     w = step_plan(cfg, geo, qs, seqs).writes
     got = sorted(zip(w.req.tolist(), w.slot.tolist(), w.src.tolist()))
+    assert w.table.dtype == np.int64 and w.table.tolist() == [list(r) for r in zip(w.req.tolist(), w.slot.tolist(),
+                                                                                    w.src.tolist())]
     want = sorted((i, ring_slot(p, slots, S), qs[i] + p - past) for i, (past, q) in enumerate(rows)
                   for p in range(past, past + q) if p < S or p >= past + q - keep)
     assert got == want

@@ -1,0 +1,107 @@
+"""A decode step's writes of one layer in one compiled call: what leaves the windows to the pages, the new tokens
+to the rings.
+
+In a step whose every request is a row of the batched decode kernel (:class:`kivi.vllm.plan.KernelRows`, no
+prefill or chunk: the steady state of serving), :func:`kivi.vllm.paged.paged_step` hands the layer's writes to
+:func:`write_step`: one call of :func:`kivi.vllm.write_kernel.decode_write`, which reads the leaving rows where
+the rings keep them (or from the step's input), quantizes them with kivi's compiled quantizer
+(:mod:`kivi.quant.fused_cpu_kernel`: values per token, keys per channel in whole groups of ``G``), writes codes and
+parameters to their page rows and the new tokens to their ring slots. The torch path it replaces (leaving rows,
+one quantize call per side, page row indices, one indexed write per field and per ring: ~20 small tensor
+operations a layer) stays beside it as the reference and for every other step; both leave the pages and rings
+bit for bit the same (``tests/vllm/test_write.py``, ``tests/vllm/test_paged_decode.py``).
+
+:func:`decode_writer` is the one rule for where it applies: numba importable (the decode kernel applies), the
+pages' parameters float32 or bfloat16, asymmetric codes, no compensation, finiteness checked, the rings in
+float32 or bfloat16 (the step's input in the rings' dtype is checked per call, :meth:`DecodeWriter.takes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..attention.fused_cpu.paged import PagedLayout
+from ..config import KiviConfig
+from ..quant.fused_cpu import shrinks_array
+from .geometry import RingPool
+from .plan import StepPlan
+
+#: dtypes of the rings (and the step's input) the compiled writes read: float32, and bfloat16 as its int16 bits.
+ROW_DTYPES = (torch.float32, torch.bfloat16)
+_EMPTY_LEAVE = np.zeros((0, 4), dtype=np.int64)
+_EMPTY_WRITES = np.zeros((0, 3), dtype=np.int64)
+
+
+def _numpy(x: torch.Tensor) -> np.ndarray:
+    """A numpy view of ``x`` (any strides; bfloat16 as its int16 bits)."""
+    return (x.view(torch.int16) if x.dtype == torch.bfloat16 else x).numpy()
+
+
+@dataclass(frozen=True)
+class DecodeWriter:
+    """One layer's pages and rings as :func:`kivi.vllm.write_kernel.decode_write` reads and writes them (numpy
+    views aliasing the caches, made once per layer): ``pool`` / ``lay`` (the pages, the layout vector),
+    ``krows`` / ``vrows`` ``[blocks, Pw, H, D]`` and ``rbase`` / ``rstep`` (the rings,
+    :class:`kivi.vllm.geometry.RingPool`), ``dtype`` (the rings'), ``shrinks`` per side (the clipping grid or
+    ``[1.0]``)."""
+
+    pool: np.ndarray
+    lay: np.ndarray
+    krows: np.ndarray
+    vrows: np.ndarray
+    rbase: np.ndarray
+    rstep: np.ndarray
+    dtype: torch.dtype
+    shrinks: dict[str, np.ndarray]
+
+    def takes(self, key: torch.Tensor, value: torch.Tensor) -> bool:
+        """Whether the step's input rows are in the rings' dtype (the compiled writes copy them bit for bit)."""
+        return key.dtype == self.dtype and value.dtype == self.dtype
+
+
+def decode_writer(cfg: KiviConfig, pool: torch.Tensor, layout: PagedLayout, rings: RingPool) -> DecodeWriter | None:
+    """The :class:`DecodeWriter` of a layer whose decode kernel reads ``pool`` / ``layout`` / ``rings``
+    (:func:`kivi.vllm.decode.decode_kernel`), or ``None`` where the compiled writes do not reproduce the torch path
+    (the module docstring: the one rule)."""
+    fmts = {side: cfg.side_format(side) for side in ("k", "v")}
+    dtype = rings.rows["k"].dtype
+    if (layout.param_dtype not in (torch.float32, torch.bfloat16) or layout.k_offset is None
+            or layout.v_offset is None or dtype not in ROW_DTYPES
+            or any(f.symmetric or f.residual_bits or not f.check_finite or f.group_size != layout.group_size
+                   for f in fmts.values())
+            or (fmts["k"].bits, fmts["v"].bits) != (layout.k_bits, layout.v_bits)):
+        return None
+    return DecodeWriter(pool.numpy(), layout.vector(), _numpy(rings.rows["k"]), _numpy(rings.rows["v"]),
+                        rings.base.numpy(), rings.step.numpy(), dtype,
+                        {side: shrinks_array(f.clip) for side, f in fmts.items()})
+
+
+def write_step(writer: DecodeWriter, plan: StepPlan, page_table: torch.Tensor, ring_table: torch.Tensor,
+               key: torch.Tensor, value: torch.Tensor) -> None:
+    """The layer's writes of a step whose requests are all kernel rows (``plan.others`` empty): its leaving tokens
+    to the pages, its new tokens to the rings, after every read of the step. ``key / value [n, H, D]``: the step's
+    input in the rings' dtype (:meth:`DecodeWriter.takes`). ``ValueError`` with nothing written on a leaving value
+    that is not finite (as the torch path)."""
+    if plan.kernel is None or plan.others:
+        raise ValueError("write_step writes steps whose every request is a decode kernel row")
+    from .write_kernel import decode_write
+
+    leave = {side: _EMPTY_LEAVE if plan.kernel.leaving[side] is None else plan.kernel.leaving[side].table
+             for side in ("k", "v")}
+    writes = _EMPTY_WRITES if plan.writes is None else plan.writes.table
+    rc = decode_write(writer.pool, writer.lay, writer.krows, writer.vrows, writer.rbase, writer.rstep,
+                      ring_table.numpy(), page_table.numpy(), _numpy(key), _numpy(value), leave["k"], leave["v"],
+                      writes, writer.shrinks["k"], writer.shrinks["v"])
+    if rc == 1:
+        raise ValueError(
+            "x contains NaN or Inf; KV quantization needs finite values (pass check_finite=False to let a "
+            "non-finite value poison its group instead)"
+        )
+    if rc:
+        raise ValueError("the step's leaving keys are not whole aligned groups of one request (a plan error)")
+
+
+__all__ = ["DecodeWriter", "decode_writer", "write_step", "ROW_DTYPES"]
