@@ -176,13 +176,35 @@ def _check_ring(name: str, rr: RingRows, N: int, H: int, D: int, w0: int) -> Non
                          f"got {slots.dtype} {tuple(slots.shape)}")
     if not new.is_floating_point() or tuple(new.shape) != (N, H, D):
         raise ValueError(f"{name}.new must be floating [{N}, {H}, {D}], got {new.dtype} {tuple(new.shape)}")
-    ids = slots.numpy()
-    nrows = rows.shape[0] * rows.shape[1]
-    if ids.size and (ids.min() < 0 or ids.max() >= nrows):
-        raise ValueError(f"{name}.slots names rows outside the rows pool's {nrows}")
 
 
 def _check(q, pool, layout, block_table, counts, k_fp, v_fp, w0) -> None:
+    """Every check of the inputs: their shapes and dtypes, then the per-request values (numpy)."""
+    _check_shapes(q, pool, layout, block_table, counts, k_fp, v_fp, w0)
+    _check_values(pool, layout, block_table, counts, k_fp, v_fp, w0)
+
+
+def _check_fast(q, pool, layout, block_table, counts, k_fp, v_fp, w0) -> None:
+    """:func:`_check` with the per-request values checked in one compiled call
+    (:func:`.paged_checks.values_ok`, a few microseconds where numpy takes ~100-150); only a refused input runs
+    the numpy checks, for their message."""
+    from .paged_checks import values_ok
+
+    _check_shapes(q, pool, layout, block_table, counts, k_fp, v_fp, w0)
+    ring = isinstance(k_fp, RingRows)
+    if ring:
+        fp = [(f.slots.numpy(), f.rows.shape[0] * f.rows.shape[1]) for f in (k_fp, v_fp)]
+        fp_slots = 0
+    else:
+        empty = np.zeros((0, 0), dtype=np.int32)
+        fp, fp_slots = [(empty, 0), (empty, 0)], min(k_fp.shape[1], v_fp.shape[1])
+    if not values_ok(counts.numpy(), block_table.numpy(), fp[0][0], fp[1][0], fp[0][1], fp[1][1], ring, fp_slots,
+                     int(w0), layout.page_size, layout.group_size, pool.numel() // layout.block_bytes):
+        _check_values(pool, layout, block_table, counts, k_fp, v_fp, w0)
+        raise AssertionError("paged decode: the compiled input checks refused what the numpy checks accept")
+
+
+def _check_shapes(q, pool, layout, block_table, counts, k_fp, v_fp, w0) -> None:
     why = layout.unsupported()
     if why is not None:
         raise ValueError(f"paged decode: unsupported layout: {why}")
@@ -207,7 +229,18 @@ def _check(q, pool, layout, block_table, counts, k_fp, v_fp, w0) -> None:
             _check_ring(name, fp, N, H, D, w0)
         elif fp.dtype != torch.float32 or fp.dim() != 4 or fp.shape[0] != N or tuple(fp.shape[2:]) != (H, D):
             raise ValueError(f"{name} must be float32 [{N}, slots, {H}, {D}], got {fp.dtype} {tuple(fp.shape)}")
-    # the per-request checks on numpy views (a handful of microseconds, once per layer)
+
+
+def _check_values(pool, layout, block_table, counts, k_fp, v_fp, w0) -> None:
+    """The per-request checks on numpy views, after :func:`_check_shapes` (the reference of
+    :func:`.paged_checks.values_ok`)."""
+    ring = isinstance(k_fp, RingRows)
+    if ring:
+        for name, fp in (("k_fp", k_fp), ("v_fp", v_fp)):
+            ids = fp.slots.numpy()
+            nrows = fp.rows.shape[0] * fp.rows.shape[1]
+            if ids.size and (ids.min() < 0 or ids.max() >= nrows):
+                raise ValueError(f"{name}.slots names rows outside the rows pool's {nrows}")
     c, table = counts.numpy(), block_table.numpy()
     if (c < 0).any():
         raise ValueError("counts must be non-negative")
@@ -243,7 +276,7 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: PagedLay
     ``threaded``: numba's pool or the calling thread (``None``: by size, :data:`.dispatch.SERIAL_BELOW`)."""
     from .dispatch import _chunk_tokens, _kernel, _run_threaded, _use_threads
 
-    _check(q, pool, layout, block_table, counts, k_fp, v_fp, w0)
+    _check_fast(q, pool, layout, block_table, counts, k_fp, v_fp, w0)
     N, hq, D = q.shape
     H = layout.num_kv_heads
     scaling = D**-0.5 if scaling is None else scaling
