@@ -13,7 +13,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 from numba import types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 inline = numba.njit(inline="always", cache=True)
 
@@ -42,6 +42,19 @@ def bits_f32(typingctx, x):
         return builder.bitcast(args[0], context.get_value_type(types.float32))
 
     return sig, codegen
+
+
+def as_f32(x):
+    """``x`` (a float32, or an int16 holding bfloat16 bits: how numpy sees a bfloat16 tensor) as float32, exactly."""
+
+
+@overload(as_f32, inline="always")
+def _as_f32(x):
+    if isinstance(x, types.Float):
+        return lambda x: np.float32(x)
+    if x == types.int16:
+        return lambda x: bits_f32(np.uint32(np.uint16(x)) << np.uint32(16))
+    return None
 
 
 @inline

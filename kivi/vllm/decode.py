@@ -28,7 +28,7 @@ from ..config import KiviConfig
 from ..optional import numba_available
 from .geometry import KiviGeometry, RingPool, block_pool, ring_pool
 from .plan import KernelLeaving, KernelRows, stores_any
-from .write import DecodeWriter, decode_writer
+from .write import ROW_DTYPES, DecodeWriter, decode_writer, numpy_view
 
 
 @dataclass(frozen=True)
@@ -61,16 +61,34 @@ def decode_kernel(cfg: KiviConfig, geo: KiviGeometry, backend: str, pages: torch
 
 
 def paged_decode(kernel: DecodeKernel, rows: KernelRows, page_table: torch.Tensor, ring_table: torch.Tensor,
-                 query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+                 query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, *,
+                 compiled: bool = True) -> torch.Tensor:
     """Attention of the kernel rows' queries (``query [n, Hq, D]``, ``key / value [n, H, D]``: the step's input)
     over their pages and full-precision rows: one kernel call, ``[N, Hq, D]`` in ``query.dtype``. Reads
-    before the step writes the rings."""
+    before the step writes the rings. ``compiled``: the kernel's inputs (row ids, block-table rows, float32
+    query and new rows) made in one compiled call (:func:`kivi.vllm.inputs_kernel.kernel_inputs`) where the
+    input is float32 or bfloat16 on the CPU; ``False``: with torch operations, its reference (the same tensors)."""
     idx = rows.index
-    rtab = ring_table[idx]
-    fp = [RingRows(kernel.rings.rows[side], kernel.rings.slot_ids(rtab, rows.slots[side]).to(torch.int32),
-                   new[rows.tokens]) for side, new in (("k", key), ("v", value))]
-    return paged_decode_attention(query[rows.tokens], kernel.pool, kernel.layout, page_table[idx].to(torch.int32),
-                                  rows.counts, *fp, rows.w0, scaling=scale)
+    if not (compiled and all(x.device.type == "cpu" and x.dtype in ROW_DTYPES for x in (query, key, value))):
+        rtab = ring_table[idx]
+        fp = [RingRows(kernel.rings.rows[side], kernel.rings.slot_ids(rtab, rows.slots[side]).to(torch.int32),
+                       new[rows.tokens]) for side, new in (("k", key), ("v", value))]
+        return paged_decode_attention(query[rows.tokens], kernel.pool, kernel.layout,
+                                      page_table[idx].to(torch.int32), rows.counts, *fp, rows.w0, scaling=scale)
+    from .inputs_kernel import kernel_inputs
+
+    N, C = rows.slots["k"].shape
+    ids = [torch.empty(N, C, dtype=torch.int32) for _ in range(2)]
+    pages = torch.empty(N, page_table.shape[1], dtype=torch.int32)
+    q = torch.empty(N, *query.shape[1:])
+    k, v = torch.empty(N, *key.shape[1:]), torch.empty(N, *value.shape[1:])
+    kernel_inputs(ring_table.numpy(), idx.numpy(), rows.tokens.numpy(), kernel.rings.base.numpy(),
+                  kernel.rings.step.numpy(), rows.slots["k"].numpy(), rows.slots["v"].numpy(),
+                  kernel.rings.rows["k"].shape[1], page_table.numpy(), numpy_view(query), numpy_view(key),
+                  numpy_view(value), ids[0].numpy(), ids[1].numpy(), pages.numpy(), q.numpy(), k.numpy(), v.numpy())
+    fp = [RingRows(kernel.rings.rows["k"], ids[0], k), RingRows(kernel.rings.rows["v"], ids[1], v)]
+    out = paged_decode_attention(q, kernel.pool, kernel.layout, pages, rows.counts, *fp, rows.w0, scaling=scale)
+    return out.to(query.dtype)
 
 
 def leaving_rows(kernel: DecodeKernel, rows: KernelRows, leaving: KernelLeaving, ring_table: torch.Tensor,

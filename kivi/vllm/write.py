@@ -35,7 +35,7 @@ _EMPTY_LEAVE = np.zeros((0, 4), dtype=np.int64)
 _EMPTY_WRITES = np.zeros((0, 3), dtype=np.int64)
 
 
-def _numpy(x: torch.Tensor) -> np.ndarray:
+def numpy_view(x: torch.Tensor) -> np.ndarray:
     """A numpy view of ``x`` (any strides; bfloat16 as its int16 bits)."""
     return (x.view(torch.int16) if x.dtype == torch.bfloat16 else x).numpy()
 
@@ -74,7 +74,7 @@ def decode_writer(cfg: KiviConfig, pool: torch.Tensor, layout: PagedLayout, ring
                    for f in fmts.values())
             or (fmts["k"].bits, fmts["v"].bits) != (layout.k_bits, layout.v_bits)):
         return None
-    return DecodeWriter(pool.numpy(), layout.vector(), _numpy(rings.rows["k"]), _numpy(rings.rows["v"]),
+    return DecodeWriter(pool.numpy(), layout.vector(), numpy_view(rings.rows["k"]), numpy_view(rings.rows["v"]),
                         rings.base.numpy(), rings.step.numpy(), dtype,
                         {side: shrinks_array(f.clip) for side, f in fmts.items()})
 
@@ -93,8 +93,8 @@ def write_step(writer: DecodeWriter, plan: StepPlan, page_table: torch.Tensor, r
              for side in ("k", "v")}
     writes = _EMPTY_WRITES if plan.writes is None else plan.writes.table
     rc = decode_write(writer.pool, writer.lay, writer.krows, writer.vrows, writer.rbase, writer.rstep,
-                      ring_table.numpy(), page_table.numpy(), _numpy(key), _numpy(value), leave["k"], leave["v"],
-                      writes, writer.shrinks["k"], writer.shrinks["v"])
+                      ring_table.numpy(), page_table.numpy(), numpy_view(key), numpy_view(value), leave["k"],
+                      leave["v"], writes, writer.shrinks["k"], writer.shrinks["v"])
     if rc == 1:
         raise ValueError(
             "x contains NaN or Inf; KV quantization needs finite values (pass check_finite=False to let a "
@@ -104,4 +104,4 @@ def write_step(writer: DecodeWriter, plan: StepPlan, page_table: torch.Tensor, r
         raise ValueError("the step's leaving keys are not whole aligned groups of one request (a plan error)")
 
 
-__all__ = ["DecodeWriter", "decode_writer", "write_step", "ROW_DTYPES"]
+__all__ = ["DecodeWriter", "decode_writer", "write_step", "numpy_view", "ROW_DTYPES"]

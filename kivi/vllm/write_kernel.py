@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import types
-from numba.extending import overload
 
 from ..attention.fused_cpu.kernel import (
     _PL_BLOCK,
@@ -54,22 +52,9 @@ from ..attention.fused_cpu.kernel import (
     _PL_VROW,
     _PL_VSC,
 )
-from ..quant.fused_cpu_kernel import all_finite, bits_f32, f32_bits, group_code, group_params, put_code
+from ..quant.fused_cpu_kernel import all_finite, as_f32, f32_bits, group_code, group_params, put_code
 
 inline = numba.njit(inline="always", cache=True)
-
-
-def as_f32(x):
-    """``x`` (a float32, or an int16 holding bfloat16 bits) as float32, exactly."""
-
-
-@overload(as_f32, inline="always")
-def _as_f32(x):
-    if isinstance(x, types.Float):
-        return lambda x: np.float32(x)
-    if x == types.int16:
-        return lambda x: bits_f32(np.uint32(np.uint16(x)) << np.uint32(16))
-    return None
 
 
 @inline

@@ -1,0 +1,62 @@
+"""kivi.vllm.inputs_kernel: the batched decode kernel's inputs made in one compiled call equal the torch ones (row
+ids of both sides, block-table rows, float32 query and new rows), and so do the outputs (no vLLM needed).
+
+On the caches of ``tests/vllm/test_paged_decode.py`` (scattered blocks, every ring of a layer in one allocation,
+other layers' pages between this layer's blocks so the ring pool's bases and steps are not trivial), steps of
+decode rows, with sinks or without, float32 and bfloat16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kivi.config import KiviConfig
+from kivi.optional import numba_available
+from kivi.vllm import decode as vdecode
+from kivi.vllm.decode import decode_kernel, paged_decode
+from kivi.vllm.geometry import build_geometry
+from kivi.vllm.paged import paged_step
+from kivi.vllm.plan import step_plan
+
+from .test_paged_decode import Cache, steps_of
+
+pytestmark = pytest.mark.skipif(not numba_available(), reason="the paged decode kernel needs numba")
+
+H, HQ, D, P = 2, 6, 16, 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cfg", [KiviConfig(k_bits=2, v_bits=2, group_size=8, residual_length=16),
+                                 KiviConfig(k_bits=4, v_bits=2, group_size=8, residual_length=8, sink_tokens=3)],
+                         ids=["k2v2", "k4v2-S3"])
+def test_compiled_inputs_equal_the_torch_inputs(cfg, dtype, monkeypatch):
+    geo = build_geometry(cfg, page_size=P, num_kv_heads=H, head_dim=D, dtype=dtype)
+    cache = Cache(geo, dtype, layers=3, layer=1)
+    kernel = decode_kernel(cfg, geo, "cpu", cache.pages, cache.rings)
+    assert kernel is not None and (kernel.rings.base != 0).any() and (kernel.rings.step != 1).any()
+    seen = []
+    real = vdecode.paged_decode_attention
+    monkeypatch.setattr(vdecode, "paged_decode_attention", lambda *a, **k: seen.append(a) or real(*a, **k))
+    g = torch.Generator().manual_seed(4)
+    checked = 0
+    for rows in steps_of({0: 30, 1: 3, 2: 47, 3: 19, 4: 64}, late={5: (4, 21)}, decode_steps=30):
+        n = sum(q for _, _, q in rows)
+        q, k, v = (torch.randn(n, h, D, generator=g).to(dtype) for h in (HQ, H, H))
+        batch = cache.batch(rows)
+        plan = step_plan(cfg, geo, batch.query_start, batch.seq_lens)
+        if plan.kernel is not None:
+            seen.clear()
+            got = paged_decode(kernel, plan.kernel, batch.page_table, batch.ring_table, q, k, v, 0.25)
+            want = paged_decode(kernel, plan.kernel, batch.page_table, batch.ring_table, q, k, v, 0.25, compiled=False)
+            assert got.dtype == want.dtype == dtype and torch.equal(got, want)
+            fast, slow = seen
+            assert torch.equal(fast[0], slow[0].float())  # the queries
+            assert torch.equal(fast[3], slow[3])  # block-table rows
+            for a, b in zip(fast[5:7], slow[5:7]):  # both sides' row ids and new rows
+                assert a.slots.dtype == torch.int32 and torch.equal(a.slots, b.slots)
+                assert a.new.dtype == torch.float32 and torch.equal(a.new, b.new.float())
+            checked += 1
+        out = torch.empty(n, HQ, D, dtype=dtype)
+        paged_step(cfg, geo, "cpu", q, k, v, cache.pages, cache.rings, batch, 0.25, out, kernel=kernel)  # the writes
+    assert checked >= 25
