@@ -39,6 +39,10 @@ ring slots the step writes); :func:`paged_step` does, for one layer:
    ``R + G - 1`` tokens) to the rings, after every read of the step (a ring slot is reused once its token
    has left the window): one indexed write per ring for all requests (:func:`write_rings`, slots from the
    plan).
+
+In a step whose every request is a kernel row (no prefill or chunk: the steady state), 3 and 5 are one compiled
+call instead (:func:`kivi.vllm.write.write_step`, where :func:`~kivi.vllm.write.decode_writer` says it reproduces
+them: the same bytes in the pages and rings); ``compiled_writes=False`` keeps the torch writes (the reference).
 """
 
 from __future__ import annotations
