@@ -16,8 +16,8 @@ from kivi.optional import numba_available
 pytestmark = pytest.mark.skipif(not numba_available(), reason="the compiled checks need numba")
 
 
-PERTURB = ["none", "negative", "totals", "partial-group", "block-id", "row-id", "long-window", "big-sink",
-           "narrow-table", "ragged-slots", "empty-window"]
+PERTURB = ["none", "negative", "totals", "partial-group", "block-id", "row-id-low", "row-id-high", "long-window",
+           "big-sink", "narrow-table", "ragged-slots", "empty-window"]
 
 
 @settings(max_examples=400, deadline=None)
@@ -41,8 +41,12 @@ def test_compiled_checks_accept_what_the_numpy_checks_accept(data, n, ring, P, G
     slot_cols = [cols, cols]
     i = data.draw(st.integers(0, n - 1))
     row = counts[i]
-    if perturb == "negative":
+    if perturb == "negative" and data.draw(st.booleans()):
         row[data.draw(st.integers(0, 5))] = -1
+    elif perturb == "negative":  # a sink of -1, its side's total kept (its window one longer per token moved)
+        s = 3 * data.draw(st.integers(0, 1))
+        row[s + 2] += row[s] + 1
+        row[s] = -1
     elif perturb == "totals":
         row[5] += 1
     elif perturb == "partial-group":
@@ -76,11 +80,12 @@ def test_compiled_checks_accept_what_the_numpy_checks_accept(data, n, ring, P, G
     pool = torch.empty(nb * 4, dtype=torch.uint8)
     if ring:
         fps = []
+        bad_side = data.draw(st.integers(0, 1))
         for side in range(2):
             ids = torch.tensor([[data.draw(st.integers(0, nrows - 1)) for _ in range(slot_cols[side])]
                                 for _ in range(n)], dtype=torch.int32).view(n, slot_cols[side])
-            if perturb == "row-id" and side == data.draw(st.integers(0, 1)):
-                ids[i, data.draw(st.integers(0, slot_cols[side] - 1))] = data.draw(st.sampled_from([-1, nrows]))
+            if perturb.startswith("row-id") and side == bad_side:
+                ids[i, data.draw(st.integers(0, slot_cols[side] - 1))] = -1 if perturb == "row-id-low" else nrows
             fps.append(RingRows(torch.empty(nrows, 1, 1, 1), ids, torch.empty(n, 1, 1)))
         k_fp, v_fp = fps
         args = [k_fp.slots.numpy(), v_fp.slots.numpy(), nrows, nrows, True, 0]
