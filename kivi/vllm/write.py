@@ -100,6 +100,9 @@ def write_step(writer: DecodeWriter, plan: StepPlan, page_table: torch.Tensor, r
             "x contains NaN or Inf; KV quantization needs finite values (pass check_finite=False to let a "
             "non-finite value poison its group instead)"
         )
+    if rc == 3:
+        raise ValueError("the compiled writes store float32 or bfloat16 page parameters; this layout's are float16 "
+                         "(decode_writer gives such a layer no writer: its steps take the torch writes)")
     if rc:
         raise ValueError("the step's leaving keys are not whole aligned groups of one request (a plan error)")
 

@@ -25,7 +25,9 @@ block):
 * ``writes`` int64 ``[W, 3]``: ``(request, ring slot, input row)`` of the step's tokens for the rings;
 * ``kshrinks`` / ``vshrinks``: the clipping grids (``[1.0]``: min/max).
 
-Order: the key groups are checked whole and aligned (2, nothing written: a caller's error), every leaving row
+Order: parameters that are neither float32 nor bfloat16 are refused (3, nothing written: float16 parameters take
+the torch writes, :func:`kivi.vllm.write.decode_writer`), the key groups are checked whole and aligned (2, nothing
+written: a caller's error), every leaving row
 is read (and converted to float32) and checked finite (1, nothing written: a NaN / Inf); then values and keys go
 to their page rows; then the rings are written (a ring slot is reused only once its token has left: read before
 written). Returns 0.
@@ -100,10 +102,12 @@ def _gather(leave, rows, new, rbase, rstep, ring_table, pw, out):
 def decode_write(pool, lay, krows, vrows, rbase, rstep, ring_table, page_table, knew, vnew, kleave, vleave, writes,
                  kshrinks, vshrinks):
     """One layer's writes of a decode step (the module docstring); 1 (nothing written) on a non-finite leaving
-    value, else 0."""
+    value, 2 on key groups that are not whole, 3 on parameters neither float32 nor bfloat16, else 0."""
     H, D = knew.shape[1], knew.shape[2]
     pw = krows.shape[1]
     BB, P, G = lay[_PL_BLOCK], lay[_PL_P], lay[_PL_G]
+    if lay[_PL_PDT] != 0 and lay[_PL_PDT] != 1:  # float16 parameters: the torch writes' (decode_writer's rule)
+        return 3
     bf16 = lay[_PL_PDT] == 1
     item = 2 if bf16 else 4
     for g0 in range(0, kleave.shape[0], G):  # keys leave in whole aligned groups of one request

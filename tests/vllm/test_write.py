@@ -191,3 +191,29 @@ def test_write_step_refuses_a_step_with_other_requests_and_groups_that_are_not_w
                       w.shrinks["k"], w.shrinks["v"])
     assert rc == 2 and same_bytes(snapshot(cache), before)
     assert decode_writer(cfg, kernel.pool, kernel.layout, kernel.rings) is not None
+
+
+def test_decode_write_refuses_float16_parameters_before_writing():
+    """``decode_writer`` gives a float16 layout no writer; called directly, the compiled writes still refuse one
+    (code 3) with nothing written, instead of storing float32 bytes where float16 parameters belong."""
+    cfg = KiviConfig(k_bits=2, v_bits=2, group_size=8, residual_length=8)
+    geo = build_geometry(cfg, page_size=16, num_kv_heads=H, head_dim=16, dtype=torch.float32)
+    cache = Cache(geo, torch.float32, nblocks=16)
+    kernel = decode_kernel(cfg, geo, "cpu", cache.pages, cache.rings)
+    from kivi.attention.fused_cpu.kernel import _PL_PDT
+    from kivi.vllm.write_kernel import decode_write
+
+    w = kernel.writer
+    batch = cache.batch([(0, 17, 1)])
+    k = torch.ones(1, H, 16)
+    leave = torch.tensor([[0, -1, 0, 0]] * 8).numpy()  # one whole value group ...
+    writes = torch.tensor([[0, 0, 0]]).numpy()  # ... and a ring write
+    for code, want in ((2, 3), (0, 0)):
+        lay = w.lay.copy()
+        lay[_PL_PDT] = code
+        before = snapshot(cache)
+        rc = decode_write(w.pool, lay, w.krows, w.vrows, w.rbase, w.rstep, batch.ring_table.numpy(),
+                          batch.page_table.numpy(), k.numpy(), k.numpy(), leave[:0], leave[:1], writes,
+                          w.shrinks["k"], w.shrinks["v"])
+        assert rc == want
+        assert same_bytes(snapshot(cache), before) == (want == 3), code
