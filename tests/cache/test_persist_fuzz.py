@@ -3,6 +3,8 @@ values, with every checksum recomputed (a checksum is not a signature).
 
 Every mutation of a small saved prefix either loads the very state that was saved or raises
 ``PrefixFileError``, never another exception, and no load asks torch for more than about the file's size.
+The default suite loads every ``SAMPLE``-th forged file of each kind (each kind from its own offset, every
+family of mutation represented); the ``slow`` run (KIVI_SLOW=1) loads all of them, about 4,400 per kind.
 """
 
 from __future__ import annotations
@@ -249,8 +251,13 @@ def _base(tmp_path, kind):
     return model, fp, path
 
 
-@pytest.mark.parametrize("kind", ["sinks-blocks-ids", "padded-batch", "sliding", "tiers", "per-head"])
-def test_forged_files_load_exactly_or_raise_prefix_error(tmp_path, monkeypatch, kind):
+KINDS = ["sinks-blocks-ids", "padded-batch", "sliding", "tiers", "per-head"]
+SAMPLE = 6  # the default suite's stride through each kind's forged files
+
+
+@pytest.mark.parametrize("full", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["sampled", "all"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_forged_files_load_exactly_or_raise_prefix_error(tmp_path, monkeypatch, kind, full):
     model, fp, path = _base(tmp_path, kind)
     want = KiviCache.load(path, fingerprint=fp, model=model)
     header, meta, payload = read_parts(path)
@@ -265,19 +272,23 @@ def test_forged_files_load_exactly_or_raise_prefix_error(tmp_path, monkeypatch, 
             continue
         own = key[0] == "config" or key[-1:] == ("sliding_window",)  # what the file says the cache is
         free = "own" if own else "due" if key in FREE else key[:1] == ("versions",)
-        cases.append((label, header, m, payload, free))
+        cases.append(("meta", label, header, m, payload, free))
     for label, name, entry in table_mutations(header):
         h = copy.deepcopy(header)
         if entry is None:
             del h[name]
         else:
             h[name] = entry
-        cases.append((label, h, copy.deepcopy(meta), payload, False))
+        cases.append(("table", label, h, copy.deepcopy(meta), payload, False))
     for label, lo, data in value_mutations(header, payload):
-        cases.append((label, header, copy.deepcopy(meta), payload[:lo] + data + payload[lo + len(data):], False))
+        cases.append(("value", label, header, copy.deepcopy(meta), payload[:lo] + data + payload[lo + len(data):],
+                      False))
 
+    assert len(cases) > 300  # the forgeries are generated in full either way
+    picked = cases if full else cases[KINDS.index(kind) % SAMPLE :: SAMPLE]
+    assert {c[0] for c in picked} == {"meta", "table", "value"}  # every family of forgery is loaded
     failures, loaded, t0 = [], 0, time.perf_counter()
-    for label, h, m, p, free in cases:
+    for _, label, h, m, p, free in picked:
         write_parts(forged, h, m, p)
         for with_model in (True, False):  # the model's config and shape, or only the file's own
             rec = AllocationRecorder(monkeypatch)
@@ -306,9 +317,9 @@ def test_forged_files_load_exactly_or_raise_prefix_error(tmp_path, monkeypatch, 
             if rec.total > 2 * size + (64 << 10):
                 failures.append(f"{label} (model={with_model}): asked torch for {rec.total} bytes, file {size}")
     elapsed = time.perf_counter() - t0
-    print(f"{kind}: {len(cases)} forged files x 2 loads in {elapsed:.1f} s, {loaded} loads succeeded")
-    assert not failures, f"{len(failures)} of {2 * len(cases)} loads:\n" + "\n".join(failures[:40])
-    assert len(cases) > 300 and elapsed < 60
+    print(f"{kind}: {len(picked)} of {len(cases)} forged files x 2 loads in {elapsed:.1f} s, {loaded} loads succeeded")
+    assert not failures, f"{len(failures)} of {2 * len(picked)} loads:\n" + "\n".join(failures[:40])
+    assert loaded > 0  # some forgeries are other valid states, and those were compared
 
 
 # ---------------------------------------------------------------------------------------------- named forgeries
