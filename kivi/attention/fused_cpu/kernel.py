@@ -33,8 +33,11 @@ output ``[B, Hq, Dv]``. Per ``(batch b, kv head h)`` and its ``g = Hq / Hkv`` qu
 
 Computation is in float32; the softmax uses a vectorisable expf (:func:`_exp_into`, relative
 error ~1e-7). Compile: ``fastmath=True, cache=True`` everywhere, the helpers ``inline="always"``,
-the entry points with one explicit signature (the threaded one ``parallel=True``): a process
-either loads the cache or compiles once (~15 s for both entries).
+the entry points with one explicit signature (the threaded ones ``parallel=True``); the per-task functions
+(:func:`_task`, :func:`_paged_task`, :func:`_paged_slot_task`, :func:`_ring_slot_task`) are plain jit calls, so
+each is compiled once and shared by its serial and threaded entry instead of inlined into both. A process
+either loads the cache or compiles all six entries once: 151 s on a 2-core VM (numba 0.68), 204-237 s while
+the slot tasks were inlined.
 """
 
 from __future__ import annotations
@@ -926,7 +929,7 @@ def _paged_rows(pool, lay, side, bt, b, h, H, D, ns, nst, nw, fsink, fwin, fds1,
     return n
 
 
-@inline
+@jit
 def _paged_task(q, pool, lay, bt, cnt, fpk, fpv, H, D, scaling, b, h, t0, t1, om, ol, oacc, valid, kscr, vscr):
     """Kv head ``h`` of request ``b`` over its kv positions ``[t0, t1)``: :func:`_task` on the request's pieces
     (``fpk`` / ``fpv``: where each side's full-precision rows are, ``[sink address, window address, head
@@ -1008,7 +1011,7 @@ def _task_of(slot, nch, slot0, cnt, chunk):
     return b, h, t0, min(cnt[b, 0] + cnt[b, 1] + cnt[b, 2], t0 + chunk)
 
 
-@inline
+@jit
 def _paged_slot_task(slot, nch, slot0, q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, hkv, chunk, pm, pl, pacc,
                      valid, kscr, vscr):
     """Run the task whose partial state goes to ``slot`` (full-precision rows gathered in ``kfp`` / ``vfp``)."""
@@ -1131,7 +1134,7 @@ def _ring_stage(rl, slots, new, b, h, ns, nst, nw, w0, t0, t1, out):
             _ring_row(rl, np.int64(slots[b, w0 + t % ring]), h, D, o)
 
 
-@inline
+@jit
 def _ring_slot_task(slot, nch, slot0, q, pool, lay, bt, cnt, ks, vs, rl, knew, vnew, w0, scaling, hkv, chunk, pm, pl,
                     pacc, valid, kscr, vscr, fscr):
     """Run the task whose partial state goes to ``slot`` (full-precision rows read through the slot tables)."""
