@@ -184,6 +184,18 @@ def _profile_text(profiler) -> str:
     return buf.getvalue()
 
 
+def unavailable(name: str) -> str | None:
+    """Why row ``name`` cannot run on this CPU, or ``None``: vLLM's CPU attention refuses an fp8 KV cache without
+    AVX-512 or AMX (its own rule, ``vllm/v1/attention/backends/cpu_attn.py`` ``_get_attn_isa``), so that row is
+    reported as not run instead of failing the benchmark."""
+    import torch
+
+    if ROWS[name].get("kv_cache_dtype") == "fp8" and not (torch.cpu._is_avx512_supported()
+                                                          or torch.cpu._is_amx_tile_supported()):
+        return "vLLM's fp8 KV cache on CPU needs AVX-512 or AMX, which this CPU lacks"
+    return None
+
+
 def child_env(threads: int, profile: bool) -> dict[str, str]:
     """vLLM's CPU worker binds its OpenMP threads to these cores; numba (kivi's kernels) gets as many threads.
     A profiled row runs vLLM's engine core and worker in the row's own process, where cProfile sees them."""
@@ -201,6 +213,9 @@ def format_table(report: dict) -> str:
     for r in report["rows"]:
         if "error" in r:
             lines.append(f"| {r['row']} | failed: {r['error']} |||||||")
+            continue
+        if "not_run" in r:
+            lines.append(f"| {r['row']} | not run: {r['not_run']} |||||||")
             continue
         kv = f"{r['kv_cache_tokens'] / base['kv_cache_tokens']:.2f}x" if base else ""
         tp = f"{r['generated_tokens_per_s'] / base['generated_tokens_per_s']:.2f}x" if base else ""
@@ -289,6 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     report["environment"]["vllm"] = vllm.__version__
     reference = None
     for name in args.rows:
+        why = unavailable(name)
+        if why:
+            print(f"row {name} not run: {why}", file=sys.stderr, flush=True)
+            report["rows"].append({"row": name, **ROWS[name], "not_run": why})
+            continue
         row_budget = default_budget(args, path, args.requests) if "budget" in ROWS[name] else budget
         spec = {"row": name, "model": path, "prompts": prompts, "new_tokens": args.new_tokens,
                 "max_model_len": max_len, "budget": row_budget, "max_batch_tokens": batch_tokens,
