@@ -15,15 +15,18 @@ from __future__ import annotations
 
 
 def register() -> None:
-    """vLLM's general-plugin entry point: refuse an untested vLLM (one line), then point vLLM's ``CPU_ATTN``
-    entry at :mod:`kivi.vllm.select`, which answers with vLLM's own class unless ``"kivi"`` is configured, and
+    """vLLM's general-plugin entry point: refuse an untested vLLM (one line), then point vLLM's attention backend
+    entries at :mod:`kivi.vllm.select`, which answers with vLLM's own classes unless ``"kivi"`` is configured
+    (then kivi's backend for ``CPU_ATTN`` and a one-line refusal for any other: no silent float cache), and
     register the KIVI page group's spec (:mod:`kivi.vllm.spec`: its blocks are never a prefix hit)."""
     from .version import check_vllm_version
 
     check_vllm_version()
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    register_backend(AttentionBackendEnum.CPU_ATTN, "kivi.vllm.select.CPU_ATTN")
+    from .select import route
+
+    route(AttentionBackendEnum)
     from .spec import register_spec
 
     register_spec()
