@@ -3,11 +3,14 @@
 :func:`decode_kernel` is the one rule for whether a layer's decode rows go through
 :func:`kivi.attention.fused_cpu.paged.paged_decode_attention` or request by request through
 :func:`kivi.attention.interface.run_backend` (:func:`kivi.vllm.paged.paged_step`'s other path): the kernel
-runs for the ``"cpu"`` backend with numba importable, on pages whose fields it reads (no compensation codes,
-widths and group sizes it reads: :meth:`kivi.vllm.geometry.KiviGeometry.kernel_layout`) in a cache whose
-storage holds its blocks' strides (:func:`kivi.vllm.geometry.block_pool`), with window rings that share one
-storage (:func:`kivi.vllm.geometry.ring_pool`, as vLLM allocates them). ``"reference"`` always goes request
-by request (it is the ground truth the kernel is tested against).
+runs for the ``"cpu"`` backend with numba importable (the numba kernel, on CPU pages) and for the ``"triton"``
+backend (its GPU form, :func:`kivi.kernels.triton_paged.triton_paged_decode`, on the same inputs: CUDA pages,
+or CPU pages under ``TRITON_INTERPRET=1``), on pages whose fields it reads (no compensation codes, widths and
+group sizes it reads: :meth:`kivi.vllm.geometry.KiviGeometry.kernel_layout`) in a cache whose storage holds its
+blocks' strides (:func:`kivi.vllm.geometry.block_pool`), with window rings that share one storage
+(:func:`kivi.vllm.geometry.ring_pool`, as vLLM allocates them). ``"reference"`` always goes request by request
+(it is the ground truth the kernels are tested against). vLLM's config does not offer ``"triton"`` yet (the
+plugin's GPU backend is not built, docs/vllm.md "On a GPU"): :func:`kivi.vllm.paged.paged_step` takes it.
 
 The kernel reads the full-precision rows where the rings keep them (the in-place form,
 :class:`kivi.attention.fused_cpu.paged.RingRows`): no copy of a window is made. Which slot each of a row's
@@ -20,6 +23,7 @@ that leave the kernel rows' windows in the step, for the pages.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -42,6 +46,9 @@ class DecodeKernel:
     layout: PagedLayout
     rings: RingPool
     writer: DecodeWriter | None = None
+    #: the kernel when it is not the numba one (:func:`kivi.attention.fused_cpu.paged.paged_decode_attention`,
+    #: ``None``): :func:`kivi.kernels.triton_paged.triton_paged_decode`, which takes the same inputs
+    attend: Callable[..., torch.Tensor] | None = None
 
 
 def decode_kernel(cfg: KiviConfig, geo: KiviGeometry, backend: str, pages: torch.Tensor,
@@ -49,7 +56,15 @@ def decode_kernel(cfg: KiviConfig, geo: KiviGeometry, backend: str, pages: torch
     """The batched paged decode kernel over ``pages`` (one layer's vLLM cache) and its window ``rings``, or
     ``None`` where it does not apply and decode rows go request by request (see the module docstring: the
     one rule)."""
-    if backend != "cpu" or pages.device.type != "cpu" or not numba_available():
+    if backend == "cpu":
+        if pages.device.type != "cpu" or not numba_available():
+            return None
+    elif backend == "triton":
+        from ..optional import triton_available
+
+        if not triton_available():
+            return None
+    else:
         return None
     pool, ring = block_pool(pages, geo), ring_pool(rings, geo)
     if pool is None or ring is None:
@@ -57,6 +72,10 @@ def decode_kernel(cfg: KiviConfig, geo: KiviGeometry, backend: str, pages: torch
     layout = geo.kernel_layout(cfg, pool[1], pool[2])
     if layout is None:
         return None
+    if backend == "triton":
+        from ..kernels.triton_paged import triton_paged_decode
+
+        return DecodeKernel(pool[0], layout, ring, None, triton_paged_decode)  # the torch writes
     return DecodeKernel(pool[0], layout, ring, decode_writer(cfg, pool[0], layout, ring))
 
 
@@ -69,12 +88,15 @@ def paged_decode(kernel: DecodeKernel, rows: KernelRows, page_table: torch.Tenso
     query and new rows) made in one compiled call (:func:`kivi.vllm.inputs_kernel.kernel_inputs`) where the
     input is float32 or bfloat16 on the CPU; ``False``: with torch operations, its reference (the same tensors)."""
     idx = rows.index
-    if not (compiled and all(x.device.type == "cpu" and x.dtype in ROW_DTYPES for x in (query, key, value))):
+    numba_inputs = kernel.attend is None and all(
+        x.device.type == "cpu" and x.dtype in ROW_DTYPES for x in (query, key, value))
+    if not (compiled and numba_inputs):
         rtab = ring_table[idx]
         fp = [RingRows(kernel.rings.rows[side], kernel.rings.slot_ids(rtab, rows.slots[side]).to(torch.int32),
                        new[rows.tokens]) for side, new in (("k", key), ("v", value))]
-        return paged_decode_attention(query[rows.tokens], kernel.pool, kernel.layout,
-                                      page_table[idx].to(torch.int32), rows.counts, *fp, rows.w0, scaling=scale)
+        attend = paged_decode_attention if kernel.attend is None else kernel.attend
+        return attend(query[rows.tokens], kernel.pool, kernel.layout, page_table[idx].to(torch.int32),
+                      rows.counts.to(query.device), *fp, rows.w0, scaling=scale)
     from .inputs_kernel import kernel_inputs
 
     N, C = rows.slots["k"].shape

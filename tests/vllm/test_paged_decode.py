@@ -136,10 +136,12 @@ def test_batched_decode_reads_interleaved_layers(layer):
     run_both(CONFIGS[0], torch.float32, layers=3, layer=layer, decode_steps=20)
 
 
-def run_both(cfg, dtype, decode_steps=44, **layout):
+def run_both(cfg, dtype, decode_steps=44, backend="cpu", **layout):
+    """``backend``'s kernel (``"cpu"``: numba; ``"triton"``: the Triton kernel on the same inputs) for the decode
+    rows against the per-request ``"cpu"`` path."""
     geo = build_geometry(cfg, page_size=P, num_kv_heads=H, head_dim=D, dtype=dtype)
     fast, slow = Cache(geo, dtype, **layout), Cache(geo, dtype, **layout)
-    assert decode_kernel(cfg, geo, "cpu", fast.pages, fast.rings) is not None, "the kernel must apply"
+    assert decode_kernel(cfg, geo, backend, fast.pages, fast.rings) is not None, "the kernel must apply"
     prompts = {0: 3, 1: 13, 2: 29, 3: 41, 4: 1, 5: 66, 6: 17, 7: 90}
     steps = steps_of(prompts, late={8: (5, 11), 9: (9, 35)}, decode_steps=decode_steps)
     g = torch.Generator().manual_seed(2)
@@ -151,7 +153,7 @@ def run_both(cfg, dtype, decode_steps=44, **layout):
         batch, same = fast.batch(rows), slow.batch(rows)  # the same block ids: both draw from equally seeded pools
         assert torch.equal(batch.page_table, same.page_table) and torch.equal(batch.ring_table, same.ring_table)
         served += sum(stores_any(cfg, batch.seq_lens[i] - 1) for i in decode_rows(batch))
-        got = paged_step(cfg, geo, "cpu", q, k, v, fast.pages, fast.rings, batch, scale,
+        got = paged_step(cfg, geo, backend, q, k, v, fast.pages, fast.rings, batch, scale,
                          torch.empty(n, HQ, D, dtype=dtype))
         want = paged_step(cfg, geo, "cpu", q, k, v, slow.pages, slow.rings, same, scale,
                           torch.empty(n, HQ, D, dtype=dtype), batched_decode=False)
@@ -162,6 +164,29 @@ def run_both(cfg, dtype, decode_steps=44, **layout):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"rings differ after {rows}"
     assert served > 6 * decode_steps, f"the kernel served only {served} rows"
     assert max(prompts.values()) + decode_steps > 2 * geo.window_rings * geo.window_tokens, "the rings must wrap"
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cfg", [CONFIGS[0], SINK_CONFIGS[1], CONFIGS[2]], ids=["k2v2-G8-R16", "k4v2-G8-R8-S5",
+                                                                                 "k2v4-G16-R16-sym"])
+def test_triton_kernel_on_the_same_inputs_equals_per_request(cfg, dtype, monkeypatch):
+    """The batched paged decode kernel's Triton form (kivi.kernels.triton_paged, under TRITON_INTERPRET=1 on these
+    CPU tensors) serves the plugin's decode rows from the inputs the numba kernel gets: the same outputs as the
+    per-request path, pages and rings bit-identical, every decode row with something stored through it."""
+    from tests.helpers import triton_skip_reason
+
+    reason = triton_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from kivi.kernels import triton_paged
+
+    calls = []
+    kernel = triton_paged.triton_paged_decode
+    monkeypatch.setattr(triton_paged, "triton_paged_decode",
+                        lambda *a, **k: calls.append(a[0].shape[0]) or kernel(*a, **k))
+    run_both(cfg, dtype, decode_steps=12, backend="triton")
+    assert len(calls) >= 12 and sum(calls) > 6 * 12
 
 
 def test_where_the_kernel_applies(monkeypatch):

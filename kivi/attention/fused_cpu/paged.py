@@ -178,14 +178,16 @@ def _check_ring(name: str, rr: RingRows, N: int, H: int, D: int, w0: int) -> Non
         raise ValueError(f"{name}.new must be floating [{N}, {H}, {D}], got {new.dtype} {tuple(new.shape)}")
 
 
-def _check(q, pool, layout, block_table, counts, k_fp, v_fp, w0) -> None:
-    """Every check of the inputs: their shapes and dtypes, then the per-request values (numpy)."""
+def check_paged_inputs(q, pool, layout, block_table, counts, k_fp, v_fp, w0) -> None:
+    """Every check of the inputs of a paged decode kernel (this module's numba one, and the Triton one of
+    :mod:`kivi.kernels.triton_paged`): their shapes and dtypes, then the per-request values (numpy: ``block_table``,
+    ``counts`` and the :class:`RingRows` slot tables on the host); ``ValueError`` naming what does not fit."""
     _check_shapes(q, pool, layout, block_table, counts, k_fp, v_fp, w0)
     _check_values(pool, layout, block_table, counts, k_fp, v_fp, w0)
 
 
 def _check_fast(q, pool, layout, block_table, counts, k_fp, v_fp, w0) -> None:
-    """:func:`_check` with the per-request values checked in one compiled call
+    """:func:`check_paged_inputs` with the per-request values checked in one compiled call
     (:func:`.paged_checks.values_ok`, a few microseconds where numpy takes ~100-150); only a refused input runs
     the numpy checks, for their message."""
     from .paged_checks import values_ok
@@ -338,8 +340,9 @@ def _fp_rows(fp: torch.Tensor | RingRows, i: int, sink: int, first: int, window:
         ids = fp.slots[i, cols].long()
         return fp.rows[ids // per_block, ids % per_block].float().transpose(0, 1)  # [H, n, D]
 
-    old = read(w0 + torch.arange(first, first + window - 1) % ring)
-    return read(torch.arange(sink)), torch.cat([old, fp.new[i].float().unsqueeze(1)], dim=1)
+    dev = fp.slots.device
+    old = read(w0 + torch.arange(first, first + window - 1, device=dev) % ring)
+    return read(torch.arange(sink, device=dev)), torch.cat([old, fp.new[i].float().unsqueeze(1)], dim=1)
 
 
 def torch_paged_decode(q: torch.Tensor, pool: torch.Tensor, layout: PagedLayout, block_table: torch.Tensor,
@@ -348,12 +351,12 @@ def torch_paged_decode(q: torch.Tensor, pool: torch.Tensor, layout: PagedLayout,
     """Plain torch reference of :func:`paged_decode_attention` (both forms of rows): each request's pages
     dequantized (:func:`kivi.quant.kv.dequantize_kv`), sink + pages + window concatenated, softmax attention
     in float32."""
-    _check(q, pool, layout, block_table, counts, k_fp, v_fp, w0)
+    check_paged_inputs(q, pool, layout, block_table, counts, k_fp, v_fp, w0)
     N, hq, D = q.shape
     H, P = layout.num_kv_heads, layout.page_size
     g = hq // H
     scaling = D**-0.5 if scaling is None else scaling
-    out = torch.empty(N, hq, D)
+    out = torch.empty(N, hq, D, device=q.device)
     for i in range(N):
         sides = []
         for s, (side, fp, bits) in enumerate((("k", k_fp, layout.k_bits), ("v", v_fp, layout.v_bits))):
@@ -381,4 +384,5 @@ def torch_paged_decode(q: torch.Tensor, pool: torch.Tensor, layout: PagedLayout,
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-__all__ = ["PagedLayout", "RingRows", "PARAM_DTYPES", "ROW_DTYPES", "paged_decode_attention", "torch_paged_decode"]
+__all__ = ["PagedLayout", "RingRows", "PARAM_DTYPES", "ROW_DTYPES", "check_paged_inputs", "paged_decode_attention",
+           "torch_paged_decode"]
