@@ -21,6 +21,13 @@ read sinks (``blocked_ms``), for sink-free layouts the previous kernel path (sto
 each step, then a one-segment launch; ``concat_ms``), and fp16 SDPA over the dequantized cache
 (``sdpa_ms``); plus the max abs error of the kernel path against ``reference_attention``.
 
+Then the batched paged decode kernel (``--paged``, default on): :func:`kivi.kernels.triton_paged.triton_paged_decode`,
+the kernel kivi's vLLM plugin reads its pages with, over ``N`` requests of ``T`` tokens each in KIVI 2/2 pages of
+128 tokens (vLLM's block size; pages in shuffled blocks of one pool, ``extreme``'s window of 128 tokens in rings
+read in place, the schedule's counts from :func:`kivi.cache.schedule.side_tokens`), checked against
+:func:`kivi.attention.fused_cpu.paged.torch_paged_decode` and timed against fp16 SDPA over the same tokens held
+dense (``paged_ms`` / ``sdpa_ms``; bytes the kernel must read, its GB/s).
+
 Usage (H100/H200; about 3-5 minutes, stops starting new configurations after ``--max-seconds``)::
 
     python benchmarks/bench_triton_gpu.py --out bench_triton.json
@@ -48,9 +55,11 @@ import torch.nn.functional as F  # noqa: E402
 
 from common import time_calls  # noqa: E402
 from kivi.attention.blocked import blocked_attention  # noqa: E402
+from kivi.attention.fused_cpu.paged import RingRows, torch_paged_decode  # noqa: E402
 from kivi.attention.reference import reference_attention  # noqa: E402
 from kivi.attention.triton_backend import triton_view_attention  # noqa: E402
 from kivi.cache.layer import KiviLayer  # noqa: E402
+from kivi.cache.schedule import side_tokens  # noqa: E402
 from kivi.cache.view import materialize  # noqa: E402
 from kivi.config import KiviConfig  # noqa: E402
 from kivi.kernels import (  # noqa: E402
@@ -59,7 +68,9 @@ from kivi.kernels import (  # noqa: E402
     quantize_pack_values,
     torch_decode_attention_packed,
 )
+from kivi.kernels.triton_paged import triton_paged_decode  # noqa: E402
 from kivi.quant.kv import quantize_kv  # noqa: E402
+from kivi.vllm.geometry import build_geometry  # noqa: E402
 
 MODELS = {
     "llama": dict(hq=32, hkv=8, d=128),
@@ -235,6 +246,94 @@ def layout_rows(models, device, dtype, contexts, batches, extra, geometry, warmu
     return rows, skipped
 
 
+def paged_batch(N, hq, hkv, d, T, dtype, device, *, page_size=128, seed=0):
+    """KIVI 2/2 pages of ``N`` requests holding ``T`` tokens each (the step's token the last), as kivi's vLLM
+    plugin keeps them: ``(q, pool, layout, block_table, counts, k RingRows, v RingRows, w0, dense k, dense v)``."""
+    cfg = KiviConfig.preset("extreme")
+    geo = build_geometry(cfg, page_size=page_size, num_kv_heads=hkv, head_dim=d, dtype=dtype)
+    layout = geo.kernel_layout(cfg, geo.block_bytes)
+    g = torch.Generator(device=device).manual_seed(seed)
+    k = torch.randn(N, hkv, T, d, generator=g, device=device, dtype=dtype)
+    k[..., : max(1, d // 16)] *= 8
+    v = torch.randn(N, hkv, T, d, generator=g, device=device, dtype=dtype)
+    R, G = cfg.residual_length, cfg.group_size
+    ks, vs = (side_tokens(axis, T - 1, R, G) for axis in ("channel", "token"))  # before the step's token
+    counts = torch.tensor([[0, ks[1], T - ks[1], 0, vs[1], T - vs[1]]] * N, dtype=torch.int64)
+    pages = -(-max(ks[1], vs[1]) // page_size)
+    nb = N * pages + 1
+    order = torch.randperm(nb, generator=torch.Generator().manual_seed(seed))
+    table = order[: N * pages].view(N, pages).to(torch.int32)
+    pool = torch.zeros(nb * geo.block_bytes, dtype=torch.uint8, device=device)
+    for side, x, stored, axis in (("k", k, ks[1], "channel"), ("v", v, vs[1], "token")):
+        for j in range(pages):
+            part = x[:, :, j * page_size: min(stored, (j + 1) * page_size)]
+            if not part.shape[2]:
+                continue
+            seg = quantize_kv(part, axis, 2, G, param_dtype=layout.param_dtype)
+            for name, t in seg.tensors().items():
+                view = layout.field(pool, side, name)  # [blocks, H, rows, C]
+                view[table[:, j].long().to(device), :, : t.shape[2]] = t
+    ring = max(T - ks[1], T - vs[1])  # every window row a slot of its own ring
+    rows_per_block = 16
+    nbr = -(-N * ring // rows_per_block) + 1
+    fp = []
+    for x, stored in ((k, ks[1]), (v, vs[1])):
+        rows = torch.zeros(nbr, rows_per_block, hkv, d, dtype=dtype, device=device)
+        ids = torch.randperm(nbr * rows_per_block, generator=torch.Generator().manual_seed(seed + 1))[: N * ring]
+        slots = ids.view(N, ring).to(torch.int32)
+        for t in range(stored, T - 1):
+            r = slots[:, t % ring].long().to(device)
+            rows[r // rows_per_block, r % rows_per_block] = x[:, :, t]
+        fp.append(RingRows(rows, slots.to(device), x[:, :, T - 1].contiguous()))
+    q = torch.randn(N, hq, d, generator=g, device=device, dtype=dtype)
+    return q, pool, layout, table.to(device), counts.to(device), fp[0], fp[1], 0, k, v
+
+
+def paged_rows(models, device, dtype, contexts, batches, warmup, iters, t_start, max_seconds):
+    rows, skipped = [], []
+    header = (f"{'model':>13} {'N':>3} {'ctx':>7} | {'paged ms':>8} {'GB/s':>7} {'MB':>8} | "
+              f"{'sdpa* ms':>8} {'MB':>8} | {'speedup':>7} {'max|err|':>9}")
+    print("\nbatched paged decode (triton_paged_decode: KIVI 2/2 pages of 128 tokens) vs fp16 SDPA, dense cache")
+    print(header)
+    print("-" * len(header))
+    for name, m in models.items():
+        for N in batches:
+            for T in contexts:
+                if time.time() - t_start > max_seconds:
+                    skipped.append(dict(model=name, paged=True, batch=N, context=T))
+                    continue
+                row = dict(model=name, paged=True, batch=N, context=T, **m)
+                try:
+                    q, pool, lay, table, counts, kr, vr, w0, k, v = paged_batch(N, m["hq"], m["hkv"], m["d"], T,
+                                                                                dtype, device)
+                    scaling = m["d"] ** -0.5
+                    call = partial(triton_paged_decode, q, pool, lay, table, counts, kr, vr, w0, scaling=scaling)
+                    got = call()
+                    ref = torch_paged_decode(q, pool, lay, table, counts, kr, vr, w0, scaling=scaling)
+                    err = (got.float() - ref.float()).abs().max().item()
+                    t_paged = timeit(call, warmup, iters, device)
+                    # what the kernel must read: every page block of the batch, the window rows of both sides
+                    kb = (table.numel() * lay.block_bytes
+                          + counts[:, [2, 5]].sum().item() * m["hkv"] * m["d"] * k.element_size())
+                    qf = q.reshape(N, m["hkv"], m["hq"] // m["hkv"], m["d"])
+                    t_sdpa = timeit(partial(F.scaled_dot_product_attention, qf, k, v, scale=scaling), warmup, iters,
+                                    device)
+                    fb = 2 * k.numel() * k.element_size()
+                    row.update(paged_ms=t_paged, paged_bytes=kb, paged_gbps=kb / t_paged / 1e6, sdpa_ms=t_sdpa,
+                               sdpa_bytes=fb, speedup=t_sdpa / t_paged, max_abs_err=err,
+                               ref_max_abs=ref.float().abs().max().item(), ok=bool(err < 2e-2))
+                    print(f"{name:>13} {N:>3} {T:>7} | {t_paged:8.3f} {row['paged_gbps']:7.0f} {kb / 1e6:8.1f} | "
+                          f"{t_sdpa:8.3f} {fb / 1e6:8.1f} | {row['speedup']:6.2f}x {err:9.2e}", flush=True)
+                    del q, pool, table, counts, kr, vr, k, v, call
+                except torch.OutOfMemoryError as e:  # pragma: no cover - GPU only
+                    row["error"] = f"OOM: {e}"[:200]
+                    print(f"{name:>13} {N:>3} {T:>7} | OOM", flush=True)
+                rows.append(row)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return rows, skipped
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench_triton_gpu.json", help="JSON results path")
@@ -248,6 +347,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-layouts", action="store_true", help="skip the cache-layout table (sinks + several blocks)")
     ap.add_argument("--layout-contexts", type=int, nargs="*", default=None)
     ap.add_argument("--layout-batches", type=int, nargs="*", default=None)
+    ap.add_argument("--no-paged", action="store_true", help="skip the batched paged decode table")
+    ap.add_argument("--paged-contexts", type=int, nargs="*", default=None)
+    ap.add_argument("--paged-batches", type=int, nargs="*", default=None)
     args = ap.parse_args(argv)
 
     t_start = time.time()
@@ -262,6 +364,7 @@ def main(argv=None) -> int:
         layout_batches = args.layout_batches or [2]
         geometry = dict(block_size=32, group_size=16, residual_length=16)
         extra = 96
+        paged_contexts, paged_batches = args.paged_contexts or [301], args.paged_batches or [3]
     else:
         if not torch.cuda.is_available():
             print("no CUDA device; use --dry-run to check the script on CPU", file=sys.stderr)
@@ -276,6 +379,7 @@ def main(argv=None) -> int:
         layout_batches = args.layout_batches or [1, 4]
         geometry = dict(block_size=256, group_size=32, residual_length=128)
         extra = 2048  # 8 block_size blocks after the prefill block
+        paged_contexts, paged_batches = args.paged_contexts or [4096 + 37, 32768 + 37], args.paged_batches or [8, 32]
     dtype = torch.float16
     env = dict(torch=torch.__version__, python=platform.python_version(),
                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (TRITON_INTERPRET=1)")
@@ -289,10 +393,14 @@ def main(argv=None) -> int:
 
     checks = correctness(models, device, dtype, check_T)
 
-    rows, skipped, layouts = [], [], []
+    rows, skipped, layouts, paged = [], [], [], []
+    if not args.no_paged:  # first: the kernel kivi's vLLM plugin would run on a GPU (never timed on one yet)
+        paged, skipped = paged_rows(models, device, dtype, paged_contexts, paged_batches, warmup, iters, t_start,
+                                    args.max_seconds)
     if not args.no_layouts:  # first: the layouts the backend reads in a model (sinks, several blocks)
-        layouts, skipped = layout_rows(models, device, dtype, layout_contexts, layout_batches, extra, geometry,
-                                       warmup, iters, t_start, args.max_seconds)
+        layouts, more = layout_rows(models, device, dtype, layout_contexts, layout_batches, extra, geometry,
+                                    warmup, iters, t_start, args.max_seconds)
+        skipped += more
     header = (f"{'model':>13} {'B':>3} {'ctx':>7} | {'kivi ms':>8} {'GB/s':>7} {'MB':>8} | "
               f"{'sdpa* ms':>8} {'GB/s':>7} {'MB':>8} | {'speedup':>7}")
     print("\none segment per side (decode_attention_packed) vs fp16 SDPA")
@@ -339,11 +447,12 @@ def main(argv=None) -> int:
         print(f"skipped {len(skipped)} configurations after --max-seconds={args.max_seconds}")
     result = dict(env=env, dtype=str(dtype), bits=BITS, group_size=GROUP, key_fp_tail=K_TAIL, value_fp_tail=V_TAIL,
                   warmup=warmup, iters=iters, dry_run=args.dry_run, checks=checks, results=rows, layouts=layouts,
+                  paged=paged,
                   skipped=skipped, wall_s=time.time() - t_start)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {args.out} ({time.time() - t_start:.1f} s)")
-    ok = all(c["ok"] for c in checks) and all(r.get("ok", True) for r in layouts)
+    ok = all(c["ok"] for c in checks) and all(r.get("ok", True) for r in layouts + paged)
     return 0 if ok else 1
 
 

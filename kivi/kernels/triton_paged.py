@@ -21,14 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.fused_cpu.paged import PagedLayout, RingRows, check_paged_inputs, torch_paged_decode
+from ..attention.fused_cpu.paged import PagedLayout, RingRows, check_paged_inputs, on_host, torch_paged_decode
 from ._common import next_pow2, require_triton
 
 _LOG2E = 1.4426950408889634
-
-
-def _host(fp: RingRows) -> RingRows:
-    return fp if fp.slots.device.type == "cpu" else RingRows(rows=fp.rows, slots=fp.slots.cpu(), new=fp.new)
 
 
 def _splits(device: torch.device, programs: int, tiles: int) -> int:
@@ -57,7 +53,7 @@ def triton_paged_decode(q: torch.Tensor, pool: torch.Tensor, layout: PagedLayout
                     ("v_fp.slots", v_fp.slots), ("v_fp.new", v_fp.new)):
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, q on {device}: every input must be on one device")
-    check_paged_inputs(q, pool, layout, block_table.cpu(), counts.cpu(), _host(k_fp), _host(v_fp), w0)
+    check_paged_inputs(q, pool, layout, block_table.cpu(), counts.cpu(), on_host(k_fp), on_host(v_fp), w0)
     item = layout.param_dtype.itemsize
     offsets = [layout.k_scale, layout.v_scale] + [o for o in (layout.k_offset, layout.v_offset) if o is not None]
     if layout.block_bytes % item or any(o % item for o in offsets):

@@ -30,6 +30,10 @@ def test_bench_dry_run(tmp_path):
     assert row["kivi_ms"] > 0 and row["sdpa_ms"] > 0 and row["speedup"] > 0
     assert mod.split_counts(4096) == (3968, 3996)  # key tail 128 (whole groups), value tail 100
     assert data["layouts"] == []
+    # the batched paged decode kernel (KIVI 2/2 pages of 128 tokens, 3 requests of 301), checked and timed
+    (paged,) = data["paged"]
+    assert paged["ok"] and paged["batch"] == 3 and paged["context"] == 301
+    assert paged["paged_ms"] > 0 and paged["sdpa_ms"] > 0 and paged["paged_bytes"] > 0
 
 
 @pytest.mark.slow  # ~20 s: a dozen kernel calls in the interpreter
@@ -40,7 +44,7 @@ def test_bench_dry_run_cache_layouts(tmp_path):
     out = tmp_path / "bench.json"
     rc = mod.main(["--dry-run", "--out", str(out), "--models", "smollm2-tiny", "--contexts", "160",
                    "--batches", "1", "--warmup", "1", "--iters", "1", "--layout-contexts", "150",
-                   "--layout-batches", "1"])
+                   "--layout-batches", "1", "--no-paged"])
     assert rc == 0
     data = json.loads(out.read_text())
     # the cache layouts: one row per preset, a prefill block plus block_size blocks, checked against the reference

@@ -178,6 +178,13 @@ def _check_ring(name: str, rr: RingRows, N: int, H: int, D: int, w0: int) -> Non
         raise ValueError(f"{name}.new must be floating [{N}, {H}, {D}], got {new.dtype} {tuple(new.shape)}")
 
 
+def on_host(fp: torch.Tensor | RingRows) -> torch.Tensor | RingRows:
+    """``fp`` with what :func:`check_paged_inputs` reads by value (a :class:`RingRows`' slot table) on the host."""
+    if isinstance(fp, RingRows) and fp.slots.device.type != "cpu":
+        return RingRows(rows=fp.rows, slots=fp.slots.cpu(), new=fp.new)
+    return fp
+
+
 def check_paged_inputs(q, pool, layout, block_table, counts, k_fp, v_fp, w0) -> None:
     """Every check of the inputs of a paged decode kernel (this module's numba one, and the Triton one of
     :mod:`kivi.kernels.triton_paged`): their shapes and dtypes, then the per-request values (numpy: ``block_table``,
@@ -348,10 +355,10 @@ def _fp_rows(fp: torch.Tensor | RingRows, i: int, sink: int, first: int, window:
 def torch_paged_decode(q: torch.Tensor, pool: torch.Tensor, layout: PagedLayout, block_table: torch.Tensor,
                        counts: torch.Tensor, k_fp: torch.Tensor | RingRows, v_fp: torch.Tensor | RingRows, w0: int,
                        *, scaling: float | None = None) -> torch.Tensor:
-    """Plain torch reference of :func:`paged_decode_attention` (both forms of rows): each request's pages
-    dequantized (:func:`kivi.quant.kv.dequantize_kv`), sink + pages + window concatenated, softmax attention
-    in float32."""
-    check_paged_inputs(q, pool, layout, block_table, counts, k_fp, v_fp, w0)
+    """Plain torch reference of :func:`paged_decode_attention` (both forms of rows; any device, the tables
+    checked on host copies): each request's pages dequantized (:func:`kivi.quant.kv.dequantize_kv`), sink +
+    pages + window concatenated, softmax attention in float32."""
+    check_paged_inputs(q, pool, layout, block_table.cpu(), counts.cpu(), on_host(k_fp), on_host(v_fp), w0)
     N, hq, D = q.shape
     H, P = layout.num_kv_heads, layout.page_size
     g = hq // H
@@ -364,7 +371,7 @@ def torch_paged_decode(q: torch.Tensor, pool: torch.Tensor, layout: PagedLayout,
             sink_rows, window_rows = _fp_rows(fp, i, sink, sink + stored, window, w0)
             parts = [sink_rows]  # [H, sink, D]
             if stored:
-                blocks = block_table[i, : -(-stored // P)].long()
+                blocks = block_table[i, : -(-stored // P)].long().to(pool.device)
                 fields = {}
                 for name in ("packed", "scale", "offset"):
                     if name == "offset" and getattr(layout, f"{side}_offset") is None:
@@ -384,5 +391,5 @@ def torch_paged_decode(q: torch.Tensor, pool: torch.Tensor, layout: PagedLayout,
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-__all__ = ["PagedLayout", "RingRows", "PARAM_DTYPES", "ROW_DTYPES", "check_paged_inputs", "paged_decode_attention",
-           "torch_paged_decode"]
+__all__ = ["PagedLayout", "RingRows", "PARAM_DTYPES", "ROW_DTYPES", "check_paged_inputs", "on_host",
+           "paged_decode_attention", "torch_paged_decode"]
