@@ -141,6 +141,29 @@ def _side_tile(
 
 
 @triton.jit
+def online_softmax(s, m_i, l_i):
+    """One tile's scores ``s [QG_P2, BLOCK_N]`` (base 2, ``-inf`` where masked) into the running max ``m_i`` and
+    sum ``l_i``: ``(m_new, p, alpha, l_new)``; the caller rescales its accumulator by ``alpha`` and adds
+    ``p @ v``. A row with nothing seen yet keeps ``-inf`` / 0 (no NaN from ``-inf - -inf``)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    return m_new, p, alpha, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def store_partials(m_ptr, l_ptr, acc_ptr, program, qi, d, m_i, l_i, acc, QG_P2: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    """Write a split's partial ``m``, ``l`` and unnormalised accumulator at rows ``program * QG_P2 + qi``, where
+    :func:`decode_reduce_kernel` reads them (``program``: kv head row times the splits, plus the split)."""
+    row = program.to(tl.int64) * QG_P2 + qi
+    tl.store(m_ptr + row, m_i)
+    tl.store(l_ptr + row, l_i)
+    tl.store(acc_ptr + row[:, None] * BLOCK_D + d[None, :], acc)
+
+
+@triton.jit
 def decode_split_kernel(
     q_ptr, sq_b, sq_h,
     ksink_ptr, ksk_b, ksk_h, ksk_t, k_S,
@@ -202,11 +225,7 @@ def decode_split_kernel(
             ok = ok & (vt != 0)
         s = tl.where(ok[None, :], s, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_new, p, alpha, l_i = online_softmax(s, m_i, l_i)
 
         v, vcur = _side_tile(
             t, tmask, n0, vcur, d, dmask, b64, h64,
@@ -218,10 +237,7 @@ def decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(dot_t), v.to(dot_t), input_precision=PRECISION)
         m_i = m_new
 
-    row = (pid_bh * NUM_SPLITS + pid_s).to(tl.int64) * QG_P2 + qi
-    tl.store(m_ptr + row, m_i)
-    tl.store(l_ptr + row, l_i)
-    tl.store(acc_ptr + row[:, None] * BLOCK_D + d[None, :], acc)
+    store_partials(m_ptr, l_ptr, acc_ptr, pid_bh * NUM_SPLITS + pid_s, qi, d, m_i, l_i, acc, QG_P2, BLOCK_D)
 
 
 @triton.jit

@@ -9,8 +9,8 @@ of that request; it walks the range in ``BLOCK_N`` tiles, each token read from w
 
 * ``t < sink``: the rows pool, row id ``slots[n, t]``;
 * ``sink <= t < sink + stored``: store position ``u = t - sink`` in block ``block_table[n, u // P]``, row
-  ``u % P``; codes at bit ``c * BITS`` of the token's packed row (little-endian across the row, so 3-bit codes
-  may straddle two bytes and every width reads the same way); keys' parameters one row per ``G`` tokens, values'
+  ``u % P``; its packed row read by the single-sequence kernel's readers (whole bytes unpacked, 3-bit runs as
+  24-bit integers); keys' parameters one row per ``G`` tokens, values'
   one per token and ``G`` channels; ``code * scale + offset`` (or ``(code - qmax) * scale`` without offsets);
 * ``sink + stored <= t < T - 1``: the rows pool, row id ``slots[n, w0 + t % ring]``;
 * ``t = T - 1``: ``new[n]``;
@@ -23,28 +23,34 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._attention_kernels import _load_codes3, _unpack, online_softmax, store_partials
+
 
 @triton.jit
-def _codes(pool_ptr, row_base, d, m2, BITS: tl.constexpr, ROW_BYTES: tl.constexpr):
-    """float32 codes of channels ``d`` of the packed rows starting at byte ``row_base`` ([BLOCK_N, 1])."""
-    bitpos = d[None, :] * BITS
-    lo = bitpos // 8
-    b = tl.load(pool_ptr + row_base + lo, mask=m2, other=0).to(tl.int32)
-    if 8 % BITS != 0:  # 3 bits: a code may straddle two bytes
-        hi = tl.load(pool_ptr + row_base + lo + 1, mask=m2 & (lo + 1 < ROW_BYTES), other=0).to(tl.int32)
-        b = b | (hi << 8)
-    return ((b >> (bitpos % 8)) & ((1 << BITS) - 1)).to(tl.float32)
+def _codes(row_ptrs, rmask, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
+    """float32 codes ``[BLOCK_N, BLOCK_D]`` of the packed rows at ``row_ptrs [BLOCK_N, 1]`` (``rmask``: the rows to
+    read): whole bytes unpacked (1/2/4/8 bits) or each run's 24-bit integer split (3 bits), the single-sequence
+    kernel's readers, so a row's bytes load as vectors."""
+    if BITS == 3:
+        return _load_codes3(row_ptrs, rmask[:, None], BLOCK_N, BLOCK_D, D)
+    else:
+        PB: tl.constexpr = 8 // BITS
+        NB: tl.constexpr = BLOCK_D // PB
+        NB_REAL: tl.constexpr = (D * BITS + 7) // 8
+        cb = tl.arange(0, NB)
+        raw = tl.load(row_ptrs + cb[None, :], mask=rmask[:, None] & (cb[None, :] < NB_REAL), other=0)
+        return _unpack(raw, BLOCK_N, BLOCK_D, BITS)
 
 
 @triton.jit
 def _side_tile(
     t, tmask, d, dmask, n64, h64, sink, stored, total,
-    pool_ptr, par_ptr, bt_ptr, bt_sn, block_bytes,
+    pool_ptr, par_ptr, bt_ptr, bt_sn, BLOCK_BYTES: tl.constexpr,
     rows_ptr, r_sb, r_sr, r_sh, rows_per_block, slots_ptr, sl_sn, w0, ring,
     new_ptr, nw_sn, nw_sh,
     CODES: tl.constexpr, SCALE: tl.constexpr, OFFSET: tl.constexpr, HAS_OFFSET: tl.constexpr,
     ROW_BYTES: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, CHANNEL: tl.constexpr,
-    P: tl.constexpr, D: tl.constexpr, PAR_ITEM: tl.constexpr,
+    P: tl.constexpr, D: tl.constexpr, PAR_ITEM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """float32 ``[BLOCK_N, BLOCK_D]`` of one side's tokens ``t`` of request ``n``, kv head ``h``."""
     dm = dmask[None, :]
@@ -66,9 +72,9 @@ def _side_tile(
     u = tl.where(is_st, t - sink, 0)
     blk = tl.load(bt_ptr + n64 * bt_sn + u // P, mask=is_st, other=0).to(tl.int64)
     row = (u % P).to(tl.int64)
-    base = blk * block_bytes
+    base = blk * BLOCK_BYTES  # a multiple of 128 (PageLayout / KiviGeometry): rows load as vectors
     m2 = is_st[:, None] & dm
-    codes = _codes(pool_ptr, (base + CODES + (h64 * P + row) * ROW_BYTES)[:, None], d, m2, BITS, ROW_BYTES)
+    codes = _codes(pool_ptr + (base + CODES + (h64 * P + row) * ROW_BYTES)[:, None], is_st, BITS, BLOCK_N, BLOCK_D, D)
     if CHANNEL:  # keys: a parameter row per G tokens, one per channel
         pidx = (h64 * (P // G) + row // G)[:, None] * D + d[None, :]
     else:  # values: a parameter row per token, one per G channels
@@ -87,7 +93,7 @@ def _side_tile(
 @triton.jit
 def paged_split_kernel(
     q_ptr, sq_n, sq_h,
-    pool_ptr, par_ptr, bt_ptr, bt_sn, counts_ptr, block_bytes,
+    pool_ptr, par_ptr, bt_ptr, bt_sn, counts_ptr,
     krows_ptr, kr_sb, kr_sr, kr_sh, k_rpb, kslots_ptr, ksl_sn, knew_ptr, kn_sn, kn_sh,
     vrows_ptr, vr_sb, vr_sr, vr_sh, v_rpb, vslots_ptr, vsl_sn, vnew_ptr, vn_sn, vn_sh,
     w0, ring,
@@ -95,6 +101,7 @@ def paged_split_kernel(
     qk_scale, TOK_PER_SPLIT, NUM_SPLITS,
     HKV: tl.constexpr, QG: tl.constexpr, QG_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, P: tl.constexpr, G: tl.constexpr, PAR_ITEM: tl.constexpr, HAS_OFFSET: tl.constexpr,
+    BLOCK_BYTES: tl.constexpr,
     K_CODES: tl.constexpr, K_SCALE: tl.constexpr, K_OFFSET: tl.constexpr, K_ROW_BYTES: tl.constexpr,
     K_BITS: tl.constexpr,
     V_CODES: tl.constexpr, V_SCALE: tl.constexpr, V_OFFSET: tl.constexpr, V_ROW_BYTES: tl.constexpr,
@@ -131,26 +138,21 @@ def paged_split_kernel(
         t = n0 + tl.arange(0, BLOCK_N)
         tmask = t < end
         k = _side_tile(t, tmask, d, dmask, n64, h64, k_sink, k_stored, total,
-                       pool_ptr, par_ptr, bt_ptr, bt_sn, block_bytes,
+                       pool_ptr, par_ptr, bt_ptr, bt_sn, BLOCK_BYTES,
                        krows_ptr, kr_sb, kr_sr, kr_sh, k_rpb, kslots_ptr, ksl_sn, w0, ring,
                        knew_ptr, kn_sn, kn_sh,
-                       K_CODES, K_SCALE, K_OFFSET, HAS_OFFSET, K_ROW_BYTES, K_BITS, G, True, P, D, PAR_ITEM)
+                       K_CODES, K_SCALE, K_OFFSET, HAS_OFFSET, K_ROW_BYTES, K_BITS, G, True, P, D, PAR_ITEM,
+                       BLOCK_N, BLOCK_D)
         s = tl.dot(q, tl.trans(k.to(dot_t)), input_precision=PRECISION)  # [QG_P2, BLOCK_N], float32
         s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_new, p, alpha, l_i = online_softmax(s, m_i, l_i)
         v = _side_tile(t, tmask, d, dmask, n64, h64, v_sink, v_stored, total,
-                       pool_ptr, par_ptr, bt_ptr, bt_sn, block_bytes,
+                       pool_ptr, par_ptr, bt_ptr, bt_sn, BLOCK_BYTES,
                        vrows_ptr, vr_sb, vr_sr, vr_sh, v_rpb, vslots_ptr, vsl_sn, w0, ring,
                        vnew_ptr, vn_sn, vn_sh,
-                       V_CODES, V_SCALE, V_OFFSET, HAS_OFFSET, V_ROW_BYTES, V_BITS, G, False, P, D, PAR_ITEM)
+                       V_CODES, V_SCALE, V_OFFSET, HAS_OFFSET, V_ROW_BYTES, V_BITS, G, False, P, D, PAR_ITEM,
+                       BLOCK_N, BLOCK_D)
         acc = acc * alpha[:, None] + tl.dot(p.to(dot_t), v.to(dot_t), input_precision=PRECISION)
         m_i = m_new
 
-    row = (pid_nh * NUM_SPLITS + pid_s).to(tl.int64) * QG_P2 + qi
-    tl.store(m_ptr + row, m_i)
-    tl.store(l_ptr + row, l_i)
-    tl.store(acc_ptr + row[:, None] * BLOCK_D + d[None, :], acc)
+    store_partials(m_ptr, l_ptr, acc_ptr, pid_nh * NUM_SPLITS + pid_s, qi, d, m_i, l_i, acc, QG_P2, BLOCK_D)

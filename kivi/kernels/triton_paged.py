@@ -101,13 +101,13 @@ def triton_paged_decode(q: torch.Tensor, pool: torch.Tensor, layout: PagedLayout
 
     K.paged_split_kernel[(N * H, splits)](
         q3, q3.stride(0), q3.stride(1),
-        pool, pool.view(layout.param_dtype), table, table.stride(0), cnt, layout.block_bytes,
+        pool, pool.view(layout.param_dtype), table, table.stride(0), cnt,
         *rows_args(k_fp, ks, kn), *rows_args(v_fp, vs, vn),
         int(w0), ks.shape[1] - int(w0),
         m, l, acc,
         float(scaling) * _LOG2E, tok_per_split, splits,
         HKV=H, QG=qg, QG_P2=qg_p2, D=D, BLOCK_D=block_d, BLOCK_N=block_n, P=layout.page_size,
-        G=layout.group_size, PAR_ITEM=item, HAS_OFFSET=not sym,
+        G=layout.group_size, PAR_ITEM=item, HAS_OFFSET=not sym, BLOCK_BYTES=layout.block_bytes,
         K_CODES=layout.k_packed, K_SCALE=layout.k_scale, K_OFFSET=0 if sym else layout.k_offset,
         K_ROW_BYTES=layout.k_row_bytes, K_BITS=layout.k_bits,
         V_CODES=layout.v_packed, V_SCALE=layout.v_scale, V_OFFSET=0 if sym else layout.v_offset,

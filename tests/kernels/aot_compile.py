@@ -20,6 +20,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kivi.kernels import _attention_kernels as K  # noqa: E402
+from kivi.kernels import _paged_kernels as PK  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}
@@ -61,6 +62,39 @@ def compile_variant(name, kq, vq, ksink, vsink, dt, kb, vb, valid):
     return ptx.count("ld.global"), ptx.count("ld.global.v")
 
 
+# the batched paged decode kernel: (name, dtype of q / rows / parameters, key bits, value bits, offsets stored)
+PAGED_VARIANTS = [
+    ("paged-k2v2-bf16", "bf16", 2, 2, True),
+    ("paged-k4v2-fp16", "fp16", 4, 2, True),
+    ("paged-k3v3-fp16-sym", "fp16", 3, 3, False),
+]
+
+
+def compile_paged(name, dt, kb, vb, offsets):
+    """SmolLM2's shape (3 kv heads of 64, GQA 3) in vLLM pages of 128 tokens, fields at 16-byte offsets."""
+    fn = PK.paged_split_kernel
+    pt = "*" + dt
+    types = {n: "i32" for n in fn.arg_names}
+    types.update(q_ptr=pt, pool_ptr="*u8", par_ptr=pt, bt_ptr="*i32", counts_ptr="*i64", krows_ptr=pt,
+                 kslots_ptr="*i32", knew_ptr=pt, vrows_ptr=pt, vslots_ptr="*i32", vnew_ptr=pt, m_ptr="*fp32",
+                 l_ptr="*fp32", acc_ptr="*fp32", qk_scale="fp32")
+    krow, vrow = (64 * kb + 7) // 8, (64 * vb + 7) // 8
+    consts = dict(HKV=3, QG=3, QG_P2=16, D=64, BLOCK_D=64, BLOCK_N=64, P=128, G=32, PAR_ITEM=2, HAS_OFFSET=offsets,
+                  BLOCK_BYTES=3 * 128 * 512,
+                  K_CODES=0, K_SCALE=3 * 128 * 16, K_OFFSET=3 * 128 * 16 + 3 * 4 * 64 * 2, K_ROW_BYTES=krow,
+                  K_BITS=kb, V_CODES=65536, V_SCALE=65536 + 3 * 128 * 16, V_OFFSET=65536 + 3 * 128 * 16 + 3 * 128 * 4,
+                  V_ROW_BYTES=vrow, V_BITS=vb, dot_t=DTYPES[dt], PRECISION="tf32")
+    sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
+    # the strides a JIT launch sees 16-divisible for SmolLM2's rows (D = 64 channels, 3 heads)
+    strides = ["sq_n", "sq_h", "kr_sb", "kr_sr", "kr_sh", "kn_sn", "kn_sh", "vr_sb", "vr_sr", "vr_sh", "vn_sn", "vn_sh"]
+    div16 = [n for n, t in types.items() if t.startswith("*")] + strides
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    ptx = triton.compile(src, target=TARGET, options=dict(num_warps=4)).asm["ptx"]
+    return ptx.count("ld.global"), ptx.count("ld.global.v")
+
+
 def compile_reduce():
     fn = K.decode_reduce_kernel
     consts = dict(HQ=9, QG=3, QG_P2=16, D=64, BLOCK_D=64, S_P2=8)
@@ -79,6 +113,13 @@ def main() -> int:
             loads, vec = compile_variant(*v)
             print(f"OK   {v[0]:<20} global loads {loads:4d}, vector loads {vec:3d}")
         except Exception as e:  # report every variant, then fail
+            failed += 1
+            print(f"FAIL {v[0]:<20} {type(e).__name__}: {str(e)[:1500]}")
+    for v in PAGED_VARIANTS:
+        try:
+            loads, vec = compile_paged(*v)
+            print(f"OK   {v[0]:<20} global loads {loads:4d}, vector loads {vec:3d}")
+        except Exception as e:
             failed += 1
             print(f"FAIL {v[0]:<20} {type(e).__name__}: {str(e)[:1500]}")
     try:
