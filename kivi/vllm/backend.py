@@ -1,7 +1,10 @@
 """vLLM classes of the plugin: the attention backend over KIVI pages and its full-precision window companion.
 
 * :class:`KiviAttentionBackend` replaces ``CPU_ATTN`` for every decoder attention layer when
-  ``additional_config["kivi"]`` is set (:mod:`kivi.vllm.select`). ``customize_spec`` gives vLLM the packed
+  ``additional_config["kivi"]`` is set, or, on the opt-in GPU path (``"attention_backend": "triton"``),
+  ``TRITON_ATTN`` (:mod:`kivi.vllm.select`; never run on a GPU: docs/vllm.md "On a GPU"). The impl resolves its
+  page reader for vLLM's platform (``"cpu"``: numba, prefill by vLLM's CPU kernel; ``"triton"``: kivi's Triton
+  kernels, prefill by SDPA). ``customize_spec`` gives vLLM the packed
   page's bytes (:func:`kivi.vllm.geometry.build_geometry`), so vLLM's allocator counts KIVI pages, as a
   :class:`kivi.vllm.spec.KiviPageSpec` (a prefix hit would read a window the shared blocks do not hold).
 * Each :class:`KiviAttentionImpl` makes ``k`` :class:`KiviWindowLayer` next to its layer
@@ -30,6 +33,7 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImpl,
     AttentionMetadataBuilder,
     AttentionType,
@@ -48,6 +52,7 @@ from .plan import StepPlan, step_plan
 from .spec import KiviPageSpec, page_spec
 
 WINDOW_PREFIX = "kivi_window."
+SELECT = "kivi.vllm.select"  # where vLLM's registry entries point once the plugin is loaded
 logger = logging.getLogger(__name__)
 
 
@@ -74,6 +79,10 @@ class KiviMetadata:
 
 
 class KiviMetadataBuilder(AttentionMetadataBuilder[KiviMetadata]):
+    # a step's schedule is planned on the host from its lengths (and paged_step reads them): never inside a CUDA
+    # graph (vLLM then runs attention eagerly between the graph's pieces, or the model without graphs)
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_reorder_batch_threshold(1)
@@ -95,8 +104,9 @@ class KiviMetadataBuilder(AttentionMetadataBuilder[KiviMetadata]):
 
 
 class KiviAttentionBackend(AttentionBackend):
-    """vLLM's ``CPU_ATTN`` over KIVI pages; :func:`backend_class` binds it to one :class:`KiviConfig`
-    (vLLM calls ``customize_spec`` outside any current config, so the class carries it)."""
+    """vLLM's ``CPU_ATTN`` (or, on the GPU path, ``TRITON_ATTN``) over KIVI pages; :func:`backend_class` binds it
+    to one :class:`KiviConfig` and entry (vLLM calls ``customize_spec`` outside any current config, so the class
+    carries it)."""
 
     kivi: ClassVar[KiviConfig | None] = None
     forward_includes_kv_cache_update: bool = True  # the impl writes pages and window itself
@@ -131,15 +141,26 @@ class KiviAttentionBackend(AttentionBackend):
 
 
 @functools.cache
-def _backend_class(config_json: str) -> type[KiviAttentionBackend]:
-    cls = type("KiviAttentionBackend", (KiviAttentionBackend,), {"kivi": KiviConfig.from_json(config_json)})
+def _backend_class(config_json: str, entry: str) -> type[KiviAttentionBackend]:
+    def get_name() -> str:
+        return entry
+
+    def full_cls_name(cls) -> tuple[str, str]:
+        return SELECT, entry
+
+    cls = type("KiviAttentionBackend", (KiviAttentionBackend,), {
+        "kivi": KiviConfig.from_json(config_json), "get_name": staticmethod(get_name),
+        "full_cls_name": classmethod(full_cls_name)})
     cls.__module__ = __name__
     return cls
 
 
-def backend_class(config: KiviConfig) -> type[KiviAttentionBackend]:
-    """The backend class for ``config`` (one class per distinct config in a process)."""
-    return _backend_class(config.to_json())
+def backend_class(config: KiviConfig, entry: str = "CPU_ATTN") -> type[KiviAttentionBackend]:
+    """The backend class for ``config`` behind vLLM's backend ``entry`` (one class per distinct config and entry
+    in a process). ``get_name()`` is ``entry`` (vLLM looks the name up in its registry) and ``full_cls_name()`` the
+    entry's path in :mod:`kivi.vllm.select` (vLLM's GPU selector hands a class on as that path and resolves it
+    again: it resolves to this class while the config is current)."""
+    return _backend_class(config.to_json(), entry)
 
 
 class KiviWindowBackend(AttentionBackend):
@@ -195,8 +216,9 @@ class KiviWindowLayer(torch.nn.Module, AttentionLayerBase):
 def _exact_prefill(backend: str, head_dim: int, dtype: torch.dtype):
     """The step's exact prefill (:data:`kivi.vllm.paged.ExactPrefill`) for a resolved backend: vLLM's CPU
     attention kernel with ``"cpu"`` (what vLLM itself runs; a head size or dtype it does not take is refused
-    as vLLM's own CPU backend refuses it), torch SDPA per request with ``"reference"``."""
-    if backend == "reference":
+    as vLLM's own CPU backend refuses it), torch SDPA per request with ``"reference"`` and ``"triton"`` (the GPU
+    path: SDPA's own GPU kernels)."""
+    if backend in ("reference", "triton"):
         return sdpa_prefill
     from .prefill import supports, vllm_cpu_prefill
 
@@ -205,6 +227,13 @@ def _exact_prefill(backend: str, head_dim: int, dtype: torch.dtype):
                                   "kivi's vLLM plugin prefills with, does not take it; run with "
                                   'additional_config={"kivi": {..., "attention_backend": "reference"}}')
     return vllm_cpu_prefill
+
+
+def _device() -> str:
+    """The device type of vLLM's platform in this process (``"cpu"`` for vllm-cpu, ``"cuda"`` on an NVIDIA GPU)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.device_type
 
 
 class KiviAttentionImpl(AttentionImpl[KiviMetadata]):
@@ -224,7 +253,7 @@ class KiviAttentionImpl(AttentionImpl[KiviMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         vllm_config = get_current_vllm_config()
         self.config = _config(vllm_config)
-        self.backend = resolve_attention_backend(self.config.attention_backend, "cpu", config=self.config)
+        self.backend = resolve_attention_backend(self.config.attention_backend, _device(), config=self.config)
         context = vllm_config.compilation_config.static_forward_context
         dtype = torch.get_default_dtype()
         geo = build_geometry(self.config, page_size=vllm_config.cache_config.block_size,

@@ -5,6 +5,10 @@ holds :class:`~kivi.config.KiviConfig` fields (``{"k_bits": 2, "v_bits": 2}``) o
 overrides (``{"preset": "balanced", "residual_length": 64}``). Without a ``"kivi"`` key the plugin does
 nothing. ``additional_config`` is part of vLLM's config hash, so compiled artefacts of a KIVI run and
 a plain run never mix. Pure: no vLLM import (tested in the default environment).
+
+``attention_backend`` says how pages are read: ``"auto"`` / ``"cpu"`` (kivi's numba kernel, vLLM on the CPU),
+``"reference"`` (torch, the ground truth) or ``"triton"`` (kivi's Triton kernels: the opt-in GPU path, which
+only a GPU platform's backend entries take, :mod:`kivi.vllm.select`).
 """
 
 from __future__ import annotations
@@ -29,9 +33,6 @@ def _unsupported(cfg: KiviConfig) -> str | None:
         return "head_bits: per-head widths are not supported by the vLLM plugin"
     if cfg.layer_specific_config:
         return "layer_specific_config: per-layer settings are not supported by the vLLM plugin"
-    if cfg.attention_backend not in ("auto", "reference", "cpu"):
-        return (f"attention_backend={cfg.attention_backend!r}: the vLLM plugin reads pages with 'cpu' (auto) or "
-                "'reference'")
     return None
 
 

@@ -9,8 +9,8 @@ or CPU pages under ``TRITON_INTERPRET=1``), on pages whose fields it reads (no c
 group sizes it reads: :meth:`kivi.vllm.geometry.KiviGeometry.kernel_layout`) in a cache whose storage holds its
 blocks' strides (:func:`kivi.vllm.geometry.block_pool`), with window rings that share one storage
 (:func:`kivi.vllm.geometry.ring_pool`, as vLLM allocates them). ``"reference"`` always goes request by request
-(it is the ground truth the kernels are tested against). vLLM's config does not offer ``"triton"`` yet (the
-plugin's GPU backend is not built, docs/vllm.md "On a GPU"): :func:`kivi.vllm.paged.paged_step` takes it.
+(it is the ground truth the kernels are tested against). ``"triton"`` is the plugin's opt-in GPU path
+(:mod:`kivi.vllm.select`; never run on a GPU, docs/vllm.md "On a GPU").
 
 The kernel reads the full-precision rows where the rings keep them (the in-place form,
 :class:`kivi.attention.fused_cpu.paged.RingRows`): no copy of a window is made. Which slot each of a row's

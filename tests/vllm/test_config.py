@@ -29,9 +29,9 @@ def test_fields_and_presets():
     ({"preset": "nope"}, ["preset='nope'", "extreme"]),
     ({"k_bits": 5}, ["k_bits"]),
     ({"preset": "balanced", "quantize_after": 64}, ["quantize_after=64", "not supported"]),
-    ({"attention_backend": "triton"}, ["attention_backend='triton'"]),
+    ({"attention_backend": "fast"}, ["attention_backend='fast'", "triton"]),
     ({"tiers": [[128, None], [None, 2]]}, ["tiers"]),
-], ids=["unknown-field", "unknown-override", "unknown-preset", "bad-bits", "quantize-after", "triton", "tiers"])
+], ids=["unknown-field", "unknown-override", "unknown-preset", "bad-bits", "quantize-after", "backend", "tiers"])
 def test_errors_name_the_field(bad, words):
     with pytest.raises(ValueError) as e:
         kivi_config({"kivi": bad})
@@ -39,6 +39,12 @@ def test_errors_name_the_field(bad, words):
     assert msg.startswith('additional_config["kivi"]') and "\n" not in msg
     for w in words:
         assert w in msg
+
+
+@pytest.mark.parametrize("backend", ["auto", "cpu", "reference", "triton"])
+def test_every_page_reader_is_accepted(backend):
+    """Which entry of vLLM's may take it is kivi.vllm.select's rule (``"triton"``: a GPU platform's)."""
+    assert kivi_config({"kivi": {"attention_backend": backend}}).attention_backend == backend
 
 
 @pytest.mark.parametrize("preset", ["balanced", "high"])

