@@ -99,6 +99,8 @@ class KiviMetadataBuilder(AttentionMetadataBuilder[KiviMetadata]):
         n_req = m.num_reqs
         query_start, seq_lens = m.query_start_loc_cpu[: n_req + 1].tolist(), m.seq_lens[:n_req].cpu().tolist()
         plan = None if self._kivi is None else step_plan(*self._kivi, query_start, seq_lens)
+        if plan is not None and torch.device(self.device).type != "cpu":  # once per step, for every layer
+            plan = plan.to(self.device)
         return KiviMetadata(m.num_actual_tokens, query_start, seq_lens, m.block_table_tensor[:n_req], m.slot_mapping,
                             plan)
 

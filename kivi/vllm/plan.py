@@ -20,6 +20,7 @@ and each layer only maps ring slots to its own blocks with a few tensor ops
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,9 +91,24 @@ class StepPlan:
     window_tokens: int
     sink_tokens: int
 
+    def to(self, device: torch.device | str) -> StepPlan:
+        """The same plan with every tensor on ``device`` (the step's, where it is not the CPU: the plan is made on
+        the host, and a layer's index arithmetic mixes it with its block tables); host arrays stay."""
+        return _to(self, torch.device(device))
+
     def fits(self, geo: KiviGeometry) -> bool:
         return (self.slots, self.window_tokens, self.sink_tokens) == (
             geo.window_rings * geo.window_tokens, geo.window_tokens, geo.sink_tokens)
+
+
+def _to(x, device: torch.device):
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if dataclasses.is_dataclass(x):
+        return dataclasses.replace(x, **{f.name: _to(getattr(x, f.name), device) for f in dataclasses.fields(x)})
+    if isinstance(x, dict):
+        return {k: _to(v, device) for k, v in x.items()}
+    return x
 
 
 def stores_any(cfg: KiviConfig, past: int) -> bool:

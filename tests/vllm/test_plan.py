@@ -108,6 +108,37 @@ def test_ring_writes_are_the_tokens_kept_in_full_precision(cfg):
     assert covered == list(range(len(ring)))
 
 
+def test_plan_moves_to_the_steps_device_whole():
+    """On a GPU the builder moves the step's plan to the device once (KiviMetadataBuilder.build): every tensor of
+    it, at any depth ("meta" stands for the device here), and nothing else changes."""
+    cfg = CONFIGS[1]
+    geo = build_geometry(cfg, page_size=P, num_kv_heads=H, head_dim=D, dtype=torch.float32)
+    rows = [(p, 1) for p in range(0, 60, 3)] + [(0, 37), (23, 9)]
+    plan = step_plan(cfg, geo, *batch_of(rows))
+    assert plan.kernel.leaving["k"] is not None and plan.writes is not None, "the plan must have every part"
+    moved = plan.to("meta")
+    seen = []
+
+    def walk(a, b, path):
+        if isinstance(a, torch.Tensor):
+            assert b.device.type == "meta" and b.shape == a.shape and b.dtype == a.dtype, path
+            seen.append(path)
+        elif isinstance(a, np.ndarray):
+            assert b is a, path
+        elif hasattr(a, "__dataclass_fields__"):
+            for name in a.__dataclass_fields__:
+                walk(getattr(a, name), getattr(b, name), f"{path}.{name}")
+        elif isinstance(a, dict):
+            assert a.keys() == b.keys(), path
+            for k in a:
+                walk(a[k], b[k], f"{path}[{k}]")
+        else:
+            assert a == b, path
+
+    walk(plan, moved, "plan")
+    assert "plan.kernel.slots[k]" in seen and "plan.kernel.leaving[v].slot" in seen and "plan.writes.src" in seen
+
+
 def test_no_decode_rows_no_kernel():
     cfg = CONFIGS[0]
     geo = build_geometry(cfg, page_size=P, num_kv_heads=H, head_dim=D, dtype=torch.float32)
