@@ -32,6 +32,13 @@ Usage (H100/H200; about 3-5 minutes, stops starting new configurations after ``-
 
     python benchmarks/bench_triton_gpu.py --out bench_triton.json
 
+Then kivi's vLLM plugin's layer step on the device (``--plugin``, default on; ``benchmarks/plugin_step.py``):
+:func:`kivi.vllm.paged.paged_step` with the ``"triton"`` page reader, the opt-in GPU path, over one layer's cache
+laid out as vLLM allocates it. Checks: a schedule of prefills, a chunk and decode steps wrapping the window rings,
+against the same steps on the CPU through ``"reference"`` (the GPU path's first run on CUDA tensors: a tensor
+left on the wrong device fails here). Timings: 8 / 32 requests of 4K tokens, a decode step's median ms and its
+decode kernel's share.
+
 ``--dry-run`` runs tiny sizes on CPU under ``TRITON_INTERPRET=1`` (to check the script, not to time).
 """
 
@@ -53,6 +60,7 @@ from functools import partial  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import plugin_step  # noqa: E402
 from common import time_calls  # noqa: E402
 from kivi.attention.blocked import blocked_attention  # noqa: E402
 from kivi.attention.fused_cpu.paged import RingRows, torch_paged_decode  # noqa: E402
@@ -334,6 +342,47 @@ def paged_rows(models, device, dtype, contexts, batches, warmup, iters, t_start,
     return rows, skipped
 
 
+def plugin_rows(models, device, dtype, configs, page_size, check_steps, contexts, batches, steps, t_start,
+                max_seconds) -> dict:
+    """kivi's vLLM plugin's layer step with ``"triton"`` (``benchmarks/plugin_step.py``): a check per config (the
+    first model's shapes for every config, every other model's for the first) against the CPU reference, then
+    timings of decode steps for the first config."""
+    out = dict(checks=[], timings=[])
+    print(f"\nvLLM plugin layer step (paged_step, 'triton'), pages of {page_size} tokens")
+    first = next(iter(models))
+    for name, m in models.items():
+        for cfg in configs if name == first else configs[:1]:
+            t0 = time.time()
+            try:
+                r = plugin_step.check(cfg, device, dtype, m["hq"], m["hkv"], m["d"], page_size=page_size,
+                                      decode_steps=check_steps)
+            except Exception as e:  # the first run on a device: report what broke, keep the script going
+                r = dict(config=cfg.to_dict(), ok=False, error=f"{type(e).__name__}: {e}"[:500])
+            r.update(model=name, seconds=time.time() - t0)
+            out["checks"].append(r)
+            print(f"check {name:>13} K{cfg.k_bits}V{cfg.v_bits} S{cfg.sink_tokens}: "
+                  + (r.get("error") or f"{r['steps']} steps, max|err| {r['max_abs_err']:.2e}, pages equal "
+                     f"{r['pages_equal']}, rings equal {r['rings_equal']}, wrapped {r['rings_wrapped']}"), flush=True)
+    for name, m in models.items():
+        for N in batches:
+            for T in contexts:
+                if time.time() - t_start > max_seconds:
+                    continue
+                try:
+                    r = plugin_step.timing(configs[0], device, dtype, m["hq"], m["hkv"], m["d"], requests=N,
+                                           context=T, page_size=page_size, decode_steps=steps)
+                except Exception as e:
+                    r = dict(error=f"{type(e).__name__}: {e}"[:500])
+                r.update(model=name, requests=N, context=T)
+                out["timings"].append(r)
+                print(f"timing {name:>13} N={N:>3} T={T:>6}: " + (r.get("error") or (
+                    f"step {r['step_ms']:.3f} ms, decode kernel {r['kernel_ms']:.3f} ms, rest {r['rest_ms']:.3f} ms")),
+                    flush=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench_triton_gpu.json", help="JSON results path")
@@ -350,6 +399,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-paged", action="store_true", help="skip the batched paged decode table")
     ap.add_argument("--paged-contexts", type=int, nargs="*", default=None)
     ap.add_argument("--paged-batches", type=int, nargs="*", default=None)
+    ap.add_argument("--no-plugin", action="store_true", help="skip the vLLM plugin's layer step (checks, timings)")
+    ap.add_argument("--plugin-contexts", type=int, nargs="*", default=None)
+    ap.add_argument("--plugin-batches", type=int, nargs="*", default=None)
     args = ap.parse_args(argv)
 
     t_start = time.time()
@@ -365,6 +417,9 @@ def main(argv=None) -> int:
         geometry = dict(block_size=32, group_size=16, residual_length=16)
         extra = 96
         paged_contexts, paged_batches = args.paged_contexts or [301], args.paged_batches or [3]
+        plugin_contexts, plugin_batches = args.plugin_contexts or [100], args.plugin_batches or [2]
+        plugin_configs = [KiviConfig(k_bits=2, v_bits=2, group_size=16, residual_length=16, sink_tokens=4)]
+        plugin_page, plugin_checks_steps, plugin_steps = 32, 6, 2
     else:
         if not torch.cuda.is_available():
             print("no CUDA device; use --dry-run to check the script on CPU", file=sys.stderr)
@@ -380,6 +435,9 @@ def main(argv=None) -> int:
         geometry = dict(block_size=256, group_size=32, residual_length=128)
         extra = 2048  # 8 block_size blocks after the prefill block
         paged_contexts, paged_batches = args.paged_contexts or [4096 + 37, 32768 + 37], args.paged_batches or [8, 32]
+        plugin_contexts, plugin_batches = args.plugin_contexts or [4096 + 37], args.plugin_batches or [8, 32]
+        plugin_configs = [KiviConfig.preset("balanced"), KiviConfig.preset("extreme")]
+        plugin_page, plugin_checks_steps, plugin_steps = 128, None, 20  # None: the rings wrap twice
     dtype = torch.float16
     env = dict(torch=torch.__version__, python=platform.python_version(),
                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (TRITON_INTERPRET=1)")
@@ -393,6 +451,10 @@ def main(argv=None) -> int:
 
     checks = correctness(models, device, dtype, check_T)
 
+    plugin = dict(checks=[], timings=[])
+    if not args.no_plugin:  # the GPU path's whole layer step on CUDA tensors, checked first (never run on a GPU)
+        plugin = plugin_rows(models, device, dtype, plugin_configs, plugin_page, plugin_checks_steps, plugin_contexts,
+                             plugin_batches, plugin_steps, t_start, args.max_seconds)
     rows, skipped, layouts, paged = [], [], [], []
     if not args.no_paged:  # first: the kernel kivi's vLLM plugin would run on a GPU (never timed on one yet)
         paged, skipped = paged_rows(models, device, dtype, paged_contexts, paged_batches, warmup, iters, t_start,
@@ -447,12 +509,12 @@ def main(argv=None) -> int:
         print(f"skipped {len(skipped)} configurations after --max-seconds={args.max_seconds}")
     result = dict(env=env, dtype=str(dtype), bits=BITS, group_size=GROUP, key_fp_tail=K_TAIL, value_fp_tail=V_TAIL,
                   warmup=warmup, iters=iters, dry_run=args.dry_run, checks=checks, results=rows, layouts=layouts,
-                  paged=paged,
+                  paged=paged, plugin=plugin,
                   skipped=skipped, wall_s=time.time() - t_start)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {args.out} ({time.time() - t_start:.1f} s)")
-    ok = all(c["ok"] for c in checks) and all(r.get("ok", True) for r in layouts + paged)
+    ok = all(c["ok"] for c in checks + plugin["checks"]) and all(r.get("ok", True) for r in layouts + paged)
     return 0 if ok else 1
 
 

@@ -34,6 +34,12 @@ def test_bench_dry_run(tmp_path):
     (paged,) = data["paged"]
     assert paged["ok"] and paged["batch"] == 3 and paged["context"] == 301
     assert paged["paged_ms"] > 0 and paged["sdpa_ms"] > 0 and paged["paged_bytes"] > 0
+    # the vLLM plugin's layer step with "triton" (benchmarks/plugin_step.py): checked against the CPU reference, timed
+    (check,) = data["plugin"]["checks"]
+    assert check["ok"] and check["max_abs_err"] < 2e-2 and check["steps"] == 7 and check["config"]["sink_tokens"] == 4
+    (timing,) = data["plugin"]["timings"]
+    assert timing["requests"] == 2 and timing["context"] == 100 and timing["kernel_calls"] == 2
+    assert timing["step_ms"] >= timing["kernel_ms"] > 0
 
 
 @pytest.mark.slow  # ~20 s: a dozen kernel calls in the interpreter
@@ -44,7 +50,7 @@ def test_bench_dry_run_cache_layouts(tmp_path):
     out = tmp_path / "bench.json"
     rc = mod.main(["--dry-run", "--out", str(out), "--models", "smollm2-tiny", "--contexts", "160",
                    "--batches", "1", "--warmup", "1", "--iters", "1", "--layout-contexts", "150",
-                   "--layout-batches", "1", "--no-paged"])
+                   "--layout-batches", "1", "--no-paged", "--no-plugin"])
     assert rc == 0
     data = json.loads(out.read_text())
     # the cache layouts: one row per preset, a prefill block plus block_size blocks, checked against the reference
