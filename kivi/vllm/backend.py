@@ -53,6 +53,7 @@ from .spec import KiviPageSpec, page_spec
 
 WINDOW_PREFIX = "kivi_window."
 SELECT = "kivi.vllm.select"  # where vLLM's registry entries point once the plugin is loaded
+CPU_BLOCK_SIZE = 128  # vLLM's default block size on the CPU platform (platforms/cpu.py)
 logger = logging.getLogger(__name__)
 
 
@@ -119,9 +120,18 @@ class KiviAttentionBackend(AttentionBackend):
     def get_name() -> str:
         return "CPU_ATTN"  # the member whose path the plugin took over (vLLM looks the name up)
 
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
-        return [MultipleOf(1)]  # build_geometry refuses a block size that is not whole key groups
+    @classmethod
+    def get_supported_kernel_block_sizes(cls, kv_cache_spec=None) -> list[int | MultipleOf]:
+        # a page holds whole key groups (build_geometry's rule, which also refuses any other size by name)
+        return [MultipleOf(1 if cls.kivi is None else cls.kivi.group_size)]
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        """vLLM's default block size where it holds whole key groups, else vLLM's CPU default (128 tokens, what
+        the plugin is measured with) rounded up to whole groups: GPU vLLM's default of 16 tokens holds no group of
+        32, and smaller pages need more window rings per layer (:attr:`KiviGeometry.window_rings`)."""
+        G = 1 if cls.kivi is None else cls.kivi.group_size
+        return default_block_size if default_block_size % G == 0 else -(-CPU_BLOCK_SIZE // G) * G
 
     @staticmethod
     def get_impl_cls() -> type[KiviAttentionImpl]:

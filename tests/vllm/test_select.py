@@ -162,6 +162,23 @@ def test_vllms_gpu_selector_lands_on_kivis_backend(on_a_gpu):
     assert cls.kivi.attention_backend == "triton"
 
 
+def test_block_sizes_hold_whole_key_groups():
+    """GPU vLLM's default block size (16) holds no key group of 32: vLLM asks the backend for its preferred size
+    (``Platform.update_block_size_for_backend``) and gets 128 (the CPU platform's default, whole groups); a size
+    the user gives that is not whole groups is not supported (vLLM's selector says so)."""
+    from vllm.v1.attention.backend import MultipleOf
+
+    from kivi.config import KiviConfig
+    from kivi.vllm.backend import backend_class
+
+    cls = backend_class(KiviConfig(k_bits=2, v_bits=2, attention_backend="triton"), "TRITON_ATTN")
+    assert cls.get_supported_kernel_block_sizes() == [MultipleOf(32)]
+    assert [cls.supports_block_size(b) for b in (16, 32, 48, 128, 256)] == [False, True, False, True, True]
+    assert [cls.get_preferred_block_size(b) for b in (16, 64, 128, 256)] == [128, 64, 128, 256]
+    g48 = backend_class(KiviConfig(k_bits=2, v_bits=2, group_size=48, residual_length=96, block_size=96))
+    assert g48.get_preferred_block_size(16) == 144 and g48.supports_block_size(144)
+
+
 def test_vllms_gpu_selector_gives_kivis_reason_for_anything_else(on_a_gpu):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
 
