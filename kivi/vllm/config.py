@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..backends import kernel_config_unsupported
 from ..config import KiviConfig
 
 CONFIG_KEY = "kivi"
@@ -33,6 +34,11 @@ def _unsupported(cfg: KiviConfig) -> str | None:
         return "head_bits: per-head widths are not supported by the vLLM plugin"
     if cfg.layer_specific_config:
         return "layer_specific_config: per-layer settings are not supported by the vLLM plugin"
+    if cfg.attention_backend == "triton":
+        why = kernel_config_unsupported(cfg)
+        if why is not None:
+            return (f"attention_backend='triton' (the GPU path) does not implement {why}; the vLLM plugin reads such "
+                    "pages with 'cpu' or 'reference', on vLLM's CPU platform")
     return None
 
 

@@ -31,7 +31,10 @@ def test_fields_and_presets():
     ({"preset": "balanced", "quantize_after": 64}, ["quantize_after=64", "not supported"]),
     ({"attention_backend": "fast"}, ["attention_backend='fast'", "triton"]),
     ({"tiers": [[128, None], [None, 2]]}, ["tiers"]),
-], ids=["unknown-field", "unknown-override", "unknown-preset", "bad-bits", "quantize-after", "backend", "tiers"])
+    ({"attention_backend": "triton", "symmetric": True}, ["'triton'", "GPU path", "symmetric quantization"]),
+    ({"attention_backend": "triton", "residual_bits": 1}, ["'triton'", "residual_bits > 0"]),
+], ids=["unknown-field", "unknown-override", "unknown-preset", "bad-bits", "quantize-after", "backend", "tiers",
+        "triton-symmetric", "triton-compensation"])
 def test_errors_name_the_field(bad, words):
     with pytest.raises(ValueError) as e:
         kivi_config({"kivi": bad})
