@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from vllm.config import get_current_vllm_config
+from vllm.config import CacheConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.attention.backend import (
@@ -121,16 +121,32 @@ class KiviAttentionBackend(AttentionBackend):
         return "CPU_ATTN"  # the member whose path the plugin took over (vLLM looks the name up)
 
     @classmethod
+    def _group(cls) -> int:
+        return 1 if cls.kivi is None else cls.kivi.group_size
+
+    @classmethod
+    def supports_block_size(cls, block_size: int | None) -> bool:
+        """A page holds whole key groups (build_geometry's rule, which also refuses any other size by name)."""
+        return block_size is None or block_size % cls._group() == 0
+
+    @classmethod
     def get_supported_kernel_block_sizes(cls, kv_cache_spec=None) -> list[int | MultipleOf]:
-        # a page holds whole key groups (build_geometry's rule, which also refuses any other size by name)
-        return [MultipleOf(1 if cls.kivi is None else cls.kivi.group_size)]
+        """For the page group's kernel (vLLM passes its spec): any multiple of ``G``, so a page is never split
+        into kernel blocks. Without a spec vLLM is choosing the model's block size
+        (``Platform._preferred_block_size_for_backends``, over this backend and the window rings' together: it
+        takes the least common multiple of one size per backend): the preferred size alone, so that the choice is
+        :meth:`get_preferred_block_size`'s and not ``G`` (:meth:`supports_block_size` keeps every multiple of
+        ``G`` valid)."""
+        if kv_cache_spec is None:
+            return [cls.get_preferred_block_size(CacheConfig.DEFAULT_BLOCK_SIZE)]
+        return [MultipleOf(cls._group())]
 
     @classmethod
     def get_preferred_block_size(cls, default_block_size: int) -> int:
         """vLLM's default block size where it holds whole key groups, else vLLM's CPU default (128 tokens, what
         the plugin is measured with) rounded up to whole groups: GPU vLLM's default of 16 tokens holds no group of
         32, and smaller pages need more window rings per layer (:attr:`KiviGeometry.window_rings`)."""
-        G = 1 if cls.kivi is None else cls.kivi.group_size
+        G = cls._group()
         return default_block_size if default_block_size % G == 0 else -(-CPU_BLOCK_SIZE // G) * G
 
     @staticmethod

@@ -163,20 +163,32 @@ def test_vllms_gpu_selector_lands_on_kivis_backend(on_a_gpu):
 
 
 def test_block_sizes_hold_whole_key_groups():
-    """GPU vLLM's default block size (16) holds no key group of 32: vLLM asks the backend for its preferred size
-    (``Platform.update_block_size_for_backend``) and gets 128 (the CPU platform's default, whole groups); a size
-    the user gives that is not whole groups is not supported (vLLM's selector says so)."""
-    from vllm.v1.attention.backend import MultipleOf
+    """GPU vLLM's default block size (16) holds no key group of 32. vLLM chooses the model's block size over kivi's
+    backend and the window rings' together (``Platform._preferred_block_size_for_backends``): 128 (the CPU
+    platform's default, whole groups), not the groups' 32. A size the user gives is valid when it is whole groups
+    (vLLM's selector says "block_size not supported" otherwise), and a page is never split into kernel blocks."""
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.platforms.interface import Platform
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.worker.utils import select_common_block_size
 
     from kivi.config import KiviConfig
-    from kivi.vllm.backend import backend_class
+    from kivi.vllm.backend import KiviWindowBackend, backend_class
+    from kivi.vllm.spec import page_spec
 
     cls = backend_class(KiviConfig(k_bits=2, v_bits=2, attention_backend="triton"), "TRITON_ATTN")
-    assert cls.get_supported_kernel_block_sizes() == [MultipleOf(32)]
-    assert [cls.supports_block_size(b) for b in (16, 32, 48, 128, 256)] == [False, True, False, True, True]
+    config = VllmConfig()
+    assert Platform._preferred_block_size_for_backends([cls, KiviWindowBackend], 16, config) == 128
+    assert Platform._preferred_block_size_for_backends([cls], 16, config) == 128
+    assert [cls.supports_block_size(b) for b in (16, 32, 48, 64, 128, 256)] == [False, True, False, True, True, True]
+    for size in (32, 64, 128, 256):  # the page group's kernel block is vLLM's block, whatever the user chose
+        spec = page_spec(FullAttentionSpec(block_size=size, num_kv_heads=3, head_size=64, dtype=torch.bfloat16), 48)
+        assert select_common_block_size(size, [cls], [spec]) == size
     assert [cls.get_preferred_block_size(b) for b in (16, 64, 128, 256)] == [128, 64, 128, 256]
     g48 = backend_class(KiviConfig(k_bits=2, v_bits=2, group_size=48, residual_length=96, block_size=96))
     assert g48.get_preferred_block_size(16) == 144 and g48.supports_block_size(144)
+    assert Platform._preferred_block_size_for_backends([g48, KiviWindowBackend], 16, config) == 144
 
 
 def test_vllms_gpu_selector_gives_kivis_reason_for_anything_else(on_a_gpu):
