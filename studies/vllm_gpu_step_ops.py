@@ -26,12 +26,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from plugin_step import LayerCache  # noqa: E402
-
 from kivi.config import KiviConfig  # noqa: E402
 from kivi.vllm.decode import DecodeKernel, decode_kernel  # noqa: E402
 from kivi.vllm.geometry import build_geometry  # noqa: E402
 from kivi.vllm.paged import paged_step  # noqa: E402
+from plugin_step import LayerCache  # noqa: E402
 
 #: operations that make views, metadata or host wrappers only (no kernel of their own on a GPU)
 METADATA_OPS = frozenset({
