@@ -120,11 +120,15 @@ class KiviCache(Cache):
             if isinstance(layer, KIVI_LAYERS):
                 layer.prompt_length = prompt_length
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs) -> None:
         """Keep each forward's tokens at full precision until the next crop (exact crop; transformers calls
-        this before assisted and prompt-lookup decoding). Also for layers created later."""
+        this before assisted and prompt-lookup decoding). Also for layers created later. ``kwargs``: what
+        transformers passes its layers (5.25: ``recurrent_states_to_keep``, for layers with recurrent states;
+        KIVI layers hold none)."""
         self._record_past = True
-        super().activate_past_recording()
+        for layer in self.layers:  # what transformers' Cache does, with the keywords of any 5.x release
+            if hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording(**kwargs)
 
     # ------------------------------------------------------------------ padding
     def set_attention_mask(self, attention_mask: torch.Tensor | None) -> None:

@@ -158,9 +158,10 @@ class KiviLayer(CacheLayerMixin):
             self.rollback(checkpoint)
             raise
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs) -> None:
         """Defer moving tokens into quantized storage until the next ``crop`` or forward (transformers
-        calls this before assisted / prompt-lookup decoding), so that ``crop`` is exact."""
+        calls this before assisted / prompt-lookup decoding), so that ``crop`` is exact. ``kwargs``: transformers
+        5.25 passes ``recurrent_states_to_keep`` (for recurrent states, which a KIVI layer has none of)."""
         self.record_past = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, valid: torch.Tensor | None = None,

@@ -331,3 +331,32 @@ def test_crop_beyond_the_cache_names_the_cache_length():
     assert layer.get_seq_length() == 150
     layer.crop(-150)  # everything may go
     assert layer.get_seq_length() == 0
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"recurrent_states_to_keep": 4}], ids=["5.24", "5.25"])
+def test_past_recording_takes_what_any_transformers_5_release_passes(kwargs):
+    """transformers 5.25's assisted decoding calls ``cache.activate_past_recording(recurrent_states_to_keep=n)``
+    (for recurrent layers; a KIVI layer has none), 5.24 calls it without arguments: both record the past of every
+    layer, and layers made later record too, so a crop after a verify forward is exact."""
+    from kivi import KiviCache
+
+    cfg = KiviConfig(group_size=8, residual_length=8, block_size=32)
+    g = torch.Generator().manual_seed(0)
+    kv = lambda n: (torch.randn(1, 2, n, 16, generator=g), torch.randn(1, 2, n, 16, generator=g))  # noqa: E731
+    cache, plain = KiviCache(cfg), KiviCache(cfg)
+    k, v = kv(30)
+    cache.update(k, v, 0)
+    plain.update(k, v, 0)
+    cache.activate_past_recording(**kwargs)
+    assert cache.layers[0].record_past
+    k, v = kv(30)
+    cache.update(k, v, 1)  # a layer created after the call records too
+    plain.update(k, v, 1)
+    assert cache.layers[1].record_past
+    k, v = kv(12)
+    for layer in (0, 1):
+        cache.update(k, v, layer)  # a verify forward of 12 tokens, then 9 of them rejected
+        cache.layers[layer].crop(-9)
+        plain.update(k[:, :, :3], v[:, :, :3], layer)
+    for a, b in zip(cache.layers, plain.layers):
+        assert a.get_seq_length() == b.get_seq_length() == 33
