@@ -1,13 +1,16 @@
-"""How many torch operations the vLLM plugin's GPU path runs per layer and decode step, besides its decode kernel.
+"""How many kernel launches the vLLM plugin's GPU path makes per layer and decode step, besides its decode kernel.
 
-On a GPU each operation that computes is a kernel launch (a few microseconds each, from Python), so this count is
-what a decode step pays per layer outside the batched paged decode kernel. The path is device-independent torch,
-so the count is measured here on the CPU: :func:`kivi.vllm.paged.paged_step` with the ``"triton"`` page reader
-(the opt-in GPU path: the decode rows' inputs built with torch, the writes on the torch path) over one layer's
-cache laid out as vLLM allocates it (``benchmarks/plugin_step.py``), ``--requests`` requests of ``--context``
-tokens, then ``--steps`` decode steps; the Triton kernel itself is replaced by a stub (its one launch is not
-counted). Operations are counted with a ``TorchDispatchMode``; "launching" leaves out those that only make views
-or metadata (:data:`METADATA_OPS`). A step in which key groups leave the window (every ``G``-th) does more.
+On a GPU each launch costs a few microseconds from Python, so this count is what a decode step pays per layer
+outside the batched paged decode kernel. The path is device-independent torch and Triton, so the count is measured
+here on the CPU (Triton under ``TRITON_INTERPRET=1``, set here): :func:`kivi.vllm.paged.paged_step` with the
+``"triton"`` page reader (the opt-in GPU path) over one layer's cache laid out as vLLM allocates it
+(``benchmarks/plugin_step.py``), ``--requests`` requests of ``--context`` tokens, then ``--steps`` decode steps
+(each step's plan made before it, as the plugin's metadata builder makes it once for every layer),
+once with the Triton writes (``--writes triton``, :mod:`kivi.kernels.triton_paged_write`) and once with the torch
+writes (``torch``, what the path did before them); the decode kernel itself is replaced by a stub (its one launch
+is not counted). torch operations are counted with a ``TorchDispatchMode`` ("launching" leaves out those that only
+make views or metadata, :data:`METADATA_OPS`), Triton launches by wrapping the interpreter's launch. A step in which
+key groups leave the window (every ``G``-th) does more.
 
     python studies/vllm_gpu_step_ops.py --json results/vllm/gpu_step_ops_s20.json
 """
@@ -15,21 +18,27 @@ or metadata (:data:`METADATA_OPS`). A step in which key groups leave the window 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import statistics
 import sys
 from collections import Counter
 from pathlib import Path
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kivi.config import KiviConfig  # noqa: E402
 from kivi.vllm.decode import DecodeKernel, decode_kernel  # noqa: E402
 from kivi.vllm.geometry import build_geometry  # noqa: E402
 from kivi.vllm.paged import paged_step  # noqa: E402
+from kivi.vllm.plan import step_plan  # noqa: E402
 from plugin_step import LayerCache  # noqa: E402
 
 #: operations that make views, metadata or host wrappers only (no kernel of their own on a GPU)
@@ -42,13 +51,74 @@ METADATA_OPS = frozenset({
 
 
 class Count(TorchDispatchMode):
+    """Counts torch operations, except those the Triton interpreter runs while it emulates a launch (``paused``)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
+        self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
+        if not self.paused:
+            self.ops[str(func)] += 1
         return func(*args, **(kwargs or {}))
+
+
+def count_steps(writes: str, preset: str, N: int, T: int, steps: int) -> dict:
+    """Per decode step: torch operations (all / launching) and Triton launches, with ``writes`` ("triton" or
+    "torch") writing the pages and rings."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    cfg, dtype = KiviConfig.preset(preset), torch.bfloat16
+    hq, hkv, d, P = 9, 3, 64, 128  # SmolLM2's attention, vLLM's CPU block size
+    geo = build_geometry(cfg, page_size=P, num_kv_heads=hkv, head_dim=d, dtype=dtype)
+    cache = LayerCache(geo, N * (-(-(T + steps) // P)) + 2, dtype, "cpu")
+    g = torch.Generator().manual_seed(0)
+    n = N * T
+    q, k, v = (torch.randn(n, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
+    paged_step(cfg, geo, "reference", q, k, v, cache.pages, cache.rings, cache.batch([(i, 0, T) for i in range(N)]),
+               d ** -0.5, torch.empty(n, hq, d, dtype=dtype))
+    made = decode_kernel(cfg, geo, "triton", cache.pages, cache.rings)
+    if made is None or (writes == "triton" and made.writer is None):
+        raise SystemExit("the decode kernel or the Triton writes do not apply here (triton not installed?)")
+    kernel = DecodeKernel(made.pool, made.layout, made.rings, made.writer if writes == "triton" else None,
+                          lambda q, *a, **kw: torch.zeros(q.shape, dtype=q.dtype))  # the one launch, not counted
+    launches = []
+    count = Count()
+    run = InterpretedFunction.run
+
+    def counted(self, *a, **kw):
+        launches.append(1)
+        count.paused = True
+        try:
+            return run(self, *a, **kw)
+        finally:
+            count.paused = False
+
+    InterpretedFunction.run = counted
+    per_step = []
+    try:
+        for s in range(steps):
+            q, k, v = (torch.randn(N, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
+            batch = cache.batch([(i, T + s, 1) for i in range(N)])
+            # the step's plan is made once per step for every layer (the plugin's metadata builder), not counted
+            batch = dataclasses.replace(batch, plan=step_plan(cfg, geo, batch.query_start, batch.seq_lens))
+            count.ops.clear()
+            launches.clear()
+            with count:
+                paged_step(cfg, geo, "triton", q, k, v, cache.pages, cache.rings, batch, d ** -0.5,
+                           torch.empty(N, hq, d, dtype=dtype), kernel=kernel)
+            torch_launching = sum(c for op, c in count.ops.items() if op not in METADATA_OPS)
+            per_step.append(dict(step=s, ops=sum(count.ops.values()), torch_launching=torch_launching,
+                                 triton=len(launches), launches=torch_launching + len(launches), by_op=dict(count.ops)))
+    finally:
+        InterpretedFunction.run = run
+    counts = [r["launches"] for r in per_step]
+    summary = dict(writes=writes, preset=preset, requests=N, context=T, steps=steps, page_size=P, dtype=str(dtype),
+                   launches_median=statistics.median(counts), launches_max=max(counts), launches_min=min(counts),
+                   triton_median=statistics.median(r["triton"] for r in per_step),
+                   ops_median=statistics.median(r["ops"] for r in per_step))
+    return dict(summary=summary, per_step=per_step)
 
 
 def main(argv=None) -> int:
@@ -57,41 +127,15 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--context", type=int, default=1000)
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--writes", nargs="+", default=["triton", "torch"], choices=["triton", "torch"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-
-    cfg, dtype = KiviConfig.preset(args.preset), torch.bfloat16
-    hq, hkv, d, P, N, T = 9, 3, 64, 128, args.requests, args.context  # SmolLM2's attention, vLLM's CPU block size
-    geo = build_geometry(cfg, page_size=P, num_kv_heads=hkv, head_dim=d, dtype=dtype)
-    cache = LayerCache(geo, N * (-(-(T + args.steps) // P)) + 2, dtype, "cpu")
-    g = torch.Generator().manual_seed(0)
-    n = N * T
-    q, k, v = (torch.randn(n, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
-    paged_step(cfg, geo, "reference", q, k, v, cache.pages, cache.rings, cache.batch([(i, 0, T) for i in range(N)]),
-               d ** -0.5, torch.empty(n, hq, d, dtype=dtype))
-    made = decode_kernel(cfg, geo, "triton", cache.pages, cache.rings)
-    if made is None:
-        raise SystemExit("the batched paged decode kernel does not apply (triton not installed?)")
-    kernel = DecodeKernel(made.pool, made.layout, made.rings, None,
-                          lambda q, *a, **kw: torch.zeros(q.shape, dtype=q.dtype))  # the one launch, not counted
-    per_step = []
-    for s in range(args.steps):
-        q, k, v = (torch.randn(N, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
-        batch = cache.batch([(i, T + s, 1) for i in range(N)])
-        count = Count()
-        with count:
-            paged_step(cfg, geo, "triton", q, k, v, cache.pages, cache.rings, batch, d ** -0.5,
-                       torch.empty(N, hq, d, dtype=dtype), kernel=kernel)
-        launching = sum(c for op, c in count.ops.items() if op not in METADATA_OPS)
-        per_step.append(dict(step=s, ops=sum(count.ops.values()), launching=launching, by_op=dict(count.ops)))
-    launches = [r["launching"] for r in per_step]
-    summary = dict(preset=args.preset, requests=N, context=T, steps=args.steps, page_size=P, dtype=str(dtype),
-                   ops_median=statistics.median(r["ops"] for r in per_step),
-                   launching_median=statistics.median(launches), launching_max=max(launches),
-                   launching_min=min(launches))
-    print(json.dumps(summary))
+    out = {}
+    for writes in args.writes:
+        out[writes] = count_steps(writes, args.preset, args.requests, args.context, args.steps)
+        print(json.dumps(out[writes]["summary"]), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(summary=summary, per_step=per_step), indent=1))
+        Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 
 

@@ -59,17 +59,24 @@ def _encode(x, sc, off, LEVELS: tl.constexpr):
 
 
 @triton.jit
-def _pack_store(codes, out_ptr, rows, row_mask, row_stride, NBYTES, ROWS: tl.constexpr,
-                BLOCK_D: tl.constexpr, BITS: tl.constexpr):
-    """Pack int32 ``codes [ROWS, BLOCK_D]`` along axis 1 and store the bytes of each row."""
+def pack_rows(codes, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr):
+    """int32 ``codes [ROWS, BLOCK_D]`` packed ``8 // BITS`` per byte along axis 1: ``[ROWS, BLOCK_D * BITS // 8]``,
+    code ``j`` of a byte at bits ``[j * BITS, (j + 1) * BITS)``."""
     PB: tl.constexpr = 8 // BITS
     NB: tl.constexpr = BLOCK_D // PB
     if PB == 1:
-        packed = codes
-    else:
-        c3 = tl.reshape(codes, (ROWS, NB, PB))
-        shifts = tl.arange(0, PB) * BITS
-        packed = tl.sum(c3 << shifts[None, None, :], axis=2)
+        return codes
+    c3 = tl.reshape(codes, (ROWS, NB, PB))
+    shifts = tl.arange(0, PB) * BITS
+    return tl.sum(c3 << shifts[None, None, :], axis=2)
+
+
+@triton.jit
+def _pack_store(codes, out_ptr, rows, row_mask, row_stride, NBYTES, ROWS: tl.constexpr,
+                BLOCK_D: tl.constexpr, BITS: tl.constexpr):
+    """Pack int32 ``codes [ROWS, BLOCK_D]`` along axis 1 and store the bytes of each row."""
+    NB: tl.constexpr = BLOCK_D // (8 // BITS)
+    packed = pack_rows(codes, ROWS, BLOCK_D, BITS)
     nb = tl.arange(0, NB)
     ptrs = out_ptr + rows[:, None] * row_stride + nb[None, :]
     tl.store(ptrs, packed.to(tl.uint8), mask=row_mask[:, None] & (nb[None, :] < NBYTES))

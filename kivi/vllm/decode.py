@@ -32,7 +32,7 @@ from ..config import KiviConfig
 from ..optional import numba_available
 from .geometry import KiviGeometry, RingPool, block_pool, ring_pool
 from .plan import KernelLeaving, KernelRows, stores_any
-from .write import ROW_DTYPES, DecodeWriter, decode_writer, numpy_view
+from .write import ROW_DTYPES, DecodeWriter, TritonWriter, decode_writer, numpy_view, triton_writer
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class DecodeKernel:
     pool: torch.Tensor
     layout: PagedLayout
     rings: RingPool
-    writer: DecodeWriter | None = None
+    writer: DecodeWriter | TritonWriter | None = None
     #: the kernel when it is not the numba one (:func:`kivi.attention.fused_cpu.paged.paged_decode_attention`,
     #: ``None``): :func:`kivi.kernels.triton_paged.triton_paged_decode`, which takes the same inputs
     attend: Callable[..., torch.Tensor] | None = None
@@ -75,7 +75,7 @@ def decode_kernel(cfg: KiviConfig, geo: KiviGeometry, backend: str, pages: torch
     if backend == "triton":
         from ..kernels.triton_paged import triton_paged_decode
 
-        return DecodeKernel(pool[0], layout, ring, None, triton_paged_decode)  # the torch writes
+        return DecodeKernel(pool[0], layout, ring, triton_writer(cfg, pool[0], layout, ring), triton_paged_decode)
     return DecodeKernel(pool[0], layout, ring, decode_writer(cfg, pool[0], layout, ring))
 
 

@@ -79,14 +79,56 @@ def decode_writer(cfg: KiviConfig, pool: torch.Tensor, layout: PagedLayout, ring
                         {side: shrinks_array(f.clip) for side, f in fmts.items()})
 
 
-def write_step(writer: DecodeWriter, plan: StepPlan, page_table: torch.Tensor, ring_table: torch.Tensor,
-               key: torch.Tensor, value: torch.Tensor) -> None:
+@dataclass(frozen=True)
+class TritonWriter:
+    """One layer's pages and rings as :func:`kivi.kernels.triton_paged_write.triton_paged_write` writes them (the
+    GPU form of :class:`DecodeWriter`): ``pool`` / ``layout`` (the pages), ``rings`` (the window rings' rows pool,
+    :class:`kivi.vllm.geometry.RingPool`)."""
+
+    pool: torch.Tensor
+    layout: PagedLayout
+    rings: RingPool
+
+    def takes(self, key: torch.Tensor, value: torch.Tensor) -> bool:
+        """Whether the step's input rows are in the rings' dtype (the ring writes copy them bit for bit)."""
+        dtype = self.rings.rows["k"].dtype
+        return key.dtype == dtype and value.dtype == dtype
+
+
+def triton_writer(cfg: KiviConfig, pool: torch.Tensor, layout: PagedLayout, rings: RingPool) -> TritonWriter | None:
+    """The :class:`TritonWriter` of a layer whose decode kernel is the Triton one, or ``None`` where the Triton
+    writes do not reproduce the torch path (asymmetric 1 / 2 / 4 / 8-bit codes without compensation or clipping,
+    finiteness checked, :func:`kivi.kernels.triton_paged_write.writable`): the one rule, as :func:`decode_writer`
+    is the numba writes'."""
+    from ..kernels.triton_paged_write import writable
+
+    fmts = [cfg.side_format(side) for side in ("k", "v")]
+    if (any(f.symmetric or f.residual_bits or f.clip or not f.check_finite or f.group_size != layout.group_size
+            for f in fmts) or (fmts[0].bits, fmts[1].bits) != (layout.k_bits, layout.v_bits)
+            or writable(layout) is not None):
+        return None
+    return TritonWriter(pool, layout, rings)
+
+
+def write_step(writer: DecodeWriter | TritonWriter, plan: StepPlan, page_table: torch.Tensor,
+               ring_table: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
     """The layer's writes of a step whose requests are all kernel rows (``plan.others`` empty): its leaving tokens
     to the pages, its new tokens to the rings, after every read of the step. ``key / value [n, H, D]``: the step's
     input in the rings' dtype (:meth:`DecodeWriter.takes`). ``ValueError`` with nothing written on a leaving value
-    that is not finite (as the torch path)."""
+    that is not finite (as the torch path). A :class:`TritonWriter` writes through the Triton kernels (the plan's
+    tables copied to the device once), a :class:`DecodeWriter` in one numba call."""
     if plan.kernel is None or plan.others:
         raise ValueError("write_step writes steps whose every request is a decode kernel row")
+    if isinstance(writer, TritonWriter):
+        from ..kernels.triton_paged_write import triton_paged_write
+
+        leave = [_EMPTY_LEAVE if plan.kernel.leaving[side] is None else plan.kernel.leaving[side].table
+                 for side in ("k", "v")]
+        writes = _EMPTY_WRITES if plan.writes is None else plan.writes.table
+        r = writer.rings
+        triton_paged_write(writer.pool, writer.layout, r.rows["k"], r.rows["v"], r.base, r.step, ring_table,
+                           page_table, key, value, *leave, writes)
+        return
     from .write_kernel import decode_write
 
     leave = {side: _EMPTY_LEAVE if plan.kernel.leaving[side] is None else plan.kernel.leaving[side].table
@@ -107,4 +149,5 @@ def write_step(writer: DecodeWriter, plan: StepPlan, page_table: torch.Tensor, r
         raise ValueError("the step's leaving keys are not whole aligned groups of one request (a plan error)")
 
 
-__all__ = ["DecodeWriter", "decode_writer", "write_step", "numpy_view", "ROW_DTYPES"]
+__all__ = ["DecodeWriter", "TritonWriter", "decode_writer", "triton_writer", "write_step", "numpy_view",
+           "ROW_DTYPES"]

@@ -1,0 +1,132 @@
+"""kivi.kernels.triton_paged_write: a decode-only step's writes in Triton (the GPU path's) leave the pages and rings
+bit for bit as the torch writes do; CPU tensors under ``TRITON_INTERPRET=1`` (no vLLM needed).
+
+Two copies of a vLLM-style cache (:class:`tests.vllm.test_paged_decode.Cache`: scattered blocks, rings in one
+allocation that start as NaN) run the same steps through ``paged_step`` with the ``"triton"`` reader, one with the
+Triton writes (the default where :func:`kivi.vllm.write.triton_writer` applies) and one with
+``compiled_writes=False`` (the torch writes, the reference): after every step both caches are byte-identical and
+the outputs equal, over widths 1 / 2 / 4 / 8 on either side, group sizes 4 / 8 / 16, head sizes 16 / 32, windows of
+1 or 2 groups, sinks, float32 and bfloat16 rings, float32 parameters for bfloat16 rings, tiny to large magnitudes
+and all-constant groups. A non-finite leaving value writes nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kivi.config import KiviConfig
+from kivi.vllm import paged as vpaged
+from kivi.vllm.decode import decode_kernel
+from kivi.vllm.geometry import build_geometry
+from kivi.vllm.paged import paged_step
+from kivi.vllm.write import TritonWriter
+
+from .test_paged_decode import Cache, steps_of
+from .test_write import same_bytes, snapshot
+
+pytestmark = pytest.mark.triton
+
+H, HQ = 2, 4
+
+
+@pytest.fixture(autouse=True)
+def _interpreter():
+    from tests.helpers import triton_skip_reason
+
+    reason = triton_skip_reason()
+    if reason:
+        pytest.skip(reason)
+
+
+def run_pair(cfg, dtype, D, P, steps, monkeypatch, *, mag=1.0, constant=(), seed=0):
+    geo = build_geometry(cfg, page_size=P, num_kv_heads=H, head_dim=D, dtype=dtype)
+    fast, slow = Cache(geo, dtype, nblocks=48, seed=seed), Cache(geo, dtype, nblocks=48, seed=seed)
+    kernel = decode_kernel(cfg, geo, "triton", fast.pages, fast.rings)
+    assert kernel is not None and isinstance(kernel.writer, TritonWriter), "the Triton writes must apply"
+    calls = []
+    real = vpaged.write_step
+    monkeypatch.setattr(vpaged, "write_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(seed)
+    for s, rows in enumerate(steps):
+        n = sum(q for _, _, q in rows)
+        q = torch.randn(n, HQ, D, generator=g).to(dtype)
+        if s in constant:
+            k, v = torch.full((n, H, D), 0.37 * mag).to(dtype), torch.full((n, H, D), -1.5 * mag).to(dtype)
+        else:
+            k, v = ((torch.randn(n, H, D, generator=g) * mag).to(dtype) for _ in range(2))
+        batch, same = fast.batch(rows), slow.batch(rows)
+        got = paged_step(cfg, geo, "triton", q, k, v, fast.pages, fast.rings, batch, D ** -0.5,
+                         torch.empty(n, HQ, D, dtype=dtype), kernel=kernel)
+        want = paged_step(cfg, geo, "triton", q, k, v, slow.pages, slow.rings, same, D ** -0.5,
+                          torch.empty(n, HQ, D, dtype=dtype), kernel=decode_kernel(cfg, geo, "triton", slow.pages,
+                                                                                   slow.rings),
+                          compiled_writes=False)
+        assert same_bytes(snapshot(fast), snapshot(slow)), f"caches differ after step {s}: {rows}"
+        assert torch.equal(got, want), f"outputs differ at step {s}"
+    return calls
+
+
+CASES = [  # (k_bits, v_bits, G, D, R, sink, dtype, scale_dtype, magnitude)
+    (2, 2, 8, 16, 16, 0, torch.float32, "auto", 1.0),
+    (4, 2, 8, 32, 8, 3, torch.bfloat16, "auto", 300.0),
+    (1, 8, 4, 16, 8, 1, torch.bfloat16, "float32", 1e-3),
+    (8, 4, 16, 32, 16, 0, torch.float32, "auto", 1.0),
+]
+
+
+@pytest.mark.parametrize("k_bits, v_bits, G, D, R, sink, dtype, scale_dtype, mag", CASES,
+                         ids=["k2v2-G8", "k4v2-G8-S3-bf16-large", "k1v8-G4-S1-bf16-fp32params-tiny", "k8v4-G16"])
+def test_triton_writes_equal_the_torch_writes(k_bits, v_bits, G, D, R, sink, dtype, scale_dtype, mag, monkeypatch):
+    cfg = KiviConfig(k_bits=k_bits, v_bits=v_bits, group_size=G, residual_length=R, sink_tokens=sink,
+                     scale_dtype=scale_dtype, block_size=4 * G)
+    # every decode row holds stored tokens (a row with none attends exactly, request by request): the steps
+    # without a prefill or chunk are decode-only, and take the Triton writes
+    prompts = {0: R + G + 3, 1: R + 2 * G + 1, 2: R + 5 * G - 1, 3: R + sink + 1}
+    steps = steps_of(prompts, late={4: (2, R + G + 3)}, decode_steps=2 * G + 4)
+    calls = run_pair(cfg, dtype, D, 2 * G, steps, monkeypatch, mag=mag, constant={5, 6})
+    assert len(calls) >= len(steps) // 2, f"only {len(calls)} of {len(steps)} steps took the Triton writes"
+
+
+def test_a_non_finite_leaving_value_writes_nothing():
+    """The torch writes refuse it when it leaves the window; the Triton writes refuse it at the same step, with the
+    pages and rings as they were."""
+    cfg = KiviConfig(k_bits=2, v_bits=2, group_size=4, residual_length=4)
+    geo = build_geometry(cfg, page_size=8, num_kv_heads=H, head_dim=16, dtype=torch.float32)
+    cache = Cache(geo, torch.float32, nblocks=16)
+    kernel = decode_kernel(cfg, geo, "triton", cache.pages, cache.rings)
+    assert isinstance(kernel.writer, TritonWriter)
+    g = torch.Generator().manual_seed(0)
+    steps = steps_of({0: 9}, late={}, decode_steps=12)
+    for s, rows in enumerate(steps):
+        n = sum(q for _, _, q in rows)
+        q, k, v = torch.randn(n, HQ, 16, generator=g), torch.randn(n, H, 16, generator=g), torch.randn(n, H, 16)
+        if s == 1:
+            v[0, 1, 3] = float("nan")  # enters the window now, leaves it R steps later
+        batch = cache.batch(rows)
+        if s == 1 + cfg.residual_length:
+            before = snapshot(cache)
+            with pytest.raises(ValueError, match="NaN or Inf"):
+                paged_step(cfg, geo, "triton", q, k, v, cache.pages, cache.rings, batch, 0.25,
+                           torch.empty(n, HQ, 16), kernel=kernel)
+            after = snapshot(cache)
+            assert torch.equal(before[0], after[0]), "a refused step wrote the pages"
+            assert all(torch.equal(a.view(torch.float32).nan_to_num(7), b.view(torch.float32).nan_to_num(7))
+                       for a, b in zip(before[1], after[1])), "a refused step wrote the rings"
+            return
+        paged_step(cfg, geo, "triton", q, k, v, cache.pages, cache.rings, batch, 0.25, torch.empty(n, HQ, 16),
+                   kernel=kernel)
+    raise AssertionError("the NaN never left the window")
+
+
+def test_where_the_triton_writes_apply():
+    geo_args = dict(page_size=16, num_kv_heads=H, head_dim=16, dtype=torch.float32)
+    for cfg, applies in ((KiviConfig(k_bits=2, v_bits=4, group_size=8, residual_length=8), True),
+                         (KiviConfig(k_bits=3, v_bits=2, group_size=8, residual_length=8), False),  # 3-bit packing
+                         (KiviConfig(k_bits=2, v_bits=2, group_size=8, residual_length=8, clip=True), False),
+                         (KiviConfig(k_bits=2, v_bits=2, group_size=8, residual_length=8, symmetric=True), False),
+                         (KiviConfig(k_bits=2, v_bits=2, group_size=8, residual_length=8, check_finite=False), False)):
+        geo = build_geometry(cfg, **geo_args)
+        cache = Cache(geo, torch.float32, nblocks=8)
+        kernel = decode_kernel(cfg, geo, "triton", cache.pages, cache.rings)
+        assert kernel is not None and isinstance(kernel.writer, TritonWriter) == applies, cfg
