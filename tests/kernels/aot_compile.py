@@ -21,6 +21,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from kivi.kernels import _attention_kernels as K  # noqa: E402
 from kivi.kernels import _paged_kernels as PK  # noqa: E402
+from kivi.kernels import _paged_write_kernels as WK  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}
@@ -95,6 +96,37 @@ def compile_paged(name, dt, kb, vb, offsets):
     return ptx.count("ld.global"), ptx.count("ld.global.v")
 
 
+# the paged writes (kivi/kernels/_paged_write_kernels.py): (name, ring / parameter dtype, key bits, value bits)
+WRITE_VARIANTS = [("write-k2v2-bf16", "bf16", 2, 2), ("write-k4v8-fp16", "fp16", 4, 8)]
+
+
+def _compile(fn, types, consts):
+    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
+    div16 = [n for n in fn.arg_names if sig[n].startswith("*")]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=TARGET, options=dict(num_warps=4)).asm["ptx"]
+
+
+def compile_writes(name, dt, kb, vb):
+    """The four write kernels for SmolLM2's shape in vLLM pages of 128 tokens (the paged variants' layout)."""
+    pt = "*" + dt
+    rings = dict(rt_ptr="*i32", rbase_ptr="*i64", rstep_ptr="*i64", rt_s0="i32", PW="i32", r_sb="i64", r_sr="i32",
+                 r_sh="i32", n_s0="i32", n_s1="i32")
+    _compile(WK.gather_rows_kernel, dict(leave_ptr="*i64", out_ptr="*fp32", rows_ptr=pt, new_ptr=pt, **rings),
+             dict(D=64, BLOCK_D=64))
+    page = dict(x_ptr="*fp32", leave_ptr="*i64", pt_ptr="*i32", pt_s0="i32", pool_ptr="*u8", par_ptr=pt)
+    common = dict(D=64, BLOCK_D=64, G=32, PARAM_KIND={"fp32": 0, "fp16": 1, "bf16": 2}[dt], P=128,
+                  BLOCK_BYTES=3 * 128 * 512, PAR_ITEM=2)
+    _compile(WK.write_key_groups_kernel, page, dict(common, G_P2=32, BITS=kb, CODES=0, SCALE=3 * 128 * 16,
+                                                     OFFSET=3 * 128 * 16 + 3 * 4 * 64 * 2, ROW_BYTES=64 * kb // 8))
+    _compile(WK.write_values_kernel, page, dict(common, NG=2, BITS=vb, CODES=65536, SCALE=65536 + 3 * 128 * 16,
+                                                 OFFSET=65536 + 3 * 128 * 16 + 3 * 128 * 4, ROW_BYTES=64 * vb // 8))
+    _compile(WK.write_rings_kernel, dict(writes_ptr="*i64", krows_ptr=pt, vrows_ptr=pt, knew_ptr=pt, vnew_ptr=pt,
+                                         **rings), dict(D=64, BLOCK_D=64))
+
+
 def compile_reduce():
     fn = K.decode_reduce_kernel
     consts = dict(HQ=9, QG=3, QG_P2=16, D=64, BLOCK_D=64, S_P2=8)
@@ -119,6 +151,13 @@ def main() -> int:
         try:
             loads, vec = compile_paged(*v)
             print(f"OK   {v[0]:<20} global loads {loads:4d}, vector loads {vec:3d}")
+        except Exception as e:
+            failed += 1
+            print(f"FAIL {v[0]:<20} {type(e).__name__}: {str(e)[:1500]}")
+    for v in WRITE_VARIANTS:
+        try:
+            compile_writes(*v)
+            print(f"OK   {v[0]}")
         except Exception as e:
             failed += 1
             print(f"FAIL {v[0]:<20} {type(e).__name__}: {str(e)[:1500]}")
