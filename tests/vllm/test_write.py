@@ -50,12 +50,13 @@ def same_bytes(a, b):
     return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
 
 
-def run_pair(cfg, dtype, D, P, steps, *, mag=1.0, constant=(), seed=0):
+def run_pair(cfg, dtype, D, P, steps, *, mag=1.0, constant=(), seed=0, backend="cpu", nblocks=64):
     """Run ``steps`` on two caches, compiled writes against torch writes; byte-identical caches and equal outputs
-    after every step. ``constant``: steps whose every key / value is one number (all-constant groups)."""
+    after every step. ``constant``: steps whose every key / value is one number (all-constant groups).
+    ``backend``: ``"cpu"`` (the numba writes) or ``"triton"`` (the Triton writes, tests/vllm/test_write_triton.py)."""
     geo = build_geometry(cfg, page_size=P, num_kv_heads=H, head_dim=D, dtype=dtype)
-    fast, slow = Cache(geo, dtype, nblocks=64, seed=seed), Cache(geo, dtype, nblocks=64, seed=seed)
-    kernel = decode_kernel(cfg, geo, "cpu", fast.pages, fast.rings)
+    fast, slow = Cache(geo, dtype, nblocks=nblocks, seed=seed), Cache(geo, dtype, nblocks=nblocks, seed=seed)
+    kernel = decode_kernel(cfg, geo, backend, fast.pages, fast.rings)
     assert kernel is not None and kernel.writer is not None, "the compiled writes must apply"
     g = torch.Generator().manual_seed(seed)
     for s, rows in enumerate(steps):
@@ -67,9 +68,9 @@ def run_pair(cfg, dtype, D, P, steps, *, mag=1.0, constant=(), seed=0):
         else:
             k, v = ((torch.randn(n, H, D, generator=g) * mag).to(dtype) for _ in range(2))
         batch, same = fast.batch(rows), slow.batch(rows)
-        got = paged_step(cfg, geo, "cpu", q, k, v, fast.pages, fast.rings, batch, D ** -0.5,
+        got = paged_step(cfg, geo, backend, q, k, v, fast.pages, fast.rings, batch, D ** -0.5,
                          torch.empty(n, HQ, D, dtype=dtype), kernel=kernel)
-        want = paged_step(cfg, geo, "cpu", q, k, v, slow.pages, slow.rings, same, D ** -0.5,
+        want = paged_step(cfg, geo, backend, q, k, v, slow.pages, slow.rings, same, D ** -0.5,
                           torch.empty(n, HQ, D, dtype=dtype), compiled_writes=False)
         assert same_bytes(snapshot(fast), snapshot(slow)), f"caches differ after step {s}: {rows}"
         assert torch.equal(got, want), f"outputs differ at step {s}"

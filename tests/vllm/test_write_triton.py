@@ -16,14 +16,13 @@ import pytest
 import torch
 
 from kivi.config import KiviConfig
-from kivi.vllm import paged as vpaged
 from kivi.vllm.decode import decode_kernel
 from kivi.vllm.geometry import build_geometry
 from kivi.vllm.paged import paged_step
 from kivi.vllm.write import TritonWriter
 
 from .test_paged_decode import Cache, steps_of
-from .test_write import same_bytes, snapshot
+from .test_write import counting, run_pair, snapshot
 
 pytestmark = pytest.mark.triton
 
@@ -37,34 +36,6 @@ def _interpreter():
     reason = triton_skip_reason()
     if reason:
         pytest.skip(reason)
-
-
-def run_pair(cfg, dtype, D, P, steps, monkeypatch, *, mag=1.0, constant=(), seed=0):
-    geo = build_geometry(cfg, page_size=P, num_kv_heads=H, head_dim=D, dtype=dtype)
-    fast, slow = Cache(geo, dtype, nblocks=48, seed=seed), Cache(geo, dtype, nblocks=48, seed=seed)
-    kernel = decode_kernel(cfg, geo, "triton", fast.pages, fast.rings)
-    assert kernel is not None and isinstance(kernel.writer, TritonWriter), "the Triton writes must apply"
-    calls = []
-    real = vpaged.write_step
-    monkeypatch.setattr(vpaged, "write_step", lambda *a, **k: calls.append(1) or real(*a, **k))
-    g = torch.Generator().manual_seed(seed)
-    for s, rows in enumerate(steps):
-        n = sum(q for _, _, q in rows)
-        q = torch.randn(n, HQ, D, generator=g).to(dtype)
-        if s in constant:
-            k, v = torch.full((n, H, D), 0.37 * mag).to(dtype), torch.full((n, H, D), -1.5 * mag).to(dtype)
-        else:
-            k, v = ((torch.randn(n, H, D, generator=g) * mag).to(dtype) for _ in range(2))
-        batch, same = fast.batch(rows), slow.batch(rows)
-        got = paged_step(cfg, geo, "triton", q, k, v, fast.pages, fast.rings, batch, D ** -0.5,
-                         torch.empty(n, HQ, D, dtype=dtype), kernel=kernel)
-        want = paged_step(cfg, geo, "triton", q, k, v, slow.pages, slow.rings, same, D ** -0.5,
-                          torch.empty(n, HQ, D, dtype=dtype), kernel=decode_kernel(cfg, geo, "triton", slow.pages,
-                                                                                   slow.rings),
-                          compiled_writes=False)
-        assert same_bytes(snapshot(fast), snapshot(slow)), f"caches differ after step {s}: {rows}"
-        assert torch.equal(got, want), f"outputs differ at step {s}"
-    return calls
 
 
 CASES = [  # (k_bits, v_bits, G, D, R, sink, dtype, scale_dtype, magnitude)
@@ -84,7 +55,8 @@ def test_triton_writes_equal_the_torch_writes(k_bits, v_bits, G, D, R, sink, dty
     # without a prefill or chunk are decode-only, and take the Triton writes
     prompts = {0: R + G + 3, 1: R + 2 * G + 1, 2: R + 5 * G - 1, 3: R + sink + 1}
     steps = steps_of(prompts, late={4: (2, R + G + 3)}, decode_steps=2 * G + 4)
-    calls = run_pair(cfg, dtype, D, 2 * G, steps, monkeypatch, mag=mag, constant={5, 6})
+    calls = counting(monkeypatch)
+    run_pair(cfg, dtype, D, 2 * G, steps, mag=mag, constant={5, 6}, backend="triton", nblocks=48)
     assert len(calls) >= len(steps) // 2, f"only {len(calls)} of {len(steps)} steps took the Triton writes"
 
 
