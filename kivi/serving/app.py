@@ -1,7 +1,7 @@
 """The FastAPI app of ``kivi serve``: OpenAI's chat completions and completions, streaming (SSE) and not,
 ``GET /v1/models`` and ``GET /health`` (with the cache's block counts).
 
-Built from transformers' serving pieces (``transformers/cli/serving``, 5.24) where they fit: the
+Built from transformers' serving pieces (``transformers/cli/serving``, 5.24 and 5.25) where they fit: the
 response objects and their SSE framing come from its ``ChatCompletionHandler`` / ``CompletionHandler``
 (which build them from the ``openai`` package's types), the message flattening from its
 ``BaseHandler``. Its app factory (``build_server``) and its generation managers are not used: they
@@ -111,8 +111,8 @@ def build_app(engine: Engine, *, model_name: str, api_key: str | None = None,
                 yield chat_builder._build_chunk_sse(rid, role="assistant", content="", model=model_name)
                 async for piece in running.deltas():
                     yield chat_builder._build_chunk_sse(rid, content=piece, model=model_name)
-                yield chat_builder._build_chunk_sse(rid, finish_reason=running.finish_reason, model=model_name,
-                                                    usage=_usage(running))
+                yield _with_usage(chat_builder._build_chunk_sse(rid, finish_reason=running.finish_reason,
+                                                                model=model_name), running)
             return _sse(events())
         text = await _complete(running, request)
         return chat_builder._build_completion(rid, text, model_name, finish_reason=running.finish_reason,
@@ -127,8 +127,8 @@ def build_app(engine: Engine, *, model_name: str, api_key: str | None = None,
             async def events() -> AsyncIterator[str]:
                 async for piece in running.deltas():
                     yield text_builder._build_chunk_sse(rid, model_name, text=piece)
-                yield text_builder._build_chunk_sse(rid, model_name, finish_reason=running.finish_reason,
-                                                    usage=_usage(running))
+                yield _with_usage(text_builder._build_chunk_sse(rid, model_name, finish_reason=running.finish_reason),
+                                  running)
             return _sse(events())
         text = await _complete(running, request)
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
@@ -263,6 +263,20 @@ def _usage(running: RunningRequest):
 
     return CompletionUsage(prompt_tokens=running.prompt_tokens, completion_tokens=running.completion_tokens,
                            total_tokens=running.prompt_tokens + running.completion_tokens)
+
+
+def _with_usage(event: str, running: RunningRequest) -> str:
+    """A stream's last chunk: the builder's ``finish_reason`` chunk (one choice) with the usage added.
+
+    kivi's last chunk carries both, whatever ``stream_options`` says. transformers' builders cannot make it:
+    from 5.25 on, a chunk given ``usage`` is a usage-only chunk with no choices (the finish reason is lost).
+    """
+    prefix = "data: "
+    if not event.startswith(prefix):
+        raise ValueError(f"event={event[:40]!r} is not an SSE data line")
+    body = json.loads(event[len(prefix):])
+    body["usage"] = _usage(running).model_dump(exclude_none=True)
+    return f"{prefix}{json.dumps(body)}\n\n"
 
 
 def _sse(events: AsyncIterator[str]) -> StreamingResponse:

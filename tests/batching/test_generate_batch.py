@@ -187,8 +187,11 @@ def test_budget_below_one_request_is_refused():
 
 def test_version_pin_message():
     assert transformers_version_problem() is None  # the installed one is tested
-    msg = transformers_version_problem("5.25.1")
-    assert "installed transformers is 5.25.1" in msg and "5.24.x" in msg and "\n" not in msg
+    for tested in ("5.24.0", "5.25.3"):
+        assert transformers_version_problem(tested) is None
+    msg = transformers_version_problem("5.26.1")
+    assert "installed transformers is 5.26.1" in msg and "5.24.x, 5.25.x" in msg and "\n" not in msg
+    assert "install transformers~=5.25.0" in msg
     with pytest.raises(RuntimeError, match="installed transformers is 4.57.0"):
         check_transformers_version("4.57.0")
 

@@ -80,3 +80,37 @@ def test_a_name_reaches_a_template_that_shows_it(engine):
     named = engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi", "name": "ann"}],
                                                  add_generation_prompt=True, tokenize=False)
     assert "<user ann>" in named and r.json()["usage"]["prompt_tokens"] == len(plain()(named)["input_ids"])
+
+
+def _events(text: str) -> list:
+    """The JSON events of an SSE body, which must end with ``data: [DONE]``."""
+    import json
+
+    lines = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]", text[-200:]
+    return [json.loads(line) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("stream_options", [None, {"include_usage": True}], ids=["plain", "include_usage"])
+def test_a_streams_last_chunk_has_its_finish_reason_and_usage(engine, route, stream_options):
+    """The last chunk holds the one choice with its finish reason and the usage; no chunk before it has usage.
+    (transformers 5.25's builders make a chunk given usage a usage-only chunk: the finish reason was lost.)"""
+    body = {"max_tokens": 3, "stream": True, "temperature": 0}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in route else {"prompt": [5, 6, 7]})
+    if stream_options is not None:
+        body["stream_options"] = stream_options
+
+    async def run():
+        async with await _client(engine) as c:
+            return await c.post(route, json=body)
+
+    r = asyncio.run(run())
+    assert r.status_code == 200, r.text
+    events = _events(r.text)
+    *before, last = events
+    assert [c["finish_reason"] for c in last["choices"]] == ["length"], last
+    assert last["usage"]["completion_tokens"] == 3 and last["usage"]["total_tokens"] == \
+        last["usage"]["prompt_tokens"] + 3, last
+    assert all("usage" not in e and e["choices"][0].get("finish_reason") is None for e in before), before
+    assert len({e["id"] for e in events}) == 1

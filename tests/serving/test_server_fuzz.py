@@ -73,6 +73,9 @@ def _bodies(fields: dict, required: str):
 
 
 ANSWERS: dict[int, int] = {}  # status -> count over the whole run (the report prints it)
+# the last test checks the server the fuzz tests drove (one module-scoped server, ANSWERS): they must share a
+# process (scripts/test.sh runs xdist with --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("server_fuzz")
 
 
 @pytest.fixture(scope="module")
