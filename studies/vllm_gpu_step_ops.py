@@ -1,24 +1,34 @@
-"""How many kernel launches the vLLM plugin's GPU path makes per layer and decode step, besides its decode kernel.
+"""How many kernel launches and host reads the vLLM plugin's GPU path makes per layer and decode step.
 
-On a GPU each launch costs a few microseconds from Python, so this count is what a decode step pays per layer
-outside the batched paged decode kernel. The path is device-independent torch and Triton, so the count is measured
+On a GPU each launch costs a few microseconds from Python, and each host read of a device tensor (a copy to the
+host, ``.item()``, ``bool()`` / ``int()`` of a tensor) waits for everything queued before it: Python can no longer
+launch ahead of the GPU. So these counts are what a decode step pays per layer outside the batched paged decode
+kernel's own work. The path is device-independent torch and Triton, so the count is measured
 here on the CPU (Triton under ``TRITON_INTERPRET=1``, set here): :func:`kivi.vllm.paged.paged_step` with the
 ``"triton"`` page reader (the opt-in GPU path) over one layer's cache laid out as vLLM allocates it
 (``benchmarks/plugin_step.py``), ``--requests`` requests of ``--context`` tokens, then ``--steps`` decode steps
 (each step's plan made before it, as the plugin's metadata builder makes it once for every layer),
 once with the Triton writes (``--writes triton``, :mod:`kivi.kernels.triton_paged_write`) and once with the torch
-writes (``torch``, what the path did before them); the decode kernel itself is replaced by a stub (its one launch
-is not counted). torch operations are counted with a ``TorchDispatchMode`` ("launching" leaves out those that only
-make views or metadata, :data:`METADATA_OPS`), Triton launches by wrapping the interpreter's launch. A step in which
-key groups leave the window (every ``G``-th) does more.
+writes (``torch``, what the path did before them). The decode kernel's host wrapper
+(:func:`kivi.kernels.triton_paged.triton_paged_decode`) runs and its two launches are counted, but not executed
+(:data:`SKIPPED`: the interpreter would take minutes; its output is not used here). The Triton writes append their
+finiteness flag to a list as the plugin's layers do (:class:`kivi.vllm.write.FiniteChecks` reads every layer's
+back once per step: one host read a step, not counted per layer). torch operations are counted with a
+``TorchDispatchMode`` ("launching" leaves out those that only make views or metadata, :data:`METADATA_OPS`),
+Triton launches by wrapping the interpreter's launch; host reads are ``Tensor.cpu`` / ``Tensor.tolist`` calls, the
+decode wrapper's ``on_host`` calls (each a copy of a slot table on a GPU) and ``aten._local_scalar_dense``
+operations (``item``, ``int``, ``bool`` of a tensor; host arrays read through numpy are the plan's and are not
+counted). A step in which key groups leave the window (every ``G``-th) does more. Copies from the host to the
+device (the plan's tables, once per layer with the Triton writes) are no operation on the CPU and are not counted.
 
-    python studies/vllm_gpu_step_ops.py --json results/vllm/gpu_step_ops_s20.json
+    python studies/vllm_gpu_step_ops.py --json results/vllm/gpu_step_ops_s21.json
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import os
 import statistics
@@ -47,7 +57,11 @@ METADATA_OPS = frozenset({
     "aten.squeeze.dim", "aten.transpose.int", "aten.expand.default", "aten.as_strided.default", "aten.detach.default",
     "aten.set_.source_Storage", "aten.unbind.int", "aten.lift_fresh.default", "aten.alias.default",
     "aten.t.default", "aten.permute.default", "aten.empty.memory_format", "aten.empty_strided.default",
+    "aten.empty_like.default", "aten.view.dtype",
 })
+#: the decode kernel's launches: counted, not executed
+SKIPPED = frozenset({"paged_split_kernel", "decode_reduce_kernel"})
+HOST_READ_OPS = frozenset({"aten._local_scalar_dense.default"})
 
 
 class Count(TorchDispatchMode):
@@ -57,11 +71,54 @@ class Count(TorchDispatchMode):
         super().__init__()
         self.ops: Counter[str] = Counter()
         self.paused = False
+        self.active = False
+
+    def __enter__(self):
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.active = False
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.paused:
             self.ops[str(func)] += 1
         return func(*args, **(kwargs or {}))
+
+
+def count_host_reads(count: Count, reads: Counter) -> list:
+    """Wrap ``Tensor.cpu`` / ``Tensor.tolist`` to count their calls in ``reads`` while ``count`` is active and not
+    paused; returns what :func:`restore` puts back."""
+    saved = [(name, getattr(torch.Tensor, name)) for name in ("cpu", "tolist")]
+    for name, fn in saved:
+        def wrapped(self, *a, _fn=fn, _name=name, **kw):
+            if count.active and not count.paused:
+                reads[f"Tensor.{_name}"] += 1
+            return _fn(self, *a, **kw)
+        setattr(torch.Tensor, name, wrapped)
+    return saved
+
+
+def count_on_host(count: Count, reads: Counter):
+    """Wrap :func:`kivi.attention.fused_cpu.paged.on_host` where the Triton decode wrapper calls it: on a GPU each
+    call copies a slot table to the host (on the CPU it returns its input, so ``Tensor.cpu`` does not see it)."""
+    import kivi.kernels.triton_paged as tp
+
+    fn = tp.on_host
+
+    def wrapped(fp):
+        if count.active and not count.paused:
+            reads["on_host"] += 1
+        return fn(fp)
+
+    tp.on_host = wrapped
+    return lambda: setattr(tp, "on_host", fn)
+
+
+def restore(saved: list) -> None:
+    for name, fn in saved:
+        setattr(torch.Tensor, name, fn)
 
 
 def count_steps(writes: str, preset: str, N: int, T: int, steps: int) -> dict:
@@ -82,13 +139,17 @@ def count_steps(writes: str, preset: str, N: int, T: int, steps: int) -> dict:
     if made is None or (writes == "triton" and made.writer is None):
         raise SystemExit("the decode kernel or the Triton writes do not apply here (triton not installed?)")
     kernel = DecodeKernel(made.pool, made.layout, made.rings, made.writer if writes == "triton" else None,
-                          lambda q, *a, **kw: torch.zeros(q.shape, dtype=q.dtype))  # the one launch, not counted
+                          made.attend)
+    takes_flags = "flags" in inspect.signature(paged_step).parameters  # an older checkout: read back per layer
     launches = []
     count = Count()
+    reads: Counter[str] = Counter()
     run = InterpretedFunction.run
 
     def counted(self, *a, **kw):
         launches.append(1)
+        if self.fn.__name__ in SKIPPED:
+            return None
         count.paused = True
         try:
             return run(self, *a, **kw)
@@ -96,6 +157,8 @@ def count_steps(writes: str, preset: str, N: int, T: int, steps: int) -> dict:
             count.paused = False
 
     InterpretedFunction.run = counted
+    saved = count_host_reads(count, reads)
+    unwrap = count_on_host(count, reads)
     per_step = []
     try:
         for s in range(steps):
@@ -105,18 +168,26 @@ def count_steps(writes: str, preset: str, N: int, T: int, steps: int) -> dict:
             batch = dataclasses.replace(batch, plan=step_plan(cfg, geo, batch.query_start, batch.seq_lens))
             count.ops.clear()
             launches.clear()
+            reads.clear()
+            flags = {"flags": []} if takes_flags else {}
             with count:
                 paged_step(cfg, geo, "triton", q, k, v, cache.pages, cache.rings, batch, d ** -0.5,
-                           torch.empty(N, hq, d, dtype=dtype), kernel=kernel)
+                           torch.empty(N, hq, d, dtype=dtype), kernel=kernel, **flags)
             torch_launching = sum(c for op, c in count.ops.items() if op not in METADATA_OPS)
+            host_reads = sum(reads.values()) + sum(count.ops[op] for op in HOST_READ_OPS)
             per_step.append(dict(step=s, ops=sum(count.ops.values()), torch_launching=torch_launching,
-                                 triton=len(launches), launches=torch_launching + len(launches), by_op=dict(count.ops)))
+                                 triton=len(launches), launches=torch_launching + len(launches),
+                                 host_reads=host_reads, reads=dict(reads), by_op=dict(count.ops)))
     finally:
         InterpretedFunction.run = run
+        restore(saved)
+        unwrap()
     counts = [r["launches"] for r in per_step]
     summary = dict(writes=writes, preset=preset, requests=N, context=T, steps=steps, page_size=P, dtype=str(dtype),
                    launches_median=statistics.median(counts), launches_max=max(counts), launches_min=min(counts),
                    triton_median=statistics.median(r["triton"] for r in per_step),
+                   host_reads_median=statistics.median(r["host_reads"] for r in per_step),
+                   host_reads_max=max(r["host_reads"] for r in per_step),
                    ops_median=statistics.median(r["ops"] for r in per_step))
     return dict(summary=summary, per_step=per_step)
 

@@ -3,8 +3,10 @@
 The GPU form of :func:`kivi.vllm.write_kernel.decode_write` (same tables, same order), in four launches:
 
 * :func:`gather_rows_kernel` (grid ``(M, H)``): each leaving row, from the window rings (row ``slot % Pw`` of pool
-  block ``rbase[r] + ring_table[req, r] * rstep[r]``, ``r = slot // Pw``) or the step's input, to a float32 scratch
-  (the caller checks it finite before anything is written, and the rings are written last);
+  block ``rbase[r] + ring_table[req, r] * rstep[r]``, ``r = slot // Pw``) or the step's input, to a float32 scratch;
+  a row that is not finite sets the step's flag (``flag``, one int64, zero before the launch), and the three
+  launches after it write nothing when it is set (every store masked by it: all or nothing, on the device, with
+  no host read in between);
 * :func:`write_key_groups_kernel` (grid ``(groups, H)``): a group of ``G`` leaving keys of one request, per
   channel, to its page rows;
 * :func:`write_values_kernel` (grid ``(M, H)``): one leaving value, per ``G`` channels, to its page row;
@@ -45,9 +47,9 @@ def _ring_row(rt_ptr, rt_s0, rbase_ptr, rstep_ptr, req, slot, PW):
 
 @triton.jit
 def gather_rows_kernel(leave_ptr, out_ptr, rows_ptr, r_sb, r_sr, r_sh, new_ptr, n_s0, n_s1, rt_ptr, rt_s0,
-                       rbase_ptr, rstep_ptr, PW, H, D: tl.constexpr, BLOCK_D: tl.constexpr):
+                       rbase_ptr, rstep_ptr, PW, H, flag_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr):
     """``out[m, h] = leaving row m`` (float32), ``leave [M, 4]``: ``(request, ring slot or -1, input row or -1,
-    store position)``."""
+    store position)``; ``flag`` raised to 1 when the row holds a NaN or an infinity."""
     m = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     req = tl.load(leave_ptr + m * 4)
@@ -61,16 +63,18 @@ def gather_rows_kernel(leave_ptr, out_ptr, rows_ptr, r_sb, r_sr, r_sh, new_ptr, 
     else:
         x = tl.load(new_ptr + src * n_s0 + h * n_s1 + d, mask=dm, other=0.0).to(tl.float32)
     tl.store(out_ptr + (m * H + h) * D + d, x, mask=dm)
+    bad = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int64), axis=0)
+    tl.atomic_max(flag_ptr, bad)
 
 
 @triton.jit
-def write_key_groups_kernel(x_ptr, leave_ptr, pt_ptr, pt_s0, pool_ptr, par_ptr, H,
+def write_key_groups_kernel(x_ptr, leave_ptr, pt_ptr, pt_s0, pool_ptr, par_ptr, H, flag_ptr,
                             D: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
                             BITS: tl.constexpr, PARAM_KIND: tl.constexpr, P: tl.constexpr,
                             BLOCK_BYTES: tl.constexpr, CODES: tl.constexpr, SCALE: tl.constexpr,
                             OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr, PAR_ITEM: tl.constexpr):
     """Keys ``x [Mk, H, D]`` (float32) leaving in groups of ``G`` consecutive entries of one request, aligned in a
-    page: per channel min/max, codes ``[H, P, ROW_BYTES]``, parameters ``[H, P // G, D]``."""
+    page: per channel min/max, codes ``[H, P, ROW_BYTES]``, parameters ``[H, P // G, D]``; nothing when ``flag``."""
     LEVELS: tl.constexpr = (1 << BITS) - 1
     j = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -84,6 +88,8 @@ def write_key_groups_kernel(x_ptr, leave_ptr, pt_ptr, pt_s0, pool_ptr, par_ptr, 
     rmask = t < G
     dmask = d < D
     m2 = rmask[:, None] & dmask[None, :]
+    ok_t = tl.load(flag_ptr + 0 * t) == 0  # the flag as a vector: the interpreter cannot mask with a scalar
+    ok_d = tl.load(flag_ptr + 0 * d) == 0
     x = tl.load(x_ptr + ((m0 + t)[:, None] * H + h) * D + d[None, :], mask=m2, other=0.0)
     lo = tl.min(tl.where(m2, x, float("inf")), axis=0)
     hi = tl.max(tl.where(m2, x, float("-inf")), axis=0)
@@ -91,20 +97,21 @@ def write_key_groups_kernel(x_ptr, leave_ptr, pt_ptr, pt_s0, pool_ptr, par_ptr, 
     hi = tl.where(dmask, hi, 0.0)
     sc, off = _params(lo, hi, LEVELS, PARAM_KIND)
     q = tl.where(m2, _encode(x, sc[None, :], off[None, :], LEVELS), 0)
-    _store_packed(q, pool_ptr + base + CODES + (h * P + r0 + t) * ROW_BYTES, rmask, ROW_BYTES, G_P2, BLOCK_D, BITS)
+    _store_packed(q, pool_ptr + base + CODES + (h * P + r0 + t) * ROW_BYTES, rmask & ok_t, ROW_BYTES, G_P2, BLOCK_D,
+                  BITS)
     pidx = (h * (P // G) + r0 // G) * D + d
-    tl.store(par_ptr + (base + SCALE) // PAR_ITEM + pidx, sc.to(par_ptr.dtype.element_ty), mask=dmask)
-    tl.store(par_ptr + (base + OFFSET) // PAR_ITEM + pidx, off.to(par_ptr.dtype.element_ty), mask=dmask)
+    tl.store(par_ptr + (base + SCALE) // PAR_ITEM + pidx, sc.to(par_ptr.dtype.element_ty), mask=dmask & ok_d)
+    tl.store(par_ptr + (base + OFFSET) // PAR_ITEM + pidx, off.to(par_ptr.dtype.element_ty), mask=dmask & ok_d)
 
 
 @triton.jit
-def write_values_kernel(x_ptr, leave_ptr, pt_ptr, pt_s0, pool_ptr, par_ptr, H,
+def write_values_kernel(x_ptr, leave_ptr, pt_ptr, pt_s0, pool_ptr, par_ptr, H, flag_ptr,
                         D: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
                         BITS: tl.constexpr, PARAM_KIND: tl.constexpr, P: tl.constexpr,
                         BLOCK_BYTES: tl.constexpr, CODES: tl.constexpr, SCALE: tl.constexpr,
                         OFFSET: tl.constexpr, ROW_BYTES: tl.constexpr, PAR_ITEM: tl.constexpr):
     """One leaving value ``x [Mv, H, D]`` (float32): per token, groups of ``G`` channels; codes
-    ``[H, P, ROW_BYTES]``, parameters ``[H, P, D // G]``."""
+    ``[H, P, ROW_BYTES]``, parameters ``[H, P, D // G]``; nothing when ``flag``."""
     LEVELS: tl.constexpr = (1 << BITS) - 1
     m = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -113,6 +120,7 @@ def write_values_kernel(x_ptr, leave_ptr, pt_ptr, pt_s0, pool_ptr, par_ptr, H,
     base = tl.load(pt_ptr + req * pt_s0 + u // P).to(tl.int64) * BLOCK_BYTES
     r = u % P
     one = tl.arange(0, 1)
+    ok = tl.load(flag_ptr + 0 * one) == 0
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     x = tl.load(x_ptr + (m * H + h) * D + d[None, :] + 0 * one[:, None], mask=dmask[None, :], other=0.0)
@@ -126,18 +134,19 @@ def write_values_kernel(x_ptr, leave_ptr, pt_ptr, pt_s0, pool_ptr, par_ptr, H,
         lo = tl.min(tl.where(in_g, x, float("inf")), axis=1)
         hi = tl.max(tl.where(in_g, x, float("-inf")), axis=1)
         sc, off = _params(lo, hi, LEVELS, PARAM_KIND)
-        tl.store(par_ptr + prow + g + one, sc.to(par_ptr.dtype.element_ty))
-        tl.store(par_ptr + orow + g + one, off.to(par_ptr.dtype.element_ty))
+        tl.store(par_ptr + prow + g + one, sc.to(par_ptr.dtype.element_ty), mask=ok)
+        tl.store(par_ptr + orow + g + one, off.to(par_ptr.dtype.element_ty), mask=ok)
         sc_full = tl.where(in_g, sc[:, None], sc_full)
         off_full = tl.where(in_g, off[:, None], off_full)
     q = tl.where(dmask[None, :], _encode(x, sc_full, off_full, LEVELS), 0)
-    _store_packed(q, pool_ptr + base + CODES + (h * P + r) * ROW_BYTES + one, one < 1, ROW_BYTES, 1, BLOCK_D, BITS)
+    _store_packed(q, pool_ptr + base + CODES + (h * P + r) * ROW_BYTES + one, ok, ROW_BYTES, 1, BLOCK_D, BITS)
 
 
 @triton.jit
 def write_rings_kernel(writes_ptr, krows_ptr, vrows_ptr, r_sb, r_sr, r_sh, knew_ptr, vnew_ptr, n_s0, n_s1,
-                       rt_ptr, rt_s0, rbase_ptr, rstep_ptr, PW, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The step's tokens ``writes [W, 3]`` (``(request, ring slot, input row)``) to their ring rows, both sides."""
+                       rt_ptr, rt_s0, rbase_ptr, rstep_ptr, PW, flag_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The step's tokens ``writes [W, 3]`` (``(request, ring slot, input row)``) to their ring rows, both sides;
+    nothing when ``flag``."""
     w = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     req = tl.load(writes_ptr + w * 3)
@@ -145,7 +154,7 @@ def write_rings_kernel(writes_ptr, krows_ptr, vrows_ptr, r_sb, r_sr, r_sh, knew_
     src = tl.load(writes_ptr + w * 3 + 2)
     blk, row = _ring_row(rt_ptr, rt_s0, rbase_ptr, rstep_ptr, req, slot, PW)
     d = tl.arange(0, BLOCK_D)
-    dm = d < D
+    dm = (d < D) & (tl.load(flag_ptr + 0 * d) == 0)
     at = blk * r_sb + row * r_sr + h * r_sh + d
     src_at = src * n_s0 + h * n_s1 + d
     tl.store(krows_ptr + at, tl.load(knew_ptr + src_at, mask=dm), mask=dm)

@@ -14,14 +14,24 @@ the two under ``TRITON_INTERPRET=1`` on CPU tensors (tests/kernels/test_triton_p
 
 Inputs are checked as the numba kernel checks them (:func:`kivi.attention.fused_cpu.paged.check_paged_inputs`:
 shapes, then every request's counts, block ids and row ids against the pool) on host copies of the small tables:
-on a GPU that is one copy of them per call.
+on a GPU that is one copy of them per call, each a host synchronization. A caller that made the counts on the
+host and vouches for its ids (the vLLM plugin: its step plan, vLLM's block tables) passes ``host_counts`` and
+nothing is copied back.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..attention.fused_cpu.paged import PagedLayout, RingRows, check_paged_inputs, on_host, torch_paged_decode
+from ..attention.fused_cpu.paged import (
+    PagedLayout,
+    RingRows,
+    check_paged_counts,
+    check_paged_inputs,
+    check_paged_shapes,
+    on_host,
+    torch_paged_decode,
+)
 from ._common import next_pow2, require_triton
 
 _LOG2E = 1.4426950408889634
@@ -39,11 +49,16 @@ def _splits(device: torch.device, programs: int, tiles: int) -> int:
 def triton_paged_decode(q: torch.Tensor, pool: torch.Tensor, layout: PagedLayout, block_table: torch.Tensor,
                         counts: torch.Tensor, k_fp: RingRows, v_fp: RingRows, w0: int, *,
                         scaling: float | None = None, num_splits: int | None = None, block_n: int | None = None,
-                        num_warps: int = 4) -> torch.Tensor:
+                        num_warps: int = 4, host_counts: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of ``q [N, Hq, D]`` (one token per request) over the requests' KIVI pages; ``[N, Hq, D]``
     in ``q.dtype``. The inputs of :func:`kivi.attention.fused_cpu.paged.paged_decode_attention` (rows in place:
     :class:`RingRows`), all on one device (CUDA, or CPU under ``TRITON_INTERPRET=1``); ``ValueError`` naming an
-    input that does not fit. ``num_splits``, ``block_n``, ``num_warps``: tuning knobs."""
+    input that does not fit. ``num_splits``, ``block_n``, ``num_warps``: tuning knobs.
+
+    ``host_counts``: a host copy of ``counts``, from a caller that vouches for the block and slot ids it passes
+    (vLLM's block tables): the counts are checked on it, the ids are not read back, and nothing is copied from
+    the device (no host synchronization). ``None``: ``block_table``, ``counts`` and the slot tables are copied to
+    the host and every value is checked (:func:`kivi.attention.fused_cpu.paged.check_paged_inputs`)."""
     if not (isinstance(k_fp, RingRows) and isinstance(v_fp, RingRows)):
         raise ValueError("triton_paged_decode reads the sink and window rows in place: k_fp and v_fp must be "
                          f"RingRows, got {type(k_fp).__name__} and {type(v_fp).__name__}")
@@ -53,7 +68,15 @@ def triton_paged_decode(q: torch.Tensor, pool: torch.Tensor, layout: PagedLayout
                     ("v_fp.slots", v_fp.slots), ("v_fp.new", v_fp.new)):
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, q on {device}: every input must be on one device")
-    check_paged_inputs(q, pool, layout, block_table.cpu(), counts.cpu(), on_host(k_fp), on_host(v_fp), w0)
+    if host_counts is None:
+        host_counts = counts.cpu()
+        check_paged_inputs(q, pool, layout, block_table.cpu(), host_counts, on_host(k_fp), on_host(v_fp), w0)
+    else:
+        if host_counts.device.type != "cpu" or tuple(host_counts.shape) != tuple(counts.shape):
+            raise ValueError(f"host_counts must be a host copy of counts {tuple(counts.shape)}, got "
+                             f"{tuple(host_counts.shape)} on {host_counts.device}")
+        check_paged_shapes(q, pool, layout, block_table, counts, k_fp, v_fp, w0)
+        check_paged_counts(layout, block_table.shape[1], host_counts.numpy(), k_fp, v_fp, w0)
     item = layout.param_dtype.itemsize
     offsets = [layout.k_scale, layout.v_scale] + [o for o in (layout.k_offset, layout.v_offset) if o is not None]
     if layout.block_bytes % item or any(o % item for o in offsets):
@@ -75,7 +98,7 @@ def triton_paged_decode(q: torch.Tensor, pool: torch.Tensor, layout: PagedLayout
     scaling = D**-0.5 if scaling is None else scaling
     if block_n is None:
         block_n = 64 if device.type == "cuda" else 32
-    longest = int(counts[:, :3].sum(1).max())  # one host read (counts were copied for the checks already)
+    longest = int(host_counts.numpy()[:, :3].sum(1).max())  # on the host: no tensor read back
     tiles = -(-longest // block_n)
     splits = max(1, min(num_splits or _splits(device, N * H, tiles), tiles))
     tok_per_split = -(-tiles // splits) * block_n

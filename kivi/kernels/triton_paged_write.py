@@ -6,8 +6,10 @@ its window rings as one rows pool per side (``krows`` / ``vrows`` ``[blocks, Pw,
 ``rbase[r] + ring_table[i, r] * rstep[r]``), the block table, the step's input rows, and the step's tables:
 ``kleave`` / ``vleave`` int64 ``[M, 4]`` (the tokens leaving the windows for the pages, ``(request, ring slot or
 -1, input row or -1, store position)``, keys in whole aligned groups of ``G``) and ``writes`` int64 ``[W, 3]``
-(``(request, ring slot, input row)``). Four launches (:mod:`._paged_write_kernels`) and one finiteness check:
-nothing is written when a leaving value is not finite (``ValueError``, as the torch writes); the rings last.
+(``(request, ring slot, input row)``). Four launches (:mod:`._paged_write_kernels`), the tables copied to the
+device in one: nothing is written when a leaving value is not finite, decided on the device (a flag the first
+launch sets and the others read); the caller reads the flag back at once (``ValueError``, as the torch writes)
+or, with ``check=False``, when it chooses (the vLLM plugin: once per step, not once per layer).
 
 Asymmetric codes of 1 / 2 / 4 / 8 bits without compensation or clipping (:func:`writable`); the reference is the
 torch writes of :func:`kivi.vllm.paged.paged_step` (``tests/vllm/test_write_triton.py`` compares the bytes).
@@ -57,11 +59,14 @@ def _groups_whole(kleave: np.ndarray, G: int) -> bool:
 def triton_paged_write(pool: torch.Tensor, layout: PagedLayout, krows: torch.Tensor, vrows: torch.Tensor,
                        rbase: torch.Tensor, rstep: torch.Tensor, ring_table: torch.Tensor, page_table: torch.Tensor,
                        knew: torch.Tensor, vnew: torch.Tensor, kleave: np.ndarray, vleave: np.ndarray,
-                       writes: np.ndarray) -> None:
+                       writes: np.ndarray, *, check: bool = True) -> torch.Tensor:
     """One layer's writes of a decode step (the module docstring). The three tables are host int64 numpy
     arrays (the step's plan keeps them there; one copy to the device); everything else on the pool's device.
-    ``ValueError`` with nothing written on a non-finite leaving value, on key groups that are not whole and on
-    a layout :func:`writable` refuses."""
+    ``ValueError`` on key groups that are not whole and on a layout :func:`writable` refuses.
+
+    Returns the flag: int64 ``[1]`` on the device, 1 when a leaving value was not finite and nothing was
+    written, else 0. ``check``: read it now (one host synchronization) and raise ``ValueError`` when it is set;
+    ``False``: no host read here (:func:`raise_if_nonfinite` reads flags later)."""
     why = writable(layout)
     if why is not None:
         raise ValueError(f"triton_paged_write cannot write these pages: {why}")
@@ -81,8 +86,10 @@ def triton_paged_write(pool: torch.Tensor, layout: PagedLayout, krows: torch.Ten
     knew, vnew = (x if x.stride(-1) == 1 and x.stride() == knew.stride() else x.contiguous() for x in (knew, vnew))
     if knew.stride() != vnew.stride():
         knew, vnew = knew.contiguous(), vnew.contiguous()
-    tables = torch.from_numpy(np.concatenate([kleave.reshape(-1), vleave.reshape(-1), writes.reshape(-1)])).to(device)
-    kl, vl, wr = tables[: 4 * Mk], tables[4 * Mk: 4 * (Mk + Mv)], tables[4 * (Mk + Mv):]
+    host = np.concatenate([kleave.reshape(-1), vleave.reshape(-1), writes.reshape(-1), np.zeros(1, np.int64)])
+    tables = torch.from_numpy(host).to(device)
+    kl, vl, wr = tables[: 4 * Mk], tables[4 * Mk: 4 * (Mk + Mv)], tables[4 * (Mk + Mv): -1]
+    flag = tables[-1:]  # zero: set by the gather launches, read by the writing ones
     block_d = max(16, next_pow2(D))
     pw = krows.shape[1]
     r_sb, r_sr, r_sh, _ = krows.stride()
@@ -93,24 +100,38 @@ def triton_paged_write(pool: torch.Tensor, layout: PagedLayout, krows: torch.Ten
     for lo, m, rows, new, tab in ((0, Mk, krows, knew, kl), (Mk, Mv, vrows, vnew, vl)):
         if m:
             K.gather_rows_kernel[(m, H)](tab, x[lo:], rows, r_sb, r_sr, r_sh, new, new.stride(0), new.stride(1),
-                                         *ring_args, H, D=D, BLOCK_D=block_d)
-    if (Mk or Mv) and not bool(torch.isfinite(x).all()):
-        raise ValueError(NONFINITE)
+                                         *ring_args, H, flag, D=D, BLOCK_D=block_d)
     kind = param_kind(layout.param_dtype)
     par = pool.view(layout.param_dtype)
     common = dict(D=D, BLOCK_D=block_d, G=G, PARAM_KIND=kind, P=layout.page_size, BLOCK_BYTES=layout.block_bytes,
                   PAR_ITEM=layout.param_dtype.itemsize)
     if Mk:
         K.write_key_groups_kernel[(Mk // G, H)](
-            x, kl, pt, pt.stride(0), pool, par, H, G_P2=next_pow2(G), BITS=layout.k_bits, CODES=layout.k_packed,
+            x, kl, pt, pt.stride(0), pool, par, H, flag, G_P2=next_pow2(G), BITS=layout.k_bits, CODES=layout.k_packed,
             SCALE=layout.k_scale, OFFSET=layout.k_offset, ROW_BYTES=layout.k_row_bytes, **common)
     if Mv:
         K.write_values_kernel[(Mv, H)](
-            x[Mk:], vl, pt, pt.stride(0), pool, par, H, NG=D // G, BITS=layout.v_bits, CODES=layout.v_packed,
+            x[Mk:], vl, pt, pt.stride(0), pool, par, H, flag, NG=D // G, BITS=layout.v_bits, CODES=layout.v_packed,
             SCALE=layout.v_scale, OFFSET=layout.v_offset, ROW_BYTES=layout.v_row_bytes, **common)
     if W:
         K.write_rings_kernel[(W, H)](wr, krows, vrows, r_sb, r_sr, r_sh, knew, vnew, knew.stride(0), knew.stride(1),
-                                     *ring_args, D=D, BLOCK_D=block_d)
+                                     *ring_args, flag, D=D, BLOCK_D=block_d)
+    if check:
+        raise_if_nonfinite([flag])
+    return flag
 
 
-__all__ = ["triton_paged_write", "writable", "NONFINITE"]
+def raise_if_nonfinite(flags: list[torch.Tensor], names: list[str] | None = None) -> None:
+    """Read the flags of :func:`triton_paged_write` calls back (one host synchronization for all) and raise
+    ``ValueError`` when one is set, naming its writer (``names[i]``, e.g. the layer) where given. Does nothing
+    for no flags."""
+    if not flags:
+        return
+    bad = torch.cat(flags).tolist()
+    for i, b in enumerate(bad):
+        if b:
+            where = f" (in {names[i]}, whose pages and rings were left as they were)" if names else ""
+            raise ValueError(NONFINITE + where)
+
+
+__all__ = ["triton_paged_write", "raise_if_nonfinite", "writable", "NONFINITE"]

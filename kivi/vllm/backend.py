@@ -50,6 +50,7 @@ from .geometry import KiviGeometry, build_geometry
 from .paged import StepBatch, paged_step, sdpa_prefill
 from .plan import StepPlan, step_plan
 from .spec import KiviPageSpec, page_spec
+from .write import FiniteChecks
 
 WINDOW_PREFIX = "kivi_window."
 SELECT = "kivi.vllm.select"  # where vLLM's registry entries point once the plugin is loaded
@@ -69,7 +70,8 @@ def _config(vllm_config=None):
 @dataclass
 class KiviMetadata:
     """One KV cache group's step; ``plan``: the step's schedule (:func:`kivi.vllm.plan.step_plan`), made once
-    per step for the page group, shared by all its layers (``None`` for a window group)."""
+    per step for the page group, shared by all its layers (``None`` for a window group); ``checks``: the step's
+    finiteness flags of the Triton writes (``None`` for a window group)."""
 
     num_actual_tokens: int
     query_start: list[int]
@@ -77,6 +79,7 @@ class KiviMetadata:
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     plan: StepPlan | None = None
+    checks: FiniteChecks | None = None
 
 
 class KiviMetadataBuilder(AttentionMetadataBuilder[KiviMetadata]):
@@ -102,8 +105,9 @@ class KiviMetadataBuilder(AttentionMetadataBuilder[KiviMetadata]):
         plan = None if self._kivi is None else step_plan(*self._kivi, query_start, seq_lens)
         if plan is not None and torch.device(self.device).type != "cpu":  # once per step, for every layer
             plan = plan.to(self.device)
+        checks = None if self._kivi is None else FiniteChecks(len(self.layer_names))
         return KiviMetadata(m.num_actual_tokens, query_start, seq_lens, m.block_table_tensor[:n_req], m.slot_mapping,
-                            plan)
+                            plan, checks)
 
 
 class KiviAttentionBackend(AttentionBackend):
@@ -321,8 +325,12 @@ class KiviAttentionImpl(AttentionImpl[KiviMetadata]):
         n = attn_metadata.num_actual_tokens
         rings = [r.kv_cache for r in self.rings]
         kernel = self._decode_kernel(kv_cache, rings)
+        checks = attn_metadata.checks if self.backend == "triton" else None  # the numba writes check on the host
         paged_step(self.config, self._geometry, self.backend, query[:n], key[:n], value[:n], kv_cache, rings, batch,
-                   self.scale, output[:n], prefill=self.prefill, batched_decode=kernel is not None, kernel=kernel)
+                   self.scale, output[:n], prefill=self.prefill, batched_decode=kernel is not None, kernel=kernel,
+                   flags=None if checks is None else checks.flags)
+        if checks is not None:
+            checks.layer_ran(getattr(layer, "layer_name", type(layer).__name__))
         return output
 
     def _decode_kernel(self, kv_cache: torch.Tensor, rings: list[torch.Tensor]):

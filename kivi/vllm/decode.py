@@ -86,17 +86,32 @@ def paged_decode(kernel: DecodeKernel, rows: KernelRows, page_table: torch.Tenso
     over their pages and full-precision rows: one kernel call, ``[N, Hq, D]`` in ``query.dtype``. Reads
     before the step writes the rings. ``compiled``: the kernel's inputs (row ids, block-table rows, float32
     query and new rows) made in one compiled call (:func:`kivi.vllm.inputs_kernel.kernel_inputs`) where the
-    input is float32 or bfloat16 on the CPU; ``False``: with torch operations, its reference (the same tensors)."""
+    input is float32 or bfloat16 on the CPU, in one Triton launch for the Triton kernel
+    (:func:`kivi.kernels.triton_paged_inputs.triton_paged_inputs`); ``False``: with torch operations, their
+    reference (the same tensors)."""
     idx = rows.index
     numba_inputs = kernel.attend is None and all(
         x.device.type == "cpu" and x.dtype in ROW_DTYPES for x in (query, key, value))
+    if compiled and kernel.attend is not None:  # the GPU path: its inputs in one Triton launch, nothing read back
+        from ..kernels.triton_paged_inputs import triton_paged_inputs
+
+        r = kernel.rings
+        kids, vids, pages, q, k, v = triton_paged_inputs(ring_table, idx, rows.tokens, r.base, r.step,
+                                                         rows.slots["k"], rows.slots["v"], r.rows["k"].shape[1],
+                                                         page_table, query, key, value)
+        fp = [RingRows(r.rows["k"], kids, k), RingRows(r.rows["v"], vids, v)]
+        return kernel.attend(q, kernel.pool, kernel.layout, pages, rows.counts, *fp, rows.w0, scaling=scale,
+                             host_counts=torch.from_numpy(rows.host_counts))
     if not (compiled and numba_inputs):
         rtab = ring_table[idx]
         fp = [RingRows(kernel.rings.rows[side], kernel.rings.slot_ids(rtab, rows.slots[side]).to(torch.int32),
                        new[rows.tokens]) for side, new in (("k", key), ("v", value))]
-        attend = paged_decode_attention if kernel.attend is None else kernel.attend
-        return attend(query[rows.tokens], kernel.pool, kernel.layout, page_table[idx].to(torch.int32),
-                      rows.counts.to(query.device), *fp, rows.w0, scaling=scale)
+        args = (query[rows.tokens], kernel.pool, kernel.layout, page_table[idx].to(torch.int32),
+                rows.counts.to(query.device), *fp, rows.w0)
+        if kernel.attend is None:
+            return paged_decode_attention(*args, scaling=scale)
+        # the plan's counts on the host, vLLM's block tables vouched for: nothing is read back from the device
+        return kernel.attend(*args, scaling=scale, host_counts=torch.from_numpy(rows.host_counts))
     from .inputs_kernel import kernel_inputs
 
     N, C = rows.slots["k"].shape

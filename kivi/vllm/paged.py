@@ -143,7 +143,8 @@ def decode_rows(batch: StepBatch) -> list[int]:
 def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, pages: torch.Tensor, rings: list[torch.Tensor], batch: StepBatch, scale: float,
                out: torch.Tensor, *, batched_decode: bool = True, prefill: ExactPrefill = sdpa_prefill,
-               kernel: DecodeKernel | None = None, compiled_writes: bool = True) -> torch.Tensor:
+               kernel: DecodeKernel | None = None, compiled_writes: bool = True,
+               flags: list[torch.Tensor] | None = None) -> torch.Tensor:
     """One layer's step: ``query [n, Hq, D]``, ``key / value [n, H, D]`` (the batch's new tokens, request by
     request), ``pages`` the layer's vLLM cache, ``rings`` its ``k`` window rings' caches ``[NBw, H, Pw, 2D]``;
     writes ``[n, Hq, D]`` attention into ``out`` (returned). ``batched_decode``: decode rows through the
@@ -157,7 +158,9 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
     and pages are written in one indexed write per ring / field (the groups of different requests never
     share a group: each request's keys leave in whole aligned groups). ``compiled_writes``: a step whose every
     request is a kernel row writes pages and rings in one compiled call where it applies
-    (:mod:`kivi.vllm.write`; ``False``: the torch writes, its reference)."""
+    (:mod:`kivi.vllm.write`; ``False``: the torch writes, its reference). ``flags``: where the Triton writes
+    append their finiteness flag instead of reading it back (:func:`kivi.vllm.write.write_step`; the caller
+    reads them, :func:`kivi.kernels.triton_paged_write.raise_if_nonfinite`); ``None``: read back at once."""
     P, S = geo.page_size, cfg.sink_tokens
     if S != geo.sink_tokens:
         raise ValueError(f"sink_tokens={S} but the geometry was built for {geo.sink_tokens}")
@@ -177,7 +180,7 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
     if (kernel is not None and compiled_writes and not plan.others and kernel.writer is not None
             and kernel.writer.takes(key, value)):  # a decode-only step: one kernel call, one call of writes
         decoded = paged_decode(kernel, plan.kernel, batch.page_table, batch.ring_table, query, key, value, scale)
-        write_step(kernel.writer, plan, batch.page_table, batch.ring_table, key, value)
+        write_step(kernel.writer, plan, batch.page_table, batch.ring_table, key, value, flags=flags)
         out[plan.kernel.tokens] = decoded.to(out.dtype)
         return out
     views = {side: block_field_views(pages, geo, side) for side in SIDES}

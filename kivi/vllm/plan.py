@@ -55,7 +55,9 @@ class KernelRows:
     """The step's decode rows the batched kernel serves: ``rows`` (batch rows), ``tokens`` (long ``[N]``: each
     row's query in the step's input), ``counts`` (int64 ``[N, 6]``: ``[k sink, k stored, k window + 1, v sink,
     v stored, v window + 1]``), ``slots`` (per side long ``[N, S + ring]``: the ring slot each kernel column
-    reads), ``leaving`` (per side, ``None`` when nothing leaves), ``w0`` (the sink columns ``S``) and ``index``."""
+    reads), ``leaving`` (per side, ``None`` when nothing leaves), ``w0`` (the sink columns ``S``), ``index`` and
+    ``host_counts`` (``counts`` as a host array: it stays on the host when the plan moves to the step's device, so
+    a kernel on that device checks and sizes its launch without reading ``counts`` back)."""
 
     rows: list[int]
     tokens: torch.Tensor
@@ -64,6 +66,7 @@ class KernelRows:
     leaving: dict[str, KernelLeaving | None]
     w0: int
     index: torch.Tensor  # ``rows`` as long ``[N]`` (rows of the block tables)
+    host_counts: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -180,7 +183,7 @@ def step_plan(cfg: KiviConfig, geo: KiviGeometry, query_start: list[int], seq_le
             tab = np.stack([reqs, slot.masked_fill(new_t, -1).numpy(), src, store], axis=1).astype(np.int64)
             out[side] = KernelLeaving(j, index[j], slot, new_t, any(new), spans, tab)
         kernel = KernelRows(rows, torch.tensor([query_start[i] for i in rows], dtype=torch.long), c, table, out, S,
-                            index)
+                            index, c.numpy().copy())
     ring_writes = None
     if writes:
         writes.sort(key=lambda w: w[0] // pw)  # stable: token order inside a ring

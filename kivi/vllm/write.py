@@ -18,7 +18,7 @@ float32 or bfloat16 (the step's input in the rings' dtype is checked per call, :
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -111,12 +111,15 @@ def triton_writer(cfg: KiviConfig, pool: torch.Tensor, layout: PagedLayout, ring
 
 
 def write_step(writer: DecodeWriter | TritonWriter, plan: StepPlan, page_table: torch.Tensor,
-               ring_table: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+               ring_table: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+               flags: list[torch.Tensor] | None = None) -> None:
     """The layer's writes of a step whose requests are all kernel rows (``plan.others`` empty): its leaving tokens
     to the pages, its new tokens to the rings, after every read of the step. ``key / value [n, H, D]``: the step's
     input in the rings' dtype (:meth:`DecodeWriter.takes`). ``ValueError`` with nothing written on a leaving value
     that is not finite (as the torch path). A :class:`TritonWriter` writes through the Triton kernels (the plan's
-    tables copied to the device once), a :class:`DecodeWriter` in one numba call."""
+    tables copied to the device once), a :class:`DecodeWriter` in one numba call. ``flags``: a Triton writer
+    appends its finiteness flag there (nothing written when set) and does not read it back: the caller raises
+    for it later (:func:`kivi.kernels.triton_paged_write.raise_if_nonfinite`); ``None``: read back here."""
     if plan.kernel is None or plan.others:
         raise ValueError("write_step writes steps whose every request is a decode kernel row")
     if isinstance(writer, TritonWriter):
@@ -126,8 +129,10 @@ def write_step(writer: DecodeWriter | TritonWriter, plan: StepPlan, page_table: 
                  for side in ("k", "v")]
         writes = _EMPTY_WRITES if plan.writes is None else plan.writes.table
         r = writer.rings
-        triton_paged_write(writer.pool, writer.layout, r.rows["k"], r.rows["v"], r.base, r.step, ring_table,
-                           page_table, key, value, *leave, writes)
+        flag = triton_paged_write(writer.pool, writer.layout, r.rows["k"], r.rows["v"], r.base, r.step, ring_table,
+                                  page_table, key, value, *leave, writes, check=flags is None)
+        if flags is not None:
+            flags.append(flag)
         return
     from .write_kernel import decode_write
 
@@ -149,5 +154,30 @@ def write_step(writer: DecodeWriter | TritonWriter, plan: StepPlan, page_table: 
         raise ValueError("the step's leaving keys are not whole aligned groups of one request (a plan error)")
 
 
-__all__ = ["DecodeWriter", "TritonWriter", "decode_writer", "triton_writer", "write_step", "numpy_view",
-           "ROW_DTYPES"]
+@dataclass
+class FiniteChecks:
+    """One step's finiteness flags of the Triton page writes (:func:`kivi.kernels.triton_paged_write.
+    triton_paged_write`, ``check=False``: a layer whose leaving rows are not finite writes nothing and sets its
+    flag on the device), read back once per step instead of once per layer: when the last of the page group's
+    ``layers`` has run (:meth:`layer_ran`), in one host synchronization; ``ValueError`` naming the first layer
+    whose flag is set."""
+
+    layers: int
+    flags: list[torch.Tensor] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    ran: int = 0
+
+    def layer_ran(self, name: str) -> None:
+        """``name`` has run (its flags, if any, are the ones appended since the last call)."""
+        from ..kernels.triton_paged_write import raise_if_nonfinite
+
+        self.names += [name] * (len(self.flags) - len(self.names))
+        self.ran += 1
+        if self.ran >= self.layers:
+            flags, names = self.flags, self.names
+            self.flags, self.names = [], []
+            raise_if_nonfinite(flags, names)
+
+
+__all__ = ["DecodeWriter", "TritonWriter", "FiniteChecks", "decode_writer", "triton_writer", "write_step",
+           "numpy_view", "ROW_DTYPES"]

@@ -20,6 +20,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kivi.kernels import _attention_kernels as K  # noqa: E402
+from kivi.kernels import _paged_inputs_kernels as IK  # noqa: E402
 from kivi.kernels import _paged_kernels as PK  # noqa: E402
 from kivi.kernels import _paged_write_kernels as WK  # noqa: E402
 
@@ -113,10 +114,11 @@ def compile_writes(name, dt, kb, vb):
     """The four write kernels for SmolLM2's shape in vLLM pages of 128 tokens (the paged variants' layout)."""
     pt = "*" + dt
     rings = dict(rt_ptr="*i32", rbase_ptr="*i64", rstep_ptr="*i64", rt_s0="i32", PW="i32", r_sb="i64", r_sr="i32",
-                 r_sh="i32", n_s0="i32", n_s1="i32")
+                 r_sh="i32", n_s0="i32", n_s1="i32", flag_ptr="*i64")
     _compile(WK.gather_rows_kernel, dict(leave_ptr="*i64", out_ptr="*fp32", rows_ptr=pt, new_ptr=pt, **rings),
              dict(D=64, BLOCK_D=64))
-    page = dict(x_ptr="*fp32", leave_ptr="*i64", pt_ptr="*i32", pt_s0="i32", pool_ptr="*u8", par_ptr=pt)
+    page = dict(x_ptr="*fp32", leave_ptr="*i64", pt_ptr="*i32", pt_s0="i32", pool_ptr="*u8", par_ptr=pt,
+                flag_ptr="*i64")
     common = dict(D=64, BLOCK_D=64, G=32, PARAM_KIND={"fp32": 0, "fp16": 1, "bf16": 2}[dt], P=128,
                   BLOCK_BYTES=3 * 128 * 512, PAR_ITEM=2)
     _compile(WK.write_key_groups_kernel, page, dict(common, G_P2=32, BITS=kb, CODES=0, SCALE=3 * 128 * 16,
@@ -125,6 +127,16 @@ def compile_writes(name, dt, kb, vb):
                                                  OFFSET=65536 + 3 * 128 * 16 + 3 * 128 * 4, ROW_BYTES=64 * vb // 8))
     _compile(WK.write_rings_kernel, dict(writes_ptr="*i64", krows_ptr=pt, vrows_ptr=pt, knew_ptr=pt, vnew_ptr=pt,
                                          **rings), dict(D=64, BLOCK_D=64))
+
+
+def compile_inputs(dt):
+    """The decode rows' inputs kernel (kivi/kernels/_paged_inputs_kernels.py) for SmolLM2's shape (9 query heads,
+    3 kv heads of 64 channels), window rings of 3 blocks of 64 rows, pages of 128 tokens."""
+    pt = "*" + dt
+    types = dict(index_ptr="*i64", tokens_ptr="*i64", rt_ptr="*i32", base_ptr="*i64", step_ptr="*i64",
+                 ks_ptr="*i64", vs_ptr="*i64", pt_ptr="*i32", q_ptr=pt, k_ptr=pt, v_ptr=pt, out_kids="*i32",
+                 out_vids="*i32", out_pages="*i32", out_q=pt, out_k=pt, out_v=pt)
+    _compile(IK.decode_inputs_kernel, types, dict(D=64, BLOCK_C=256, BLOCK_W=64, BLOCK_Q=1024, BLOCK_KV=256))
 
 
 def compile_reduce():
@@ -161,6 +173,12 @@ def main() -> int:
         except Exception as e:
             failed += 1
             print(f"FAIL {v[0]:<20} {type(e).__name__}: {str(e)[:1500]}")
+    try:
+        compile_inputs("bf16")
+        print("OK   inputs-bf16")
+    except Exception as e:
+        failed += 1
+        print(f"FAIL inputs-bf16 {type(e).__name__}: {str(e)[:1500]}")
     try:
         compile_reduce()
         print("OK   reduce")

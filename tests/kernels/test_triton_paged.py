@@ -109,3 +109,30 @@ def test_bad_inputs_are_refused_naming_them():
         triton_paged_decode(q, pool, lay, table, counts, gathered, gathered, W0)
     with pytest.raises(ValueError, match="k_fp.new"):
         triton_paged_decode(q, pool, lay, table, counts, RingRows(kr.rows, kr.slots, kr.new[:, :1]), vr, W0)
+
+
+def test_host_counts_check_on_the_host_copy_and_read_nothing_back(monkeypatch):
+    """``host_counts`` (the vLLM plugin's path): the same output; the counts are checked on the host copy (a bad
+    one is refused, naming the rule); no tensor is copied to the host (``Tensor.cpu`` and ``on_host`` are never
+    called: on a GPU each would be a synchronization per layer)."""
+    import kivi.kernels.triton_paged as tp
+
+    lay, pool, table, counts, kr, vr, hq, D = _inputs(0, torch.float32, 3, seed=5)
+    q = torch.randn(len(LENS), hq, D, generator=torch.Generator().manual_seed(6))
+    ref = triton_paged_decode(q, pool, lay, table, counts, kr, vr, W0, scaling=0.3)
+    host = counts.clone()
+
+    def refuse(*_a, **_k):
+        raise AssertionError("a tensor was copied to the host")
+
+    monkeypatch.setattr(torch.Tensor, "cpu", refuse)
+    monkeypatch.setattr(tp, "on_host", refuse)
+    out = triton_paged_decode(q, pool, lay, table, counts, kr, vr, W0, scaling=0.3, host_counts=host)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    bad = host.clone()
+    bad[2, 1] += 1
+    bad[2, 2] -= 1
+    with pytest.raises(ValueError, match="whole groups"):
+        triton_paged_decode(q, pool, lay, table, counts, kr, vr, W0, host_counts=bad)
+    with pytest.raises(ValueError, match="host copy of counts"):
+        triton_paged_decode(q, pool, lay, table, counts, kr, vr, W0, host_counts=host[:2])

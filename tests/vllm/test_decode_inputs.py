@@ -60,3 +60,48 @@ def test_compiled_inputs_equal_the_torch_inputs(cfg, dtype, monkeypatch):
         out = torch.empty(n, HQ, D, dtype=dtype)
         paged_step(cfg, geo, "cpu", q, k, v, cache.pages, cache.rings, batch, 0.25, out, kernel=kernel)  # the writes
     assert checked >= 25
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_inputs_equal_the_torch_inputs(dtype):
+    """The GPU path's inputs in one Triton launch (:func:`kivi.kernels.triton_paged_inputs.triton_paged_inputs`)
+    equal the torch ones, value for value and in their dtype, and so do the outputs; the step's input rows are
+    strided (channels contiguous, heads not: as vLLM's slices of its qkv projection)."""
+    import dataclasses
+
+    from tests.helpers import triton_skip_reason
+
+    reason = triton_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    cfg = KiviConfig(k_bits=4, v_bits=2, group_size=8, residual_length=8, sink_tokens=3)
+    geo = build_geometry(cfg, page_size=P, num_kv_heads=H, head_dim=D, dtype=dtype)
+    cache = Cache(geo, dtype, layers=3, layer=1)
+    made = decode_kernel(cfg, geo, "triton", cache.pages, cache.rings)
+    assert made is not None and made.attend is not None and (made.rings.base != 0).any()
+    seen = []
+    kernel = dataclasses.replace(made, attend=lambda *a, **k: seen.append((a, k)) or made.attend(*a, **k))
+    g = torch.Generator().manual_seed(5)
+    checked = 0
+    for rows in steps_of({0: 30, 1: 3, 2: 47, 3: 19}, late={4: (3, 21)}, decode_steps=6):
+        n = sum(q for _, _, q in rows)
+        q, k, v = (torch.randn(n, h, 3 * D, generator=g).to(dtype)[..., D: 2 * D] for h in (HQ, H, H))
+        batch = cache.batch(rows)
+        plan = step_plan(cfg, geo, batch.query_start, batch.seq_lens)
+        if plan.kernel is not None:
+            seen.clear()
+            got = paged_decode(kernel, plan.kernel, batch.page_table, batch.ring_table, q, k, v, 0.25)
+            want = paged_decode(kernel, plan.kernel, batch.page_table, batch.ring_table, q, k, v, 0.25, compiled=False)
+            assert got.dtype == want.dtype == dtype and torch.equal(got, want)
+            (fast, fast_kw), (slow, _) = seen
+            assert "host_counts" in fast_kw and torch.equal(fast_kw["host_counts"], plan.kernel.counts)
+            assert fast[0].dtype == dtype and torch.equal(fast[0], slow[0])  # the queries
+            assert fast[3].dtype == torch.int32 and torch.equal(fast[3], slow[3])  # block-table rows
+            for a, b in zip(fast[5:7], slow[5:7]):  # both sides' row ids and new rows
+                assert a.slots.dtype == torch.int32 and torch.equal(a.slots, b.slots)
+                assert a.new.dtype == dtype and torch.equal(a.new, b.new)
+            checked += 1
+        out = torch.empty(n, HQ, D, dtype=dtype)
+        paged_step(cfg, geo, "triton", q, k, v, cache.pages, cache.rings, batch, 0.25, out, kernel=made)
+    assert checked >= 5

@@ -7,10 +7,12 @@ Triton writes (the default where :func:`kivi.vllm.write.triton_writer` applies) 
 ``compiled_writes=False`` (the torch writes, the reference): after every step both caches are byte-identical and
 the outputs equal, over widths 1 / 2 / 4 / 8 on either side, group sizes 4 / 8 / 16, head sizes 16 / 32, windows of
 1 or 2 groups, sinks, float32 and bfloat16 rings, float32 parameters for bfloat16 rings, tiny to large magnitudes
-and all-constant groups. A non-finite leaving value writes nothing.
+and all-constant groups. A non-finite leaving value writes nothing (read back at once, or once per step).
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ from kivi.config import KiviConfig
 from kivi.vllm.decode import decode_kernel
 from kivi.vllm.geometry import build_geometry
 from kivi.vllm.paged import paged_step
-from kivi.vllm.write import TritonWriter
+from kivi.vllm.write import FiniteChecks, TritonWriter
 
 from .test_paged_decode import Cache, steps_of
 from .test_write import counting, run_pair, snapshot
@@ -60,9 +62,12 @@ def test_triton_writes_equal_the_torch_writes(k_bits, v_bits, G, D, R, sink, dty
     assert len(calls) >= len(steps) // 2, f"only {len(calls)} of {len(steps)} steps took the Triton writes"
 
 
-def test_a_non_finite_leaving_value_writes_nothing():
+@pytest.mark.parametrize("deferred", [False, True], ids=["read-back-at-once", "read-back-once-per-step"])
+def test_a_non_finite_leaving_value_writes_nothing(deferred):
     """The torch writes refuse it when it leaves the window; the Triton writes refuse it at the same step, with the
-    pages and rings as they were."""
+    pages and rings as they were. ``deferred`` (the plugin's GPU path): the layer's flag is only appended to the
+    step's :class:`FiniteChecks`, nothing is raised until the step's last layer has run, and then the error names
+    the layer."""
     cfg = KiviConfig(k_bits=2, v_bits=2, group_size=4, residual_length=4)
     geo = build_geometry(cfg, page_size=8, num_kv_heads=H, head_dim=16, dtype=torch.float32)
     cache = Cache(geo, torch.float32, nblocks=16)
@@ -76,18 +81,33 @@ def test_a_non_finite_leaving_value_writes_nothing():
         if s == 1:
             v[0, 1, 3] = float("nan")  # enters the window now, leaves it R steps later
         batch = cache.batch(rows)
-        if s == 1 + cfg.residual_length:
-            before = snapshot(cache)
+        refused = s == 1 + cfg.residual_length
+        checks = FiniteChecks(layers=2 if refused else 1) if deferred else None
+
+        step = functools.partial(paged_step, cfg, geo, "triton", q, k, v, cache.pages, cache.rings, batch, 0.25,
+                                 torch.empty(n, HQ, 16), kernel=kernel, flags=None if checks is None else checks.flags)
+
+        if not refused:
+            step()
+            if checks is not None:
+                checks.layer_ran("layers.0")  # a finite step's flags read back clear
+            continue
+        before = snapshot(cache)
+        if deferred:
+            step()
+            assert len(checks.flags) == 1
+            checks.layer_ran("layers.0")  # not the step's last layer: nothing read back yet
+            with pytest.raises(ValueError, match=r"NaN or Inf.*in layers\.0,"):
+                checks.layer_ran("layers.1")
+            assert checks.flags == [] and checks.names == []
+        else:
             with pytest.raises(ValueError, match="NaN or Inf"):
-                paged_step(cfg, geo, "triton", q, k, v, cache.pages, cache.rings, batch, 0.25,
-                           torch.empty(n, HQ, 16), kernel=kernel)
-            after = snapshot(cache)
-            assert torch.equal(before[0], after[0]), "a refused step wrote the pages"
-            assert all(torch.equal(a.view(torch.float32).nan_to_num(7), b.view(torch.float32).nan_to_num(7))
-                       for a, b in zip(before[1], after[1])), "a refused step wrote the rings"
-            return
-        paged_step(cfg, geo, "triton", q, k, v, cache.pages, cache.rings, batch, 0.25, torch.empty(n, HQ, 16),
-                   kernel=kernel)
+                step()
+        after = snapshot(cache)
+        assert torch.equal(before[0], after[0]), "a refused step wrote the pages"
+        assert all(torch.equal(a.view(torch.float32).nan_to_num(7), b.view(torch.float32).nan_to_num(7))
+                   for a, b in zip(before[1], after[1])), "a refused step wrote the rings"
+        return
     raise AssertionError("the NaN never left the window")
 
 

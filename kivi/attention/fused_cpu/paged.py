@@ -189,7 +189,7 @@ def check_paged_inputs(q, pool, layout, block_table, counts, k_fp, v_fp, w0) -> 
     """Every check of the inputs of a paged decode kernel (this module's numba one, and the Triton one of
     :mod:`kivi.kernels.triton_paged`): their shapes and dtypes, then the per-request values (numpy: ``block_table``,
     ``counts`` and the :class:`RingRows` slot tables on the host); ``ValueError`` naming what does not fit."""
-    _check_shapes(q, pool, layout, block_table, counts, k_fp, v_fp, w0)
+    check_paged_shapes(q, pool, layout, block_table, counts, k_fp, v_fp, w0)
     _check_values(pool, layout, block_table, counts, k_fp, v_fp, w0)
 
 
@@ -199,7 +199,7 @@ def _check_fast(q, pool, layout, block_table, counts, k_fp, v_fp, w0) -> None:
     the numpy checks, for their message."""
     from .paged_checks import values_ok
 
-    _check_shapes(q, pool, layout, block_table, counts, k_fp, v_fp, w0)
+    check_paged_shapes(q, pool, layout, block_table, counts, k_fp, v_fp, w0)
     ring = isinstance(k_fp, RingRows)
     if ring:
         fp = [(f.slots.numpy(), f.rows.shape[0] * f.rows.shape[1]) for f in (k_fp, v_fp)]
@@ -213,7 +213,8 @@ def _check_fast(q, pool, layout, block_table, counts, k_fp, v_fp, w0) -> None:
         raise AssertionError("paged decode: the compiled input checks refused what the numpy checks accept")
 
 
-def _check_shapes(q, pool, layout, block_table, counts, k_fp, v_fp, w0) -> None:
+def check_paged_shapes(q, pool, layout, block_table, counts, k_fp, v_fp, w0) -> None:
+    """The checks of a paged decode call's inputs that read no tensor's values: layout, shapes, dtypes."""
     why = layout.unsupported()
     if why is not None:
         raise ValueError(f"paged decode: unsupported layout: {why}")
@@ -241,8 +242,8 @@ def _check_shapes(q, pool, layout, block_table, counts, k_fp, v_fp, w0) -> None:
 
 
 def _check_values(pool, layout, block_table, counts, k_fp, v_fp, w0) -> None:
-    """The per-request checks on numpy views, after :func:`_check_shapes` (the reference of
-    :func:`.paged_checks.values_ok`)."""
+    """The per-request checks on numpy views, after :func:`check_paged_shapes` (the reference of
+    :func:`.paged_checks.values_ok`): the counts (:func:`check_paged_counts`), then the ids the tables name."""
     ring = isinstance(k_fp, RingRows)
     if ring:
         for name, fp in (("k_fp", k_fp), ("v_fp", v_fp)):
@@ -251,14 +252,27 @@ def _check_values(pool, layout, block_table, counts, k_fp, v_fp, w0) -> None:
             if ids.size and (ids.min() < 0 or ids.max() >= nrows):
                 raise ValueError(f"{name}.slots names rows outside the rows pool's {nrows}")
     c, table = counts.numpy(), block_table.numpy()
+    pages = check_paged_counts(layout, table.shape[1], c, k_fp, v_fp, w0)
+    ids = table[np.arange(table.shape[1])[None, :] < pages[:, None]]
+    nb = pool.numel() // layout.block_bytes
+    if ids.size and (ids.min() < 0 or ids.max() >= nb):
+        raise ValueError(f"block_table names blocks outside the pool's {nb}")
+
+
+def check_paged_counts(layout: PagedLayout, table_columns: int, c: np.ndarray, k_fp, v_fp, w0: int) -> np.ndarray:
+    """The checks of the per-request ``counts`` (numpy int64 ``[N, 6]``) of a paged decode call that need no id
+    table's values (those need only ``block_table``'s width and the fp rows' shapes); the pages each request
+    reads. A caller that vouches for its block and slot ids (vLLM's block tables) checks this much on the host
+    copy of counts it made (:func:`kivi.kernels.triton_paged.triton_paged_decode`'s ``host_counts``)."""
+    ring = isinstance(k_fp, RingRows)
     if (c < 0).any():
         raise ValueError("counts must be non-negative")
     total = c[:, :3].sum(1)
     if (total != c[:, 3:].sum(1)).any() or (total == 0).any():
         raise ValueError(f"every request needs as many key as value positions, at least one: {c.tolist()}")
     pages = (np.maximum(c[:, 1], c[:, 4]) + layout.page_size - 1) // layout.page_size
-    if (pages > table.shape[1]).any():
-        raise ValueError(f"stored tokens need more pages than block_table's {table.shape[1]} columns")
+    if (pages > table_columns).any():
+        raise ValueError(f"stored tokens need more pages than block_table's {table_columns} columns")
     if ring:
         slots = k_fp.slots.shape[1]
         if v_fp.slots.shape[1] != slots:
@@ -270,10 +284,7 @@ def _check_values(pool, layout, block_table, counts, k_fp, v_fp, w0) -> None:
         raise ValueError(f"sink / window rows do not fit the fp slots (w0={w0}, slots={k_fp.shape[1]})")
     if (c[:, 1] % layout.group_size).any():
         raise ValueError(f"stored keys must be whole groups of {layout.group_size}: {c[:, 1].tolist()}")
-    ids = table[np.arange(table.shape[1])[None, :] < pages[:, None]]
-    nb = pool.numel() // layout.block_bytes
-    if ids.size and (ids.min() < 0 or ids.max() >= nb):
-        raise ValueError(f"block_table names blocks outside the pool's {nb}")
+    return pages
 
 
 def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: PagedLayout, block_table: torch.Tensor,
@@ -391,5 +402,5 @@ def torch_paged_decode(q: torch.Tensor, pool: torch.Tensor, layout: PagedLayout,
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-__all__ = ["PagedLayout", "RingRows", "PARAM_DTYPES", "ROW_DTYPES", "check_paged_inputs", "on_host",
-           "paged_decode_attention", "torch_paged_decode"]
+__all__ = ["PagedLayout", "RingRows", "PARAM_DTYPES", "ROW_DTYPES", "check_paged_inputs", "check_paged_shapes",
+           "check_paged_counts", "on_host", "paged_decode_attention", "torch_paged_decode"]
