@@ -26,6 +26,28 @@ pytestmark = pytest.mark.skipif(not numba_available(), reason="the paged decode 
 H, HQ, D, P = 2, 6, 16, 16
 
 
+def _run_steps(cfg, geo, cache, backend, kernel, writer, seen, steps, rows_of, check) -> int:
+    """Every step of ``steps`` through ``paged_decode`` twice (inputs made fast, then by the torch form), outputs
+    equal, ``check(plan, fast_call, slow_call)`` on the two kernel calls ``seen`` recorded; then the step's writes
+    (``paged_step`` with ``writer``, the unrecorded kernel). The number of steps with decode rows."""
+    checked = 0
+    for rows in steps:
+        n = sum(q for _, _, q in rows)
+        q, k, v = rows_of(n)
+        batch = cache.batch(rows)
+        plan = step_plan(cfg, geo, batch.query_start, batch.seq_lens)
+        if plan.kernel is not None:
+            seen.clear()
+            got = paged_decode(kernel, plan.kernel, batch.page_table, batch.ring_table, q, k, v, 0.25)
+            want = paged_decode(kernel, plan.kernel, batch.page_table, batch.ring_table, q, k, v, 0.25, compiled=False)
+            assert got.dtype == want.dtype == q.dtype and torch.equal(got, want)
+            check(plan, *seen)
+            checked += 1
+        out = torch.empty(n, HQ, D, dtype=q.dtype)
+        paged_step(cfg, geo, backend, q, k, v, cache.pages, cache.rings, batch, 0.25, out, kernel=writer)
+    return checked
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("cfg", [KiviConfig(k_bits=2, v_bits=2, group_size=8, residual_length=16),
                                  KiviConfig(k_bits=4, v_bits=2, group_size=8, residual_length=8, sink_tokens=3)],
@@ -39,27 +61,17 @@ def test_compiled_inputs_equal_the_torch_inputs(cfg, dtype, monkeypatch):
     real = vdecode.paged_decode_attention
     monkeypatch.setattr(vdecode, "paged_decode_attention", lambda *a, **k: seen.append(a) or real(*a, **k))
     g = torch.Generator().manual_seed(4)
-    checked = 0
-    for rows in steps_of({0: 30, 1: 3, 2: 47, 3: 19, 4: 64}, late={5: (4, 21)}, decode_steps=30):
-        n = sum(q for _, _, q in rows)
-        q, k, v = (torch.randn(n, h, D, generator=g).to(dtype) for h in (HQ, H, H))
-        batch = cache.batch(rows)
-        plan = step_plan(cfg, geo, batch.query_start, batch.seq_lens)
-        if plan.kernel is not None:
-            seen.clear()
-            got = paged_decode(kernel, plan.kernel, batch.page_table, batch.ring_table, q, k, v, 0.25)
-            want = paged_decode(kernel, plan.kernel, batch.page_table, batch.ring_table, q, k, v, 0.25, compiled=False)
-            assert got.dtype == want.dtype == dtype and torch.equal(got, want)
-            fast, slow = seen
-            assert torch.equal(fast[0], slow[0].float())  # the queries
-            assert torch.equal(fast[3], slow[3])  # block-table rows
-            for a, b in zip(fast[5:7], slow[5:7]):  # both sides' row ids and new rows
-                assert a.slots.dtype == torch.int32 and torch.equal(a.slots, b.slots)
-                assert a.new.dtype == torch.float32 and torch.equal(a.new, b.new.float())
-            checked += 1
-        out = torch.empty(n, HQ, D, dtype=dtype)
-        paged_step(cfg, geo, "cpu", q, k, v, cache.pages, cache.rings, batch, 0.25, out, kernel=kernel)  # the writes
-    assert checked >= 25
+
+    def check(plan, fast, slow):
+        assert torch.equal(fast[0], slow[0].float())  # the queries
+        assert torch.equal(fast[3], slow[3])  # block-table rows
+        for a, b in zip(fast[5:7], slow[5:7]):  # both sides' row ids and new rows
+            assert a.slots.dtype == torch.int32 and torch.equal(a.slots, b.slots)
+            assert a.new.dtype == torch.float32 and torch.equal(a.new, b.new.float())
+
+    steps = steps_of({0: 30, 1: 3, 2: 47, 3: 19, 4: 64}, late={5: (4, 21)}, decode_steps=30)
+    rows_of = lambda n: [torch.randn(n, h, D, generator=g).to(dtype) for h in (HQ, H, H)]  # noqa: E731
+    assert _run_steps(cfg, geo, cache, "cpu", kernel, kernel, seen, steps, rows_of, check) >= 25
 
 
 @pytest.mark.triton
@@ -83,25 +95,17 @@ def test_triton_inputs_equal_the_torch_inputs(dtype):
     seen = []
     kernel = dataclasses.replace(made, attend=lambda *a, **k: seen.append((a, k)) or made.attend(*a, **k))
     g = torch.Generator().manual_seed(5)
-    checked = 0
-    for rows in steps_of({0: 30, 1: 3, 2: 47, 3: 19}, late={4: (3, 21)}, decode_steps=6):
-        n = sum(q for _, _, q in rows)
-        q, k, v = (torch.randn(n, h, 3 * D, generator=g).to(dtype)[..., D: 2 * D] for h in (HQ, H, H))
-        batch = cache.batch(rows)
-        plan = step_plan(cfg, geo, batch.query_start, batch.seq_lens)
-        if plan.kernel is not None:
-            seen.clear()
-            got = paged_decode(kernel, plan.kernel, batch.page_table, batch.ring_table, q, k, v, 0.25)
-            want = paged_decode(kernel, plan.kernel, batch.page_table, batch.ring_table, q, k, v, 0.25, compiled=False)
-            assert got.dtype == want.dtype == dtype and torch.equal(got, want)
-            (fast, fast_kw), (slow, _) = seen
-            assert "host_counts" in fast_kw and torch.equal(fast_kw["host_counts"], plan.kernel.counts)
-            assert fast[0].dtype == dtype and torch.equal(fast[0], slow[0])  # the queries
-            assert fast[3].dtype == torch.int32 and torch.equal(fast[3], slow[3])  # block-table rows
-            for a, b in zip(fast[5:7], slow[5:7]):  # both sides' row ids and new rows
-                assert a.slots.dtype == torch.int32 and torch.equal(a.slots, b.slots)
-                assert a.new.dtype == dtype and torch.equal(a.new, b.new)
-            checked += 1
-        out = torch.empty(n, HQ, D, dtype=dtype)
-        paged_step(cfg, geo, "triton", q, k, v, cache.pages, cache.rings, batch, 0.25, out, kernel=made)
-    assert checked >= 5
+
+    def check(plan, fast_call, slow_call):
+        (fast, fast_kw), (slow, _) = fast_call, slow_call
+        assert "host_counts" in fast_kw and torch.equal(fast_kw["host_counts"], plan.kernel.counts)
+        assert fast[0].dtype == dtype and torch.equal(fast[0], slow[0])  # the queries
+        assert fast[3].dtype == torch.int32 and torch.equal(fast[3], slow[3])  # block-table rows
+        for a, b in zip(fast[5:7], slow[5:7]):  # both sides' row ids and new rows
+            assert a.slots.dtype == torch.int32 and torch.equal(a.slots, b.slots)
+            assert a.new.dtype == dtype and torch.equal(a.new, b.new)
+
+    steps = steps_of({0: 30, 1: 3, 2: 47, 3: 19}, late={4: (3, 21)}, decode_steps=6)
+    rows_of = lambda n: [torch.randn(n, h, 3 * D, generator=g).to(dtype)[..., D: 2 * D]  # noqa: E731
+                         for h in (HQ, H, H)]
+    assert _run_steps(cfg, geo, cache, "triton", kernel, made, seen, steps, rows_of, check) >= 5
