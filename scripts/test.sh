@@ -5,7 +5,7 @@
 #   KIVI_SLOW=1 bash scripts/test.sh
 # Tests run in KIVI_TEST_WORKERS pytest-xdist processes (default 2: the 2-core CI machine; 0 runs them in this
 # process). Two workers take the default suite from 16 to 11 minutes on the 2-core VM (docs/cli.md, "Setup").
-# --dist loadgroup: tests marked with one xdist_group run in one worker, in order (the rest as --dist load).
+#: tests marked with one xdist_group run in one worker, in order (the rest as --dist load).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
@@ -13,7 +13,7 @@ bash scripts/setup.sh
 . .venv/bin/activate
 workers=${KIVI_TEST_WORKERS:-2}
 if [ "${KIVI_SLOW:-0}" = "1" ]; then
-    exec python -m pytest -q -n "$workers" --dist loadgroup "$@"
+    exec python -m pytest -q -n "$workers" "$@"
 else
-    exec python -m pytest -q -n "$workers" --dist loadgroup -m "not slow" "$@"
+    exec python -m pytest -q -n "$workers" -m "not slow" "$@"
 fi
