@@ -20,6 +20,8 @@ from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
 
+from .scratch import scratch_pages
+
 SCRATCH_BLOCK = 32  # tokens per scratch block (the CPU kernel takes multiples of 32)
 
 
@@ -37,39 +39,25 @@ def vllm_cpu_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      scale: float, out: torch.Tensor) -> None:
     """:data:`kivi.vllm.paged.ExactPrefill` through vLLM's CPU attention kernel: every span's rows, causal."""
     n_q, d = query.shape[1], query.shape[2]
-    h, dtype, device = key.shape[1], query.dtype, query.device
-    lens = [hi - lo for lo, hi in spans]
-    contiguous = all(spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1))
-    first, last = spans[0][0], spans[-1][1]
-    rows = None if contiguous else torch.cat([torch.arange(lo, hi, device=device) for lo, hi in spans])
-    q, k, v = ((x[first:last] if contiguous else x[rows]).to(dtype) for x in (query, key, value))
-    blocks = [-(-n // SCRATCH_BLOCK) for n in lens]
+    h, dtype = key.shape[1], query.dtype
+    s = scratch_pages(spans, SCRATCH_BLOCK, query.device)
+    q, k, v = (s.take(x).to(dtype) for x in (query, key, value))
     # zeros: the kernel reads a block's rows past a request's last token (masked, but NaN * 0 is NaN), and vLLM
     # zeroes its own blocks when it allocates them
-    cache = torch.zeros(sum(blocks), h, 2 * SCRATCH_BLOCK, d, dtype=dtype, device=device)
+    cache = torch.zeros(s.num_blocks, h, 2 * SCRATCH_BLOCK, d, dtype=dtype, device=query.device)
     key_cache, value_cache = cache.chunk(2, dim=2)
-    block0 = torch.tensor([0] + blocks[:-1], device=device).cumsum(0)
-    table = torch.zeros(len(spans), max(blocks), dtype=torch.int32, device=device)
-    for i, m in enumerate(blocks):
-        table[i, :m] = torch.arange(m, dtype=torch.int32, device=device) + block0[i]
-    slots = torch.cat([block0[i] * SCRATCH_BLOCK + torch.arange(n, device=device) for i, n in enumerate(lens)])
     isa = _isa(dtype, d)
-    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
-    query_start = torch.tensor([0] + lens, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, s.slots, isa)
     meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=len(spans), num_heads=n_q, num_kv_heads=h, head_dim=d, seq_lens=seq_lens, dtype=dtype,
-        query_start_loc=query_start, causal=True, sliding_window_size=-1, isa=isa,
+        num_reqs=len(spans), num_heads=n_q, num_kv_heads=h, head_dim=d, seq_lens=s.seq_lens, dtype=dtype,
+        query_start_loc=s.query_start, causal=True, sliding_window_size=-1, isa=isa,
         enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV)
     o = torch.empty_like(q)
     ops.cpu_attention_with_kv_cache(
-        query=q, key_cache=key_cache, value_cache=value_cache, output=o, query_start_loc=query_start,
-        seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table,
+        query=q, key_cache=key_cache, value_cache=value_cache, output=o, query_start_loc=s.query_start,
+        seq_lens=s.seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=s.table,
         softcap=0.0, scheduler_metadata=meta, s_aux=None)
-    if contiguous:
-        out[first:last] = o.to(out.dtype)
-    else:
-        out[rows] = o.to(out.dtype)
+    s.put(out, o)
 
 
 __all__ = ["SCRATCH_BLOCK", "supports", "vllm_cpu_prefill"]

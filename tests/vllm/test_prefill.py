@@ -1,6 +1,6 @@
 """kivi.vllm.prefill: a step's exact prefills through vLLM's CPU attention kernel equal the torch SDPA
-reference (:func:`kivi.vllm.paged.sdpa_prefill`) to rounding, write only their spans, and the plugin's
-``paged_step`` gives the same step with either."""
+reference (:func:`kivi.vllm.paged.sdpa_prefill`) to rounding and write only their spans; the engine tests
+(test_greedy.py) run the plugin with it."""
 
 from __future__ import annotations
 
