@@ -4,7 +4,7 @@
   ``additional_config["kivi"]`` is set, or, on the opt-in GPU path (``"attention_backend": "triton"``),
   ``TRITON_ATTN`` (:mod:`kivi.vllm.select`; never run on a GPU: docs/vllm.md "On a GPU"). The impl resolves its
   page reader for vLLM's platform (``"cpu"``: numba, prefill by vLLM's CPU kernel; ``"triton"``: kivi's Triton
-  kernels, prefill by SDPA). ``customize_spec`` gives vLLM the packed
+  kernels, prefill by vLLM's Triton kernel). ``customize_spec`` gives vLLM the packed
   page's bytes (:func:`kivi.vllm.geometry.build_geometry`), so vLLM's allocator counts KIVI pages, as a
   :class:`kivi.vllm.spec.KiviPageSpec` (a prefix hit would read a window the shared blocks do not hold).
 * Each :class:`KiviAttentionImpl` makes ``k`` :class:`KiviWindowLayer` next to its layer
@@ -248,10 +248,14 @@ class KiviWindowLayer(torch.nn.Module, AttentionLayerBase):
 def _exact_prefill(backend: str, head_dim: int, dtype: torch.dtype):
     """The step's exact prefill (:data:`kivi.vllm.paged.ExactPrefill`) for a resolved backend: vLLM's CPU
     attention kernel with ``"cpu"`` (what vLLM itself runs; a head size or dtype it does not take is refused
-    as vLLM's own CPU backend refuses it), torch SDPA per request with ``"reference"`` and ``"triton"`` (the GPU
-    path: SDPA's own GPU kernels)."""
-    if backend in ("reference", "triton"):
+    as vLLM's own CPU backend refuses it), vLLM's Triton attention kernel with ``"triton"`` (the GPU path:
+    what vLLM's ``TRITON_ATTN`` runs), torch SDPA request by request with ``"reference"``."""
+    if backend == "reference":
         return sdpa_prefill
+    if backend == "triton":
+        from .triton_prefill import vllm_triton_prefill
+
+        return vllm_triton_prefill
     from .prefill import supports, vllm_cpu_prefill
 
     if not supports(head_dim, dtype):
