@@ -15,6 +15,8 @@ run here on CPU tensors under ``TRITON_INTERPRET=1`` (CI's step 2; skipped witho
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -27,6 +29,7 @@ from kivi.optional import numba_available
 from kivi.vllm.decode import decode_kernel
 from kivi.vllm.geometry import block_field_views, build_geometry, ring_slots
 from kivi.vllm.paged import StepBatch, exact_attention, paged_step
+from kivi.vllm.plan import step_plan
 
 H, HQ, D = 2, 4, 16
 P = 32  # vLLM block size
@@ -188,8 +191,6 @@ SINK_CASES = [(s, b) for s in (1, 4, 5) for b in ("reference", "cpu")] + [
 def test_paged_step_with_sinks_matches_kivi_layer(cfg, sink, backend):
     """Sink tokens: the same steps equal KiviLayer with ``sink_tokens`` = S, and the sink rows kept in the
     rings' slots [0, S) are the tokens as they arrived, bit for bit, as KiviLayer's sink."""
-    import dataclasses
-
     cfg = dataclasses.replace(cfg, sink_tokens=sink)
     vl, refs, inputs = run_steps(cfg, backend, sink_steps(80))
     geo = vl.geo
@@ -237,3 +238,25 @@ def test_rings_too_small_are_refused(sink):
     with pytest.raises(ValueError, match=f"{geo.window_rings - 1} window rings of {geo.window_tokens} tokens"):
         paged_step(cfg, geo, "reference", q, k, v, vl.pages, vl.rings[:-1], vl.batch([(0, 0, 4)]), 0.25,
                    torch.empty(4, HQ, D))
+
+
+@pytest.mark.parametrize("other", [{"sink_tokens": 4}, {"residual_length": 32}])
+def test_a_plan_made_for_another_geometry_is_refused(other):
+    """The metadata builder makes one plan per step for all layers (``StepBatch.plan``): a layer whose rings
+    or sink differ from the plan's is refused by name, before anything is written."""
+    cfg = KiviConfig(k_bits=2, v_bits=2, group_size=16, residual_length=16)
+    geo = build_geometry(cfg, page_size=P, num_kv_heads=H, head_dim=D, dtype=torch.float32)
+    ocfg = dataclasses.replace(cfg, **other)
+    ogeo = build_geometry(ocfg, page_size=P, num_kv_heads=H, head_dim=D, dtype=torch.float32)
+    vl = FakeVllm(geo)
+    batch = dataclasses.replace(vl.batch([(0, 0, 4)]), plan=step_plan(ocfg, ogeo, [0, 4], [4]))
+    q, k, v = torch.randn(4, HQ, D), torch.randn(4, H, D), torch.randn(4, H, D)
+    before, rings = vl.pages.clone(), [r.clone() for r in vl.rings]
+    with pytest.raises(ValueError, match=rf"plan was made for {ogeo.window_rings * ogeo.window_tokens} ring slots.*"
+                                         rf"this layer has {geo.window_rings * geo.window_tokens}"):
+        paged_step(cfg, geo, "reference", q, k, v, vl.pages, vl.rings, batch, 0.25, torch.empty(4, HQ, D))
+    assert torch.equal(vl.pages, before)
+    assert all(torch.equal(r.nan_to_num(7.0), b.nan_to_num(7.0)) for r, b in zip(vl.rings, rings))
+    out = torch.empty(4, HQ, D)  # the layer's own plan runs
+    paged_step(cfg, geo, "reference", q, k, v, vl.pages, vl.rings, vl.batch([(0, 0, 4)]), 0.25, out)
+    assert out.isfinite().all()
