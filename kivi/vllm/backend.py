@@ -91,6 +91,7 @@ class KiviMetadataBuilder(AttentionMetadataBuilder[KiviMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_reorder_batch_threshold(1)
         self._kivi = None  # (config, geometry) of the page group; the window groups need no plan
+        self._checks: FiniteChecks | None = None  # the last step's (FiniteChecks.close)
         if isinstance(kv_cache_spec, KiviPageSpec):
             cfg = _config(vllm_config)
             self._kivi = cfg, build_geometry(cfg, page_size=kv_cache_spec.block_size,
@@ -105,7 +106,9 @@ class KiviMetadataBuilder(AttentionMetadataBuilder[KiviMetadata]):
         plan = None if self._kivi is None else step_plan(*self._kivi, query_start, seq_lens)
         if plan is not None and torch.device(self.device).type != "cpu":  # once per step, for every layer
             plan = plan.to(self.device)
-        checks = None if self._kivi is None else FiniteChecks(len(self.layer_names))
+        if self._checks is not None:  # flags the last step left unread (fewer layers ran than layer_names counts)
+            self._checks.close()
+        checks = self._checks = None if self._kivi is None else FiniteChecks(len(self.layer_names))
         return KiviMetadata(m.num_actual_tokens, query_start, seq_lens, m.block_table_tensor[:n_req], m.slot_mapping,
                             plan, checks)
 

@@ -169,14 +169,26 @@ class FiniteChecks:
 
     def layer_ran(self, name: str) -> None:
         """``name`` has run (its flags, if any, are the ones appended since the last call)."""
-        from ..kernels.triton_paged_write import raise_if_nonfinite
-
         self.names += [name] * (len(self.flags) - len(self.names))
         self.ran += 1
         if self.ran >= self.layers:
-            flags, names = self.flags, self.names
-            self.flags, self.names = [], []
-            raise_if_nonfinite(flags, names)
+            self._read()
+
+    def close(self) -> None:
+        """Read back whatever flags are still unread: the safety net for a step in which fewer than ``layers``
+        layers reported (:meth:`layer_ran`), so that no refused write goes unreported. The builder calls it on the
+        previous step's checks before it makes the next step's; it does nothing (no host read) when every flag
+        was read."""
+        unreported = "a layer that did not report" + (f" (after {self.names[-1]})" if self.names else "")
+        self.names += [unreported] * (len(self.flags) - len(self.names))
+        self._read()
+
+    def _read(self) -> None:
+        from ..kernels.triton_paged_write import raise_if_nonfinite
+
+        flags, names = self.flags, self.names
+        self.flags, self.names = [], []
+        raise_if_nonfinite(flags, names)
 
 
 __all__ = ["DecodeWriter", "TritonWriter", "FiniteChecks", "decode_writer", "triton_writer", "write_step",

@@ -122,3 +122,22 @@ def test_where_the_triton_writes_apply():
         cache = Cache(geo, torch.float32, nblocks=8)
         kernel = decode_kernel(cfg, geo, "triton", cache.pages, cache.rings)
         assert kernel is not None and isinstance(kernel.writer, TritonWriter) == applies, cfg
+
+
+def test_flags_a_step_left_unread_are_read_at_close():
+    """A step in which fewer layers reported than the group counts (``layers``) leaves flags unread; ``close`` (the
+    builder calls it before the next step) reads them: a set flag is raised naming the layers around it, clear
+    flags pass, and nothing is read twice."""
+    checks = FiniteChecks(layers=4)
+    checks.flags.append(torch.zeros(1, dtype=torch.int64))
+    checks.layer_ran("layers.0")
+    checks.flags.append(torch.ones(1, dtype=torch.int64))  # layers.1 refused its write, then never reported
+    with pytest.raises(ValueError, match=r"NaN or Inf.*in a layer that did not report \(after layers\.0\)"):
+        checks.close()
+    assert checks.flags == [] and checks.names == []
+    checks.close()  # nothing left: no error
+    clear = FiniteChecks(layers=4)
+    clear.flags.append(torch.zeros(1, dtype=torch.int64))
+    clear.layer_ran("layers.0")
+    clear.close()
+    assert clear.flags == []
