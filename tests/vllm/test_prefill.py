@@ -20,6 +20,23 @@ def _rows(n, d, dtype, seed):
     return [torch.randn(n, h, d, generator=g).to(dtype) for h in (HQ, H, H)]
 
 
+def compare_prefill(prefill, q, k, v, spans, scale, tol):
+    """``prefill`` (an exact prefill: ``(q, k, v, spans, scale, out)``) against :func:`sdpa_prefill`: equal to
+    ``tol`` relative to the largest output inside the spans, and the rows outside them left as they were."""
+    n, d = q.shape[0], q.shape[2]
+    got = torch.full((n, HQ, d), float("nan"), dtype=q.dtype)
+    want = got.clone()
+    prefill(q, k, v, spans, scale, got)
+    sdpa_prefill(q, k, v, spans, scale, want)
+    inside = torch.zeros(n, dtype=torch.bool)
+    for lo, hi in spans:
+        inside[lo:hi] = True
+    assert got[~inside].isnan().all()  # rows outside the spans (decode rows, later chunks) untouched
+    assert not got[inside].isnan().any()
+    err = (got[inside].float() - want[inside].float()).abs().max().item()
+    assert err <= tol * max(1.0, want[inside].float().abs().max().item()), err
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("spans", [[(0, 1)], [(0, 31), (31, 64), (64, 97)], [(3, 40), (41, 150), (152, 153)],
@@ -27,19 +44,8 @@ def _rows(n, d, dtype, seed):
 def test_vllm_kernel_equals_sdpa(dtype, d, spans):
     from kivi.vllm.prefill import vllm_cpu_prefill
 
-    n = spans[-1][1] + 2
-    q, k, v = _rows(n, d, dtype, seed=len(spans) * d)
-    got = torch.full((n, HQ, d), float("nan"), dtype=dtype)
-    want = got.clone()
-    vllm_cpu_prefill(q, k, v, spans, d ** -0.5, got)
-    sdpa_prefill(q, k, v, spans, d ** -0.5, want)
-    inside = torch.zeros(n, dtype=torch.bool)
-    for lo, hi in spans:
-        inside[lo:hi] = True
-    assert got[~inside].isnan().all()  # rows outside the spans (decode rows, later chunks) untouched
-    assert not got[inside].isnan().any()
-    err = (got[inside].float() - want[inside].float()).abs().max().item()
-    assert err <= TOL[dtype] * max(1.0, want[inside].float().abs().max().item()), err
+    q, k, v = _rows(spans[-1][1] + 2, d, dtype, seed=len(spans) * d)
+    compare_prefill(vllm_cpu_prefill, q, k, v, spans, d ** -0.5, TOL[dtype])
 
 
 def test_constant_keys_and_a_long_prompt():

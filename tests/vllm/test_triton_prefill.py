@@ -15,9 +15,7 @@ import sys
 import pytest
 import torch
 
-from kivi.vllm.paged import sdpa_prefill
-
-from .test_prefill import HQ, TOL, _rows
+from .test_prefill import TOL, _rows, compare_prefill
 
 pytestmark = [pytest.mark.vllm, pytest.mark.triton]
 
@@ -66,21 +64,6 @@ def _interpreter_bf16_dot_error() -> float:
     return (c - a.float() @ b.float()).abs().max().item()
 
 
-def _compare(prefill, q, k, v, spans, scale, tol):
-    n, d = q.shape[0], q.shape[2]
-    got = torch.full((n, HQ, d), float("nan"), dtype=q.dtype)
-    want = got.clone()
-    prefill(q, k, v, spans, scale, got)
-    sdpa_prefill(q, k, v, spans, scale, want)
-    inside = torch.zeros(n, dtype=torch.bool)
-    for lo, hi in spans:
-        inside[lo:hi] = True
-    assert got[~inside].isnan().all()  # rows outside the spans (decode rows, later chunks) untouched
-    assert not got[inside].isnan().any()
-    err = (got[inside].float() - want[inside].float()).abs().max().item()
-    assert err <= tol * max(1.0, want[inside].float().abs().max().item()), err
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d, spans", [
     (64, [(0, 1)]), (64, [(0, 15), (15, 48), (48, 81)]), (64, [(3, 40), (41, 90), (92, 93)]),
@@ -89,7 +72,7 @@ def test_vllm_triton_kernel_equals_sdpa(prefill, dtype, d, spans):
     if dtype == torch.bfloat16 and _interpreter_bf16_dot_error() > 1e-3:
         pytest.skip("Triton's interpreter multiplies bfloat16 tiles wrongly (tl.dot); bfloat16 runs on a GPU only")
     q, k, v = _rows(spans[-1][1] + 2, d, dtype, seed=len(spans) * d)
-    _compare(prefill, q, k, v, spans, d ** -0.5, TOL[dtype])
+    compare_prefill(prefill, q, k, v, spans, d ** -0.5, TOL[dtype])
 
 
 def test_constant_keys_and_a_prompt_over_many_blocks(prefill):
@@ -97,7 +80,7 @@ def test_constant_keys_and_a_prompt_over_many_blocks(prefill):
     n, d = 200, 64
     q, _, v = _rows(n, d, torch.float32, seed=7)
     k = torch.full((n, 3, d), 0.5)
-    _compare(prefill, q, k, v, [(0, 1), (1, 170)], 0.125, TOL[torch.float32])
+    compare_prefill(prefill, q, k, v, [(0, 1), (1, 170)], 0.125, TOL[torch.float32])
 
 
 def test_the_gpu_path_prefills_with_it():
