@@ -2,15 +2,19 @@
 
 Run as a script in a process *without* ``TRITON_INTERPRET`` (the test suite sets it for everything it
 imports): ``python tests/kernels/aot_compile.py``. It catches what the interpreter lets through (types of
-loop-carried values, int64 / int32 mixes, constexpr use) and prints, per variant, the PTX's global loads
-and how many of them are vector loads. Arguments get the 16-divisibility that a JIT launch with
-aligned tensors gives them. Exit status 1 if a variant fails to compile.
+loop-carried values, int64 / int32 mixes, constexpr use) and prints, per decode variant, how the PTX reads
+global memory (:func:`load_report`): plain loads (``ld.global``, vector ones among them) and the asynchronous
+copies to shared memory that Triton's software pipelining turns a loop's tile loads into (``cp.async``, by bytes
+a copy), the static instruction counts. Arguments get the 16-divisibility that a JIT launch with aligned tensors
+gives them. Exit status 1 if a variant fails to compile.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
+from collections import Counter
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -40,6 +44,16 @@ STRIDES_DIV16 = ["sq_b", "sq_h", "ksk_b", "ksk_h", "ksk_t", "kdata_st", "kpar_st
                  "vsk_b", "vsk_h", "vsk_t", "vdata_st", "svf_b", "svf_h", "svf_t"]
 
 
+def load_report(ptx: str) -> str:
+    """The PTX's global reads, static counts: ``ld.global`` (vector ``ld.global.v*`` among them) and ``cp.async``
+    copies by bytes (``16B`` copies move 8 bf16 / fp16 elements or 16 code bytes at once)."""
+    copy = r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+)"  # [dst], [src], bytes
+    sizes = Counter(int(b, 16) for b in re.findall(copy, ptx))
+    copies = ", ".join(f"{n} x {b}B" for b, n in sorted(sizes.items(), reverse=True)) or "none"
+    return (f"global loads {ptx.count('ld.global'):4d} (vector {ptx.count('ld.global.v'):3d}), "
+            f"async copies {sum(sizes.values()):3d} ({copies})")
+
+
 def compile_variant(name, kq, vq, ksink, vsink, dt, kb, vb, valid):
     fn = K.decode_split_kernel
     pt = "*" + dt
@@ -61,7 +75,7 @@ def compile_variant(name, kq, vq, ksink, vsink, dt, kb, vb, valid):
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
     ptx = triton.compile(src, target=TARGET, options=dict(num_warps=4)).asm["ptx"]
-    return ptx.count("ld.global"), ptx.count("ld.global.v")
+    return load_report(ptx)
 
 
 # the batched paged decode kernel: (name, dtype of q / rows / parameters, key bits, value bits, offsets stored)
@@ -94,7 +108,7 @@ def compile_paged(name, dt, kb, vb, offsets):
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
     ptx = triton.compile(src, target=TARGET, options=dict(num_warps=4)).asm["ptx"]
-    return ptx.count("ld.global"), ptx.count("ld.global.v")
+    return load_report(ptx)
 
 
 # the paged writes (kivi/kernels/_paged_write_kernels.py): (name, ring / parameter dtype, key bits, value bits)
@@ -154,15 +168,13 @@ def main() -> int:
     failed = 0
     for v in VARIANTS:
         try:
-            loads, vec = compile_variant(*v)
-            print(f"OK   {v[0]:<20} global loads {loads:4d}, vector loads {vec:3d}")
+            print(f"OK   {v[0]:<20} {compile_variant(*v)}")
         except Exception as e:  # report every variant, then fail
             failed += 1
             print(f"FAIL {v[0]:<20} {type(e).__name__}: {str(e)[:1500]}")
     for v in PAGED_VARIANTS:
         try:
-            loads, vec = compile_paged(*v)
-            print(f"OK   {v[0]:<20} global loads {loads:4d}, vector loads {vec:3d}")
+            print(f"OK   {v[0]:<20} {compile_paged(*v)}")
         except Exception as e:
             failed += 1
             print(f"FAIL {v[0]:<20} {type(e).__name__}: {str(e)[:1500]}")
