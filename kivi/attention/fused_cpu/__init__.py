@@ -26,7 +26,8 @@ One concept per module:
   ``BlockStore.derived``, and the mask's validity row;
 * :mod:`.kernel` — the numba kernel (split-K online softmax, codes unpacked token-major in 32-bit
   words — 3-bit runs of 8 codes in 3 bytes widened to one word each — 4-head passes for GQA),
-  compiled at import with numba's on-disk cache.
+  its entry points loaded from numba's on-disk cache on first use (a cold cache is filled by a child process
+  first, so every process runs the same code: :func:`.kernel.load_entries`).
 
 Computation is in float32 (``q``, and scales / offsets stored in another dtype, are converted on
 every call — a cost that grows with the context for bf16/fp16 caches; codes stay uint8).

@@ -51,21 +51,74 @@ _ALL_VALID = np.ones((1, 1), dtype=np.bool_)  # the kernel's mask argument when 
 KERNEL_BITS = SUPPORTED_BITS
 
 
+_loaded = False  # the entry points are compiled or loaded (kernel.load_entries) in this process
+_load_lock = threading.Lock()
+
+
 def _kernel():
-    """The :mod:`.kernel` module: imports numba and compiles (or loads) the entry points on first use.
+    """The :mod:`.kernel` module, its entry points ready: imports numba and loads them on first use.
+
+    The entries always run as numba's on-disk cache gives them back: where the cache lacks one
+    (the first use after installing or changing kivi) a child process compiles them into it first
+    (:func:`_fill_cache`), so that this process's results equal every later process's bit for bit (why:
+    :func:`.kernel.load_entries`).
 
     Loading the threaded entry starts numba's OpenMP layer, which sets the shared OpenMP thread count
     to numba's, so torch's thread count (``torch.set_num_threads``) is put back as it was: more CPU
     threads than the caller asked for oversubscribe the cores and slow decoding several times.
     """
-    kernel = sys.modules.get(f"{__package__}.kernel")
-    if kernel is None:
-        threads = torch.get_num_threads()
-        from . import kernel
+    global _loaded
+    if not _loaded:
+        with _load_lock:
+            if not _loaded:
+                threads = torch.get_num_threads()
+                from . import kernel
 
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-    return kernel
+                if kernel.cache_missing():
+                    _fill_cache(kernel)
+                kernel.load_entries()
+                if torch.get_num_threads() != threads:
+                    torch.set_num_threads(threads)
+                _loaded = True
+    return sys.modules[f"{__package__}.kernel"]
+
+
+def _fill_cache(kernel) -> None:
+    """Compile the kernel's entry points in a child process, which saves them to numba's on-disk cache.
+
+    The child imports the same ``kivi`` (its package root first on ``PYTHONPATH``) with this process's
+    environment (``NUMBA_CACHE_DIR`` included). Takes as long as compiling here (minutes on a small
+    machine, once per install). If the child fails or the cache still lacks an entry, this warns and the
+    caller compiles in this process: correct results, whose last float32 bit can differ from a cached
+    kernel's.
+    """
+    import logging
+    import os
+    import subprocess
+    import time
+    import warnings
+    from pathlib import Path
+
+    log = logging.getLogger(__name__)
+    root = str(Path(kernel.__file__).resolve().parents[3])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    code = f"from {__package__} import kernel; kernel.load_entries()"
+    log.info("compiling kivi's numba decode kernel into numba's cache (%s), once per install",
+             ", ".join(kernel.cache_missing()))
+    t0 = time.perf_counter()
+    if not sys.executable:
+        failure = "no Python executable to start (sys.executable is empty)"
+    else:
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        failure = f"exit code {done.returncode}: {done.stderr[-2000:]}" if done.returncode else ""
+    missing = kernel.cache_missing()
+    if failure or missing:
+        warnings.warn(f"kivi: compiling the numba decode kernel in a child process did not fill numba's cache "
+                      f"({failure or 'still missing: ' + ', '.join(missing)}); compiling in this process instead "
+                      "(results correct, the last float32 bit can differ from a cached kernel's)", RuntimeWarning,
+                      stacklevel=3)
+    else:
+        log.info("compiled in %.0f s", time.perf_counter() - t0)
 
 
 def warmup() -> float:

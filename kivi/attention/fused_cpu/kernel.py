@@ -1,9 +1,10 @@
 """The numba decode kernel: one call per layer and step, straight from the packed codes.
 
-Importing this module imports numba and compiles the two entry points (:func:`decode_threaded`,
-:func:`decode_serial`), or loads them from numba's on-disk cache; :mod:`.dispatch` imports it on
-first use. Every function is decorated here at module level, so a name means one thing and
-``cache=True`` finds the compiled code again in the next process.
+Importing this module imports numba and declares the entry points (:func:`decode_threaded`,
+:func:`decode_serial`, the paged ones: :data:`ENTRIES`); :func:`load_entries` compiles them, or loads them from
+numba's on-disk cache, and :mod:`.dispatch` calls it on first use after a child process has filled a cold
+cache (why: :func:`load_entries`). Every function is decorated here at module level, so a name means one
+thing and ``cache=True`` finds the compiled code again in the next process.
 
 Inputs: ``q [B, Hq, D]`` float32, the piece descriptor tables of keys and values (:mod:`.tables`;
 each row names the kv heads ``[h0, h1)`` its tensors hold, so a layer with per-head widths is one table
@@ -32,12 +33,12 @@ output ``[B, Hq, Dv]``. Per ``(batch b, kv head h)`` and its ``g = Hq / Hkv`` qu
   uniformly instead of producing NaN).
 
 Computation is in float32; the softmax uses a vectorisable expf (:func:`_exp_into`, relative
-error ~1e-7). Compile: ``fastmath=True, cache=True`` everywhere, the helpers ``inline="always"``,
-the entry points with one explicit signature (the threaded ones ``parallel=True``); the per-task functions
-(:func:`_task`, :func:`_paged_task`, :func:`_paged_slot_task`, :func:`_ring_slot_task`) are plain jit calls, so
-each is compiled once and shared by its serial and threaded entry instead of inlined into both. A process
-either loads the cache or compiles all six entries once: 151 s on a 2-core VM (numba 0.68), 204-237 s while
-the slot tasks were inlined.
+error ~1e-7). Compile: ``fastmath=True, cache=True`` everywhere, the helpers ``inline="always"``, the entry
+points with one signature each, given at :func:`load_entries` (the threaded ones ``parallel=True``); the
+per-task functions (:func:`_task`, :func:`_paged_task`, :func:`_paged_slot_task`, :func:`_ring_slot_task`) are
+plain jit calls, so each is compiled once and shared by its serial and threaded entry instead of inlined into
+both. The six entries compile in 85 s on a 2-core VM (numba 0.68.1, session 25; session 20 measured 151 s for
+the same code), 204-237 s while the slot tasks were inlined, 11.5 min with every ``@jit`` callee inlined.
 """
 
 from __future__ import annotations
@@ -84,6 +85,10 @@ SUB = 256
 
 jit = numba.njit(fastmath=True, cache=True)
 inline = numba.njit(inline="always", fastmath=True, cache=True)
+# The entry points: compiled (or loaded from numba's cache) by load_entries() for their one signature each
+# (ENTRIES), not at import; see load_entries for why.
+entry_threaded = numba.njit(parallel=True, fastmath=True, cache=True)
+entry_serial = numba.njit(fastmath=True, cache=True)
 
 
 # --------------------------------------------------------------------------------------------- intrinsics
@@ -785,7 +790,7 @@ _SIGNATURE = (
 )
 
 
-@numba.njit(_SIGNATURE, parallel=True, fastmath=True, cache=True)
+@entry_threaded
 def decode_threaded(q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, out):
     """Entry point, threaded: tasks ``(b, kv head, chunk of kv positions)`` in ``prange``, then merge."""
     nch, ntask, pm, pl, pacc = _partials(q, hkv, kv_len, chunk, out.shape[2])
@@ -794,7 +799,7 @@ def decode_threaded(q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk
     _merge(pm, pl, pacc, nch, out)
 
 
-@numba.njit(_SIGNATURE, fastmath=True, cache=True)
+@entry_serial
 def decode_serial(q, kd, vd, prm, valid, has_mask, scaling, hkv, kv_len, chunk, out):
     """Entry point, calling thread only (small calls: no thread-pool hand-off); same tasks as above."""
     nch, ntask, pm, pl, pacc = _partials(q, hkv, kv_len, chunk, out.shape[2])
@@ -1053,7 +1058,7 @@ _PAGED_SIGNATURE = (
 )
 
 
-@numba.njit(_PAGED_SIGNATURE, parallel=True, fastmath=True, cache=True)
+@entry_threaded
 def paged_decode_threaded(q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, hkv, chunk, out):
     """Paged entry point, threaded: tasks ``(request, kv head, chunk)`` in ``prange``, then merge."""
     nch, slot0, order = _paged_plan(cnt, hkv, chunk)
@@ -1070,7 +1075,7 @@ def paged_decode_threaded(q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, hkv, chu
     _paged_merge(pm, pl, pacc, nch, slot0, out)
 
 
-@numba.njit(_PAGED_SIGNATURE, fastmath=True, cache=True)
+@entry_serial
 def paged_decode_serial(q, pool, lay, bt, cnt, kfp, vfp, w0, scaling, hkv, chunk, out):
     """Paged entry point, calling thread only; same tasks as above."""
     nch, slot0, order = _paged_plan(cnt, hkv, chunk)
@@ -1157,7 +1162,7 @@ _RING_SIGNATURE = (
 )
 
 
-@numba.njit(_RING_SIGNATURE, parallel=True, fastmath=True, cache=True)
+@entry_threaded
 def paged_ring_decode_threaded(q, pool, lay, bt, cnt, ks, vs, rl, knew, vnew, w0, scaling, hkv, chunk, fscr,
                               out):
     """Paged entry point with rows in place, threaded: tasks ``(request, kv head, chunk)`` in ``prange``, then merge."""
@@ -1175,7 +1180,7 @@ def paged_ring_decode_threaded(q, pool, lay, bt, cnt, ks, vs, rl, knew, vnew, w0
     _paged_merge(pm, pl, pacc, nch, slot0, out)
 
 
-@numba.njit(_RING_SIGNATURE, fastmath=True, cache=True)
+@entry_serial
 def paged_ring_decode_serial(q, pool, lay, bt, cnt, ks, vs, rl, knew, vnew, w0, scaling, hkv, chunk, fscr, out):
     """Paged entry point with rows in place, calling thread only; same tasks as above."""
     nch, slot0, order = _paged_plan(cnt, hkv, chunk)
@@ -1190,3 +1195,50 @@ def paged_ring_decode_serial(q, pool, lay, bt, cnt, ks, vs, rl, knew, vnew, w0, 
         _ring_slot_task(order[k], nch, slot0, q, pool, lay, bt, cnt, ks, vs, rl, knew, vnew, w0, scaling, hkv, chunk,
                         pm, pl, pacc, valid, kscr, vscr, fscr)
     _paged_merge(pm, pl, pacc, nch, slot0, out)
+
+
+# --------------------------------------------------------------------------------------------- loading the entries
+#: Every entry point with the one signature it is compiled for.
+ENTRIES = (
+    (decode_threaded, _SIGNATURE),
+    (decode_serial, _SIGNATURE),
+    (paged_decode_threaded, _PAGED_SIGNATURE),
+    (paged_decode_serial, _PAGED_SIGNATURE),
+    (paged_ring_decode_threaded, _RING_SIGNATURE),
+    (paged_ring_decode_serial, _RING_SIGNATURE),
+)
+
+
+def cache_missing() -> list[str]:
+    """The entry points numba's on-disk cache has no code for (this machine, this source), loading nothing.
+
+    It asks numba's cache index with the key numba's own lookup computes (``Dispatcher.compile`` looks the
+    signature up the same way before it compiles); these are numba internals (``_cache``, ``_index_key``,
+    ``_cache_file``), stable since numba 0.49 and tested in tests/attention/test_kernel_cache.py. Where numba
+    cannot cache at all (no writable cache directory) the answer is ``[]``: there is nothing to fill.
+    """
+    missing = []
+    for entry, sig in ENTRIES:
+        cache = entry._cache
+        if not hasattr(cache, "_cache_file"):  # numba's NullCache: caching unavailable here
+            return []
+        entry.targetctx.refresh()
+        if cache._index_key(sig, entry.targetctx.codegen()) not in cache._cache_file._load_index():
+            missing.append(entry.__name__)
+    return missing
+
+
+def load_entries() -> None:
+    """Compile every entry point, or load it from numba's on-disk cache, then close them to new signatures.
+
+    Why not at import, and why the caller fills a cold cache in another process first
+    (:func:`.dispatch._kernel`): under ``fastmath`` the code numba runs right after compiling differs in
+    rounding from the code it saves and loads back. A freshly compiled entry calls the separately compiled
+    copies of its ``@jit`` callees and parallel loop bodies, while the saved object holds its own copies,
+    optimised again after linking, and reassociation reorders float sums differently in the two (about 1 ulp of
+    float32; enough to flip a near-tie between two tokens). A process that runs code loaded from the cache
+    gives the same bits as every other such process. Measured: docs/fused-cpu.md.
+    """
+    for entry, sig in ENTRIES:
+        entry.compile(sig)
+        entry.disable_compile()  # as numba does for a signature given at decoration: calls convert, never compile

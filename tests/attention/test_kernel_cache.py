@@ -1,0 +1,127 @@
+"""The numba decode kernel runs as numba's on-disk cache gives it back, so every process gives the same bits.
+
+Under ``fastmath``, code numba has just compiled rounds differently (about 1 ulp of float32) from the code it
+saves and loads back (kivi/attention/fused_cpu/kernel.py, ``load_entries``); :func:`.dispatch._kernel` therefore
+fills a cold cache in a child process and always loads. These tests check the loading, the probe of the cache
+and that a fresh process reproduces this one's outputs bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from kivi.optional import numba_available
+
+pytestmark = pytest.mark.skipif(not numba_available(), reason="numba not installed")
+
+ROOT = Path(__file__).resolve().parents[2]
+SAVE = ("import sys, torch; from tests.attention.test_kernel_cache import kernel_outputs; "
+        "torch.save(kernel_outputs(), sys.argv[1])")
+
+
+def kernel_outputs() -> dict[str, torch.Tensor]:
+    """Every entry point, serial and threaded, on fixed inputs: the paged cases (gathered rows and rows in place)
+    of test_paged_decode and a single-sequence layer (2-bit and 3-bit, GQA 3)."""
+    from kivi import KiviConfig
+    from kivi.attention.fused_cpu import fused_decode_attention
+    from kivi.attention.fused_cpu.paged import paged_decode_attention
+    from tests.attention.test_fused_cpu import _fill
+    from tests.attention.test_paged_decode import CASES, RING_CASES, _batch, _layout, _ring_form
+
+    outs = {}
+    for ci, dtype, extra in RING_CASES:
+        H, gqa, D, P, G, kb, vb, pdt, sym = CASES[ci]
+        lay = _layout(H, D, P, G, kb, vb, pdt, sym)
+        lens, sinks, w0 = [1, 7, 77, 301, 45, 130, 1500, 2047], [0, 0, 2, 4, 4, 0, 4, 0], 4
+        pool, table, counts, k_fp, v_fp = _batch(lay, lens, sinks, w0)
+        ring = int(counts[:, [2, 5]].max()) - 1 + extra
+        kr, vr, k_fp, v_fp = _ring_form(k_fp, v_fp, counts, w0, ring, dtype)
+        q = torch.randn(len(lens), H * gqa, D, generator=torch.Generator().manual_seed(1))
+        q = q.to(torch.float32 if pdt == torch.float32 else pdt)
+        for threaded in (False, True):
+            outs[f"paged{ci}-{dtype}-{threaded}"] = paged_decode_attention(
+                q, pool, lay, table, counts, k_fp, v_fp, w0, scaling=0.3, threaded=threaded)
+            outs[f"ring{ci}-{dtype}-{threaded}"] = paged_decode_attention(
+                q, pool, lay, table, counts, kr, vr, w0, scaling=0.3, threaded=threaded)
+    for bits in (2, 3):
+        cfg = KiviConfig(group_size=8, residual_length=16, block_size=32, k_bits=bits, v_bits=bits)
+        views = _fill(cfg, 2, 2, 32, [1297, 1, 1, 1], torch.float32)
+        q = torch.randn(2, 6, 1, 32, generator=torch.Generator().manual_seed(2))
+        for threaded in (False, True):
+            outs[f"layer{bits}-{threaded}"] = fused_decode_attention(q, *views, threaded=threaded)
+    return outs
+
+
+def _run(code: str, *args: str, cache_dir: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    if cache_dir is not None:
+        env["NUMBA_CACHE_DIR"] = cache_dir
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          check=True)
+
+
+def _assert_same_bits(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    differ = {k: (a[k].float() - b[k].float()).abs().max().item() for k in a if not torch.equal(a[k], b[k])}
+    assert not differ, f"outputs differ between the two processes (max abs difference): {differ}"
+
+
+def test_the_entries_run_as_loaded_from_numba_cache():
+    """This process's entry points came from numba's cache (a hit each, no compile here), which now holds all."""
+    from kivi.attention.fused_cpu import dispatch
+
+    kernel = dispatch._kernel()
+    if not hasattr(kernel.ENTRIES[0][0]._cache, "_cache_file"):
+        pytest.skip("numba cannot cache here (no writable cache directory)")
+    for entry, sig in kernel.ENTRIES:
+        stats = entry.stats
+        assert stats.cache_hits[sig] == 1 and not stats.cache_misses, (entry.__name__, stats)
+    assert kernel.cache_missing() == []
+
+
+def test_cache_missing_names_every_entry_of_an_empty_cache(tmp_path):
+    """The probe reads numba's index only: in an empty cache directory it names all six entries, compiling none."""
+    code = ("from kivi.attention.fused_cpu import kernel; print(kernel.cache_missing()); "
+            "print([sum(e.stats.cache_misses.values()) for e, _ in kernel.ENTRIES])")
+    out = _run(code, cache_dir=str(tmp_path)).stdout.splitlines()
+    assert out == ["['decode_threaded', 'decode_serial', 'paged_decode_threaded', 'paged_decode_serial', "
+                   "'paged_ring_decode_threaded', 'paged_ring_decode_serial']", "[0, 0, 0, 0, 0, 0]"]
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []  # nothing compiled, nothing written
+
+
+def test_a_fresh_process_gives_this_process_bits(tmp_path):
+    here = kernel_outputs()
+    _run(SAVE, str(tmp_path / "there.pt"))
+    _assert_same_bits(here, torch.load(tmp_path / "there.pt"))
+
+
+def test_a_failed_fill_warns_and_names_the_failure(monkeypatch):
+    """A child that cannot compile leaves a warning with its exit code (the caller then compiles in-process)."""
+    from kivi.attention.fused_cpu import dispatch, kernel
+
+    fake = types.SimpleNamespace(__file__=kernel.__file__, cache_missing=lambda: ["decode_serial"])
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    with pytest.warns(RuntimeWarning, match=r"did not fill numba's cache \(exit code 1"):
+        dispatch._fill_cache(fake)
+    monkeypatch.setattr(sys, "executable", "")
+    with pytest.warns(RuntimeWarning, match="sys.executable is empty"):
+        dispatch._fill_cache(fake)
+
+
+@pytest.mark.slow
+def test_a_cold_cache_gives_the_bits_of_a_warm_one(tmp_path):
+    """A process that finds numba's cache empty (it compiles, in its child) and one that loads what that left:
+    the same bits, and this process's (whose cache is its own). Compiles the kernel: 1.5 min on 2 cores."""
+    cache = str(tmp_path / "numba")
+    _run(SAVE, str(tmp_path / "cold.pt"), cache_dir=cache)
+    _run(SAVE, str(tmp_path / "warm.pt"), cache_dir=cache)
+    cold, warm = torch.load(tmp_path / "cold.pt"), torch.load(tmp_path / "warm.pt")
+    _assert_same_bits(cold, warm)
+    _assert_same_bits(kernel_outputs(), cold)
