@@ -1214,13 +1214,16 @@ def cache_missing() -> list[str]:
 
     It asks numba's cache index with the key numba's own lookup computes (``Dispatcher.compile`` looks the
     signature up the same way before it compiles); these are numba internals (``_cache``, ``_index_key``,
-    ``_cache_file``), stable since numba 0.49 and tested in tests/attention/test_kernel_cache.py. Where numba
-    cannot cache at all (no writable cache directory) the answer is ``[]``: there is nothing to fill.
+    ``_cache_file``), stable since numba 0.49 and tested in tests/attention/test_kernel_cache.py (a numba that
+    renames them raises ``AttributeError`` here rather than answering wrong). Where numba cannot cache at all
+    (``NullCache``: no writable cache directory) the answer is ``[]``: there is nothing to fill.
     """
+    from numba.core.caching import NullCache
+
     missing = []
     for entry, sig in ENTRIES:
         cache = entry._cache
-        if not hasattr(cache, "_cache_file"):  # numba's NullCache: caching unavailable here
+        if isinstance(cache, NullCache):  # caching unavailable here
             return []
         entry.targetctx.refresh()
         if cache._index_key(sig, entry.targetctx.codegen()) not in cache._cache_file._load_index():
