@@ -1213,9 +1213,9 @@ def cache_missing() -> list[str]:
     """The entry points numba's on-disk cache has no code for (this machine, this source), loading nothing.
 
     It asks numba's cache index with the key numba's own lookup computes (``Dispatcher.compile`` looks the
-    signature up the same way before it compiles); these are numba internals (``_cache``, ``_index_key``,
-    ``_cache_file``), stable since numba 0.49 and tested in tests/attention/test_kernel_cache.py (a numba that
-    renames them raises ``AttributeError`` here rather than answering wrong). Where numba cannot cache at all
+    signature up the same way before it compiles). These are numba internals (``_cache``, ``_index_key``,
+    ``_cache_file``, as numba 0.65 and 0.68 define them), tested in tests/attention/test_kernel_cache.py; a
+    numba that renames them raises ``AttributeError`` here rather than answering wrong. Where numba cannot cache at all
     (``NullCache``: no writable cache directory) the answer is ``[]``: there is nothing to fill.
     """
     from numba.core.caching import NullCache
