@@ -86,9 +86,10 @@ def _kernel():
 def _fill_cache(kernel) -> None:
     """Compile the kernel's entry points in a child process, which saves them to numba's on-disk cache.
 
-    The child imports the same ``kivi`` (its package root first on ``PYTHONPATH``) with this process's
-    environment (``NUMBA_CACHE_DIR`` included). Takes as long as compiling here (minutes on a small
-    machine, once per install). If the child fails or the cache still lacks an entry, this warns and the
+    The child imports the same ``kivi``: it starts in the package root, which also leads ``PYTHONPATH``, so a
+    ``kivi`` folder in this process's working directory cannot stand in. It gets this process's environment
+    (``NUMBA_CACHE_DIR`` included). Takes as long as compiling here (minutes on a small machine, once per
+    install). If the child fails or the cache still lacks an entry, this warns and the
     caller compiles in this process: correct results, whose last float32 bit can differ from a cached
     kernel's.
     """
@@ -109,7 +110,7 @@ def _fill_cache(kernel) -> None:
     if not sys.executable:
         failure = "no Python executable to start (sys.executable is empty)"
     else:
-        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
         failure = f"exit code {done.returncode}: {done.stderr[-2000:]}" if done.returncode else ""
     missing = kernel.cache_missing()
     if failure or missing:
