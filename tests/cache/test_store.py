@@ -95,6 +95,7 @@ def test_deepcopy_of_a_used_cache_reads_its_own_blocks():
     import copy
 
     from kivi import KiviCache, KiviConfig, quantize_model
+    from kivi.integration import generate_cache_key
     from tests.helpers import tiny_model
 
     model = tiny_model(weight_scale=2.0)
@@ -104,17 +105,18 @@ def test_deepcopy_of_a_used_cache_reads_its_own_blocks():
     assert cache.attention_backend == "cpu"
     torch.manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (1, 40))
+    key = generate_cache_key(model)  # `cache=` where the forward takes it (`past_key_values=` deprecated in 5.25)
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, **{key: cache})
         for t in range(5):  # decode steps: the fused kernel memoises its tables in the stores
-            model(ids[:, t:t + 1], past_key_values=cache)
+            model(ids[:, t:t + 1], **{key: cache})
         assert any(layer.k.store.derived for layer in cache.layers)
         copied, twin = copy.deepcopy(cache), copy.deepcopy(cache)
-        expected = model(ids[:, :1], past_key_values=twin).logits
+        expected = model(ids[:, :1], **{key: twin}).logits
         for layer in cache.layers:  # scribble over the original's stored blocks
             for side in (layer.k, layer.v):
                 for blk in side.store.blocks:
                     for t in (blk or {}).values():
                         t.fill_(3 if t.dtype == torch.uint8 else 7)
-        got = model(ids[:, :1], past_key_values=copied).logits
+        got = model(ids[:, :1], **{key: copied}).logits
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
