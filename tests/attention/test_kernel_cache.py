@@ -117,6 +117,22 @@ def test_a_failed_fill_warns_and_names_the_failure(monkeypatch):
         dispatch._fill_cache(fake)
 
 
+def test_a_numba_without_the_cache_internals_warns_and_loads_here(monkeypatch):
+    """If a numba release renames what cache_missing reads, the first use warns and goes on (no crash)."""
+    from kivi.attention.fused_cpu import dispatch, kernel
+
+    dispatch._kernel()
+
+    def renamed():
+        raise AttributeError("'FunctionCache' object has no attribute '_cache_file'")
+
+    monkeypatch.setattr(kernel, "cache_missing", renamed)
+    monkeypatch.setattr(dispatch, "_loaded", False)
+    with pytest.warns(RuntimeWarning, match="cannot read numba .*'s cache index"):
+        assert dispatch._kernel() is kernel
+    assert all(entry.signatures for entry, _ in kernel.ENTRIES)
+
+
 @pytest.mark.slow
 def test_a_cold_cache_gives_the_bits_of_a_warm_one(tmp_path):
     """A process that finds numba's cache empty (it compiles, in its child) and one that loads what that left:

@@ -74,13 +74,29 @@ def _kernel():
                 threads = torch.get_num_threads()
                 from . import kernel
 
-                if kernel.cache_missing():
+                if _cache_missing(kernel):
                     _fill_cache(kernel)
                 kernel.load_entries()
                 if torch.get_num_threads() != threads:
                     torch.set_num_threads(threads)
                 _loaded = True
     return sys.modules[f"{__package__}.kernel"]
+
+
+def _cache_missing(kernel) -> list[str]:
+    """:func:`.kernel.cache_missing`; where this numba's cache internals are not the ones it reads, a warning and
+    ``[]``: the process then compiles or loads the entries itself, as before the child fill existed."""
+    try:
+        return kernel.cache_missing()
+    except AttributeError as e:
+        import warnings
+
+        import numba
+
+        warnings.warn(f"kivi: cannot read numba {numba.__version__}'s cache index ({e}); the decode kernel is "
+                      "compiled or loaded in this process, and a process that compiles it can differ from one that "
+                      "loads it in the last float32 bit", RuntimeWarning, stacklevel=3)
+        return []
 
 
 def _fill_cache(kernel) -> None:

@@ -1215,8 +1215,8 @@ def cache_missing() -> list[str]:
     It asks numba's cache index with the key numba's own lookup computes (``Dispatcher.compile`` looks the
     signature up the same way before it compiles). These are numba internals (``_cache``, ``_index_key``,
     ``_cache_file``, as numba 0.65 and 0.68 define them), tested in tests/attention/test_kernel_cache.py; a
-    numba that renames them raises ``AttributeError`` here rather than answering wrong. Where numba cannot cache at all
-    (``NullCache``: no writable cache directory) the answer is ``[]``: there is nothing to fill.
+    numba that renames them raises ``AttributeError`` here rather than answering wrong (the caller warns). Where
+    numba cannot cache at all (``NullCache``: no writable cache directory) the answer is ``[]``: nothing to fill.
     """
     from numba.core.caching import NullCache
 
@@ -1243,5 +1243,6 @@ def load_entries() -> None:
     gives the same bits as every other such process. Measured: docs/fused-cpu.md.
     """
     for entry, sig in ENTRIES:
-        entry.compile(sig)
+        if not entry.signatures:  # idempotent: a second call finds the overload and compiling closed
+            entry.compile(sig)
         entry.disable_compile()  # as numba does for a signature given at decoration: calls convert, never compile
