@@ -242,7 +242,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every row, interleaved; the table shows medians")
     ap.add_argument("--isolate", action="store_true", help="run every row in a fresh process")
     ap.add_argument("--pin-allocator", action="store_true",
-                    help="call kivi.allocator.reduce_fragmentation() first (as the kivi CLI does). Off by default: "
+                    help="call kivi.malloc_pin.reduce_fragmentation() first (as the kivi CLI does). Off by default: "
                          "the pinned mmap threshold makes every large temporary a fresh mapping, which slowed "
                          "DynamicCache decoding (a torch.cat of the whole cache per layer and step) by ~35%% at 2K")
     ap.add_argument("--model", default="smollm2",
@@ -264,7 +264,7 @@ def main():
                     help="also write the results as JSON to FILE (the table still prints)")
     a = ap.parse_args()
     if a.pin_allocator:
-        from kivi.allocator import reduce_fragmentation
+        from kivi.malloc_pin import reduce_fragmentation
 
         reduce_fragmentation()
     if a.repeat < 1:

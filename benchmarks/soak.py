@@ -88,7 +88,7 @@ def memory_child(kind: str, args) -> dict:
     import torch
 
     from kivi import KiviCache
-    from kivi.allocator import reduce_fragmentation
+    from kivi.malloc_pin import reduce_fragmentation
 
     reduce_fragmentation()  # as the CLI does: freed temporaries go back to the OS
     torch.set_num_threads(1)

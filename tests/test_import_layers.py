@@ -18,9 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent / "kivi"
 
 #: Layer of each module, by longest matching name prefix (lower layers first).
 LAYERS: dict[str, int] = {
-    # 0 primitives: pure quantize / pack, optional-dependency probes, allocator tuning
+    # 0 primitives: pure quantize / pack, optional-dependency probes, the glibc malloc pin
     "kivi.quant.primitives": 0, "kivi.quant.clipping": 0, "kivi.quant.packing": 0, "kivi.optional": 0,
-    "kivi.allocator": 0,
+    "kivi.malloc_pin": 0,
     # the value that names one side's quantized format (built by the config, read by every layer above)
     "kivi.quant.side_format": 0,
     # 1 configuration: what to quantize and how; which attention backend reads it

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 2
         if args.command not in UNPINNED_COMMANDS:
-            from ..allocator import reduce_fragmentation
+            from ..malloc_pin import reduce_fragmentation
 
             reduce_fragmentation()  # long CPU runs: keep RSS close to what the caches really hold
         rc = args.func(args)

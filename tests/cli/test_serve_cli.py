@@ -176,10 +176,10 @@ def test_kivi_pages_load_their_kernels_before_the_threads_are_set(monkeypatch, c
 def test_serve_keeps_glibcs_allocator_default(monkeypatch, capsys, argv, pinned):
     """``kivi serve`` does not pin the mmap threshold (its cache is one pool made at start; pinned, every step's
     temporaries were fresh mappings and a float decode step took 1.8x as long); long CPU runs still pin it."""
-    import kivi.allocator
+    import kivi.malloc_pin
 
     calls = []
-    monkeypatch.setattr(kivi.allocator, "reduce_fragmentation", lambda *a, **k: calls.append(a) or True)
+    monkeypatch.setattr(kivi.malloc_pin, "reduce_fragmentation", lambda *a, **k: calls.append(a) or True)
     main(argv)  # both fail on their options (after the allocator decision, before any model loads)
     capsys.readouterr()
     assert bool(calls) == pinned

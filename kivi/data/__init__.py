@@ -1,6 +1,6 @@
 """Evaluation text and fixed-length token windows.
 
-The default text is the WikiText-2 raw test split shipped in ``kivi/data/`` (CC BY-SA 3.0; see
+The default text is the WikiText-2 raw test split shipped beside this module in ``kivi/data/`` (CC BY-SA 3.0; see
 ``kivi/data/README.md`` for the attribution).
 """
 
@@ -16,7 +16,7 @@ import torch
 
 __all__ = ["DATA_DIR", "DEFAULT_TEXT_FILE", "default_text_path", "load_text", "token_ids", "token_windows"]
 
-DATA_DIR = Path(__file__).resolve().parent / "data"
+DATA_DIR = Path(__file__).resolve().parent
 DEFAULT_TEXT_FILE = "wikitext-2-raw-test.txt"
 
 _TOKEN_CACHE: OrderedDict[tuple[str, int, str], torch.Tensor] = OrderedDict()
