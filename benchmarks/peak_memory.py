@@ -59,9 +59,9 @@ def _reset_peak() -> None:
 
 def child(args: argparse.Namespace) -> dict:
     from kivi import KiviConfig, quantize_model
-    from kivi.malloc_pin import reduce_fragmentation
     from kivi.attention import chunked_prefill
     from kivi.eval import cache_nbytes, make_cache
+    from kivi.malloc_pin import reduce_fragmentation
     from kivi.models import load_model
 
     reduce_fragmentation()
