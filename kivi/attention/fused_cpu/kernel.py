@@ -199,7 +199,7 @@ def _transpose_packed(words, n, nw, tw):
     The words of a row are named one by one (a fixed count per branch), so LLVM reads the rows as one
     interleaved group (wide loads and shuffles) instead of one scalar move per word (with :func:`_token_params`:
     a 2,048-token head of SmolLM2's 2-bit rows of 4 words, key scores 0.90x, value accumulation 0.70x their time,
-    ``studies/kernel_parts_ab.py``). Same values as the general loop.
+    ``studies/kernel_parts_ab.py`` in the git tag studies-archive). Same values as the general loop.
     """
     if nw == 2:
         u0, u1 = tw[0], tw[1]
