@@ -3,7 +3,7 @@
 ``reachable_tensor_bytes(cache)`` walks attributes, dicts, lists, tuples and sets from ``cache``
 and adds up the storages of the tensors it meets, each storage once (a view counts its whole
 storage: a zero-length slice can pin a large tensor). For a :class:`~kivi.KiviCache` it should
-equal ``cache.nbytes``; the tests and ``benchmarks/reachable_bytes.py`` check that it does.
+equal ``cache.nbytes``; the tests and ``benchmarks/bench_memory.py reachable`` check that it does.
 """
 
 from __future__ import annotations

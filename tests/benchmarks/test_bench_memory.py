@@ -1,4 +1,5 @@
-"""benchmarks/soak.py on a tiny size: it runs its children, writes its JSON and table, and the summary is right."""
+"""benchmarks/bench_memory.py: its subcommands; ``soak`` on a tiny size runs its children, writes its JSON and table,
+and the summary is right."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import pytest
 pytest.importorskip("numba")
 
 ROOT = Path(__file__).resolve().parents[2]
-_PATH = ROOT / "benchmarks" / "soak.py"
-spec = importlib.util.spec_from_file_location("soak", _PATH)
+_PATH = ROOT / "benchmarks" / "bench_memory.py"
+spec = importlib.util.spec_from_file_location("bench_memory", _PATH)
 soak = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(soak)
 
@@ -31,7 +32,7 @@ def test_summary_band_and_slope():
 @pytest.mark.slow  # ~35 s: a real (tiny) soak end to end in subprocesses
 def test_tiny_soak_writes_results(tmp_path):
     out, tout, table = tmp_path / "m.json", tmp_path / "t.json", tmp_path / "t.txt"
-    cmd = [sys.executable, str(_PATH), "--tokens", "40", "--every", "20", "--warmup", "0", "--prompt", "1600",
+    cmd = [sys.executable, str(_PATH), "soak", "--tokens", "40", "--every", "20", "--warmup", "0", "--prompt", "1600",
            "--hidden", "128", "--layers", "1", "--kv-heads", "2", "--sliding-window", "16", "--thread-tokens", "4",
            "--models", "sliding", "--numba-layers", "workqueue", "--threads", "2",
            "--out", str(out), "--threads-out", str(tout), "--table", str(table)]
@@ -51,6 +52,20 @@ def test_tiny_soak_writes_results(tmp_path):
 
 
 def test_bad_sizes_are_refused_with_the_flag():
-    p = subprocess.run([sys.executable, str(_PATH), "--every", "0"], capture_output=True, text=True, cwd=ROOT,
+    p = subprocess.run([sys.executable, str(_PATH), "soak", "--every", "0"], capture_output=True, text=True, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert p.returncode == 2 and "--every=0" in p.stderr
+
+
+@pytest.mark.parametrize("argv", [[], ["leak"]], ids=["none", "unknown"])
+def test_a_subcommand_is_required(argv):
+    p = subprocess.run([sys.executable, str(_PATH), *argv], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 2 and "peak, reachable, weights, soak" in p.stderr
+
+
+@pytest.mark.parametrize("command", ["peak", "reachable", "weights", "soak"])
+def test_every_subcommand_parses_its_own_options(command):
+    p = subprocess.run([sys.executable, str(_PATH), command, "--help"], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0 and f"bench_memory.py {command}" in p.stdout
