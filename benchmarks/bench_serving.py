@@ -21,10 +21,10 @@ of one layer (materialized KIVI rows), prompt tokens served from shared pages. `
 ``--scheduler`` take several values: every row runs under each (default: kivi's defaults). Each row runs in
 a fresh process (``--same-process``: all in this one). ``--plot F.png``: generated tokens/s vs budget.
 
-``--http ROW[@BUDGET]`` adds rows served over HTTP by ``kivi serve`` (``serving_http.py``: a fresh server
+``--http ROW[@BUDGET]`` adds rows served over HTTP by ``kivi serve`` (a fresh server
 subprocess, ``--http-clients`` concurrent streaming clients, tokens counted from each response's usage and
 checked equal to the request's). ``--kivi-root-before DIR`` runs every batch and HTTP row a second time with
-kivi imported from the checkout ``DIR`` (a before/after comparison in one run).
+kivi imported from the checkout ``DIR`` (two checkouts compared in one run).
 
     OMP_NUM_THREADS=2 python benchmarks/bench_serving.py --model smollm2 --workload decode-heavy --requests 12 \\
         --budgets 400MiB 800MiB 1600MiB --baselines dynamic kivi-2/2 --threads 2 \\
@@ -35,6 +35,8 @@ kivi imported from the checkout ``DIR`` (a before/after comparison in one run).
         --new-tokens 128 --shared-prefix 0 --threads 2 --check-single 0 --baselines kivi-2/2 \\
         --rows kivi-2/2@1GiB float@fp:2 kivi-2/2@fp:2 float@1GiB --http kivi-2/2@1GiB float@1GiB \\
         --out results/serving/serving_8x512_128.json
+
+The file's parts: the workloads and rows, the HTTP row, the report (table and plot), then the command line.
 """
 
 from __future__ import annotations
@@ -43,31 +45,565 @@ import argparse
 import itertools
 import json
 import os
+import queue
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from transformers import GenerationConfig
 
 #: the checkout whose kivi a row imports (``--kivi-root-before`` sets it in a row's fresh process)
-KIVI_ROOT_ENV = "KIVI_ROOT"  # as benchmarks/profile_serving.py reads it
+KIVI_ROOT_ENV = "KIVI_ROOT"
 sys.path.insert(0, os.environ.get(KIVI_ROOT_ENV) or str(Path(__file__).resolve().parent.parent))
 
 from common import command_line, environment, run_fresh, set_threads, write_json  # noqa: E402
-from kivi.batching import build_layout, fp_block_bytes, generate_batch  # noqa: E402
+from kivi import KiviConfig  # noqa: E402
+from kivi.batching import build_layout, fp_block_bytes, generate_batch, init_continuous_batching  # noqa: E402
 from kivi.memory.units import parse_bytes  # noqa: E402
-from serving_http import SERVER_PAGE_SIZE, http_row, serve_features  # noqa: E402
-from serving_report import format_table, plot_budgets  # noqa: E402
-from serving_rows import (  # noqa: E402
-    BASELINES,
-    ROWS,
-    Workload,
-    batch_row,
-    decode_heavy,
-    generate_row,
-    identical,
-    uniform,
-)
+
+# ============================== workloads and rows
+# The rows of ``bench_serving.py``: one continuous-batching run over a byte budget, or the same requests
+# served one at a time by ``generate()``; and the workloads they serve.
+#
+# A row returns a dict of measurements (generated tokens/s first) and the greedy tokens of every request.
+
+ROWS = {"float": None, "kivi-2/2": KiviConfig(k_bits=2, v_bits=2), "balanced": KiviConfig.preset("balanced"),
+        # the materialized path: pages dequantized one layer at a time, transformers' SDPA (not run by default)
+        "kivi-2/2-sdpa": KiviConfig(k_bits=2, v_bits=2, attention_backend="reference"),
+        # a 32-token window: a short request's window blocks, not its pages, bound how many fit a tight budget
+        "kivi-2/2-r32": KiviConfig(k_bits=2, v_bits=2, residual_length=32)}
+#: one-at-a-time rows: name -> the cache generate() builds (None: DynamicCache; a KiviConfig: quantize_model's)
+BASELINES = {"dynamic": None, "kivi-2/2": ROWS["kivi-2/2"], "balanced": ROWS["balanced"]}
+
+
+@dataclass
+class Workload:
+    """Requests submitted at once: ``prompts[i]`` (token ids) generating ``new_tokens[i]`` greedy tokens (no EOS)."""
+
+    name: str
+    prompts: list[list[int]]
+    new_tokens: list[int]
+
+
+def uniform(n: int, length: int, new_tokens: int, shared: float, vocab: int, seed: int) -> Workload:
+    """``n`` random-id prompts of ``length`` tokens; the first ``shared`` fraction is one common prefix."""
+    g = torch.Generator().manual_seed(seed)
+    low = min(100, vocab // 4)  # above the special tokens of a real vocabulary (and of a tiny one)
+    common = torch.randint(low, vocab - 1, (int(length * shared),), generator=g).tolist()
+    prompts = [common + torch.randint(low, vocab - 1, (length - len(common),), generator=g).tolist() for _ in range(n)]
+    return Workload(f"shared_prefix_{shared:.2f}", prompts, [new_tokens] * n)
+
+
+def spread(n: int, lo: int, hi: int, seed: int) -> list[int]:
+    """``n`` integers spread evenly over ``[lo, hi]``, in an order shuffled by ``seed``."""
+    values = [lo + round((hi - lo) * i / max(1, n - 1)) for i in range(n)]
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return [values[i] for i in order]
+
+
+def decode_heavy(n: int, prompt_range: tuple[int, int], new_range: tuple[int, int], ids: list[int] | None,
+                 vocab: int, seed: int) -> Workload:
+    """``n`` prompts of lengths spread over ``prompt_range``, each cut from consecutive text ``ids``
+    (WikiText-2 tokens; ``None``: random ids, for a model without a tokenizer), with ``new_range`` new tokens."""
+    lengths, news = spread(n, *prompt_range, seed), spread(n, *new_range, seed + 1)
+    prompts, at = [], 0
+    g = torch.Generator().manual_seed(seed)
+    for length in lengths:
+        if ids is None:
+            prompts.append(torch.randint(min(100, vocab // 4), vocab - 1, (length,), generator=g).tolist())
+            continue
+        if at + length > len(ids):
+            at = 0
+        prompts.append(ids[at:at + length])
+        at += length
+    return Workload("decode_heavy", prompts, news)
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def latency_columns(t0: float, stamps: list[list[float]], prompts: list[list[int]], wall: float) -> dict:
+    """Throughput and latency from each request's token times (``stamps[i]``: seconds of each generated token)."""
+    ttft = [s[0] - t0 for s in stamps if s]
+    tpot = [(s[-1] - s[0]) / (len(s) - 1) for s in stamps if len(s) > 1]
+    return summary(ttft, tpot, sum(len(s) for s in stamps), prompts, wall)
+
+
+def summary(ttft: list[float], tpot: list[float], gen: int, prompts: list[list[int]], wall: float) -> dict:
+    """The columns every row reports: ``gen`` generated tokens in ``wall`` seconds, the percentiles of the
+    requests' times to first token (``ttft``) and per-token latencies (``tpot``)."""
+    return {"generated_tokens_per_s": gen / wall, "wall_s": wall, "generated_tokens": gen,
+            "total_tokens_per_s": (gen + sum(len(p) for p in prompts)) / wall,
+            "ttft_p50_s": _pct(ttft, 0.5), "ttft_p95_s": _pct(ttft, 0.95),
+            "per_token_p50_s": _pct(tpot, 0.5), "per_token_p95_s": _pct(tpot, 0.95)}
+
+
+def batch_row(model, cfg: KiviConfig | None, work: Workload, cache_memory: int, cb_kwargs: dict) -> dict:
+    """All requests submitted at once to one continuous-batching manager over ``cache_memory`` bytes."""
+    gen = GenerationConfig(max_new_tokens=max(work.new_tokens), do_sample=False, eos_token_id=-1)
+    manager = init_continuous_batching(model, cfg, cache_memory=cache_memory, generation_config=gen, **cb_kwargs)
+    for p, n in zip(work.prompts, work.new_tokens):
+        manager.check_request_fits(len(p), n)
+    held, results = 0, {}
+    manager.start()
+    try:
+        t0 = time.perf_counter()
+        ids = [manager.add_request(p, f"req_{i}", n, record_timestamps=True)
+               for i, (p, n) in enumerate(zip(work.prompts, work.new_tokens))]
+        while len(results) < len(ids):
+            out = manager.get_result(timeout=0.02)
+            bp = manager.batch_processor
+            if bp is not None:
+                held = max(held, len(bp.scheduler.active_requests))
+            if out is not None and out.is_finished():
+                if out.error is not None:
+                    raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+                results[out.request_id] = out
+            elif out is None and not manager.is_running():
+                raise RuntimeError("the continuous-batching loop stopped")
+        wall = time.perf_counter() - t0
+        cache = manager.batch_processor.cache
+        resolved = manager.batch_processor.scheduler
+        transient = getattr(cache, "max_dequantized_bytes", None)
+        shared = getattr(cache, "shared_tokens", None)
+        blocks = cache.num_blocks
+        cb = manager.continuous_batching_config
+        settings = {"max_batch_tokens": cb.max_batch_tokens, "scheduler": cb.scheduler_type,
+                    "safety_margin": resolved.safety_margin, "attention": model.config._attn_implementation}
+    finally:
+        manager.stop(block=True, timeout=60)
+        manager.destroy()
+    row = latency_columns(t0, [results[i].timestamps for i in ids], work.prompts, wall)
+    longest = max(len(p) + n for p, n in zip(work.prompts, work.new_tokens))
+    row.update({"requests_held_at_once": held, "capacity_requests": blocks // manager.request_blocks(longest),
+                "cache_blocks": blocks, "block_bytes": manager.block_bytes, "settings": settings,
+                "dequantized_transient_bytes": transient, "shared_prompt_tokens": shared,
+                "tokens": [results[i].generated_tokens for i in ids]})
+    return row
+
+
+class _Stamps:
+    """A ``generate()`` streamer that records the time of every generated token (the first put is the prompt)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def generate_row(model, cfg: KiviConfig | None, work: Workload, limit: int | None = None) -> dict:
+    """The requests served one after another by ``generate()`` (``cfg``: on a ``quantize_model``-ed model), all
+    counted as submitted at the start: request i's first token waits for the requests before it."""
+    from kivi import dequantize_model, quantize_model
+
+    prompts = work.prompts[:limit]
+    if cfg is not None:
+        quantize_model(model, cfg)
+    try:
+        stamps, tokens = [], []
+        t0 = time.perf_counter()
+        for p, n in zip(prompts, work.new_tokens):
+            s = _Stamps()
+            out = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=-1,
+                                 pad_token_id=0, streamer=s)
+            tokens.append(out[0, len(p):].tolist())
+            stamps.append(s.times)
+        wall = time.perf_counter() - t0
+    finally:
+        if cfg is not None:
+            dequantize_model(model)
+    row = latency_columns(t0, stamps, prompts, wall)
+    row.update({"requests_held_at_once": 1, "tokens": tokens})
+    return row
+
+
+def identical(tokens: list[list[int]], reference: list[list[int]]) -> dict:
+    """How many requests got the same greedy tokens as ``reference`` (and where each first differs)."""
+    first = [next((j for j, (a, b) in enumerate(zip(t, r)) if a != b),
+                  None if len(t) == len(r) else min(len(t), len(r))) for t, r in zip(tokens, reference)]
+    return {"requests": len(first), "identical": sum(f is None for f in first), "first_differing_token": first}
+
+
+# ============================== the HTTP row
+# The HTTP row of ``bench_serving.py``: the same requests sent to ``kivi serve`` by concurrent clients.
+#
+# The server runs as a subprocess (``python -m kivi serve``) on a free localhost port with the row's model, pages
+# (``--float-cache``, or the row's ``KiviConfig`` as a ``--config`` file), budget, threads, page size and tokens per
+# forward. It is waited for (``GET /health``) and stopped with SIGINT (SIGKILL after 15 s) whatever happens. Each
+# client (a thread with its own ``httpx`` client) takes the next request and streams ``POST /v1/completions`` with
+# the prompt as token ids, ``temperature`` 0 (greedy), ``max_tokens`` = the request's new tokens and
+# ``ignore_eos`` (as the batch rows, which run with no EOS).
+#
+# A checkout whose kivi serve has no ``ignore_eos`` / ``--page-size`` (``--kivi-root-before`` an older one) is
+# served without them: its requests may end at the model's EOS. Either way the row counts the tokens from each
+# response's ``usage`` and fails, naming the request, when one got fewer than it asked for, so every row it
+# reports generated exactly the requested tokens.
+
+#: kivi serve's page size without --page-size (a checkout from before the option has only this one)
+SERVER_PAGE_SIZE = 256
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``python -m kivi serve ARGS`` on a free localhost port, as a context manager: entered once ``/health``
+    answers 200, stopped on exit (SIGINT, then SIGKILL). Its output goes to a temporary file (a pipe nobody
+    reads could fill and block it); :attr:`output` holds it after the stop."""
+
+    def __init__(self, args: list[str], *, env: dict[str, str] | None = None, start_timeout: float = 600.0,
+                 cwd: str | None = None) -> None:
+        self.args, self.env, self.start_timeout, self.cwd = args, env or {}, start_timeout, cwd
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.output = ""
+        self.returncode: int | None = None
+
+    def __enter__(self) -> "Server":
+        import httpx
+
+        self._log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kivi", "serve", "--port", str(self.port), *self.args],
+                                     env={**os.environ, **self.env}, stdout=self._log, stderr=subprocess.STDOUT,
+                                     text=True, cwd=self.cwd)
+        try:
+            deadline = time.monotonic() + self.start_timeout
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"kivi serve exited with {self.proc.returncode} before it answered")
+                try:
+                    if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"kivi serve did not answer /health within {self.start_timeout:.0f} s")
+                time.sleep(0.2)
+        except BaseException as e:
+            self.stop()
+            raise RuntimeError(f"{e}:\n{self.output[-3000:]}") from None
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.seek(0)
+        self.output = self._log.read()
+        self._log.close()
+        self.returncode = self.proc.returncode
+        return self.returncode
+
+    def health(self) -> dict:
+        import httpx
+
+        return httpx.get(f"{self.url}/health", timeout=5.0).json()
+
+
+#: how often a row asks ``/health`` how many requests hold blocks: each poll is a request the server and the
+#: client process (on the same cores here) pay for; every request lives for seconds, so 0.5 s sees them all
+HELD_POLL_S = 0.5
+
+
+def serve_features(kivi_root: str | None) -> set[str]:
+    """What the kivi serve of checkout ``kivi_root`` (None: this one) takes of ``ignore_eos`` (a request
+    field) and ``page_size`` (``--page-size``): read from its source, so an older checkout still runs."""
+    root = Path(kivi_root) if kivi_root is not None else Path(__file__).resolve().parent.parent
+    params = (root / "kivi" / "serving" / "params.py").read_text()
+    serve = (root / "kivi" / "cli" / "serve.py").read_text()
+    found = (("ignore_eos", '"ignore_eos"' in params), ("page_size", '"--page-size"' in serve))
+    return {name for name, present in found if present}
+
+
+def server_args(model: str, cfg, budget: int, max_new_tokens: int, threads: int, max_batch_tokens: int | None,
+                folder: Path, page_size: int | None = None) -> list[str]:
+    """kivi serve's options for a row: ``cfg`` None is ``--float-cache``, else written to ``folder`` as JSON;
+    ``page_size`` None: the server's default."""
+    args = ["--model", model, "--cache-memory", str(budget), "--max-new-tokens", str(max_new_tokens),
+            "--threads", str(threads)]
+    if page_size is not None:
+        args += ["--page-size", str(page_size)]
+    if max_batch_tokens is not None:
+        args += ["--max-batch-tokens", str(max_batch_tokens)]
+    if cfg is None:
+        return [*args, "--float-cache"]
+    path = folder / "kivi_config.json"
+    cfg.to_json(path)
+    return [*args, "--config", str(path)]
+
+
+def stream_completion(client, url: str, prompt: list[int], max_tokens: int, t0: float, *,
+                      ignore_eos: bool = True) -> dict:
+    """One streamed greedy completion: seconds (from ``t0``) of its first and last text piece, its usage, its
+    finish reason and text."""
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    first = last = None
+    usage, finish, text = None, None, []
+    with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"kivi serve answered {r.status_code}: {r.read().decode(errors='replace')[:500]}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                raise RuntimeError(f"kivi serve failed the request: {event['error']}")
+            choice = (event.get("choices") or [{}])[0]
+            if choice.get("text"):
+                now = time.perf_counter() - t0
+                first = now if first is None else first
+                last = now
+                text.append(choice["text"])
+            finish = choice.get("finish_reason") or finish
+            usage = event.get("usage") or usage
+    if usage is None:
+        raise RuntimeError("kivi serve's stream ended without usage")
+    return {"first_s": first, "last_s": last, "usage": usage, "finish_reason": finish, "text": "".join(text)}
+
+
+def send_all(url: str, work: Workload, clients: int, t0: float, timeout: float, *,
+             ignore_eos: bool = True) -> list[dict]:
+    """Every request of ``work`` through ``clients`` concurrent clients (each takes the next request)."""
+    import httpx
+
+    todo: queue.Queue = queue.Queue()
+    for i in range(len(work.prompts)):
+        todo.put(i)
+    results: list[dict | None] = [None] * len(work.prompts)
+    errors: list[BaseException] = []
+
+    def client_loop() -> None:
+        with httpx.Client(timeout=timeout) as client:
+            while not errors:
+                try:
+                    i = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    results[i] = stream_completion(client, url, work.prompts[i], work.new_tokens[i], t0,
+                                                   ignore_eos=ignore_eos)
+                except BaseException as e:  # reported below, after every client has stopped
+                    errors.append(RuntimeError(f"request {i}: {e}"))
+
+    threads = [threading.Thread(target=client_loop, name=f"bench-client-{k}") for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _watch_held(server: Server, stop: threading.Event, seen: list[int], every: float = HELD_POLL_S) -> None:
+    """The largest ``requests_holding_blocks`` in ``/health`` (polled every ``every`` s) until ``stop``."""
+    while not stop.is_set():
+        try:
+            seen.append(server.health()["cache"]["requests_holding_blocks"])
+        except Exception:  # noqa: BLE001 (a poll that fails is not a measurement; the requests tell the errors)
+            pass
+        stop.wait(every)
+
+
+def check_counts(work: Workload, results: list[dict]) -> None:
+    """Every request got the prompt tokens it sent and the new tokens it asked for (``usage``), else
+    ``RuntimeError`` naming the first that did not."""
+    short = [(i, r["usage"]["completion_tokens"], r["finish_reason"]) for i, r in enumerate(results)
+             if r["usage"]["completion_tokens"] != work.new_tokens[i]]
+    if short:
+        i, got, why = short[0]
+        raise RuntimeError(f"request {i} got {got} of {work.new_tokens[i]} tokens (finish_reason {why!r}): a kivi "
+                           f"serve without ignore_eos needs requests that do not reach EOS "
+                           f"({len(short)} of {len(results)} did not get their tokens)")
+    for i, r in enumerate(results):
+        if r["usage"]["prompt_tokens"] != len(work.prompts[i]):
+            raise RuntimeError(f"request {i}: kivi serve counted {r['usage']['prompt_tokens']} prompt tokens, "
+                               f"sent {len(work.prompts[i])}")
+
+
+def http_row(model: str, cfg, work: Workload, budget: int, *, clients: int, threads: int,
+             max_batch_tokens: int | None, timeout: float = 7200.0, kivi_root: str | None = None,
+             page_size: int = SERVER_PAGE_SIZE) -> dict:
+    """The requests of ``work`` sent at once to a fresh ``kivi serve`` by ``clients`` concurrent clients, after an
+    untimed warm-up request (the first 300 prompt tokens reversed, so no page of it is shared with a timed one)."""
+    env = {"OMP_NUM_THREADS": str(threads)}
+    if kivi_root is not None:
+        env["PYTHONPATH"] = os.pathsep.join([kivi_root, *filter(None, [os.environ.get("PYTHONPATH")])])
+    features = serve_features(kivi_root)
+    if page_size != SERVER_PAGE_SIZE and "page_size" not in features:
+        raise RuntimeError(f"the kivi serve of {kivi_root} has no --page-size: it serves {SERVER_PAGE_SIZE}-token "
+                           f"pages only, not {page_size}")
+    ignore_eos = "ignore_eos" in features
+    with tempfile.TemporaryDirectory() as folder:
+        args = server_args(model, cfg, budget, max(work.new_tokens), threads, max_batch_tokens, Path(folder),
+                           page_size if "page_size" in features else None)
+        # ``python -m`` imports from its working directory first: the checkout's, so its kivi is the one served
+        with Server(args, env=env, cwd=kivi_root) as server:
+            warm = Workload("warmup", [work.prompts[0][:300][::-1]], [3])
+            send_all(server.url, warm, 1, time.perf_counter(), timeout, ignore_eos=ignore_eos)
+            blocks = server.health()["cache"]["blocks_total"]
+            stop, held = threading.Event(), [0]
+            watcher = threading.Thread(target=_watch_held, args=(server, stop, held), daemon=True)
+            watcher.start()
+            t0 = time.perf_counter()
+            try:
+                results = send_all(server.url, work, clients, t0, timeout, ignore_eos=ignore_eos)
+            finally:
+                wall = time.perf_counter() - t0
+                stop.set()
+                watcher.join()
+    check_counts(work, results)
+    counts = [r["usage"]["completion_tokens"] for r in results]
+    ttft = [r["first_s"] for r in results if r["first_s"] is not None]
+    tpot = [(r["last_s"] - r["first_s"]) / (n - 1) for r, n in zip(results, counts)
+            if n > 1 and r["first_s"] is not None and r["last_s"] > r["first_s"]]
+    row = summary(ttft, tpot, sum(counts), work.prompts, wall)
+    row.update({"requests_held_at_once": max(held), "cache_blocks": blocks, "clients": clients,
+                "completion_tokens": counts, "requested_tokens": list(work.new_tokens),
+                "finish_reasons": [r["finish_reason"] for r in results],
+                "settings": {"max_batch_tokens": 512 if max_batch_tokens is None else max_batch_tokens,
+                             "scheduler": "fifo", "page_size": page_size, "ignore_eos": ignore_eos,
+                             "server": "kivi serve, /v1/completions, streamed"},
+                "texts": [r["text"] for r in results]})
+    return row
+
+
+# ============================== the report
+# The table and the plot of ``bench_serving.py``'s report (generated tokens/s is the headline column).
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}s"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.0f}ms"
+
+
+def format_table(report: dict) -> str:
+    lines = [f"# {report['command']}",
+             f"# model {report['model']} ({report['dtype']}), workload {report['workload']}, {report['requests']} "
+             f"requests, page {report['page_size']}, {report['threads']} thread(s), "
+             f"{'a fresh process per row' if report['fresh_process_per_row'] else 'rows in one process'}"]
+    load = report.get("load_average")
+    if load and "end" in load:
+        lines.append("# load average (1/5/15 min) at the start " + "/".join(f"{x:.1f}" for x in load["start"])
+                     + ", at the end " + "/".join(f"{x:.1f}" for x in load["end"]))
+    for name in dict.fromkeys(r["workload"] for r in report["rows"]):
+        rows = [r for r in report["rows"] if r["workload"] == name]
+        p, n = rows[0]["prompt_tokens"], rows[0]["new_tokens"]
+        lines.append(f"## {name}: prompts {min(p)}-{max(p)} tokens (sum {sum(p)}), new tokens {min(n)}-{max(n)} "
+                     f"(sum {sum(n)})")
+        lines.append(f"{'row':26s} {'budget':>9s} {'sched/mbt':>14s} {'gen tok/s':>9s} {'tok/s':>8s} "
+                     f"{'TTFT p50':>9s} {'TTFT p95':>9s} {'tok p50':>8s} {'tok p95':>8s} {'held':>4s} {'fits':>4s} "
+                     f"{'transient':>10s} {'shared':>6s} {'same':>6s}")
+        for r in rows:
+            s = r.get("settings", {})
+            label = {"one-at-a-time": "one-at-a-time ", "http": "http-"}.get(r["kind"], "") + r["cache"]
+            if r.get("kivi_root"):
+                label += f" ({Path(r['kivi_root']).name})"
+            budget = "-" if r["budget_bytes"] is None else f"{r['budget_bytes'] / 2**20:.1f}Mi"
+            sched = f"{s['scheduler']}/{s['max_batch_tokens']}" if s else "-"
+            tr = r.get("dequantized_transient_bytes")
+            same = r.get("same_tokens_as_one_at_a_time") or r.get("same_text_as_batch")
+            same = "-" if same is None else f"{same['identical']}/{same['requests']}"
+            lines.append(
+                f"{label:26s} {budget:>9s} {sched:>14s} {r['generated_tokens_per_s']:9.2f} "
+                f"{r['total_tokens_per_s']:8.1f} {_s(r['ttft_p50_s']):>9s} {_s(r['ttft_p95_s']):>9s} "
+                f"{_ms(r['per_token_p50_s']):>8s} {_ms(r['per_token_p95_s']):>8s} {r['requests_held_at_once']:4d} "
+                f"{r.get('capacity_requests', '-'):>4} {'-' if tr is None else f'{tr / 2**20:.1f}Mi':>10s} "
+                f"{r.get('shared_prompt_tokens') or 0:6d} "
+                f"{same:>6s}")
+    if any(r["kind"] == "http" for r in report["rows"]):
+        lines.append("same: batch rows, greedy tokens equal to the one-at-a-time row of the same cache; http rows, "
+                     "text equal to the first batch row of the same cache")
+    for name, a in report.get("single_request_agreement", {}).items():
+        lines.append(f"greedy tokens vs one-request generate() with the same config ({name}): {a['identical']}/"
+                     f"{a['requests']} requests identical (first differing token: {a['first_differing_token']})")
+    cap = report["capacity"]
+    lines.append(f"computed: requests of {cap['tokens_per_request']} tokens held at once in "
+                 f"{cap['budget_bytes'] / 2**30:.1f} GiB (fp16 model, from page sizes): "
+                 + ", ".join(f"{k} {v}" for k, v in cap["requests_that_fit"].items()))
+    return "\n".join(lines)
+
+
+def plot_budgets(report: dict, path: str | Path) -> Path:
+    """Generated tokens/s vs budget (MiB): one line per cache and scheduler setting of the batch rows, the
+    one-at-a-time rows as horizontal lines (they use no budget). One panel per workload."""
+    import matplotlib  # noqa: PLC0415 (optional dependency)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    names = list(dict.fromkeys(r["workload"] for r in report["rows"]))
+    fig, axes = plt.subplots(1, len(names), figsize=(6.5 * len(names), 4.5), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        rows = [r for r in report["rows"] if r["workload"] == name]
+        lines: dict[str, list[tuple[float, float]]] = {}
+        for r in rows:
+            if r["kind"] != "batch":
+                continue
+            s = r.get("settings", {})
+            key = r["cache"] + (f" ({s['scheduler']}/{s['max_batch_tokens']})" if len(
+                {(x.get("settings") or {}).get("max_batch_tokens") for x in rows if x["kind"] == "batch"}) > 1
+                or len({(x.get("settings") or {}).get("scheduler") for x in rows if x["kind"] == "batch"}) > 1
+                else "") + (f" (kivi from {Path(r['kivi_root']).name})" if r.get("kivi_root") else "")
+            lines.setdefault(key, []).append((r["budget_bytes"] / 2**20, r["generated_tokens_per_s"]))
+        for key, pts in lines.items():
+            pts.sort()
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=key)
+        for r in rows:
+            if r["kind"] == "http":
+                ax.scatter([r["budget_bytes"] / 2**20], [r["generated_tokens_per_s"]], marker="x", s=60,
+                           label=f"kivi serve (HTTP), {r['cache']}")
+            if r["kind"] == "one-at-a-time":
+                ax.axhline(r["generated_tokens_per_s"], linestyle="--", linewidth=1,
+                           label=f"one at a time, {r['cache']}", color="gray" if r["cache"] == "dynamic" else None)
+        ax.set_xlabel("cache budget (MiB)")
+        ax.set_ylabel("generated tokens/s")
+        ax.set_title(f"{report['model']}, {name}, {report['threads']} thread(s)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+# ============================== the command line
+
 
 DEFAULT_ROWS = ["float", "kivi-2/2", "balanced"]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import bench_serving as bs
-from serving_rows import decode_heavy, identical, spread
+from bench_serving import decode_heavy, identical, spread
 
 TINY = ["--model", "tiny", "--workload", "decode-heavy", "--requests", "3", "--prompt-range", "40", "90",
         "--new-range", "3", "6", "--page-size", "32", "--threads", "1"]
@@ -144,8 +144,7 @@ def test_the_http_row_serves_every_request_its_tokens_through_kivi_serve(tmp_pat
 
 
 def test_the_http_row_fails_naming_a_request_that_got_fewer_tokens():
-    from serving_http import check_counts
-    from serving_rows import Workload
+    from bench_serving import Workload, check_counts
 
     work = Workload("w", [[5, 6], [7, 8, 9]], [4, 4])
     ok = {"usage": {"completion_tokens": 4, "prompt_tokens": 2}, "finish_reason": "length"}
@@ -184,8 +183,8 @@ def test_a_checkout_whose_server_has_no_page_size_is_refused_for_other_pages(tmp
 def test_the_http_row_of_another_checkout_serves_that_checkouts_kivi(monkeypatch, tmp_path):
     """``python -m kivi`` imports kivi from its working directory first, so the server of a --kivi-root-before
     row starts in that checkout (started from here, it served this checkout's kivi whatever PYTHONPATH said)."""
-    import serving_http
-    from serving_rows import Workload
+    serving_http = bs
+    from bench_serving import Workload
 
     seen = {}
 
