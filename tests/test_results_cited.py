@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 PATH_RE = re.compile(r"results/[A-Za-z0-9_\-./{},*]+")
 #: options after which a path is where a command writes, not a recorded file
-OUTPUT_OPTIONS = ("--out", "-o", "--json", "--plot", "--write-config", "--threads-out", "--table", "--progress", "--csv")
+OUTPUT_OPTIONS = ("--out", "-o", "--json", "--plot", "--write-config", "--threads-out", "--table", "--progress",
+                  "--csv")
 FILES_HEADING = "## Files"
 ROW_RE = re.compile(r"^\| `([^`]+)` \| ([0-9a-f]{7,40}) \| (.+) \|$")
 
