@@ -37,7 +37,7 @@ error ~1e-7). Compile: ``fastmath=True, cache=True`` everywhere, the helpers ``i
 points with one signature each, given at :func:`load_entries` (the threaded ones ``parallel=True``); the
 per-task functions (:func:`_task`, :func:`_paged_task`, :func:`_paged_slot_task`, :func:`_ring_slot_task`) are
 plain jit calls, so each is compiled once and shared by its serial and threaded entry instead of inlined into
-both. The six entries compile in 85 s on a 2-core VM (numba 0.68.1, session 25; session 20 measured 151 s for
+both. The six entries compile in 85 s on a 2-core VM (numba 0.68.1; 151 s on another VM for
 the same code), 204-237 s while the slot tasks were inlined, 11.5 min with every ``@jit`` callee inlined.
 """
 
