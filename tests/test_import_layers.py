@@ -26,6 +26,8 @@ LAYERS: dict[str, int] = {
     # 1 configuration: what to quantize and how; which attention backend reads it
     "kivi.config": 1,
     "kivi.backends": 1,
+    # the one rule of a sampling temperature (below it: greedy), shared by generate, batching and serving
+    "kivi.sampling": 1,
     # 2 formats: quantized segments and the kernels that write them
     "kivi.quant": 2,
     "kivi.kernels._common": 2,
