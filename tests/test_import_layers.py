@@ -67,6 +67,7 @@ LAYERS: dict[str, int] = {
     "kivi.cli.loading": 7,
     "kivi.cli.threads": 7,
     "kivi.serving": 7,
+    "kivi.serving.auth": 7,
     "kivi": 7,
 }
 
