@@ -19,7 +19,7 @@ def _tokens(folder, capsys, *extra) -> list[int]:
     return json.loads(out)["tokens"]
 
 
-@pytest.mark.parametrize("temperature", ["1e-300", "5e-324", "9.99e-6"])
+@pytest.mark.parametrize("temperature", ["1e-300", "5e-324", "1e-40"])
 def test_a_tiny_temperature_is_greedy(tiny_folder, capsys, temperature):  # noqa: F811
     greedy = _tokens(tiny_folder, capsys)
     assert _tokens(tiny_folder, capsys, "--do-sample", "--temperature", temperature) == greedy
