@@ -31,7 +31,7 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
 )
 from transformers.generation.logits_process import LogitsProcessorList
 
-from ..sampling import GREEDY_BELOW
+from ..sampling import is_greedy_temperature
 
 
 def _float_arg(values: list[float]) -> torch.Tensor:
@@ -76,7 +76,7 @@ class _SampleRows(ContinuousBatchingLogitsProcessor):
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
         temperature = self.temperatures.current
-        sampled = torch.nonzero(temperature >= GREEDY_BELOW).flatten()  # kivi.sampling's rule, on a tensor
+        sampled = torch.nonzero(~is_greedy_temperature(temperature)).flatten()
         if sampled.numel() == 0:
             return scores
         top_p = tensor_arg[: scores.size(0)].view(dtype=torch.float32)[sampled]
@@ -104,7 +104,8 @@ def _nucleus(rows: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 def serving_processors() -> ContinuousBatchingLogitsProcessorList:
     """The logits processors of a manager built greedy (``do_sample=False``) that samples the rows whose
-    request passes ``temperature >= GREEDY_BELOW`` (and ``top_p``) to ``add_request``."""
+    request passes to ``add_request`` a temperature that :func:`kivi.sampling.is_greedy_temperature` does not
+    call greedy (and ``top_p``)."""
     temperatures = _Temperatures()
     processors = ContinuousBatchingLogitsProcessorList(LogitsProcessorList([temperatures, _SampleRows(temperatures)]))
     processors.tensors_required = 2  # one argument row each (transformers counts only the processors it converts)
