@@ -26,6 +26,8 @@ LAYERS: dict[str, int] = {
     # 1 configuration: what to quantize and how; which attention backend reads it
     "kivi.config": 1,
     "kivi.backends": 1,
+    # the one rule of a sampling temperature (below it: greedy), shared by generate, batching and serving
+    "kivi.sampling": 1,
     # 2 formats: quantized segments and the kernels that write them
     "kivi.quant": 2,
     "kivi.kernels._common": 2,
@@ -51,10 +53,11 @@ LAYERS: dict[str, int] = {
     "kivi.vllm": 6,
     # 7 tools: planner, evaluation, model loading, data, command line; the package facade
     "kivi.memory": 7, "kivi.eval": 7, "kivi.models": 7, "kivi.data": 7, "kivi.cli": 7, "kivi.__main__": 7,
-    # models: errors and aliases, the converted-copy cache, loading, weight quantization (one job each)
+    # models: errors and aliases, the converted-copy cache and its manifest, loading, weight quantization
     "kivi.models.errors": 7,
     "kivi.models.aliases": 7,
     "kivi.models.conversion_cache": 7,
+    "kivi.models.copy_manifest": 7,
     "kivi.models.load": 7,
     "kivi.models.weights": 7,
     # the command line's shared pieces: argparse types, option groups, output, model loading, CPU threads
@@ -64,6 +67,7 @@ LAYERS: dict[str, int] = {
     "kivi.cli.loading": 7,
     "kivi.cli.threads": 7,
     "kivi.serving": 7,
+    "kivi.serving.auth": 7,
     "kivi": 7,
 }
 

@@ -298,23 +298,24 @@ def test_identical_gguf_copies_share_one_conversion(fake_conversion, tmp_path):
     assert [c.key for c in conversion_cache.list_converted(cache)] == [converted_cache_path(a, cache).name]
 
 
-def test_copy_from_before_content_keys_is_reused_not_converted(fake_conversion, tmp_path, tiny_checkpoint):
+def test_copy_without_a_manifest_is_converted_again(fake_conversion, tmp_path, tiny_checkpoint, caplog):
+    """A copy whose marker records no manifest (an older kivi, or a name-keyed copy from before content keys) is
+    never trusted: one warning, converted again over it."""
     cache = tmp_path / "cache"
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF old copy")
     st = gguf.stat()
-    legacy = cache / "models" / "model-0123456789abcdef"
-    shutil.copytree(tiny_checkpoint, legacy)
-    (legacy / conversion_cache.CONVERTED_MARKER).write_text(json.dumps(
-        {"source": str(gguf.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}))
-    model, _ = load_model(gguf, cache_dir=cache)
-    assert fake_conversion == [] and model.config.num_hidden_layers == 2
-    new = converted_cache_path(gguf, cache)
-    assert conversion_cache.is_converted(new)
-    assert conversion_cache.is_converted(legacy)  # older kivi versions keep theirs
-    assert os.path.samefile(new / "model.safetensors", legacy / "model.safetensors")  # hard link, not a copy
-    copies = conversion_cache.list_converted(cache)
-    assert conversion_cache.disk_bytes(copies) < sum(c.nbytes for c in copies)
+    target = converted_cache_path(gguf, cache)
+    shutil.copytree(tiny_checkpoint, target)
+    (target / conversion_cache.CONVERTED_MARKER).write_text(json.dumps(
+        {"source": str(gguf.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+         "sha256": conversion_cache.gguf_sha256(gguf, cache)}))
+    with caplog.at_level("WARNING", logger="kivi.models"):
+        model, _ = load_model(gguf, cache_dir=cache)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "no manifest" in warnings[0], warnings
+    assert fake_conversion == [gguf.resolve()] and model.config.num_hidden_layers == 2
+    assert conversion_cache.copy_problem(target) is None
 
 
 def test_list_and_remove_converted(fake_conversion, tmp_path):
@@ -426,3 +427,123 @@ def test_real_full_cache_disk_loads_without_the_copy(fake_conversion, tmp_path, 
         _no_partial_copy(mnt)
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+# --------------------------------------------------------------------------- a copy's manifest: damage is a miss
+
+
+def _tiny_logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([[2, 3, 4, 5]])).logits
+
+
+@pytest.fixture
+def one_copy(fake_conversion, tmp_path, tiny_checkpoint):
+    """``(gguf, cache root, copy folder, reference logits)`` after one conversion."""
+    cache, gguf = tmp_path / "cache", tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF one copy")
+    load_model(gguf, cache_dir=cache)
+    folder = converted_cache_path(gguf, cache)
+    assert conversion_cache.copy_problem(folder, full=True) is None
+    return gguf, cache, folder, _tiny_logits(load_model(tiny_checkpoint)[0])
+
+
+def _damage_and_reload(one_copy, fake_conversion, caplog, damage) -> tuple[list[str], object]:
+    gguf, cache, folder, _ = one_copy
+    damage(folder)
+    with caplog.at_level("WARNING", logger="kivi.models"):
+        model, _ = load_model(gguf, cache_dir=cache)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert fake_conversion == [gguf.resolve()] * 2  # converted again
+    assert conversion_cache.copy_problem(folder, full=True) is None  # ...over the damaged copy
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kivi.models"):
+        load_model(gguf, cache_dir=cache)
+    assert [r for r in caplog.records if r.levelname == "WARNING"] == [] and len(fake_conversion) == 2  # healed
+    return warnings, model
+
+
+def test_truncated_weights_warn_once_and_convert_again(one_copy, fake_conversion, caplog):
+    def truncate(folder):
+        weights = folder / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+    warnings, model = _damage_and_reload(one_copy, fake_conversion, caplog, truncate)
+    assert len(warnings) == 1 and "damaged" in warnings[0] and "model.safetensors has" in warnings[0], warnings
+    assert torch.equal(_tiny_logits(model), one_copy[3])
+
+
+def test_edited_config_warns_and_converts_again(one_copy, fake_conversion, caplog):
+    def fewer_layers(folder):  # 2 -> 1 layer: loads fine, generates garbage
+        config = json.loads((folder / "config.json").read_text())
+        config["num_hidden_layers"] = 1
+        (folder / "config.json").write_text(json.dumps(config))
+
+    warnings, model = _damage_and_reload(one_copy, fake_conversion, caplog, fewer_layers)
+    assert len(warnings) == 1 and "config.json" in warnings[0], warnings
+    assert model.config.num_hidden_layers == 2 and torch.equal(_tiny_logits(model), one_copy[3])
+
+
+def test_weights_damaged_at_their_size_fail_to_load_then_convert_again(one_copy, fake_conversion, caplog,
+                                                                       monkeypatch):
+    """A same-size overwrite of the safetensors header passes the cheap check (sizes; the tiny weights count as
+    large here); the failed load is a miss, not an error, and `copy_problem(full=True)` (kivi cache verify)
+    names the file."""
+    import kivi.models.copy_manifest as copy_manifest
+
+    monkeypatch.setattr(copy_manifest, "CHEAP_HASH_BYTES", 1024)
+    def bad_header(folder):
+        weights = folder / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[:8] = (2**40).to_bytes(8, "little")  # a header length beyond the file
+        weights.write_bytes(bytes(data))
+        assert conversion_cache.copy_problem(folder) is None
+        assert "model.safetensors's content differs" in conversion_cache.copy_problem(folder, full=True)
+
+    warnings, model = _damage_and_reload(one_copy, fake_conversion, caplog, bad_header)
+    assert len(warnings) == 1 and "could not be loaded" in warnings[0], warnings
+    assert torch.equal(_tiny_logits(model), one_copy[3])
+
+
+@pytest.mark.parametrize("damage", ["extra file", "missing file", "symlink", "manifest entry"])
+def test_copy_problem_names_what_changed(one_copy, damage):
+    folder = one_copy[2]
+    if damage == "extra file":  # e.g. an index that would redirect the weights
+        (folder / "model.safetensors.index.json").write_text("{}")
+        expected = "model.safetensors.index.json is not one of the files"
+    elif damage == "missing file":
+        (folder / "tokenizer.json").unlink()
+        expected = "tokenizer.json is missing"
+    elif damage == "symlink":
+        (folder / "model.safetensors").rename(folder.parent / "elsewhere")
+        (folder / "model.safetensors").symlink_to(folder.parent / "elsewhere")
+        expected = "model.safetensors is not a regular file"
+    else:
+        info = conversion_cache.read_marker(folder)
+        info["files"]["config.json"] = {"size": "1"}
+        (folder / conversion_cache.CONVERTED_MARKER).write_text(json.dumps(info))
+        expected = "manifest entry for 'config.json' is damaged"
+    assert expected in conversion_cache.copy_problem(folder)
+    assert not conversion_cache.reuse_converted(one_copy[0].resolve(), folder)
+
+
+def test_a_copy_shared_by_content_stays_in_use_while_one_source_exists(fake_conversion, tmp_path):
+    """Two installs with the same GGUF share one copy: it is stale only when neither has the file any more."""
+    cache = tmp_path / "cache"
+    a, b = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
+    for p in (a, b):
+        p.parent.mkdir()
+        p.write_bytes(b"GGUF shared bytes")
+    load_model(a, cache_dir=cache)
+    load_model(b, cache_dir=cache)
+    assert len(fake_conversion) == 1
+    (copy,) = conversion_cache.list_converted(cache)
+    assert set(copy.sources) == {str(a.resolve()), str(b.resolve())} and copy.damaged is None
+    a.unlink()  # the first install is gone, the second still uses the copy
+    (copy,) = conversion_cache.list_converted(cache)
+    assert copy.stale is None
+    assert conversion_cache.remove_converted(stale=True, cache_dir=cache) == []
+    b.write_bytes(b"GGUF new content")  # the second install's file changed too: nothing uses the copy now
+    (copy,) = conversion_cache.list_converted(cache)
+    assert "every source is gone or changed" in copy.stale and "content changed" in copy.stale
+    assert [c.key for c in conversion_cache.remove_converted(stale=True, cache_dir=cache)] == [copy.key]

@@ -16,6 +16,7 @@ ones are refused (:mod:`kivi.batching.version`).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -32,6 +33,7 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from ..backends import ATTN_IMPLEMENTATION, Backend, backend_named, model_attention_unsupported
 from ..config import KiviConfig
+from ..sampling import is_greedy_temperature
 from .attention import PAGED_ATTN_IMPLEMENTATION
 from .cache import KiviPagedCache
 from .layout import PageLayout, build_layout, fp_block_bytes
@@ -212,6 +214,15 @@ def pages_attention_backend(kivi_config: KiviConfig, model: Any) -> str | None:
     return None
 
 
+def _greedy_if_tiny_temperature(gen: GenerationConfig) -> GenerationConfig:
+    """``gen``, or a copy with ``do_sample=False`` when it samples at a temperature :func:`kivi.sampling.
+    is_greedy_temperature` calls greedy (below 1e-5: float32 logits divided by it give inf/nan probabilities)."""
+    if getattr(gen, "do_sample", False) and is_greedy_temperature(getattr(gen, "temperature", None)):
+        gen = copy.deepcopy(gen)
+        gen.do_sample = False
+    return gen
+
+
 def init_continuous_batching(model: Any, kivi_config: KiviConfig | None, *, cache_memory: int | None = None,
                              generation_config: GenerationConfig | None = None, **kwargs: Any) -> KiviBatchingManager:
     """A continuous-batching manager for ``model`` whose cache is KIVI pages (``kivi_config``) or, with
@@ -221,7 +232,8 @@ def init_continuous_batching(model: Any, kivi_config: KiviConfig | None, *, cach
     (``page_size``, ``max_batch_tokens``, ``scheduler_type``, ``max_requests_per_batch``, ``allow_block_sharing``,
     ...), and ``workload_hints=``. ``max_batch_tokens`` unset: :data:`DEFAULT_MAX_BATCH_TOKENS`.
     ``cache_memory=None``: for the float cache, transformers sizes it from the free memory as usual; KIVI pages
-    need a budget (``ValueError``). Returns transformers' ``ContinuousBatchingManager`` (``add_request`` /
+    need a budget (``ValueError``). A generation config that samples below :data:`kivi.sampling.GREEDY_BELOW`
+    decodes greedily. Returns transformers' ``ContinuousBatchingManager`` (``add_request`` /
     ``get_result`` / ``start`` / ``stop``).
     """
     workload_hints = kwargs.pop("workload_hints", None)
@@ -239,7 +251,7 @@ def init_continuous_batching(model: Any, kivi_config: KiviConfig | None, *, cach
     if cache_memory is not None and (isinstance(cache_memory, bool) or not isinstance(cache_memory, int)
                                      or cache_memory < 1):
         raise ValueError(f"cache_memory={cache_memory!r} must be a positive number of bytes or None")
-    gen = generation_config if generation_config is not None else model.generation_config
+    gen = _greedy_if_tiny_temperature(generation_config if generation_config is not None else model.generation_config)
     if (getattr(gen, "num_return_sequences", None) or 1) > 1 and kivi_config is not None:
         raise ValueError(f"num_return_sequences={gen.num_return_sequences} is not supported with KIVI pages "
                          "(forked requests would share a full-precision window)")

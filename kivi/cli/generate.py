@@ -40,7 +40,8 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=positive_float, default=None, help="sampling temperature (with --do-sample)")
+    p.add_argument("--temperature", type=positive_float, default=None,
+                   help="sampling temperature (with --do-sample; below 1e-5: greedy, as in kivi serve)")
     p.add_argument("--seed", type=seed, default=0, help="random seed for sampling, 0 to 2**64-1 (default 0)")
     add_config_args(p, default_preset=None)
     b = p.add_argument_group("precision from a budget (docs/budget.md, docs/length-policy.md)")
@@ -148,8 +149,12 @@ def run(args: argparse.Namespace) -> int:
 
         print(f"[KIVI {cfg.describe()}; prompt {n_prompt} tokens]", file=sys.stderr, flush=True)
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    gen_kwargs: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
-    if args.do_sample:
+    from ..sampling import is_greedy_temperature
+
+    temperature = args.temperature if args.temperature is not None else model.generation_config.temperature
+    sample = args.do_sample and not is_greedy_temperature(temperature)  # a tiny temperature is greedy
+    gen_kwargs: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "do_sample": sample}
+    if sample:
         torch.manual_seed(args.seed)
         if args.temperature is not None:
             gen_kwargs["temperature"] = args.temperature

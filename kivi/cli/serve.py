@@ -55,8 +55,9 @@ def register(sub: Any) -> None:
     p.add_argument("--float-cache", action="store_true",
                    help="transformers' float paged cache instead of KIVI pages (the baseline)")
     p.add_argument("--api-key", default=None, type=utf8_text,
-                   help=f"require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise; /health stays open); "
-                   f"default: ${API_KEY_ENV}, else no key. Set one before --host 0.0.0.0")
+                   help=f"require 'Authorization: Bearer KEY' on every route but /health (401 otherwise); "
+                   f"printable ASCII without spaces; default: ${API_KEY_ENV}, else no key. Set one before --host "
+                   "0.0.0.0")
     p.add_argument("--max-body-size", default="4MiB", type=byte_size,
                    help="largest request body read, e.g. 1MiB (413 beyond it; default 4MiB)")
     p.add_argument("--shutdown-timeout", type=non_negative_float, default=GRACEFUL_SHUTDOWN_S, metavar="SECONDS",
@@ -94,16 +95,20 @@ def _check_args(args: argparse.Namespace) -> tuple[Any, int]:
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
-    """--api-key, else $KIVI_API_KEY, else None (no key); an empty or non-UTF-8 key is refused."""
+    """--api-key, else $KIVI_API_KEY, else None (no key); surrounding spaces dropped; an empty key, or one
+    outside printable ASCII (:func:`kivi.serving.auth.api_key_problem`), is refused."""
+    from ..serving.auth import api_key_problem
+
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if key is None:
         return None
     if not key.strip():
         raise CliError(f"--api-key / ${API_KEY_ENV} is empty; give a key, or unset it to serve without one")
-    try:
-        return utf8_text(key.strip())
-    except argparse.ArgumentTypeError as e:
-        raise CliError(f"--api-key / ${API_KEY_ENV} {e}") from None
+    key = key.strip()
+    problem = api_key_problem(key)
+    if problem is not None:
+        raise CliError(f"--api-key / ${API_KEY_ENV} {problem}".encode("ascii", "backslashreplace").decode("ascii"))
+    return key
 
 
 def run(args: argparse.Namespace) -> int:

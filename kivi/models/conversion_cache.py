@@ -6,13 +6,15 @@ written with ``save_pretrained``) on the first load and reads it on later loads,
 A copy lives at :func:`converted_cache_path`, keyed by the SHA-256 of the GGUF file's content
 (:func:`gguf_sha256`, remembered per path, size and mtime in ``models/hash-index.json``). A copy is
 written in a temporary folder and renamed into place, its marker file last: a failed or interrupted
-write (a full disk) leaves the cache as it was.
+write (a full disk) leaves the cache as it was. The marker records the manifest of the copy's files
+(:mod:`kivi.models.copy_manifest`), checked before every load (:func:`copy_problem`): a damaged copy is a
+miss, converted again over it, never loaded; and every GGUF file the copy was loaded for (``sources``):
+it is stale only when none of them has its content any more.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .aliases import KNOWN_ALIASES, alias_gguf_path
+from .copy_manifest import file_sha256, files_problem, record_files
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +77,7 @@ KEY_DIGITS = 16
 _HASH_INDEX = "hash-index.json"  # {resolved path: {"size", "mtime_ns", "sha256"}} in <root>/models
 
 
-def _file_sha256(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+_file_sha256 = file_sha256  # the one name gguf_sha256 calls (a test counts the hashing)
 
 
 def _read_index(models_dir: Path) -> dict[str, Any]:
@@ -130,11 +128,12 @@ def gguf_content_key(path: str | os.PathLike, cache_dir: str | os.PathLike | Non
     return gguf_sha256(path, cache_dir)[:KEY_DIGITS]
 
 
-# --------------------------------------------------------------------------- a copy: marker, reuse, write
+# --------------------------------------------------------------------------- a copy: marker, check, reuse, write
 
 
 def is_converted(folder: Path) -> bool:
-    """Whether ``folder`` is a complete converted copy (its marker, written last, and a ``config.json``)."""
+    """Whether ``folder`` is a finished conversion (its marker, written last, and a ``config.json``); whether its
+    files are still those written is :func:`copy_problem`'s question."""
     return (folder / CONVERTED_MARKER).is_file() and (folder / "config.json").is_file()
 
 
@@ -144,38 +143,8 @@ def mark_used(folder: Path) -> None:
         os.utime(folder / CONVERTED_MARKER)
 
 
-def _adopt_legacy_copy(gguf: Path, target: Path) -> None:
-    """Reuse a copy made before copies were keyed by content (that key hashed name, size and mtime):
-    a complete copy whose marker names this very file, at the size and mtime it has now, is linked
-    (hard links: no second 517 MB) into ``target`` instead of converting the GGUF again. The old
-    folder stays valid for older kivi versions that share the cache; ``kivi cache clear`` drops it."""
-    stat = gguf.stat()
-    for folder in sorted(target.parent.glob(f"{gguf.stem}-*")):
-        if folder == target or not is_converted(folder):
-            continue
-        info = read_marker(folder)
-        if "sha256" in info or info.get("source") != str(gguf):
-            continue
-        if (info.get("size"), info.get("mtime_ns")) != (stat.st_size, stat.st_mtime_ns):
-            continue
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        try:
-            for item in folder.iterdir():
-                if item.name != CONVERTED_MARKER and item.is_file():
-                    os.link(item, tmp / item.name)
-            info["sha256"] = gguf_sha256(gguf, target.parent.parent)
-            (tmp / CONVERTED_MARKER).write_text(json.dumps(info, indent=2) + "\n")  # written last
-            os.rename(tmp, target)
-            logger.info("reusing the converted copy %s as %s", folder, target)
-        except OSError as error:  # no hard links here, or another process was first: convert / use theirs
-            logger.debug("could not reuse %s: %s", folder, error)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return
-
-
 def read_marker(folder: Path) -> dict[str, Any]:
-    """What a converted copy records about its source (``{}`` when the marker is missing or damaged)."""
+    """What a converted copy records about its sources and files (``{}`` when the marker is missing or damaged)."""
     try:
         info = json.loads((folder / CONVERTED_MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -183,37 +152,86 @@ def read_marker(folder: Path) -> dict[str, Any]:
     return info if isinstance(info, dict) else {}
 
 
+#: Names in a copy's folder that its manifest does not list: the marker and its atomic rewrites' temp files.
+_NOT_IN_MANIFEST = (CONVERTED_MARKER, f".{CONVERTED_MARKER}.")
+
+
+def copy_problem(folder: Path, *, full: bool = False) -> str | None:
+    """Why ``folder`` must not be loaded as a converted copy, or ``None``: no marker, or files other than those its
+    manifest records (sizes and the small files' SHA-256 always; every file's SHA-256 with ``full``,
+    :func:`kivi.models.copy_manifest.files_problem`)."""
+    if not is_converted(folder):
+        return "unfinished conversion (no marker)"
+    return files_problem(folder, read_marker(folder).get("files"), full=full, skip=_NOT_IN_MANIFEST)
+
+
+def sources_of(info: dict[str, Any]) -> list[str]:
+    """Every GGUF file a copy was loaded for (``sources``; a copy from an older kivi records one ``source``)."""
+    sources = info.get("sources")
+    if isinstance(sources, list):
+        return [s for s in sources if isinstance(s, str)]
+    source = info.get("source")
+    return [source] if isinstance(source, str) else []
+
+
 def reuse_converted(gguf: Path, target: Path) -> bool:
-    """Whether ``target`` (``converted_cache_path(gguf, ...)``) holds a complete copy to load, adopting one made
-    before copies were keyed by content (:func:`_adopt_legacy_copy`); a copy that will be loaded is marked used."""
-    if not is_converted(target):
-        _adopt_legacy_copy(gguf, target)
-    if not is_converted(target):
+    """Whether ``target`` (``converted_cache_path(gguf, ...)``) holds a copy to load: finished and its files as
+    written (:func:`copy_problem`, cheap). A damaged copy is a miss, with one warning: the caller converts
+    again and :func:`write_converted` replaces it. A copy that will be loaded is marked used, and ``gguf`` is
+    added to its ``sources`` (staleness follows every file that uses it)."""
+    if not target.is_dir():
         return False
-    mark_used(target)
+    problem = copy_problem(target)
+    if problem is not None:
+        if is_converted(target):  # an unfinished folder is a conversion's leftover, not news
+            logger.warning("the converted copy %s is damaged (%s): converting again over it", target, problem)
+        return False
+    info = read_marker(target)
+    if str(gguf) in sources_of(info):
+        mark_used(target)
+    else:  # another file with this content: record it (a rewrite of the marker is a use too)
+        info["sources"] = [*sources_of(info), str(gguf)]
+        info["source"] = str(gguf)  # the latest, for older kivi versions that read one source
+        try:
+            _write_json_atomic(target / CONVERTED_MARKER, info)
+        except OSError as error:  # a read-only cache: this source is not recorded
+            logger.debug("could not record %s as a source of %s: %s", gguf, target, error)
     return True
 
 
 def write_converted(model: Any, tokenizer: Any, target: Path, source: Path, sha256: str | None = None) -> None:
-    """Write ``model`` and ``tokenizer`` to ``target`` atomically (temp folder, then rename); on any error
-    the temporary folder is removed: no partial copy is left."""
+    """Write ``model`` and ``tokenizer`` to ``target`` atomically: a temporary folder, its marker (the sources, and
+    the manifest of every file: size and SHA-256) written last, then renamed over ``target`` (a damaged copy there
+    is replaced). On any error the temporary folder is removed: no partial copy is left."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         stat = source.stat()
-        info = {"source": str(source), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256}
-        (tmp / CONVERTED_MARKER).write_text(json.dumps(info, indent=2) + "\n")
-        if target.exists() and not is_converted(target):
-            shutil.rmtree(target)  # a stray folder without the marker: never trusted, replace it
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not is_converted(target):  # anything but "another process finished first" is an error
-                raise
+        info = {"source": str(source), "sources": [str(source)], "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                "sha256": sha256, "files": record_files(tmp, skip=_NOT_IN_MANIFEST)}
+        _write_json_atomic(tmp / CONVERTED_MARKER, info)  # last: a folder without it is never trusted
+        _rename_over(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _rename_over(tmp: Path, target: Path) -> None:
+    """Rename the folder ``tmp`` to ``target``; a folder already there (damaged, or another process's copy of the
+    same content) is moved aside first and removed after."""
+    try:
+        os.rename(tmp, target)
+        return
+    except OSError:
+        if not target.exists():
+            raise
+    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    try:
+        os.rename(target, aside / target.name)
+        os.rename(tmp, target)
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- the converted-copy cache: list, clear
@@ -230,14 +248,17 @@ class ConvertedCopy:
     key: str  # the folder's name (what ``kivi cache clear KEY`` takes)
     path: Path
     nbytes: int  # bytes of its files
-    source: str | None  # the GGUF file it was converted from (the latest one, for identical copies)
+    source: str | None  # the GGUF file it was last loaded for
     sha256: str | None  # content hash of that GGUF (None: made before copies were keyed by content)
     last_used: float  # POSIX time of its last load (creation for unfinished folders)
     stale: str | None  # why no load would use it any more, or None
+    sources: tuple[str, ...] = ()  # every GGUF file it was loaded for (in use while one of them has its content)
+    damaged: str | None = None  # why its files are not those written (copy_problem, cheap check), or None
 
     def to_dict(self) -> dict[str, Any]:
         return {"key": self.key, "path": str(self.path), "bytes": self.nbytes, "source": self.source,
-                "sha256": self.sha256, "last_used": self.last_used, "stale": self.stale}
+                "sources": list(self.sources), "sha256": self.sha256, "last_used": self.last_used,
+                "stale": self.stale, "damaged": self.damaged}
 
 
 def _folder_bytes(folder: Path) -> int:
@@ -271,17 +292,25 @@ def _staleness(folder: Path, info: dict[str, Any], cache_dir: str | os.PathLike 
         if folder.name.startswith(".") and age < STALE_TEMP_SECONDS:
             return None  # maybe a conversion running right now
         return "unfinished conversion (no marker)"
-    source = info.get("source")
-    if not isinstance(source, str) or not Path(source).is_file():
-        return f"its source {source!r} is gone"
-    stat = Path(source).stat()
-    if info.get("sha256") is None:
-        if (info.get("size"), info.get("mtime_ns")) != (stat.st_size, stat.st_mtime_ns):
-            return "its source changed since (made before copies were keyed by content)"
-        return None
-    if gguf_sha256(source, cache_dir) != info["sha256"]:
-        return "its source's content changed since"
-    return None
+    sources = sources_of(info)
+    if not sources:
+        return "its marker names no source"
+    why = []
+    for source in sources:  # in use while any source still has the content it was converted from
+        path = Path(source)
+        if not path.is_file():
+            why.append(f"{source!r} is gone")
+            continue
+        if info.get("sha256") is None:  # made before copies were keyed by content: size and mtime
+            stat = path.stat()
+            if (info.get("size"), info.get("mtime_ns")) == (stat.st_size, stat.st_mtime_ns):
+                return None
+            why.append(f"{source!r} changed since (made before copies were keyed by content)")
+        elif gguf_sha256(source, cache_dir) == info["sha256"]:
+            return None
+        else:
+            why.append(f"{source!r}'s content changed since")
+    return ("its source " if len(why) == 1 else "every source is gone or changed: ") + "; ".join(why)
 
 
 def list_converted(cache_dir: str | os.PathLike | None = None) -> list[ConvertedCopy]:
@@ -300,18 +329,34 @@ def list_converted(cache_dir: str | os.PathLike | None = None) -> list[Converted
         except OSError:
             continue  # removed meanwhile
         source, sha = info.get("source"), info.get("sha256")
+        stale = _staleness(folder, info, cache_dir)
         out.append(ConvertedCopy(
             key=folder.name, path=folder, nbytes=_folder_bytes(folder),
             source=source if isinstance(source, str) else None, sha256=sha if isinstance(sha, str) else None,
-            last_used=last, stale=_staleness(folder, info, cache_dir)))
+            last_used=last, stale=stale, sources=tuple(sources_of(info)),
+            damaged=copy_problem(folder) if is_converted(folder) else None))
     return sorted(out, key=lambda c: -c.last_used)
+
+
+def verify_converted(keys: list[str] | None = None,
+                     cache_dir: str | os.PathLike | None = None) -> list[tuple[ConvertedCopy, str | None]]:
+    """``(copy, problem or None)`` for the finished copies named in ``keys`` (all when ``None``; an unknown key
+    raises ``ValueError``), every file's SHA-256 checked against the manifest (``copy_problem(full=True)``)."""
+    copies = [c for c in list_converted(cache_dir) if is_converted(c.path)]
+    by_key = {c.key: c for c in copies}
+    unknown = [k for k in keys or [] if k not in by_key]
+    if unknown:
+        raise ValueError(f"no converted copy {unknown[0]!r} in {_models_dir(cache_dir)} "
+                         f"(known: {', '.join(sorted(by_key)) or 'none'})")
+    chosen = [by_key[k] for k in keys] if keys else copies
+    return [(c, copy_problem(c.path, full=True)) for c in chosen]
 
 
 def remove_converted(keys: list[str] | None = None, *, all: bool = False, stale: bool = False,
                      cache_dir: str | os.PathLike | None = None) -> list[ConvertedCopy]:
     """Delete converted copies: those named in ``keys`` (folder names; an unknown key raises
-    ``ValueError`` before anything is deleted), every one (``all``), or the stale ones (``stale``).
-    Returns what was deleted."""
+    ``ValueError`` before anything is deleted), every one (``all``), or the stale and the damaged ones
+    (``stale``: :attr:`ConvertedCopy.stale` or :attr:`ConvertedCopy.damaged`). Returns what was deleted."""
     copies = list_converted(cache_dir)
     by_key = {c.key: c for c in copies}
     if all:
@@ -323,12 +368,13 @@ def remove_converted(keys: list[str] | None = None, *, all: bool = False, stale:
                              f"(known: {', '.join(sorted(by_key)) or 'none'})")
         chosen = [by_key[k] for k in keys or []]
         if stale:
-            chosen += [c for c in copies if c.stale and c not in chosen]
+            chosen += [c for c in copies if (c.stale or c.damaged) and c not in chosen]
     for c in chosen:
         shutil.rmtree(c.path)
     return chosen
 
 
-__all__ = ["CONVERTED_MARKER", "ConvertedCopy", "KEY_DIGITS", "STALE_TEMP_SECONDS",
-           "converted_cache_path", "disk_bytes", "gguf_content_key", "gguf_sha256", "is_converted", "kivi_cache_dir",
-           "list_converted", "mark_used", "read_marker", "remove_converted", "reuse_converted", "write_converted"]
+__all__ = ["CONVERTED_MARKER", "ConvertedCopy", "KEY_DIGITS", "STALE_TEMP_SECONDS", "converted_cache_path",
+           "copy_problem", "disk_bytes", "gguf_content_key", "gguf_sha256", "is_converted", "kivi_cache_dir",
+           "list_converted", "mark_used", "read_marker", "remove_converted", "reuse_converted", "sources_of",
+           "verify_converted", "write_converted"]

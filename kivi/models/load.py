@@ -92,11 +92,16 @@ def _load_gguf(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     converted = converted_cache_path(gguf, cache_dir)
-    if reuse_converted(gguf, converted):
+    if reuse_converted(gguf, converted):  # its files checked against its manifest
         logger.info("loading %s from its converted copy at %s", label, converted)
-        model = AutoModelForCausalLM.from_pretrained(converted)
-        tokenizer = AutoTokenizer.from_pretrained(converted)
-        return _finish(model, tokenizer, dtype, device)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(converted)
+            tokenizer = AutoTokenizer.from_pretrained(converted)
+        except Exception as error:  # noqa: BLE001 - damage the cheap check cannot see (the weights' bytes): a miss
+            logger.warning("the converted copy %s of %s could not be loaded (%s): converting again over it",
+                           converted, label, short_reason(error))
+        else:
+            return _finish(model, tokenizer, dtype, device)
 
     _require_gguf_support(label)
     logger.info("converting %s from %s (one-time, dequantizes the GGUF weights)", label, gguf)

@@ -15,26 +15,30 @@ enters the scheduler (a request larger than the cache stalls or fails the whole 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.utils import BaseHandler, Modality
 
 from ..batching.requests import InvalidRequest, RequestLimits, check_prompt_ids
+from .auth import RequireKey, check_api_key
 from .engine import Engine, RequestRefused, Sampling
 from .errors import ApiError, error_body
 from .params import GenerationRequest, parse_chat, parse_completion, parse_json
 from .running import GenerationFailed, RequestAborted, RunningRequest
+
+logger = logging.getLogger(__name__)
 
 #: the largest request body read by default (``kivi serve --max-body-size``): a body beyond it gets a 413
 #: before it is read
@@ -45,8 +49,9 @@ def build_app(engine: Engine, *, model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The app serving ``engine``'s model under ``model_name`` (any ``model`` in a request is accepted).
 
-    ``api_key``: every ``/v1/`` route wants ``Authorization: Bearer <api_key>`` (401 otherwise);
-    ``GET /health`` stays open. A body is read up to ``max_body_bytes`` (413 beyond); parsing, checking
+    ``api_key``: every path but ``/health`` wants ``Authorization: Bearer <api_key>``, a 401 otherwise
+    (:class:`~kivi.serving.auth.RequireKey`, before routing; a key outside printable ASCII is a ``ValueError``).
+    A body is read up to ``max_body_bytes`` (413 beyond); parsing, checking
     and tokenizing a request run on one worker thread, so a large prompt never holds up the event loop
     (``/health``, streams in flight).
     """
@@ -58,7 +63,7 @@ def build_app(engine: Engine, *, model_name: str, api_key: str | None = None,
     # one thread: the tokenizer is not shared across threads, and requests are prepared in arrival order
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kivi-serve-prepare")
     names = _NameSupport(engine.tokenizer)
-    authorize = _authorizer(api_key)
+    app.add_middleware(RequireKey, api_key=check_api_key(api_key))  # before routing: 401 comes first
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
@@ -88,7 +93,7 @@ def build_app(engine: Engine, *, model_name: str, api_key: str | None = None,
 
         return await asyncio.get_running_loop().run_in_executor(worker, work)
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "kivi"}]}
@@ -101,7 +106,7 @@ def build_app(engine: Engine, *, model_name: str, api_key: str | None = None,
             return JSONResponse({"status": "unhealthy", "reason": str(problem), "cache": stats}, status_code=503)
         return JSONResponse({"status": "ok", "model": model_name, "cache": stats})
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req, ids = await prepare(request, parse_chat, lambda r: _chat_ids(engine, r, names))
         running = _start(engine, ids, req, "messages")
@@ -118,7 +123,7 @@ def build_app(engine: Engine, *, model_name: str, api_key: str | None = None,
         return chat_builder._build_completion(rid, text, model_name, finish_reason=running.finish_reason,
                                               usage=_usage(running))
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/completions")
     async def completions(request: Request):
         req, ids = await prepare(request, parse_completion, lambda r: _prompt_ids(engine, r))
         running = _start(engine, ids, req, "prompt")
@@ -138,22 +143,6 @@ def build_app(engine: Engine, *, model_name: str, api_key: str | None = None,
     return app
 
 
-def _authorizer(api_key: str | None) -> Callable[[Request], Any]:
-    """The check of ``Authorization: Bearer <api_key>`` (a constant-time comparison of the bytes);
-    with no key, every request passes."""
-    expected = None if api_key is None else api_key.encode("utf-8")
-
-    async def authorize(request: Request) -> None:  # async: FastAPI runs a plain function on a thread
-        if expected is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode("utf-8", "replace"), expected):
-            raise ApiError(401, "invalid or missing API key: send the server's key as 'Authorization: Bearer <key>' "
-                           "(kivi serve --api-key / KIVI_API_KEY)", code="invalid_api_key")
-
-    return authorize
-
-
 async def _read_body(request: Request, limit: int) -> bytes:
     """The body, refused with a 413 as soon as it is known to exceed ``limit`` bytes (from
     ``Content-Length`` before reading, or while reading a body sent without one)."""
@@ -163,11 +152,16 @@ async def _read_body(request: Request, limit: int) -> bytes:
     if declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone before its body ended: nobody to answer, nothing to log but one line
+        logger.info("a client left after %d bytes of its request body", size)
+        raise ApiError(499, "the client closed the connection while sending its body",
+                       code="client_closed_request") from None
     return b"".join(chunks)
 
 

@@ -9,7 +9,7 @@ Per-request sampling on one manager: transformers' continuous batching fixes ``d
 set of logits processors when the manager is built; per request it only takes processor arguments
 (``add_request(..., temperature=, top_p=)``). The manager is built greedy (``do_sample=False``: an
 argmax) with kivi's two processors (:mod:`kivi.serving.sampler`): a greedy request (``temperature``
-0, or below :data:`GREEDY_BELOW`) gets the argmax of the model's logits, as ``model.generate`` greedy
+0, or below :data:`kivi.sampling.GREEDY_BELOW`) gets the argmax of the model's logits, as ``model.generate`` greedy
 (the serving tests check it), and costs no sort or draw; a sampled request's token is drawn from its
 temperature-scaled top-p nucleus.
 
@@ -37,7 +37,8 @@ from transformers.generation.continuous_batching.continuous_api import Continuou
 from ..batching import block_usage, init_continuous_batching
 from ..batching.requests import InvalidRequest, check_context
 from ..config import KiviConfig
-from .sampler import GREEDY_BELOW, serving_processors
+from ..sampling import is_greedy_temperature
+from .sampler import serving_processors
 
 #: The manager factory's signature: ``factory(model, kivi_config, *, cache_memory, generation_config,
 #: continuous_batching_config) -> ContinuousBatchingManager`` (with ``check_request_fits``,
@@ -66,7 +67,7 @@ class RequestRefused(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """How one request picks tokens. ``temperature=None`` or below :data:`GREEDY_BELOW`: greedy.
+    """How one request picks tokens. ``temperature=None`` or below :data:`kivi.sampling.GREEDY_BELOW`: greedy.
     ``top_p`` in ``(0, 1]``: the most likely token is always kept, so a ``top_p`` that rounds to 0 in
     float32 is greedy as well. ``ignore_eos``: the model's end token does not end the request (it runs
     to ``max_new_tokens``)."""
@@ -85,7 +86,7 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature is None or self.temperature < GREEDY_BELOW
+        return self.temperature is None or is_greedy_temperature(self.temperature)
 
     def processor_kwargs(self) -> dict[str, Any]:
         """The per-request arguments of :func:`~kivi.serving.sampler.serving_processors` (greedy: temperature 0)."""

@@ -11,6 +11,7 @@ import dataclasses
 import json
 from typing import Any
 
+from ..sampling import is_greedy_temperature
 from .errors import ApiError
 
 #: fields both endpoints take
@@ -27,8 +28,9 @@ class GenerationRequest:
     """A checked request. ``messages`` (chat) or ``prompt`` (completions: text, or token ids) is set.
 
     ``max_tokens=None``: as many as fit (the server's cap, the context, the budget). ``temperature``
-    ``None`` or 0: greedy. ``ignore_eos`` (vLLM's extension field): the model's end token does not end
-    the request, which then generates exactly ``max_tokens`` (stop sequences still end it).
+    ``None`` or below :data:`kivi.sampling.GREEDY_BELOW`: greedy. ``ignore_eos`` (vLLM's extension field):
+    the model's end token does not end the request, which then generates exactly ``max_tokens`` (stop
+    sequences still end it).
     """
 
     model: str | None
@@ -43,7 +45,7 @@ class GenerationRequest:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature is None or self.temperature == 0.0
+        return self.temperature is None or is_greedy_temperature(self.temperature)
 
     @property
     def text_chars(self) -> int:

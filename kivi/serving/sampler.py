@@ -11,8 +11,8 @@ So the manager is built greedy (``do_sample=False``: the next token is the argma
 scores) with the two processors of :func:`serving_processors`, and only the rows that sample do work:
 their logits are divided by their temperature, cut to their top-p nucleus (when ``top_p < 1``), and one
 token is drawn from the softmax; the row's scores then become ``-inf`` except for the drawn token, which
-the argmax returns. A greedy row (temperature 0 or below :data:`GREEDY_BELOW`) is left as it is, so its
-token is the argmax of the model's logits, as in ``model.generate`` greedy. A batch with no sampled row
+the argmax returns. A greedy row (temperature 0 or below :data:`kivi.sampling.GREEDY_BELOW`) is left as it is, so
+its token is the argmax of the model's logits, as in ``model.generate`` greedy. A batch with no sampled row
 costs one comparison.
 
 transformers gives each per-request processor one argument row per step; a row needs two (temperature
@@ -31,11 +31,7 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
 )
 from transformers.generation.logits_process import LogitsProcessorList
 
-#: Temperatures below this are greedy (vLLM's threshold, ``_SAMPLING_EPS``): at ``t = 1e-5`` a logit
-#: gap of 0.001 is already a probability ratio of e^100, and float32 logits divided by a much smaller
-#: ``t`` overflow (``1e-40``) or by one that rounds to 0 in float32 (``1e-300``) give ``inf``/``nan``
-#: probabilities that the multinomial draw refuses.
-GREEDY_BELOW = 1e-5
+from ..sampling import is_greedy_temperature
 
 
 def _float_arg(values: list[float]) -> torch.Tensor:
@@ -80,7 +76,7 @@ class _SampleRows(ContinuousBatchingLogitsProcessor):
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
         temperature = self.temperatures.current
-        sampled = torch.nonzero(temperature >= GREEDY_BELOW).flatten()
+        sampled = torch.nonzero(~is_greedy_temperature(temperature)).flatten()
         if sampled.numel() == 0:
             return scores
         top_p = tensor_arg[: scores.size(0)].view(dtype=torch.float32)[sampled]
@@ -108,11 +104,12 @@ def _nucleus(rows: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 def serving_processors() -> ContinuousBatchingLogitsProcessorList:
     """The logits processors of a manager built greedy (``do_sample=False``) that samples the rows whose
-    request passes ``temperature >= GREEDY_BELOW`` (and ``top_p``) to ``add_request``."""
+    request passes to ``add_request`` a temperature that :func:`kivi.sampling.is_greedy_temperature` does not
+    call greedy (and ``top_p``)."""
     temperatures = _Temperatures()
     processors = ContinuousBatchingLogitsProcessorList(LogitsProcessorList([temperatures, _SampleRows(temperatures)]))
     processors.tensors_required = 2  # one argument row each (transformers counts only the processors it converts)
     return processors
 
 
-__all__ = ["GREEDY_BELOW", "serving_processors"]
+__all__ = ["serving_processors"]

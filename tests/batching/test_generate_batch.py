@@ -312,3 +312,17 @@ def test_cancelled_request_gives_its_pages_back():
     finally:
         manager.stop(block=True, timeout=30)
         manager.destroy()
+
+
+@pytest.mark.parametrize("kivi_cfg", [None, KiviConfig(**CFG)], ids=["float-pages", "kivi-pages"])
+def test_a_temperature_below_greedy_below_decodes_greedily(kivi_cfg):
+    """kivi.sampling's rule: sampling at 1e-300 (0 in float32) is greedy, not inf/nan probabilities."""
+    from transformers import GenerationConfig
+
+    model = tiny_model()
+    x = _inputs((40,))[0]
+    greedy = model.generate(torch.tensor([x]), max_new_tokens=10, do_sample=False)[0, 40:].tolist()
+    sampling = GenerationConfig(do_sample=True, temperature=1e-300, max_new_tokens=10)
+    out = generate_batch(model, [x], kivi_cfg, cache_memory=MEM, generation_config=sampling, **CB)
+    assert next(iter(out.values())).generated_tokens == greedy
+    assert sampling.do_sample and sampling.temperature == 1e-300  # the caller's config is left as it was

@@ -1,4 +1,4 @@
-"""`kivi cache ls|clear` on a temporary cache root (KIVI_CACHE_DIR) with fake converted copies."""
+"""`kivi cache ls|verify|clear` on a temporary cache root (KIVI_CACHE_DIR) with fake converted copies."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 
 from kivi.cli import main
 from kivi.models.conversion_cache import CONVERTED_MARKER, gguf_sha256
+from kivi.models.copy_manifest import record_files
 
 
 @pytest.fixture()
@@ -22,7 +23,8 @@ def cache(monkeypatch, tmp_path):
         (models / name / "config.json").write_text("{}")
         (models / name / "model.safetensors").write_bytes(bytes(4096))
         sha = gguf_sha256(live, root) if src == live else "0" * 64
-        (models / name / CONVERTED_MARKER).write_text(json.dumps({"source": str(src), "sha256": sha}))
+        (models / name / CONVERTED_MARKER).write_text(json.dumps(
+            {"source": str(src), "sha256": sha, "files": record_files(models / name)}))
     return models
 
 
@@ -64,3 +66,24 @@ def test_ls_of_an_empty_cache(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("KIVI_CACHE_DIR", str(tmp_path / "empty"))
     rc, out, _ = run(capsys, "cache", "ls")
     assert rc == 0 and "no converted models" in out
+
+
+def test_ls_verify_and_clear_name_a_damaged_copy(cache, capsys):
+    weights = cache / "live-aaaa" / "model.safetensors"
+    rc, out, _ = run(capsys, "cache", "verify")
+    assert rc == 0 and "2 copies checked" in out and "0 damaged" in out
+    weights.write_bytes(b"\1" + bytes(4095))  # the same size: only the full hash (verify) sees it...
+    rc, out, _ = run(capsys, "cache", "verify", "--json")
+    d = json.loads(out)
+    assert rc == 1 and d["damaged"] == ["live-aaaa"] and "model.safetensors" in \
+        {c["key"]: c["damaged"] for c in d["copies"]}["live-aaaa"]
+    rc, _, err = run(capsys, "cache", "verify", "nope")
+    assert rc == 2 and "no converted copy 'nope'" in err
+    weights.write_bytes(bytes(100))  # ...a truncated file every check sees
+    rc, out, _ = run(capsys, "cache", "ls")
+    assert rc == 0 and "live-aaaa" in out and "DAMAGED: model.safetensors has 100 bytes, 4,096 were written" in out
+    rc, out, _ = run(capsys, "cache", "ls", "--json")
+    assert "truncated" in {c["key"]: c["damaged"] for c in json.loads(out)["copies"]}["live-aaaa"]
+    rc, out, _ = run(capsys, "cache", "clear")  # the stale and the damaged ones
+    assert rc == 0 and "removed live-aaaa" in out and "removed gone-bbbb" in out
+    assert not any(p.is_dir() for p in cache.iterdir())

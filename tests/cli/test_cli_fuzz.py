@@ -164,7 +164,7 @@ def subcommands() -> dict[str, argparse.ArgumentParser]:
 
 COMMANDS = subcommands()
 #: Commands that never load a model: any argument list may run them to the end.
-NO_MODEL = {"estimate", "cache ls", "cache clear"}
+NO_MODEL = {"estimate", "cache ls", "cache verify", "cache clear"}
 
 
 def options(cmd: str) -> list[argparse.Action]:
@@ -231,4 +231,4 @@ def test_random_arguments_exit_0_or_2_never_a_traceback(zygote, case):
 
 def test_every_subcommand_is_fuzzed():
     assert {"estimate", "generate", "demo", "eval ppl", "eval kld", "eval passkey", "profile", "sweep", "tune",
-            "cache ls", "cache clear"} <= set(COMMANDS)
+            "cache ls", "cache verify", "cache clear"} <= set(COMMANDS)

@@ -24,10 +24,14 @@ from kivi.cli import main
     (["--preset", "extreme", "--config", "x.json"], "either --preset or --config"),
     (["--preset", "extreme", "--quantize-after", "512"], "KIVI pages in continuous batching quantize from the first"),
     (["--float-cache", "--api-key", " "], "--api-key / $KIVI_API_KEY is empty"),
+    (["--float-cache", "--api-key", "clé"], "--api-key / $KIVI_API_KEY holds '\\xe9' (U+00E9) at index 2: a key is "
+                                            "printable ASCII"),
+    (["--float-cache", "--api-key", "two words"], "holds ' ' (U+0020) at index 3"),
     (["--max-body-size", "lots"], "--max-body-size"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
 ], ids=["cache-memory", "negative-cache", "max-new-tokens", "max-batch-tokens", "page-size", "port", "threads",
-        "float-and-preset", "unknown-preset", "preset-and-config", "quantize-after", "empty-key", "body-size",
+        "float-and-preset", "unknown-preset", "preset-and-config", "quantize-after", "empty-key", "non-ascii-key",
+        "key-with-space", "body-size",
         "shutdown-timeout"])
 def test_bad_options_fail_with_one_line(capsys, argv, message):
     rc = main(["serve", "--model", "/nonexistent/never-loaded", *argv])
@@ -52,6 +56,15 @@ def test_an_empty_key_in_the_environment_fails_in_one_line(monkeypatch, capsys):
     rc = main(["serve", "--model", "/nonexistent/never-loaded", "--float-cache"])
     err = capsys.readouterr().err
     assert rc == 2 and "$KIVI_API_KEY is empty" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("key", ["ключ", "line\nbreak", "bell\x07"])
+def test_a_key_in_the_environment_outside_printable_ascii_fails_in_one_line(monkeypatch, capsys, key):
+    """Such a key could never be sent and matched (HTTP headers are latin-1 bytes): refused before anything loads."""
+    monkeypatch.setenv("KIVI_API_KEY", key)
+    rc = main(["serve", "--model", "/nonexistent/never-loaded", "--float-cache"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "$KIVI_API_KEY holds" in err and "printable ASCII" in err and err.count("\n") == 1, err
 
 
 def test_the_port_is_held_from_before_the_model_loads(monkeypatch, capsys):

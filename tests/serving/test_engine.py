@@ -9,7 +9,8 @@ import pytest
 from kivi import KiviConfig
 from kivi.batching import init_continuous_batching
 from kivi.batching.manager import KiviBatchingManager
-from kivi.serving.engine import GREEDY_BELOW, Engine, RequestRefused, Sampling
+from kivi.sampling import GREEDY_BELOW
+from kivi.serving.engine import Engine, RequestRefused, Sampling
 from tests.serving.server import tiny_chat_model, tiny_tokenizer
 
 

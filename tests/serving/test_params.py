@@ -21,6 +21,15 @@ def test_chat_fields_are_read():
     assert parse_chat({"messages": MSG, "temperature": 0, "seed": None}).greedy  # null = not given
 
 
+@pytest.mark.parametrize("t", [1e-300, 5e-324, 9.99e-6])
+def test_a_tiny_temperature_is_greedy_as_in_the_engine(t):
+    """The request and the engine's Sampling read a temperature by one rule (kivi.sampling)."""
+    from kivi.serving.engine import Sampling
+
+    assert parse_chat({"messages": MSG, "temperature": t}).greedy and Sampling(4, t).greedy
+    assert not parse_chat({"messages": MSG, "temperature": 1e-5}).greedy and not Sampling(4, 1e-5).greedy
+
+
 def test_completion_prompt_forms():
     assert parse_completion({"prompt": "abc"}).prompt == "abc"
     assert parse_completion({"prompt": ["abc"]}).prompt == "abc"
