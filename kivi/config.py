@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .files import read_text, write_text
 from .quant.primitives import SUPPORTED_BITS, check_bits
 from .quant.side_format import AXIS, KEY_AXIS, SIDES, SideFormat
 
@@ -278,7 +279,7 @@ class KiviConfig:
         """Serialise to JSON; also write it to ``path`` when given."""
         text = json.dumps(self.to_dict(), indent=indent, sort_keys=False)
         if path is not None:
-            Path(path).write_text(text + "\n")
+            write_text(path, text + "\n")  # the one writer: atomic, refuses a device / FIFO / folder
         return text
 
     @classmethod
@@ -297,15 +298,11 @@ class KiviConfig:
         s = str(text_or_path)
         if not s.lstrip().startswith("{"):
             p = Path(s)
-            try:
-                s = p.read_text(encoding="utf-8")
+            try:  # the one bounded reader: a FIFO or a device stops at its bound; not UTF-8 is one line
+                s = read_text(p, option="KiviConfig JSON file")
             except OSError as e:
-                raise ValueError(f"cannot read KiviConfig JSON file {str(p)!r}: {e.strerror or e}") from None
-            except UnicodeDecodeError as e:
-                raise ValueError(
-                    f"KiviConfig JSON file {str(p)!r} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
-                    f"{e.start}); expected a JSON object like {{\"k_bits\": 2}}"
-                ) from None
+                raise ValueError(f"cannot read KiviConfig JSON file {str(p)!r}: {e.strerror or 'it does not exist'}"
+                                 ) from None
         try:
             d = json.loads(s)
         except json.JSONDecodeError as e:

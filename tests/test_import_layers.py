@@ -21,6 +21,8 @@ LAYERS: dict[str, int] = {
     # 0 primitives: pure quantize / pack, optional-dependency probes, the glibc malloc pin
     "kivi.quant.primitives": 0, "kivi.quant.clipping": 0, "kivi.quant.packing": 0, "kivi.optional": 0,
     "kivi.malloc_pin": 0,
+    # the one writer and the one bounded reader of user-named files (every layer writes or reads them)
+    "kivi.files": 0,
     # the value that names one side's quantized format (built by the config, read by every layer above)
     "kivi.quant.side_format": 0,
     # 1 configuration: what to quantize and how; which attention backend reads it

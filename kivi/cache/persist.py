@@ -29,13 +29,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..config import KiviConfig
+from ..files import write_file
 from .layer import KiviLayer
 from .persist_checks import (
     PrefixFileError,
@@ -66,9 +66,10 @@ def save_cache(cache: Any, path: str | os.PathLike, *, fingerprint: dict[str, An
     ``fingerprint``: a JSON-serialisable dict describing the model and tokenizer the cache was made
     with (:func:`kivi.prefix.model_fingerprint`); :func:`load_cache` refuses a different one.
     ``input_ids [B, T]``: the tokens the cache holds (``T`` = the cache's length), stored with it.
-    The file is written to a temporary name and renamed: a failed save leaves no partial file and
-    never changes the cache. A failed write (a full disk, ...) raises ``OSError`` (with the errno when the
-    system gave one), whoever wrote the bytes.
+    The file is written by :func:`kivi.files.write_file` (a temporary file renamed over ``path``; a path that
+    exists and is not a regular file is refused with :class:`kivi.files.NotRegularFileError`): a failed save
+    leaves no partial file and never changes the cache. A failed write (a full disk, ...) raises ``OSError``
+    (with the errno when the system gave one), whoever wrote the bytes.
     """
     from safetensors import SafetensorError
     from safetensors.torch import save_file
@@ -103,22 +104,14 @@ def save_cache(cache: Any, path: str | os.PathLike, *, fingerprint: dict[str, An
     header = {"kivi_format": FORMAT, "kivi_format_version": str(FORMAT_VERSION), "kivi_meta": text,
               "kivi_meta_sha256": hashlib.sha256(text.encode()).hexdigest()}
     path = Path(path)
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"cannot save to {str(path)!r}: folder {str(path.parent)!r} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+
+    def fill(tmp: str) -> None:
         try:
             save_file(tensors, tmp, metadata=header)
         except SafetensorError as e:  # its I/O errors (a full disk) are OSErrors like any other failed write
             raise write_error(e, path) from e
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 -> what open() would have given
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+
+    write_file(path, fill)  # the one writer: atomic; refuses a device, FIFO, folder, ... at path
     return path
 
 

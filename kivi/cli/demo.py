@@ -24,11 +24,11 @@ import time
 from typing import Any
 
 from . import CliError
-from .loading import check_context_fits, load_model_from_args
+from .loading import check_context_fits, load_model_from_args, read_text_arg
 from .options import add_model_args, add_text_args, check_cli_backend, load_config_file
 from .output import print_json, print_rich, write_json_file, write_outputs
 from .threads import set_cpu_threads
-from .validators import non_negative_int, output_path, positive_int
+from .validators import non_negative_int, output_path, positive_int, text_value
 
 DEFAULT_PRESETS = "high,balanced,extreme"
 
@@ -52,7 +52,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--chunk", type=positive_int, default=16, help="tokens per forward when scoring the held-back text (default 16)"
     )
-    p.add_argument("--presets", default=DEFAULT_PRESETS,
+    p.add_argument("--presets", default=DEFAULT_PRESETS, type=text_value,
                    help=f"comma-separated KIVI presets, or KiviConfig JSON files (default {DEFAULT_PRESETS})")
     p.add_argument("--no-fp", action="store_true", help="skip the FP reference (no agreement / KL columns)")
     p.add_argument("--threads", type=positive_int, default=None,
@@ -182,13 +182,12 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ..data import load_text
     from ..eval.metrics import token_agreement
     from ..eval.progress import progress_bar
 
     threads = args.threads or auto_threads(torch.get_num_threads())
     torch.set_num_threads(threads)
-    text = load_text(args.text)  # raises a one-line error for a missing/unreadable file
+    text = read_text_arg(args)  # raises a one-line error for a missing/unreadable/endless file
 
     _status(f"loading model {args.model!r} (the first run converts the GGUF once, ~30 s) ...")
     t0 = time.perf_counter()

@@ -9,7 +9,7 @@ from ..memory.weights import WEIGHT_BITS
 from . import CliError
 from .options import add_config_args, config_from_args
 from .output import print_json, print_rich
-from .validators import byte_size, non_negative_float, output_path, positive_int, token_count
+from .validators import byte_size, non_negative_float, output_path, positive_int, text_value, token_count
 
 EPILOG = """examples:
   kivi estimate --num-layers 40 --num-kv-heads 40 --head-dim 128 --dtype float16 --context 128k
@@ -38,6 +38,7 @@ def register(sub: Any) -> None:
     m.add_argument(
         "--model",
         default=None,
+        type=text_value,
         help="alias (smollm2), checkpoint folder, .gguf file or hub id (default: smollm2 unless a shape is given)",
     )
     m.add_argument("--num-layers", type=positive_int, default=None, help="decoder layers")
@@ -50,7 +51,7 @@ def register(sub: Any) -> None:
     m.add_argument("--head-dim", type=positive_int, default=None, help="channels per head")
     m.add_argument("--sliding-window", type=positive_int, default=None,
                    help="with an explicit shape: sliding window of the sliding layers (see --sliding-layers)")
-    m.add_argument("--sliding-layers", default=None,
+    m.add_argument("--sliding-layers", default=None, type=text_value,
                    help="with an explicit shape: which layers use the sliding window, 'all' or a pattern "
                    "'N:M' = N sliding layers then M full ones, repeated (Gemma 3: 5:1)")
     m.add_argument(
@@ -61,7 +62,7 @@ def register(sub: Any) -> None:
                    help="plan the weights as `--weight-bits` loads them: 16 = the model dtype, 8 / 4 = optimum-quanto "
                    "qint8 / qint4 linear layers (codes + scales); needs a model, not an explicit shape "
                    "(default: params x dtype, or --weights-bytes)")
-    m.add_argument("--dtype", default=None,
+    m.add_argument("--dtype", default=None, type=text_value,
                    help="cache dtype: float16 | bfloat16 | float32 (default: the model's; float16 for a shape)")
     w = p.add_argument_group("workload")
     w.add_argument("--context", default=None, type=token_count,
@@ -86,7 +87,8 @@ def register(sub: Any) -> None:
                    help="with --cache-budget: write the picked KiviConfig JSON here (for --config of every command)")
     add_config_args(p)
     p.add_argument("--block-size", type=int, default=None, help="KiviConfig.block_size (tokens per storage block)")
-    p.add_argument("--scale-dtype", default=None, help="KiviConfig.scale_dtype: auto | float16 | bfloat16 | float32")
+    p.add_argument("--scale-dtype", default=None, type=text_value,
+                   help="KiviConfig.scale_dtype: auto | float16 | bfloat16 | float32")
     p.add_argument("--per-layer", action="store_true", help="also list every layer")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=run)

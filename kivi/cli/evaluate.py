@@ -15,7 +15,7 @@ from .options import (
     load_config_file,
 )
 from .output import emit
-from .validators import fraction_list, int_list, output_path, positive_int
+from .validators import fraction_list, int_list, output_path, positive_int, text_value
 
 
 # ---------------------------------------------------------------------------- options of eval / sweep only
@@ -23,7 +23,8 @@ def add_baseline_arg(p: argparse.ArgumentParser) -> None:
     from ..eval.caches import BASELINES
 
     p.add_argument(
-        "--baseline", default=None, help=f"evaluate a baseline cache instead of KIVI: one of {list(BASELINES)}"
+        "--baseline", default=None, type=text_value,
+        help=f"evaluate a baseline cache instead of KIVI: one of {list(BASELINES)}"
     )
 
 
@@ -176,8 +177,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = evs.add_parser("passkey", help="passkey retrieval accuracy (FP always included unless --no-fp)")
     add_model_args(p)
     add_config_args(p)
-    p.add_argument("--presets", default=None, help="comma-separated presets to add, e.g. high,extreme")
-    p.add_argument("--baseline", default=None, help="comma-separated baselines to add, e.g. quanto-int2")
+    p.add_argument("--presets", default=None, type=text_value,
+                   help="comma-separated presets to add, e.g. high,extreme")
+    p.add_argument("--baseline", default=None, type=text_value,
+                   help="comma-separated baselines to add, e.g. quanto-int2")
     p.add_argument("--lengths", default=[1024, 2048, 4096], type=int_list,
                    help="prompt lengths in tokens (default: 1024,2048,4096)")
     p.add_argument("--depths", default=[0.1, 0.5, 0.9], type=fraction_list,
@@ -195,9 +198,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_window_args(p, windows=8)
     p.add_argument("--grid", default="default", choices=["default", "none"],
                    help="'default': presets, 2-bit variants, quanto baselines; 'none': only what you list")
-    p.add_argument("--presets", default=None, help="comma-separated presets to add")
-    p.add_argument("--configs", nargs="*", default=None, help="KiviConfig JSON files to add")
-    p.add_argument("--baselines", default="quanto-int4,quanto-int2,quanto-int2-perchannel",
+    p.add_argument("--presets", default=None, type=text_value, help="comma-separated presets to add")
+    p.add_argument("--configs", nargs="*", default=None, type=text_value, help="KiviConfig JSON files to add")
+    p.add_argument("--baselines", default="quanto-int4,quanto-int2,quanto-int2-perchannel", type=text_value,
                    help="comma-separated baselines (with --grid none)")
     p.add_argument("--no-baselines", action="store_true", help="no quanto baselines")
     p.add_argument(

@@ -9,10 +9,10 @@ from typing import Any
 
 from . import CliError
 from .loading import check_context_fits, load_model_from_args
-from .options import add_config_args, add_model_args, config_from_args
+from .options import add_config_args, add_max_text_bytes_arg, add_model_args, config_from_args
 from .output import print_json
 from .prefix import add_prefix_args, check_prefix_args, prefix_inputs
-from .validators import byte_size, positive_float, positive_int, seed, utf8_text
+from .validators import byte_size, positive_float, positive_int, seed, text_value, utf8_text
 
 
 def register(sub: Any) -> None:
@@ -32,7 +32,9 @@ def register(sub: Any) -> None:
     add_model_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", default=None, type=utf8_text, help="the prompt text")
-    src.add_argument("--prompt-file", default=None, help="read the prompt from this UTF-8 file ('-' = stdin)")
+    src.add_argument("--prompt-file", default=None, type=text_value,
+                     help="read the prompt from this UTF-8 file ('-' = stdin; at most --max-text-bytes)")
+    add_max_text_bytes_arg(p, "--prompt-file")
     p.add_argument(
         "--raw",
         action="store_true",
@@ -60,27 +62,11 @@ def register(sub: Any) -> None:
 def read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None:
         text = args.prompt
-    elif args.prompt_file == "-":
-        data = sys.stdin.buffer.read() if sys.stdin is not None else b""
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise CliError(f"--prompt-file -: standard input is not UTF-8 text (byte 0x{data[e.start]:02x} at "
-                           f"offset {e.start})") from None
-    else:
-        from pathlib import Path
+    else:  # the one bounded reader: a file, '-' (stdin) or a FIFO; an endless one stops at --max-text-bytes
+        from ..files import read_text
 
-        path = Path(args.prompt_file).expanduser()
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise CliError(f"--prompt-file {str(path)!r} does not exist") from None
-        except IsADirectoryError:
-            raise CliError(f"--prompt-file {str(path)!r} is a directory, not a text file") from None
-        except UnicodeDecodeError:
-            raise CliError(f"--prompt-file {str(path)!r} is not UTF-8 text") from None
-        except OSError as e:
-            raise CliError(f"cannot read --prompt-file {str(path)!r}: {e.strerror or e}") from None
+        text = read_text(args.prompt_file, option="--prompt-file", max_bytes=args.max_text_bytes,
+                         raise_bound="--max-text-bytes")
     if not text.strip():
         raise CliError("the prompt is empty")
     return text

@@ -11,13 +11,21 @@ from .options import check_window_args
 def load_model_and_windows(args: argparse.Namespace):
     """``(model, tokenizer, windows)`` from the model, text and protocol options (``add_model_args``,
     ``add_text_args``, ``add_window_args``); bad option values fail before anything is loaded."""
-    from ..data import load_text, token_windows
+    from ..data import token_windows
 
     check_window_args(args)
-    text = load_text(args.text)  # fail on a bad path before loading the model
+    text = read_text_arg(args)  # fail on a bad path before loading the model
     model, tok = load_model_from_args(args)
     check_context_fits(model, args.context, "--context")
     return model, tok, token_windows(tok, text, args.context, args.windows, first=args.first_window)
+
+
+def read_text_arg(args: argparse.Namespace) -> str:
+    """The evaluation text of ``--text`` (``add_text_args``): the shipped WikiText-2 split by default, read
+    with at most ``--max-text-bytes`` (:func:`kivi.data.load_text`, the one bounded reader)."""
+    from ..data import load_text
+
+    return load_text(args.text, option="--text", max_bytes=args.max_text_bytes, raise_bound="--max-text-bytes")
 
 
 def load_model_from_args(args: argparse.Namespace):

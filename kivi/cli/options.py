@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from ..config import PRESETS, KiviConfig
+from ..files import DEFAULT_MAX_TEXT_BYTES
 from ..memory.weights import WEIGHT_BITS
 from .errors import CliError
-from .validators import model_dtype, non_negative_int, output_path, positive_int, utf8_text
+from .validators import byte_size, model_dtype, non_negative_int, output_path, positive_int, text_value
 
 
 class KiviArgumentParser(argparse.ArgumentParser):
@@ -28,7 +29,7 @@ class KiviArgumentParser(argparse.ArgumentParser):
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2", type=utf8_text,
+    p.add_argument("--model", default="smollm2", type=text_value,
                    help="model alias (smollm2), local checkpoint folder, .gguf file or hub id (default: smollm2)")
     p.add_argument("--dtype", default=None, type=model_dtype,
                    help="float32 | bfloat16 | float16 (default: as loaded; float32 for GGUF)")
@@ -38,7 +39,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_text_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--text", default=None, help="text file to evaluate on (default: the shipped WikiText-2 test split)")
+    p.add_argument("--text", default=None, type=text_value,
+                   help="text file to evaluate on, '-' = stdin (default: the shipped WikiText-2 test split)")
+    add_max_text_bytes_arg(p, "--text")
+
+
+def add_max_text_bytes_arg(p: argparse.ArgumentParser, option: str) -> None:
+    """``--max-text-bytes``: the bound of the one text reader (:func:`kivi.files.read_text`) for ``option``."""
+    p.add_argument("--max-text-bytes", default=DEFAULT_MAX_TEXT_BYTES, type=byte_size, metavar="SIZE",
+                   help=f"read at most this much of {option} (e.g. 256MiB; default 64MiB: more text than any "
+                   "model's context holds); an endless file or pipe stops there with one line")
 
 
 def add_window_args(p: argparse.ArgumentParser, *, windows: int = 20) -> None:
@@ -68,8 +78,8 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
 
 def add_config_args(p: argparse.ArgumentParser, *, default_preset: str | None = None) -> None:
     g = p.add_argument_group("KIVI configuration (a preset, individual fields, or a JSON file)")
-    g.add_argument("--preset", default=default_preset, help=f"one of {list(PRESETS)}")
-    g.add_argument("--config", default=None, help="KiviConfig JSON file (e.g. written by `kivi tune`)")
+    g.add_argument("--preset", default=default_preset, type=text_value, help=f"one of {list(PRESETS)}")
+    g.add_argument("--config", default=None, type=text_value, help="KiviConfig JSON file (e.g. written by `kivi tune`)")
     # ranges are KiviConfig's (one set of rules for the CLI, the Python API and JSON files)
     g.add_argument("--k-bits", type=int, default=None)
     g.add_argument("--v-bits", type=int, default=None)
@@ -86,7 +96,7 @@ def add_config_args(p: argparse.ArgumentParser, *, default_preset: str | None = 
     g.add_argument("--clip", nargs="?", const="both", default=None, choices=["both", "keys", "values"],
                    help="MSE-optimal clipping of group ranges, both sides (bare --clip) or one; same bytes "
                         "(docs/quality.md)")
-    g.add_argument("--attention-backend", default=None, help="auto | reference | cpu | triton")
+    g.add_argument("--attention-backend", default=None, type=text_value, help="auto | reference | cpu | triton")
 
 
 def load_config_file(path: str, flag: str = "--config") -> KiviConfig:
@@ -158,5 +168,6 @@ def check_window_args(args: argparse.Namespace) -> None:
         )
 
 
-__all__ = ["KiviArgumentParser", "add_config_args", "add_model_args", "add_output_args", "add_text_args",
-           "add_window_args", "check_cli_backend", "check_window_args", "config_from_args", "load_config_file"]
+__all__ = ["KiviArgumentParser", "add_config_args", "add_max_text_bytes_arg", "add_model_args", "add_output_args",
+           "add_text_args", "add_window_args", "check_cli_backend", "check_window_args", "config_from_args",
+           "load_config_file"]

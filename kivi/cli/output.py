@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any, Callable
 
+from ..files import write_text
 from .errors import CliError
 
 
@@ -30,7 +30,7 @@ def print_rich(renderable: Any, *, width: int = 120) -> None:
 
 
 def write_json_file(path: str, obj: Any) -> None:
-    Path(path).expanduser().write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    write_text(path, json.dumps(obj, indent=2, default=str) + "\n")  # the one writer (kivi.files)
 
 
 Write = tuple[str, str, Callable[[str], Any]]  # (flag, path, writer(path))

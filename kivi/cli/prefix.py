@@ -3,38 +3,29 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 from typing import Any
 
 from ..config import KiviConfig
 from . import CliError
+from .validators import output_path, text_value
 
 
 def add_prefix_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("saved prefixes (docs/prefix-cache.md)").add_mutually_exclusive_group()
-    g.add_argument("--save-prefix", metavar="FILE", default=None,
+    g.add_argument("--save-prefix", metavar="FILE", default=None, type=output_path,
                    help="after the prompt's prefill, save its KIVI cache (packed, with the config and a fingerprint "
                         "of the model and tokenizer) to FILE, then generate as usual")
-    g.add_argument("--load-prefix", metavar="FILE", default=None,
+    g.add_argument("--load-prefix", metavar="FILE", default=None, type=text_value,
                    help="start from the cache saved in FILE (for this model and tokenizer); --prompt / --prompt-file "
                         "is appended after its tokens as plain text (no chat template); the KIVI configuration is "
                         "the file's (options given must match it)")
 
 
 def check_prefix_args(args: argparse.Namespace) -> KiviConfig | None:
-    """Before anything loads: --save-prefix's folder must be writable; --load-prefix's file must be a complete,
-    intact kivi prefix file. Returns the file's KiviConfig for --load-prefix, else ``None``."""
-    if args.save_prefix:
-        path = Path(args.save_prefix).expanduser()
-        folder = path.parent
-        if path.is_dir():
-            raise CliError(f"--save-prefix {str(path)!r} is a directory; give a file name")
-        if not folder.is_dir():
-            raise CliError(f"--save-prefix {str(path)!r}: folder {str(folder)!r} does not exist")
-        if not os.access(folder, os.W_OK):
-            raise CliError(f"--save-prefix {str(path)!r}: folder {str(folder)!r} is not writable")
-        return None
+    """Before anything loads: --load-prefix's file must be a complete, intact kivi prefix file (--save-prefix's
+    path is checked by its argparse type, :func:`kivi.cli.validators.output_path`). Returns the file's
+    KiviConfig for --load-prefix, else ``None``."""
     if args.load_prefix:
         from ..cache.persist import read_header
 

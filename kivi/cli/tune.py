@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
+from ..files import TextReadError, read_text
 from . import CliError
 from .loading import load_model_and_windows
 from .options import (
@@ -21,7 +21,15 @@ from .options import (
     load_config_file,
 )
 from .output import emit, write_json_file, write_outputs
-from .validators import json_object, non_negative_int, output_path, positive_float, positive_int, token_count
+from .validators import (
+    json_object,
+    non_negative_int,
+    output_path,
+    positive_float,
+    positive_int,
+    text_value,
+    token_count,
+)
 
 
 def upgrade_config(base: Any, upgrade: dict) -> None:
@@ -43,9 +51,11 @@ def upgrade_config(base: Any, upgrade: dict) -> None:
 def read_profile(path: str) -> dict:
     """A `kivi profile --json` output: an object whose 'ranking' lists layer indices."""
     try:
-        profile = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        reason = getattr(e, "strerror", None) or (e.msg if isinstance(e, json.JSONDecodeError) else type(e).__name__)
+        profile = json.loads(read_text(path, option="--profile"))  # the one bounded reader
+    except (OSError, TextReadError) as e:
+        raise CliError(str(e)) from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        reason = e.msg if isinstance(e, json.JSONDecodeError) else type(e).__name__
         raise CliError(f"--profile {path!r}: cannot read a layer profile ({reason})") from None
     ranking = profile.get("ranking") if isinstance(profile, dict) else None
     if not isinstance(ranking, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
@@ -247,10 +257,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_text_args(p)
     add_window_args(p, windows=4)
     add_config_args(p)
-    p.add_argument("--max-ppl-increase", default=None, help="perplexity budget vs FP, e.g. 5%% (percent)")
+    p.add_argument("--max-ppl-increase", default=None, type=text_value,
+                   help="perplexity budget vs FP, e.g. 5%% (percent)")
     p.add_argument("--max-bits", type=positive_float, default=None, help="bits per element budget")
-    p.add_argument("--profile", default=None, help="`kivi profile --json` output: adds per-layer candidates")
-    p.add_argument("--candidates", nargs="*", default=None, help="extra KiviConfig JSON files to consider")
+    p.add_argument("--profile", default=None, type=text_value,
+                   help="`kivi profile --json` output: adds per-layer candidates")
+    p.add_argument("--candidates", nargs="*", default=None, type=text_value,
+                   help="extra KiviConfig JSON files to consider")
     p.add_argument(
         "--bits-at",
         type=bits_at_arg,

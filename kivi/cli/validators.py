@@ -11,7 +11,8 @@ import argparse
 import json
 import math
 import os
-from pathlib import Path
+
+from ..files import check_write_target
 
 
 def _int(text: str, what: str) -> int:
@@ -110,6 +111,15 @@ def utf8_text(text: str) -> str:
     return text
 
 
+def text_value(text: str) -> str:
+    """The one rule for every string option (a path, a name, a list): UTF-8 (:func:`utf8_text`) and not empty
+    or blank. ``--load-prefix "$UNSET"`` is an error naming the option, never the option left off."""
+    text = utf8_text(text)
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is empty; give a value, or leave the option out")
+    return text
+
+
 def int_list(text: str) -> list[int]:
     """``"1024,2048"`` -> positive ints."""
     items = [x.strip() for x in str(text).split(",") if x.strip()]
@@ -135,19 +145,18 @@ def fraction_list(text: str) -> list[float]:
 
 
 def output_path(text: str) -> str:
-    """A file the command will write: its folder exists and is writable, and it is not a folder.
+    """A file the command will write (:func:`text_value`): kivi's writer would write there
+    (:func:`kivi.files.check_write_target`: not a folder, a FIFO, a device, a socket, nor a symlink to one;
+    its folder exists), and the folder (or the file) is writable.
 
     Checked when the arguments are parsed, before any work (a long evaluation must not end in an
-    unwritable path)."""
-    text = utf8_text(text)
-    if not text.strip():
-        raise argparse.ArgumentTypeError("the path is empty")
-    path = Path(text).expanduser()
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file path")
+    unwritable path); the writer checks again when it writes."""
+    text = text_value(text)
+    try:
+        path = check_write_target(text)
+    except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     parent = path.parent
-    if not parent.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r}: the folder {str(parent)!r} does not exist")
     if path.exists() and not os.access(path, os.W_OK):
         raise argparse.ArgumentTypeError(f"{text!r} exists and is not writable")
     if not path.exists() and not os.access(parent, os.W_OK | os.X_OK):
@@ -177,4 +186,4 @@ def model_dtype(text: str) -> str:
 
 __all__ = ["MAX_SEED", "MODEL_DTYPES", "byte_size", "finite_float", "fraction_list", "int_list", "json_object",
            "model_dtype", "non_negative_float", "non_negative_int", "output_path", "port_number", "positive_float",
-           "positive_int", "seed", "token_count", "utf8_text"]
+           "positive_int", "seed", "text_value", "token_count", "utf8_text"]

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .files import DEFAULT_MAX_TEXT_BYTES, read_text
+
 __all__ = ["DATA_DIR", "DEFAULT_TEXT_FILE", "default_text_path", "load_text", "token_ids", "token_windows"]
 
 DATA_DIR = Path(__file__).resolve().parent
@@ -28,25 +30,24 @@ def default_text_path() -> Path:
     return DATA_DIR / DEFAULT_TEXT_FILE
 
 
-def load_text(path: str | os.PathLike | None = None) -> str:
-    """Read a UTF-8 text file (``None``: the shipped WikiText-2 test split).
+def load_text(path: str | os.PathLike | None = None, *, option: str = "text file",
+              max_bytes: int = DEFAULT_MAX_TEXT_BYTES, raise_bound: str | None = None) -> str:
+    """Read a UTF-8 text file, ``-`` (stdin) or a FIFO (``None``: the shipped WikiText-2 test split), with at
+    most ``max_bytes`` bytes (:func:`kivi.files.read_text`, the one bounded reader; ``option`` and
+    ``raise_bound`` name the input and the option that raises the bound in its errors).
 
     Line endings are normalised to ``\\n``.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: ``path`` is not a readable UTF-8 text file, or holds no text.
+        ValueError: ``path`` is not a readable UTF-8 text file, is longer than ``max_bytes``, or holds no text.
     """
-    file = default_text_path() if path is None else Path(path).expanduser()
-    if not file.exists():
-        hint = " (the shipped data file is missing: reinstall kivi)" if path is None else ""
-        raise FileNotFoundError(f"text file not found: {file}{hint}")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"cannot read text file {file}: {error}") from error
+    file = default_text_path() if path is None else path
+    if path is None and not default_text_path().exists():
+        raise FileNotFoundError(f"text file not found: {file} (the shipped data file is missing: reinstall kivi)")
+    text = read_text(file, option=option, max_bytes=max_bytes, raise_bound=raise_bound)
     if not text.strip():
-        raise ValueError(f"text file {file} is empty: it has no text to evaluate on")
+        raise ValueError(f"{option} {os.fsdecode(file)!r} is empty: it has no text to evaluate on")
     return text
 
 

@@ -1,12 +1,15 @@
-"""Reports of a sweep: the CSV rows and the Pareto plot."""
+"""Reports of a sweep: the CSV rows and the Pareto plot, written by the one writer (:mod:`kivi.files`)."""
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from pathlib import Path
 from typing import Any, Sequence
+
+from ..files import write_file, write_text
 
 ROW_FIELDS = ("name", "kind", "bits_per_element", "cache_bytes", "ppl", "delta_ppl_pct", "kl", "top1_agreement",
               "tokens_scored", "windows", "passkey_accuracy", "unavailable", "config")
@@ -17,14 +20,15 @@ def write_rows(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
     """Write rows as CSV (``.csv``) or JSON (anything else)."""
     p = Path(path)
     if p.suffix.lower() == ".csv":
-        with p.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(ROW_FIELDS), extrasaction="ignore")
-            w.writeheader()
-            for r in rows:
-                w.writerow({k: (json.dumps(r[k]) if k == "config" and isinstance(r.get(k), dict) else r.get(k))
-                            for k in ROW_FIELDS})
+        buf = io.StringIO(newline="")
+        w = csv.DictWriter(buf, fieldnames=list(ROW_FIELDS), extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (json.dumps(r[k]) if k == "config" and isinstance(r.get(k), dict) else r.get(k))
+                        for k in ROW_FIELDS})
+        write_text(p, buf.getvalue())
     else:
-        p.write_text(json.dumps(list(rows), indent=2, default=str) + "\n")
+        write_text(p, json.dumps(list(rows), indent=2, default=str) + "\n")
     return p
 
 
@@ -87,7 +91,10 @@ def pareto_plot(rows: Sequence[dict[str, Any]], path: str | Path, *, title: str 
         ax.set_title(title, fontsize=9)
     fig.tight_layout()
     p = Path(path)
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
+    fmt = p.suffix[1:].lower() or "png"  # given explicitly: the bytes go to a temporary name first
+    try:
+        write_file(p, lambda tmp: fig.savefig(tmp, dpi=120, format=fmt))
+    finally:
+        plt.close(fig)
     return p
 
