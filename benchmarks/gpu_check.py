@@ -420,12 +420,13 @@ def part_table(device, dry: bool, budget: float, contexts: list[int], new_tokens
     print(TABLE_HEADER)
     print("-" * len(TABLE_HEADER))
     per_seq = {}  # (cache, T) -> peak bytes above the weights at batch 1
+    seconds_1 = {}  # (cache, T) -> batch 1's generate() seconds
     done = set()
     for name, T, B in plan(contexts, caches):
         if time.time() - t0 > budget:
             skipped.append(dict(cache=name, context=T, batch=B))
             continue
-        label = B
+        label, b_mem = B, None
         if B == "max":
             if (name, T) not in per_seq:
                 skipped.append(dict(cache=name, context=T, batch=B, reason="batch 1 did not run"))
@@ -433,13 +434,21 @@ def part_table(device, dry: bool, budget: float, contexts: list[int], new_tokens
             if total is None:  # dry run: the memory model cannot be measured on CPU; a small batch stands in
                 B = 3
             else:
-                B = max(1, min(max_batch, int((0.92 * total - weights) // per_seq[(name, T)])))
+                B = b_mem = max(1, min(max_batch, int((0.92 * total - weights) // per_seq[(name, T)])))
+                # one generate() cannot be stopped: a batch whose estimated time (batch 1's, times B) does not
+                # fit in what is left of the budget is cut to one that does, and says so
+                left = budget - (time.time() - t0)
+                fits = int(left // max(seconds_1[(name, T)], 1e-3))
+                if fits < B:
+                    print(f"{name} T={T}: largest batch {B} by memory, {max(fits, 1)} by the time left", flush=True)
+                    B = max(1, fits)
         if (name, T, B) in done:
             continue
         while True:
             try:
                 row = generate_row(model, name, T, B, new_tokens, device, dry)
                 row["plan"] = label  # 1, 4 or "max" (the largest batch that fits, estimated then run)
+                row["max_batch_by_memory"] = b_mem  # "max" rows: the memory estimate (None: batch 1 / 4, dry run)
                 break
             except torch.OutOfMemoryError as e:  # pragma: no cover - GPU only
                 row = dict(cache=name, context=T, batch=B, error=f"OOM: {str(e)[:150]}")
@@ -456,6 +465,7 @@ def part_table(device, dry: bool, budget: float, contexts: list[int], new_tokens
         done.add((name, T, B))
         if B == 1 and "error" not in row:
             per_seq[(name, T)] = row.get("peak_bytes", weights) - weights
+            seconds_1[(name, T)] = row["prefill_s"] + row["decode_s"]
         rows.append(row)
         print(_fmt(row), flush=True)
         on_row(rows)
