@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up .venv, then run the test suite. The default suite leaves out tests marked `slow` (the real
-# SmolLM2 model end to end); KIVI_SLOW=1 runs everything. Extra arguments go to pytest, e.g.
+# SmolLM2 model end to end) and `long` (coverage CI runs in its step 1c: `bash scripts/test.sh -m long`, a later
+# -m replacing this one); KIVI_SLOW=1 runs everything. Extra arguments go to pytest, e.g.
 #   bash scripts/test.sh tests/test_memory.py -x
 #   KIVI_SLOW=1 bash scripts/test.sh
 # Tests run in KIVI_TEST_WORKERS pytest-xdist processes (default 2: the 2-core CI machine; 0 runs them in this
@@ -15,5 +16,5 @@ workers=${KIVI_TEST_WORKERS:-2}
 if [ "${KIVI_SLOW:-0}" = "1" ]; then
     exec python -m pytest -q -n "$workers" "$@"
 else
-    exec python -m pytest -q -n "$workers" -m "not slow" "$@"
+    exec python -m pytest -q -n "$workers" -m "not slow and not long" "$@"
 fi

@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded SmolLM2 (session-scoped) and the `slow` marker rule.
+"""Shared fixtures: the embedded SmolLM2 (session-scoped), the `slow` marker rule, the numba kernel filled once
+per run under xdist.
 
 Tiny random models come from :func:`tests.helpers.tiny_model` (the suite's one model factory).
 """
@@ -47,3 +48,65 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+# ------------------------------------------------ the numba decode kernel: compiled once per run, not per worker
+# With xdist workers (scripts/test.sh) every worker whose first kernel use finds numba's cache cold would fill it
+# in its own child process, compiling the same entries at once (~100 s each on the 2-core box). The controller
+# fills it once instead, in one background child started before the workers; a worker's first cache probe waits
+# for that child (the variable below names the file it leaves when done), then probes as usual (and compiles
+# itself, as kivi always does, if the cache is still cold).
+_KERNEL_FILL_DONE = "KIVI_TEST_KERNEL_FILL_DONE"
+_fill_child = None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist starts the workers (they inherit the environment)
+def pytest_sessionstart(session):
+    global _fill_child
+    config = session.config
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return
+    from kivi.optional import numba_available
+
+    if not numba_available():
+        return
+    import subprocess
+    import sys
+    import tempfile
+
+    from kivi.attention.fused_cpu import dispatch, kernel
+
+    if not dispatch._cache_missing(kernel):
+        return
+    done = os.path.join(tempfile.mkdtemp(prefix="kivi-kernel-fill-"), "done")
+    code = ("try:\n    from kivi.attention.fused_cpu import kernel\n    kernel.load_entries()\n"
+            f"finally:\n    open({done!r}, 'w').close()\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    _fill_child = subprocess.Popen([sys.executable, "-c", code], cwd=root, env=env)
+    os.environ[_KERNEL_FILL_DONE] = done
+
+
+def pytest_sessionfinish(session):
+    if _fill_child is not None and _fill_child.poll() is None:  # a run that never needed the kernel
+        _fill_child.terminate()
+        _fill_child.wait()
+
+
+def pytest_configure(config):
+    done = os.environ.get(_KERNEL_FILL_DONE)
+    if not done or not hasattr(config, "workerinput"):
+        return
+    import time
+
+    from kivi.attention.fused_cpu import dispatch
+
+    probe = dispatch._cache_missing
+
+    def cache_missing_after_the_controllers_fill(kernel):
+        deadline = time.monotonic() + 900
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return probe(kernel)
+
+    dispatch._cache_missing = cache_missing_after_the_controllers_fill

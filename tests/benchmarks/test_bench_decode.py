@@ -117,6 +117,7 @@ def test_context_past_max_position_embeddings_is_refused_in_one_line_without_the
     assert p.stdout == ""  # refused before any row ran
 
 
+@pytest.mark.long  # ~35 s: rows past the model's limit, run for real
 def test_ignore_max_context_measures_and_marks_rows_past_the_limit(tiny_checkpoint):
     p = _bench("--model", tiny_checkpoint, "--contexts", 48, 96, "--batches", 2, "--configs", "dynamic", "kivi2-cpu",
                "--steps", 2, "--ignore-max-context", "--fill", "random", "--isolate", "--json")

@@ -35,6 +35,7 @@ def test_identical_counts_requests_and_first_differences():
     assert r == {"requests": 3, "identical": 1, "first_differing_token": [None, 1, 2]}
 
 
+@pytest.mark.long  # ~10 s: a budget sweep end to end
 def test_budget_sweep_writes_rows_table_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     out, png = tmp_path / "serve.json", tmp_path / "serve.png"
@@ -57,6 +58,7 @@ def test_budget_sweep_writes_rows_table_and_plot(tmp_path):
     assert "gen tok/s" in out.with_suffix(".txt").read_text()
 
 
+@pytest.mark.long  # ~7 s: a child process per row
 def test_a_row_runs_in_a_fresh_process(tmp_path):
     out = tmp_path / "fresh.json"
     assert bs.main([*TINY, "--requests", "2", "--fp-requests", "3", "--rows", "kivi-2/2", "--out", str(out)]) == 0
@@ -100,6 +102,7 @@ def test_rows_with_their_own_budget_run_once_at_it_and_fp_n_is_what_float_pages_
     assert all(r["generated_tokens"] == sum(r["new_tokens"]) for r in rows)
 
 
+@pytest.mark.long  # ~20 s: every row twice, in child processes
 def test_kivi_root_before_runs_the_batch_rows_again_with_that_checkouts_kivi(tmp_path):
     other = tmp_path / "checkout"
     other.mkdir()
@@ -116,6 +119,7 @@ def test_kivi_root_before_runs_the_batch_rows_again_with_that_checkouts_kivi(tmp
     assert "(checkout)" in out.with_suffix(".txt").read_text()
 
 
+@pytest.mark.long  # ~18 s: a kivi serve child process
 def test_the_http_row_serves_every_request_its_tokens_through_kivi_serve(tmp_path):
     for name in ("fastapi", "uvicorn", "httpx"):
         pytest.importorskip(name)

@@ -207,6 +207,7 @@ def argument_lists(draw):
     return argv, expect
 
 
+@pytest.mark.long  # ~30 s: the random-argument fuzzer (the CLI's error tests name each refusal)
 @settings(max_examples=MAX_EXAMPLES, derandomize=True, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(case=argument_lists())

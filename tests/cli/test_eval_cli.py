@@ -47,6 +47,7 @@ def test_eval_ppl_json(cli_on_tiny_model, capsys):
     assert q["bits_per_element"] < 16 and q["ppl"] > 0
 
 
+@pytest.mark.long  # ~50 s: the ppl CLI end to end twice more (the quantized ppl path is in the test above)
 def test_eval_ppl_with_config_file_and_baseline(cli_on_tiny_model, capsys, tmp_path):
     path = tmp_path / "cfg.json"
     KiviConfig(k_bits=4, v_bits=4, residual_length=32).to_json(path)

@@ -146,10 +146,12 @@ def _fuzz_bodies(server, path: str, bodies) -> None:
     _assert_healthy(server, answers, MIN_SERVED)
 
 
+@pytest.mark.long  # ~9 s: the body fuzzer (tests/serving/test_server*.py name each refusal)
 def test_fuzz_completion_bodies(fuzz_server):
     _fuzz_bodies(fuzz_server, "/v1/completions", _bodies(COMPLETION, "prompt"))
 
 
+@pytest.mark.long  # ~8 s: the body fuzzer
 def test_fuzz_chat_bodies(fuzz_server):
     _fuzz_bodies(fuzz_server, "/v1/chat/completions", _bodies(CHAT, "messages"))
 
