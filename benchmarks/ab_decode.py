@@ -122,7 +122,9 @@ def main() -> None:
                 print(f"  {f['own_ms_per_step']:8.2f} {f['cum_ms_per_step']:8.2f} {f['calls_per_step']:7.0f}  "
                       f"{f['function']}")
     if a.out:
-        Path(a.out).write_text(json.dumps({"argv": sys.argv, "rows": rows}, indent=2) + "\n")
+        from kivi.files import write_text
+
+        write_text(a.out, json.dumps({"argv": sys.argv, "rows": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

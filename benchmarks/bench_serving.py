@@ -53,7 +53,7 @@ import torch
 KIVI_ROOT_ENV = "KIVI_ROOT"  # as benchmarks/profile_serving.py reads it
 sys.path.insert(0, os.environ.get(KIVI_ROOT_ENV) or str(Path(__file__).resolve().parent.parent))
 
-from common import command_line, environment, run_fresh, set_threads, write_json  # noqa: E402
+from common import command_line, environment, run_fresh, set_threads, write_json, write_text_file  # noqa: E402
 from kivi.batching import build_layout, fp_block_bytes, generate_batch  # noqa: E402
 from kivi.memory.units import parse_bytes  # noqa: E402
 from serving_http import SERVER_PAGE_SIZE, http_row, serve_features  # noqa: E402
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.out:
         write_json(args.out, report)
-        Path(args.out).with_suffix(".txt").write_text(table + "\n")
+        write_text_file(Path(args.out).with_suffix(".txt"), table + "\n")
     if args.plot:
         plot_budgets(report, args.plot)
     return 0

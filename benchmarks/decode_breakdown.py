@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import statistics
 import sys
 import time
@@ -151,7 +150,9 @@ def main() -> None:
               f"{row['plain_layers']:8d} {fmt(row['plain_update_us'])} {fmt(row['plain_attention_us'])} | "
               f"{row['per_head_layers']:11d} {fmt(row['per_head_update_us'])} {fmt(row['per_head_attention_us'])}")
     if a.json_out:
-        Path(a.json_out).write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
+        from common import write_json
+
+        write_json(a.json_out, {"args": vars(a), "rows": rows}, indent=1)
 
 
 if __name__ == "__main__":

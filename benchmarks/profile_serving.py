@@ -241,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"({per_token / batch_per_token:.2f}x)"
             )
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
+        from kivi.files import write_text
+
+        write_text(args.out, json.dumps(report, indent=1))
     return 0
 
 

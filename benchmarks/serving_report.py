@@ -98,8 +98,12 @@ def plot_budgets(report: dict, path: str | Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
+    from kivi.files import write_file
+
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:  # kivi's one writer: the figure goes to a temporary name, then replaces a regular file only
+        write_file(out, lambda tmp: fig.savefig(tmp, dpi=110, format=out.suffix[1:].lower() or "png"))
+    finally:
+        plt.close(fig)
     return out

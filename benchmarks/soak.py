@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import ROOT, proc_status_bytes, run_fresh, write_json
+from common import ROOT, proc_status_bytes, run_fresh, write_json, write_text_file
 
 LAYERS = ("workqueue", "omp", "tbb")
 
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             write_json(args.threads_out, {"args": {k: v for k, v in vars(args).items() if not isinstance(v, Path)},
                                           "rows": rows}, indent=1)
     if args.table:
-        args.table.write_text("\n".join(lines) + "\n")
+        write_text_file(args.table, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 
