@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import ROOT, proc_status_bytes, run_fresh, set_threads, write_json
+from common import ROOT, proc_status_bytes, run_fresh, set_threads, write_json, write_text_file
 
 PEAK_DOC = """Peak process memory of a long generation vs the cache it leaves behind (Linux).
 
@@ -665,7 +665,7 @@ def soak_main(argv: list[str]) -> int:
             write_json(args.threads_out, {"args": {k: v for k, v in vars(args).items() if not isinstance(v, Path)},
                                           "rows": rows}, indent=1)
     if args.table:
-        args.table.write_text("\n".join(lines) + "\n")
+        write_text_file(args.table, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -64,7 +64,7 @@ from transformers import GenerationConfig
 KIVI_ROOT_ENV = "KIVI_ROOT"
 sys.path.insert(0, os.environ.get(KIVI_ROOT_ENV) or str(Path(__file__).resolve().parent.parent))
 
-from common import command_line, environment, run_fresh, set_threads, write_json  # noqa: E402
+from common import command_line, environment, run_fresh, set_threads, write_json, write_text_file  # noqa: E402
 from kivi import KiviConfig  # noqa: E402
 from kivi.batching import build_layout, fp_block_bytes, generate_batch, init_continuous_batching  # noqa: E402
 from kivi.memory.units import parse_bytes  # noqa: E402
@@ -597,8 +597,12 @@ def plot_budgets(report: dict, path: str | Path) -> Path:
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    from kivi.files import write_file
+
+    try:  # kivi's one writer: the figure goes to a temporary name, then replaces a regular file only
+        write_file(out, lambda tmp: fig.savefig(tmp, dpi=110, format=out.suffix[1:].lower() or "png"))
+    finally:
+        plt.close(fig)
     return out
 
 
@@ -874,7 +878,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.out:
         write_json(args.out, report)
-        Path(args.out).with_suffix(".txt").write_text(table + "\n")
+        write_text_file(Path(args.out).with_suffix(".txt"), table + "\n")
     if args.plot:
         plot_budgets(report, args.plot)
     return 0

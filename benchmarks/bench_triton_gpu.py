@@ -51,7 +51,6 @@ if "--dry-run" in sys.argv:  # triton reads this when first imported (kivi -> tr
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -61,7 +60,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import plugin_step  # noqa: E402
-from common import time_calls  # noqa: E402
+from common import time_calls, write_json  # noqa: E402
 from kivi.attention.blocked import blocked_attention  # noqa: E402
 from kivi.attention.fused_cpu.paged import RingRows, torch_paged_decode  # noqa: E402
 from kivi.attention.reference import reference_attention  # noqa: E402
@@ -511,8 +510,7 @@ def main(argv=None) -> int:
                   warmup=warmup, iters=iters, dry_run=args.dry_run, checks=checks, results=rows, layouts=layouts,
                   paged=paged, plugin=plugin,
                   skipped=skipped, wall_s=time.time() - t_start)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(args.out, result)
     print(f"wrote {args.out} ({time.time() - t_start:.1f} s)")
     ok = all(c["ok"] for c in checks + plugin["checks"]) and all(r.get("ok", True) for r in layouts + paged)
     return 0 if ok else 1

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import command_line, environment, run_fresh, write_json  # noqa: E402
+from common import command_line, environment, run_fresh, write_json, write_text_file  # noqa: E402
 from kivi.memory.units import parse_bytes  # noqa: E402
 
 #: row name -> what the engine gets: vLLM's kv_cache_dtype, or the plugin's additional_config["kivi"]
@@ -340,14 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.out:
         write_json(args.out, report)
-        Path(args.out).with_suffix(".txt").write_text(table + "\n")
+        write_text_file(Path(args.out).with_suffix(".txt"), table + "\n")
     return 1 if any("error" in r for r in report["rows"]) else 0
 
 
 def write_text(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return path
+    return write_text_file(path, text)
 
 
 def _last_error(stderr: str) -> str:

@@ -96,9 +96,17 @@ def environment() -> dict[str, Any]:
 
 def write_json(path: str | Path, obj: Any, *, indent: int = 2) -> Path:
     """Write ``obj`` as JSON to ``path`` (parent folders created), ending with a newline."""
+    return write_text_file(path, json.dumps(obj, indent=indent, default=str) + "\n")
+
+
+def write_text_file(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` through kivi's one writer (``kivi.files.write_text``: atomic, refuses a device,
+    FIFO or folder at ``path``); unlike kivi's command line, a benchmark creates the parent folders."""
+    from kivi.files import write_text
+
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(obj, indent=indent, default=str) + "\n")
+    write_text(p, text)
     return p
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .files import DEFAULT_MAX_TEXT_BYTES, read_text
+from ..files import DEFAULT_MAX_TEXT_BYTES, read_text
 
 __all__ = ["DATA_DIR", "DEFAULT_TEXT_FILE", "default_text_path", "load_text", "token_ids", "token_windows"]
 

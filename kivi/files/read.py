@@ -47,7 +47,7 @@ def read_text(source: str | os.PathLike, *, option: str, max_bytes: int = DEFAUL
     if name == "-":
         label = f"{option} - (standard input)"
         stream = stdin if stdin is not None else (sys.stdin.buffer if sys.stdin is not None else None)
-        data = b"" if stream is None else _read_bounded(stream, max_bytes, label, raise_bound)
+        data = bytearray() if stream is None else _read_bounded(stream, max_bytes, label, raise_bound)
         return _decode(data, label)
     path = Path(name).expanduser()
     label = f"{option} {name!r}"
@@ -69,12 +69,12 @@ def read_text(source: str | os.PathLike, *, option: str, max_bytes: int = DEFAUL
     return _decode(data, label)
 
 
-def _read_bounded(stream: BinaryIO, max_bytes: int, label: str, raise_bound: str | None) -> bytes:
+def _read_bounded(stream: BinaryIO, max_bytes: int, label: str, raise_bound: str | None) -> bytearray:
     buf = bytearray()
     while True:
         chunk = stream.read(min(_CHUNK, max_bytes + 1 - len(buf)))
         if not chunk:
-            return bytes(buf)
+            return buf  # decoded as it is: no second copy of up to max_bytes
         buf += chunk
         if len(buf) > max_bytes:
             raise TextReadError(_too_long(label, max_bytes, raise_bound))
@@ -86,7 +86,7 @@ def _too_long(label: str, max_bytes: int, raise_bound: str | None) -> str:
             f"one text input; {how}")
 
 
-def _decode(data: bytes, label: str) -> str:
+def _decode(data: bytes | bytearray, label: str) -> str:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
