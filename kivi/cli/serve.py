@@ -10,7 +10,7 @@ from typing import Any
 from . import CliError
 from .loading import load_model_from_args
 from .options import add_config_args, add_model_args, config_from_args
-from .validators import byte_size, non_negative_float, port_number, positive_int, utf8_text
+from .validators import byte_size, non_negative_float, port_number, positive_int, text_value, utf8_text
 
 DEFAULT_PRESET = "balanced"
 DEFAULT_PAGE_SIZE = 256
@@ -36,7 +36,7 @@ def register(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_args(p)
-    p.add_argument("--host", default="127.0.0.1", type=utf8_text, help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1", type=text_value, help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--cache-memory", default="512MiB", type=byte_size,
                    help="bytes of the paged KV cache shared by all requests, e.g. 512MiB, 2GiB (default 512MiB)")
@@ -49,7 +49,7 @@ def register(sub: Any) -> None:
                    help="tokens per page of the paged cache (KIVI pages: a multiple of the config's group size; "
                    f"default {DEFAULT_PAGE_SIZE}, transformers' default)")
     p.add_argument(
-        "--served-model-name", default=None, type=utf8_text, help="the model id /v1/models lists (default: --model)"
+        "--served-model-name", default=None, type=text_value, help="the model id /v1/models lists (default: --model)"
     )
     p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--float-cache", action="store_true",

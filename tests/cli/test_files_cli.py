@@ -97,6 +97,8 @@ EMPTY = [
     ["estimate", *SHAPE, "--scale-dtype", ""],
     ["estimate", *SHAPE, "--sliding-layers", ""],
     ["estimate", *SHAPE, "--dtype", ""],
+    ["serve", "--host", ""],  # '' would listen on every interface
+    ["serve", "--served-model-name", " "],
 ]
 
 
