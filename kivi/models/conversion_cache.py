@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..files import write_text
 from .aliases import KNOWN_ALIASES, alias_gguf_path
 from .copy_manifest import file_sha256, files_problem, record_files
 
@@ -89,17 +90,10 @@ def _read_index(models_dir: Path) -> dict[str, Any]:
 
 
 def _write_json_atomic(path: Path, data: Any) -> None:
+    """Write ``data`` as JSON at ``path`` through kivi's one writer (atomic; a FIFO, device or folder there is
+    refused, not replaced); the cache creates its own folders."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_text(path, json.dumps(data, indent=2) + "\n")
 
 
 def gguf_sha256(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> str:
