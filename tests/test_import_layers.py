@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent / "kivi"
 LAYERS: dict[str, int] = {
     # 0 primitives: pure quantize / pack, optional-dependency probes, allocator tuning
     "kivi.quant.primitives": 0, "kivi.quant.clipping": 0, "kivi.quant.packing": 0, "kivi.optional": 0,
+    "kivi.numba_cache": 0,
     "kivi.allocator": 0,
     # the value that names one side's quantized format (built by the config, read by every layer above)
     "kivi.quant.side_format": 0,
