@@ -71,8 +71,8 @@ def _kernel(*names: str):
     """The :mod:`.kernel` module, the entry points ``names`` ready (every entry when none is named).
 
     Only the entries a call needs are loaded, each on first use (a cold cache gets the entry and its serial or
-    threaded twin: :func:`.kernel.partners`, one compile of their callees). They always run as numba's on-disk cache gives
-    them back: where the cache lacks one (the first use after installing or changing kivi) a child process
+    threaded twin: :func:`.kernel.partners`, one compile of their callees). They always run as numba's on-disk
+    cache gives them back: where the cache lacks one (the first use after installing or changing kivi) a child process
     compiles it into the cache first (:func:`_fill_cache`), so that this process's results equal every later
     process's bit for bit (why: :func:`.kernel.load_entries`). Before the first load, cache files that do not
     read back are set aside with one warning (:func:`kivi.numba_cache.set_aside_unreadable`) and compiled again.
