@@ -108,13 +108,13 @@ def test_a_failed_fill_warns_and_names_the_failure(monkeypatch):
     """A child that cannot compile leaves a warning with its exit code (the caller then compiles in-process)."""
     from kivi.attention.fused_cpu import dispatch, kernel
 
-    fake = types.SimpleNamespace(__file__=kernel.__file__, cache_missing=lambda: ["decode_serial"])
+    fake = types.SimpleNamespace(__file__=kernel.__file__, cache_missing=lambda names=None: ["decode_serial"])
     monkeypatch.setattr(sys, "executable", "/bin/false")
     with pytest.warns(RuntimeWarning, match=r"did not fill numba's cache \(exit code 1"):
-        dispatch._fill_cache(fake)
+        dispatch._fill_cache(fake, ["decode_serial"])
     monkeypatch.setattr(sys, "executable", "")
     with pytest.warns(RuntimeWarning, match="sys.executable is empty"):
-        dispatch._fill_cache(fake)
+        dispatch._fill_cache(fake, ["decode_serial"])
 
 
 def test_a_numba_without_the_cache_internals_warns_and_loads_here(monkeypatch):
@@ -123,7 +123,7 @@ def test_a_numba_without_the_cache_internals_warns_and_loads_here(monkeypatch):
 
     dispatch._kernel()
 
-    def renamed():
+    def renamed(names=None):
         raise AttributeError("'FunctionCache' object has no attribute '_cache_file'")
 
     monkeypatch.setattr(kernel, "cache_missing", renamed)
