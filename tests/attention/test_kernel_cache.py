@@ -149,6 +149,18 @@ DECODE = ("import sys, warnings, torch; warnings.simplefilter('always'); "
           "from tests.attention.test_kernel_cache import serial_output; torch.save(serial_output(), sys.argv[1])")
 
 
+def test_a_single_sequence_decode_loads_only_its_entry():
+    """A decode step loads the entry it runs (here the serial one), not the paged ones: first use compiles only what
+    the call needs."""
+    from kivi.attention.fused_cpu import dispatch
+
+    dispatch._kernel()  # this checkout's cache holds every entry: the process below only loads
+    code = ("from tests.attention.test_kernel_cache import serial_output; serial_output(); "
+            "from kivi.attention.fused_cpu import kernel; "
+            "print([e.__name__ for e, _ in kernel.ENTRIES if e.signatures])")
+    assert _run(code).stdout.split("\n")[-2] == "['decode_serial']"
+
+
 def test_an_unreadable_cache_file_is_set_aside_once_and_compiled_again(tmp_path):
     """A truncated data file of the entry a decode needs and a garbled index of another entry (a full disk, a bad
     copy): the next process warns once naming both, sets them aside, compiles the entry again (in its child) and
