@@ -26,17 +26,24 @@ import warnings
 from typing import Any
 
 from .config import ATTENTION_BACKENDS
-from .optional import numba_available, triton_available
+from .optional import numba_problem, triton_available
 from .quant.primitives import SUPPORTED_BITS
 from .quant.side_format import SIDES, VALUE_AXIS, SideFormat
 
 #: Name of the attention implementation kivi registers with transformers (kivi.attention.interface).
 ATTN_IMPLEMENTATION = "kivi"
 
-NUMBA_MISSING = (
-    "kivi: numba is not installed, so the 'cpu' attention backend decodes through the blocked torch path "
-    "(about 3x slower than the fused numba kernel at 8K tokens on SmolLM2). Fix: pip install 'numba>=0.60'"
-)
+def numba_missing_message(problem: str) -> str:
+    """The warning of a ``"cpu"`` backend that cannot run its numba kernel: ``problem`` (from
+    :func:`kivi.optional.numba_problem`) and its fix."""
+    if problem == "numba is not installed":
+        fix = "pip install 'numba>=0.60'"
+    elif "NUMBA_DISABLE_JIT" in problem:
+        fix = "unset NUMBA_DISABLE_JIT"
+    else:
+        fix = "what numba's error says (its installation or its NUMBA_* environment variables)"
+    return (f"kivi: {problem}, so the 'cpu' attention backend decodes through the blocked torch path (about 3x "
+            f"slower than the fused numba kernel at 8K tokens on SmolLM2). Fix: {fix}")
 
 
 def _device_type(device: Any) -> str | None:
@@ -228,8 +235,9 @@ def resolve_backend(requested: str, device: Any = None, *, config: Any = None, m
         missing = not triton_available() or (dev is not None and dev != "cuda")
         error = RuntimeError if requested == "triton" and missing else ValueError
         raise error(f"attention_backend={requested!r} " + "; and ".join(why))
-    if requested == "cpu" and dev in (None, "cpu") and not numba_available():
-        warnings.warn(NUMBA_MISSING, RuntimeWarning, stacklevel=2)
+    problem = numba_problem() if requested == "cpu" and dev in (None, "cpu") else None
+    if problem:
+        warnings.warn(numba_missing_message(problem), RuntimeWarning, stacklevel=2)
     return backend
 
 
@@ -289,6 +297,7 @@ __all__ = [
     "backend_named",
     "resolve_backend",
     "resolve_attention_backend",
+    "numba_missing_message",
     "cache_attention_backend",
     "attention_reads_views",
     "model_attention_unsupported",

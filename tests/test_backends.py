@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +16,7 @@ from kivi.backends import resolve_attention_backend
 
 
 def test_auto_without_numba_warns_with_the_fix(monkeypatch):
-    monkeypatch.setattr(backends, "numba_available", lambda: False)
+    monkeypatch.setattr(backends, "numba_problem", lambda: "numba is not installed")
     with pytest.warns(RuntimeWarning, match=r"pip install 'numba"):
         assert resolve_attention_backend("auto", "cpu") == "cpu"
     with pytest.warns(RuntimeWarning, match="numba is not installed"):
@@ -19,14 +24,50 @@ def test_auto_without_numba_warns_with_the_fix(monkeypatch):
 
 
 def test_no_warning_with_numba_or_for_reference(monkeypatch):
-    monkeypatch.setattr(backends, "numba_available", lambda: True)
+    monkeypatch.setattr(backends, "numba_problem", lambda: None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert resolve_attention_backend("auto", "cpu") == "cpu"
-    monkeypatch.setattr(backends, "numba_available", lambda: False)
+    monkeypatch.setattr(backends, "numba_problem", lambda: "numba is not installed")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert resolve_attention_backend("reference", "cpu") == "reference"
+
+
+def _decode_in_a_process(**env: str) -> str:
+    """stderr of a fresh process (``env`` added) that resolves the ``"cpu"`` backend and runs one decode step of a
+    kivi layer through it, checked equal to the blocked torch path."""
+    code = (
+        "import torch, warnings; warnings.simplefilter('always')\n"
+        "from kivi import KiviConfig; from kivi.backends import resolve_backend\n"
+        "from kivi.attention.backend_attention import attend; from kivi.attention.blocked import blocked_attention\n"
+        "from kivi.cache.layer import KiviLayer\n"
+        "backend = resolve_backend('cpu', 'cpu', config=KiviConfig())\n"
+        "layer, g = KiviLayer(KiviConfig(group_size=8, residual_length=16, block_size=32)), torch.Generator()\n"
+        "for n in (100, 1):\n"
+        "    views = layer.append(torch.randn(1, 2, n, 32, generator=g), torch.randn(1, 2, n, 32, generator=g))\n"
+        "q = torch.randn(1, 4, 1, 32, generator=torch.Generator().manual_seed(0))\n"
+        "out = attend(backend, q, *views, scaling=None, attention_mask=None)\n"
+        "assert torch.equal(out, blocked_attention(q, *views)), 'not the blocked path'\n"
+        "print(backend.name)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(root), **env))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "cpu"
+    return done.stderr
+
+
+@pytest.mark.parametrize(("env", "says", "fix"), [
+    ({"NUMBA_NUM_THREADS": "0"}, r"numba cannot be imported \(ValueError: Number of threads", "NUMBA_\\* environment"),
+    ({"NUMBA_DISABLE_JIT": "1"}, r"numba's JIT is disabled \(NUMBA_DISABLE_JIT=1\)", "unset NUMBA_DISABLE_JIT"),
+], ids=["import-fails", "jit-disabled"])
+def test_a_numba_that_cannot_run_is_reported_with_its_real_reason(env, says, fix):
+    """Not "not installed ... pip install": the reason numba cannot run, once, and decoding runs the blocked path."""
+    err = _decode_in_a_process(**env)
+    assert re.search(f"kivi: {says}.*blocked torch path.*Fix: .*{fix}", err), err
+    assert "pip install" not in err and err.count("kivi: ") == 1, err
 
 
 def test_unknown_backend_names_the_choices():

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent / "kivi"
 LAYERS: dict[str, int] = {
     # 0 primitives: pure quantize / pack, optional-dependency probes, the glibc malloc pin
     "kivi.quant.primitives": 0, "kivi.quant.clipping": 0, "kivi.quant.packing": 0, "kivi.optional": 0,
-    "kivi.malloc_pin": 0,
+    "kivi.malloc_pin": 0, "kivi.numba_cache": 0,
     # the one writer and the one bounded reader of user-named files (every layer writes or reads them)
     "kivi.files": 0,
     # the value that names one side's quantized format (built by the config, read by every layer above)

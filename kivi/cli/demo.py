@@ -27,7 +27,7 @@ from . import CliError
 from .loading import check_context_fits, load_model_from_args, read_text_arg
 from .options import add_model_args, add_text_args, check_cli_backend, load_config_file
 from .output import print_json, print_rich, write_json_file, write_outputs
-from .threads import set_cpu_threads
+from .threads import machine_cores, set_cpu_threads
 from .validators import non_negative_int, output_path, positive_int, text_value
 
 DEFAULT_PRESETS = "high,balanced,extreme"
@@ -56,8 +56,7 @@ def register(sub: Any) -> None:
                    help=f"comma-separated KIVI presets, or KiviConfig JSON files (default {DEFAULT_PRESETS})")
     p.add_argument("--no-fp", action="store_true", help="skip the FP reference (no agreement / KL columns)")
     p.add_argument("--threads", type=positive_int, default=None,
-                   help="CPU threads of torch and of the numba kernels (default: torch's choice, lowered to the idle "
-                   "cores when the machine is busy: oversubscribed threads make CPU decoding several times slower)")
+                   help="CPU threads of torch and of the numba kernels (default: every core this process may run on)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object on stdout")
     p.add_argument("--json-out", default=None, type=output_path,
                    help="also write the JSON results to this file (checked before the work starts)")
@@ -86,18 +85,6 @@ def parse_presets(text: str) -> list[tuple[str, Any]]:
     return out
 
 
-
-
-def auto_threads(default: int) -> int:
-    """``default``, or fewer when other processes keep the cores busy (1-minute load average)."""
-    import os
-
-    try:
-        busy = int(os.getloadavg()[0] + 0.5)
-    except (AttributeError, OSError):
-        return default
-    idle = (os.cpu_count() or default) - busy
-    return max(1, min(default, idle))
 
 
 def _status(msg: str) -> None:
@@ -156,7 +143,8 @@ def run_one(model: Any, cfg: Any, prompt: Any, cont: Any, max_new: int, chunk: i
 def warm_up(model: Any, kivi_rows: bool, threads: int) -> float | None:
     """Untimed first-call work before any row is timed: one short forward (the first forward of a
     process allocates lasting buffers) and, for KIVI rows on CPU, compiling / loading the numba
-    kernels of the fused decode attention and the value quantizer; then ``threads`` CPU threads
+    kernels of the fused decode attention (its single-sequence entries only: what the rows decode with) and the
+    value quantizer; then ``threads`` CPU threads
     for torch and numba (loading the kernels can change torch's count). Returns the kernels'
     seconds (``None`` when they are not used)."""
     import torch
@@ -165,10 +153,10 @@ def warm_up(model: Any, kivi_rows: bool, threads: int) -> float | None:
         model(torch.ones(1, 8, dtype=torch.long, device=model.device), use_cache=False, logits_to_keep=1)
     seconds = None
     if kivi_rows and model.device.type == "cpu":
-        from ..attention.fused_cpu import fused_decode_available, warmup
+        from ..attention.fused_cpu import SINGLE_SEQUENCE, fused_decode_available, warmup
 
         if fused_decode_available():
-            seconds = warmup()
+            seconds = warmup(SINGLE_SEQUENCE)
     set_cpu_threads(threads)
     return seconds
 
@@ -185,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     from ..eval.metrics import token_agreement
     from ..eval.progress import progress_bar
 
-    threads = args.threads or auto_threads(torch.get_num_threads())
+    threads = args.threads or machine_cores()
     torch.set_num_threads(threads)
     text = read_text_arg(args)  # raises a one-line error for a missing/unreadable/endless file
 

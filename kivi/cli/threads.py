@@ -6,6 +6,15 @@ import os
 import sys
 
 
+def machine_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one, else ``os.cpu_count()``):
+    the thread count a command uses unless ``--threads`` says otherwise."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def set_cpu_threads(n: int) -> None:
     """``n`` CPU threads for torch and, when numba is loaded, for kivi's numba kernels.
 
@@ -45,4 +54,4 @@ def load_kernels_then_set_threads(n: int | None, *, kernels: bool) -> float | No
     return seconds
 
 
-__all__ = ["load_kernels_then_set_threads", "set_cpu_threads"]
+__all__ = ["load_kernels_then_set_threads", "machine_cores", "set_cpu_threads"]

@@ -74,9 +74,15 @@ def token_quantizer_supported(fmt: SideFormat, dtype: torch.dtype) -> bool:
 @functools.cache
 def _kernel():
     """The compiled kernel (:func:`kivi.quant.fused_cpu_kernel.quantize_tokens`, or numba's cached copy); imports
-    numba on first use."""
+    numba on first use, and first sets aside its cache files that do not read back (:mod:`kivi.numba_cache`, one
+    warning; numba then compiles it again)."""
+    from ..numba_cache import set_aside_unreadable
     from . import fused_cpu_kernel
 
+    try:
+        set_aside_unreadable([fused_cpu_kernel.quantize_tokens], "kivi's value quantizer")
+    except AttributeError:  # a numba whose cache internals differ: numba's own loading decides
+        pass
     return fused_cpu_kernel.quantize_tokens
 
 

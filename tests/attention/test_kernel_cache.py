@@ -108,13 +108,13 @@ def test_a_failed_fill_warns_and_names_the_failure(monkeypatch):
     """A child that cannot compile leaves a warning with its exit code (the caller then compiles in-process)."""
     from kivi.attention.fused_cpu import dispatch, kernel
 
-    fake = types.SimpleNamespace(__file__=kernel.__file__, cache_missing=lambda: ["decode_serial"])
+    fake = types.SimpleNamespace(__file__=kernel.__file__, cache_missing=lambda names=None: ["decode_serial"])
     monkeypatch.setattr(sys, "executable", "/bin/false")
     with pytest.warns(RuntimeWarning, match=r"did not fill numba's cache \(exit code 1"):
-        dispatch._fill_cache(fake)
+        dispatch._fill_cache(fake, ["decode_serial"])
     monkeypatch.setattr(sys, "executable", "")
     with pytest.warns(RuntimeWarning, match="sys.executable is empty"):
-        dispatch._fill_cache(fake)
+        dispatch._fill_cache(fake, ["decode_serial"])
 
 
 def test_a_numba_without_the_cache_internals_warns_and_loads_here(monkeypatch):
@@ -123,14 +123,74 @@ def test_a_numba_without_the_cache_internals_warns_and_loads_here(monkeypatch):
 
     dispatch._kernel()
 
-    def renamed():
+    def renamed(names=None):
         raise AttributeError("'FunctionCache' object has no attribute '_cache_file'")
 
     monkeypatch.setattr(kernel, "cache_missing", renamed)
-    monkeypatch.setattr(dispatch, "_loaded", False)
+    monkeypatch.setattr(dispatch, "_ready", set())
     with pytest.warns(RuntimeWarning, match="cannot read numba .*'s cache index"):
         assert dispatch._kernel() is kernel
     assert all(entry.signatures for entry, _ in kernel.ENTRIES)
+
+
+def serial_output() -> torch.Tensor:
+    """The serial single-sequence entry on a fixed 2-bit layer (GQA 3)."""
+    from kivi import KiviConfig
+    from kivi.attention.fused_cpu import fused_decode_attention
+    from tests.attention.test_fused_cpu import _fill
+
+    views = _fill(KiviConfig(group_size=8, residual_length=16, block_size=32), 2, 2, 32, [1297, 1, 1, 1],
+                  torch.float32)
+    q = torch.randn(2, 6, 1, 32, generator=torch.Generator().manual_seed(2))
+    return fused_decode_attention(q, *views, threaded=False)
+
+
+DECODE = ("import sys, warnings, torch; warnings.simplefilter('always'); "
+          "from tests.attention.test_kernel_cache import serial_output; torch.save(serial_output(), sys.argv[1])")
+
+
+def test_a_single_sequence_decode_loads_only_its_entry():
+    """A decode step loads the entry it runs (here the serial one), not the paged ones: first use compiles only what
+    the call needs."""
+    from kivi.attention.fused_cpu import dispatch
+
+    dispatch._kernel()  # this checkout's cache holds every entry: the process below only loads
+    code = ("from tests.attention.test_kernel_cache import serial_output; serial_output(); "
+            "from kivi.attention.fused_cpu import kernel; "
+            "print([e.__name__ for e, _ in kernel.ENTRIES if e.signatures])")
+    assert _run(code).stdout.split("\n")[-2] == "['decode_serial']"
+
+
+def test_an_unreadable_cache_file_is_set_aside_once_and_compiled_again(tmp_path):
+    """A truncated data file of the entry a decode needs and a garbled index of another entry (a full disk, a bad
+    copy): the next process warns once naming both, sets them aside, compiles the entry again (in its child) and
+    decodes this process's bits; the process after it finds a clean cache and loads without a word."""
+    from kivi.attention.fused_cpu import dispatch
+
+    kernel = dispatch._kernel("decode_serial")
+    here = serial_output()
+    cache = tmp_path / "numba"
+    paths = _run("from kivi.attention.fused_cpu import kernel as k; "
+                 "print(*(e._cache._cache_file._index_path for e in (k.decode_serial, k.paged_decode_serial)))",
+                 cache_dir=str(cache)).stdout.split()
+    where = Path(paths[0]).parent
+    where.mkdir(parents=True, exist_ok=True)
+    for f in Path(kernel.decode_serial._cache._cache_path).glob("kernel.*.nb[ic]"):  # this checkout's cache
+        (where / f.name).write_bytes(f.read_bytes())
+    (data,) = where.glob(Path(paths[0]).name[: -len(".nbi")] + ".*.nbc")  # the entry's code, cut in half
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    index = Path(paths[1])  # another entry's index, garbled
+    index.write_bytes(b"\x80\x04garbled" * 8)
+
+    first = _run(DECODE, str(tmp_path / "first.pt"), cache_dir=str(cache))
+    assert first.stderr.count("unreadable file(s)") == 1, first.stderr
+    assert data.name in first.stderr and index.name in first.stderr, first.stderr
+    assert Path(f"{data}.unreadable").exists() and Path(f"{index}.unreadable").exists()
+    assert torch.equal(torch.load(tmp_path / "first.pt"), here)
+
+    second = _run(DECODE, str(tmp_path / "second.pt"), cache_dir=str(cache))
+    assert "unreadable" not in second.stderr and "RuntimeWarning" not in second.stderr, second.stderr
+    assert torch.equal(torch.load(tmp_path / "second.pt"), here)
 
 
 @pytest.mark.slow

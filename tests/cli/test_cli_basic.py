@@ -141,9 +141,44 @@ def test_demo_warm_up_compiles_the_kernels_before_timing(monkeypatch):
 
     calls = []
     monkeypatch.setattr(fused, "fused_decode_available", lambda: True)
-    monkeypatch.setattr(fused, "warmup", lambda: calls.append(1) or 1.5)
-    assert warm_up(tiny_llama, kivi_rows=True, threads=1) == 1.5 and calls == [1]
-    assert warm_up(tiny_llama, kivi_rows=False, threads=1) is None and calls == [1]  # FP only: nothing to compile
+    monkeypatch.setattr(fused, "warmup", lambda entries=None: calls.append(entries) or 1.5)
+    assert warm_up(tiny_llama, kivi_rows=True, threads=1) == 1.5
+    assert calls == [fused.SINGLE_SEQUENCE]  # the entries a single-sequence decode runs, not the paged ones
+    assert warm_up(tiny_llama, kivi_rows=False, threads=1) is None and len(calls) == 1  # FP only: nothing to compile
+
+
+def test_demo_uses_every_core_unless_told(monkeypatch):
+    """``kivi demo`` without --threads runs on the cores the process may use, however busy the machine is;
+    --threads still decides when given."""
+    import argparse
+
+    import kivi.cli.demo as demo
+    from kivi.cli import threads
+
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (5.0, 5.0, 5.0), raising=False)
+    assert threads.machine_cores() == 3
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def stop(text):  # the first step after the thread count is set
+        seen.append(__import__("torch").get_num_threads())
+        raise Stop
+
+    monkeypatch.setattr("kivi.data.load_text", stop)
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        for given, want in ((None, 3), (1, 1)):
+            ns = argparse.Namespace(presets="balanced", threads=given, text=None)
+            with pytest.raises(Stop):
+                demo.run(ns)
+            assert seen[-1] == want
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_cpu_threads_survive_loading_the_numba_kernels():

@@ -37,6 +37,7 @@ from ...optional import numba_available as fused_decode_available
 from .dispatch import (
     KERNEL_BITS,
     SERIAL_BELOW,
+    SINGLE_SEQUENCE,
     fused_decode_attention,
     fused_decode_heads,
     fused_decode_heads_supported,
@@ -52,5 +53,6 @@ __all__ = [
     "fused_decode_heads_supported",
     "warmup",
     "SERIAL_BELOW",
+    "SINGLE_SEQUENCE",
     "KERNEL_BITS",
 ]

@@ -51,61 +51,97 @@ _ALL_VALID = np.ones((1, 1), dtype=np.bool_)  # the kernel's mask argument when 
 KERNEL_BITS = SUPPORTED_BITS
 
 
-_loaded = False  # the entry points are compiled or loaded (kernel.load_entries) in this process
+_ready: set[str] = set()  # entry points loaded (kernel.load_entries) in this process
+_checked = False  # numba's cache files of the kernel have been checked (numba_cache.set_aside_unreadable)
 _load_lock = threading.Lock()
 
+#: The entry points of one decode step of single sequences (``kivi generate``, ``kivi demo``, ``generate()``):
+#: :func:`decode_entry` picks one of them per call.
+SINGLE_SEQUENCE = ("decode_threaded", "decode_serial")
 
-def _kernel():
-    """The :mod:`.kernel` module, its entry points ready: imports numba and loads them on first use.
 
-    The entries always run as numba's on-disk cache gives them back: where the cache lacks one
-    (the first use after installing or changing kivi) a child process compiles them into it first
-    (:func:`_fill_cache`), so that this process's results equal every later process's bit for bit (why:
-    :func:`.kernel.load_entries`).
+def _kernel_module():
+    """The :mod:`.kernel` module (imports numba; loads no entry point)."""
+    from . import kernel
+
+    return kernel
+
+
+def _kernel(*names: str):
+    """The :mod:`.kernel` module, the entry points ``names`` ready (every entry when none is named).
+
+    Only the entries a call needs are loaded, each on first use (a cold cache gets the entry and its serial or
+    threaded twin: :func:`.kernel.partners`, one compile of their callees). They always run as numba's on-disk
+    cache gives them back: where the cache lacks one (the first use after installing or changing kivi) a child process
+    compiles it into the cache first (:func:`_fill_cache`), so that this process's results equal every later
+    process's bit for bit (why: :func:`.kernel.load_entries`). Before the first load, cache files that do not
+    read back are set aside with one warning (:func:`kivi.numba_cache.set_aside_unreadable`) and compiled again.
 
     Loading the threaded entry starts numba's OpenMP layer, which sets the shared OpenMP thread count
     to numba's, so torch's thread count (``torch.set_num_threads``) is put back as it was: more CPU
     threads than the caller asked for oversubscribe the cores and slow decoding several times.
     """
-    global _loaded
-    if not _loaded:
-        with _load_lock:
-            if not _loaded:
-                threads = torch.get_num_threads()
-                from . import kernel
+    kernel = sys.modules.get(f"{__package__}.kernel")
+    if kernel is not None and names and _ready.issuperset(names):
+        return kernel
+    kernel = _kernel_module()
+    want = names or tuple(entry.__name__ for entry, _ in kernel.ENTRIES)
+    with _load_lock:
+        todo = [n for n in want if n not in _ready]
+        if todo:
+            threads = torch.get_num_threads()
+            _check_cache_files(kernel)
+            if _cache_missing(kernel, todo):  # the entries sharing their signatures are compiled with them
+                _fill_cache(kernel, _cache_missing(kernel, kernel.partners(todo)))
+            kernel.load_entries(todo)
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+            _ready.update(todo)
+    return kernel
 
-                if _cache_missing(kernel):
-                    _fill_cache(kernel)
-                kernel.load_entries()
-                if torch.get_num_threads() != threads:
-                    torch.set_num_threads(threads)
-                _loaded = True
-    return sys.modules[f"{__package__}.kernel"]
 
+def _check_cache_files(kernel) -> None:
+    """Once per process: set aside the kernel's unreadable cache files (:mod:`kivi.numba_cache`), so that they are
+    compiled again instead of failing every decode. Where this numba's cache internals differ, a warning."""
+    global _checked
+    if _checked:
+        return
+    from ...numba_cache import set_aside_unreadable
 
-def _cache_missing(kernel) -> list[str]:
-    """:func:`.kernel.cache_missing`; where this numba's cache internals are not the ones it reads, a warning and
-    ``[]``: the process then compiles or loads the entries itself, as before the child fill existed."""
     try:
-        return kernel.cache_missing()
+        set_aside_unreadable(kernel.DISPATCHERS, "kivi's decode kernel")
     except AttributeError as e:
-        import warnings
+        _internals_warning(e)
+    _checked = True
 
-        import numba
 
-        warnings.warn(f"kivi: cannot read numba {numba.__version__}'s cache index ({e}); the decode kernel is "
-                      "compiled or loaded in this process, and a process that compiles it can differ from one that "
-                      "loads it in the last float32 bit", RuntimeWarning, stacklevel=3)
+def _internals_warning(e: Exception) -> None:
+    import warnings
+
+    import numba
+
+    warnings.warn(f"kivi: cannot read numba {numba.__version__}'s cache index ({e}); the decode kernel is "
+                  "compiled or loaded in this process, and a process that compiles it can differ from one that "
+                  "loads it in the last float32 bit", RuntimeWarning, stacklevel=4)
+
+
+def _cache_missing(kernel, names) -> list[str]:
+    """:func:`.kernel.cache_missing` of ``names``; where this numba's cache internals are not the ones it reads, a
+    warning and ``[]``: the process then compiles or loads the entries itself, as before the child fill existed."""
+    try:
+        return kernel.cache_missing(names)
+    except AttributeError as e:
+        _internals_warning(e)
         return []
 
 
-def _fill_cache(kernel) -> None:
-    """Compile the kernel's entry points in a child process, which saves them to numba's on-disk cache.
+def _fill_cache(kernel, names) -> None:
+    """Compile the kernel's entry points ``names`` in a child process, which saves them to numba's on-disk cache.
 
     The child imports the same ``kivi``: it starts in the package root, which also leads ``PYTHONPATH``, so a
     ``kivi`` folder in this process's working directory cannot stand in. It gets this process's environment
-    (``NUMBA_CACHE_DIR`` included). Takes as long as compiling here (minutes on a small machine, once per
-    install). If the child fails or the cache still lacks an entry, this warns and the
+    (``NUMBA_CACHE_DIR`` included). Takes as long as compiling here (tens of seconds per entry on a small
+    machine, once per install). If the child fails or the cache still lacks an entry, this warns and the
     caller compiles in this process: correct results, whose last float32 bit can differ from a cached
     kernel's.
     """
@@ -117,18 +153,18 @@ def _fill_cache(kernel) -> None:
     from pathlib import Path
 
     log = logging.getLogger(__name__)
+    names = list(names)
     root = str(Path(kernel.__file__).resolve().parents[3])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    code = f"from {__package__} import kernel; kernel.load_entries()"
-    log.info("compiling kivi's numba decode kernel into numba's cache (%s), once per install",
-             ", ".join(kernel.cache_missing()))
+    code = f"from {__package__} import kernel; kernel.fill_entries({names!r})"
+    log.info("compiling kivi's numba decode kernel into numba's cache (%s), once per install", ", ".join(names))
     t0 = time.perf_counter()
     if not sys.executable:
         failure = "no Python executable to start (sys.executable is empty)"
     else:
         done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
         failure = f"exit code {done.returncode}: {done.stderr[-2000:]}" if done.returncode else ""
-    missing = kernel.cache_missing()
+    missing = kernel.cache_missing(names)
     if failure or missing:
         warnings.warn(f"kivi: compiling the numba decode kernel in a child process did not fill numba's cache "
                       f"({failure or 'still missing: ' + ', '.join(missing)}); compiling in this process instead "
@@ -138,12 +174,13 @@ def _fill_cache(kernel) -> None:
         log.info("compiled in %.0f s", time.perf_counter() - t0)
 
 
-def warmup() -> float:
-    """Compile (or load) the decode kernel and the value quantizer now; returns the seconds it took."""
+def warmup(entries=None) -> float:
+    """Compile (or load) the decode kernel's entry points ``entries`` (names, e.g. :data:`SINGLE_SEQUENCE` or
+    :func:`decode_entry`'s; ``None``: all) and the value quantizer now; returns the seconds it took."""
     import time
 
     t0 = time.perf_counter()
-    _kernel()
+    _kernel(*(entries or ()))
     _warmup_quantizer()
     return time.perf_counter() - t0
 
@@ -209,6 +246,14 @@ def _use_threads(batch: int, hkv: int, kv_len: int) -> bool:
     return batch * hkv * kv_len >= SERIAL_BELOW
 
 
+def decode_entry(batch: int, hkv: int, kv_len: int, threaded: bool | None = None) -> str:
+    """The entry point (of :data:`SINGLE_SEQUENCE`) a single-sequence decode call of this size runs:
+    ``threaded=None`` chooses by size (:data:`SERIAL_BELOW`)."""
+    if threaded is None:
+        threaded = _use_threads(batch, hkv, kv_len)
+    return "decode_threaded" if threaded else "decode_serial"
+
+
 def _chunk_tokens(ntok: int, tasks_bh: int, threads: int, sub: int | None = None) -> int:
     """Tokens per split-K task: at least 2 tasks per thread, a task count divisible by ``threads``.
 
@@ -218,7 +263,7 @@ def _chunk_tokens(ntok: int, tasks_bh: int, threads: int, sub: int | None = None
     (3 + 3). Chunks are multiples of 64 tokens (whole key groups of 32 or 64 tokens) and at least
     one step of the kernel (:data:`.kernel.SUB` tokens).
     """
-    SUB = _kernel().SUB if sub is None else sub  # the caller's kernel module gives it: one lookup per call
+    SUB = _kernel_module().SUB if sub is None else sub  # the caller's kernel module gives it: one lookup per call
     tasks_bh = max(tasks_bh, 1)
     want = max(1, -(-2 * threads // tasks_bh))
     for extra in range(threads):  # smallest count >= want whose total divides evenly
@@ -340,9 +385,9 @@ def _decode(q, kside, vside, kv_len: int, hkv: int, dv: int, keep: list, *, scal
     if kv_len == 0:
         raise ValueError("fused_decode_attention: empty cache view")
     scaling = d**-0.5 if scaling is None else scaling
-    if threaded is None:
-        threaded = _use_threads(B, hkv, kv_len)
-    kernel = _kernel()
+    name = decode_entry(B, hkv, kv_len, threaded)
+    threaded = name == "decode_threaded"
+    kernel = _kernel(name)
     valid = valid_row(attention_mask, B, kv_len)
     has_mask = valid is not None
     valid_np = _np(valid) if has_mask else _ALL_VALID
@@ -359,11 +404,11 @@ def _decode(q, kside, vside, kv_len: int, hkv: int, dv: int, keep: list, *, scal
     args = (q32, kd, vd, prm, valid_np, int(has_mask), np.float32(scaling), hkv, kv_len, chunk,
             out.numpy().reshape(B, hq, dv))
     if threaded:
-        _run_threaded(kernel.decode_threaded, args)
+        _run_threaded(getattr(kernel, name), args)
     else:
-        kernel.decode_serial(*args)
+        getattr(kernel, name)(*args)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
 __all__ = ["fused_decode_supported", "fused_decode_attention", "fused_decode_heads", "fused_decode_heads_supported",
-           "warmup", "SERIAL_BELOW", "THREAD_SAFE_LAYERS", "KERNEL_BITS"]
+           "warmup", "decode_entry", "SINGLE_SEQUENCE", "SERIAL_BELOW", "THREAD_SAFE_LAYERS", "KERNEL_BITS"]

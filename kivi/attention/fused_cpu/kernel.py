@@ -43,6 +43,8 @@ the same code), 204-237 s while the slot tasks were inlined, 11.5 min with every
 
 from __future__ import annotations
 
+import os
+
 import numba
 import numpy as np
 from numba import carray, prange, types
@@ -1207,32 +1209,58 @@ ENTRIES = (
     (paged_ring_decode_threaded, _RING_SIGNATURE),
     (paged_ring_decode_serial, _RING_SIGNATURE),
 )
+#: Every compiled function of this module (entries and ``@jit`` callees): whose cache files
+#: :func:`kivi.numba_cache.set_aside_unreadable` checks.
+DISPATCHERS = tuple(f for f in dict(globals()).values() if isinstance(f, numba.core.dispatcher.Dispatcher))
 
 
-def cache_missing() -> list[str]:
-    """The entry points numba's on-disk cache has no code for (this machine, this source), loading nothing.
+def _selected(names) -> list:
+    """The ``(entry, signature)`` pairs of :data:`ENTRIES` named in ``names`` (all for ``None``), in
+    :data:`ENTRIES` order; ``ValueError`` for a name that is not an entry."""
+    if names is None:
+        return list(ENTRIES)
+    known = {entry.__name__ for entry, _ in ENTRIES}
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise ValueError(f"not entry points of the decode kernel: {unknown}; entries are {sorted(known)}")
+    return [(entry, sig) for entry, sig in ENTRIES if entry.__name__ in names]
+
+
+def partners(names) -> list[str]:
+    """The entries that share a signature with one of ``names`` (a threaded entry and its serial twin): one fill
+    compiles them together, their ``@jit`` callees compiled once for both."""
+    sigs = {sig for _, sig in _selected(names)}
+    return [entry.__name__ for entry, sig in ENTRIES if sig in sigs]
+
+
+def cache_missing(names=None) -> list[str]:
+    """The entry points (of ``names``; ``None``: all) numba's on-disk cache has no code for (this machine, this
+    source), loading nothing.
 
     It asks numba's cache index with the key numba's own lookup computes (``Dispatcher.compile`` looks the
-    signature up the same way before it compiles). These are numba internals (``_cache``, ``_index_key``,
-    ``_cache_file``, as numba 0.65 and 0.68 define them), tested in tests/attention/test_kernel_cache.py; a
+    signature up the same way before it compiles); an index entry whose data file is gone is missing too (numba
+    would compile it in this process). These are numba internals (``_cache``, ``_index_key``, ``_cache_file``,
+    ``_data_path``, as numba 0.65 and 0.68 define them), tested in tests/attention/test_kernel_cache.py; a
     numba that renames them raises ``AttributeError`` here rather than answering wrong (the caller warns). Where
     numba cannot cache at all (``NullCache``: no writable cache directory) the answer is ``[]``: nothing to fill.
     """
     from numba.core.caching import NullCache
 
     missing = []
-    for entry, sig in ENTRIES:
+    for entry, sig in _selected(names):
         cache = entry._cache
         if isinstance(cache, NullCache):  # caching unavailable here
             return []
         entry.targetctx.refresh()
-        if cache._index_key(sig, entry.targetctx.codegen()) not in cache._cache_file._load_index():
+        data = cache._cache_file._load_index().get(cache._index_key(sig, entry.targetctx.codegen()))
+        if data is None or not os.path.exists(cache._cache_file._data_path(data)):  # a data file set aside: a miss
             missing.append(entry.__name__)
     return missing
 
 
-def load_entries() -> None:
-    """Compile every entry point, or load it from numba's on-disk cache, then close them to new signatures.
+def load_entries(names=None) -> None:
+    """Compile the entry points named in ``names`` (``None``: all), or load them from numba's on-disk cache, then
+    close them to new signatures.
 
     Why not at import, and why the caller fills a cold cache in another process first
     (:func:`.dispatch._kernel`): under ``fastmath`` the code numba runs right after compiling differs in
@@ -1242,7 +1270,23 @@ def load_entries() -> None:
     float32; enough to flip a near-tie between two tokens). A process that runs code loaded from the cache
     gives the same bits as every other such process. Measured: docs/fused-cpu.md.
     """
-    for entry, sig in ENTRIES:
+    for entry, sig in _selected(names):
         if not entry.signatures:  # idempotent: a second call finds the overload and compiling closed
             entry.compile(sig)
         entry.disable_compile()  # as numba does for a signature given at decoration: calls convert, never compile
+
+
+def fill_entries(names) -> None:
+    """What the child of :func:`.dispatch._fill_cache` runs: compile the entries ``names`` and save them to numba's
+    cache, every ``@jit`` callee compiled here (their caches turned off: neither read nor written).
+
+    So the saved code does not depend on what an earlier fill left in the cache: an entry compiled against
+    callees loaded from the cache links the same callee code, yet its outputs differed from the entry compiled
+    with fresh callees in the last float32 bit (``tests/attention/test_kernel_cache.py``, the unreadable-file
+    test, failed that way).
+    """
+    entries = {entry for entry, _ in _selected(names)}
+    for f in DISPATCHERS:
+        if f not in entries:
+            f._cache.disable()
+    load_entries(names)

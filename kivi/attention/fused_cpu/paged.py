@@ -304,31 +304,32 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layout: PagedLay
     total = int(lens.sum())
     if threaded is None:
         threaded = _use_threads(1, H, total)
-    kernel = _kernel()
+    ring = isinstance(k_fp, RingRows)
+    name = f"paged{'_ring' if ring else ''}_decode_{'threaded' if threaded else 'serial'}"
+    kernel = _kernel(name)  # loads this entry only
     out = torch.empty(N, hq, D)
     if threaded:
         import numba  # loaded with the kernel
 
-        chunk = _chunk_tokens(int(lens.max()), N * H, numba.get_num_threads())
+        chunk = _chunk_tokens(int(lens.max()), N * H, numba.get_num_threads(), kernel.SUB)
     else:
         chunk = int(lens.max())
     head = (q.float().contiguous().numpy(), pool.numpy(), layout.vector(), block_table.contiguous().numpy(),
             counts.contiguous().numpy())
     tail = (np.float32(scaling), H, chunk, out.numpy())
-    if isinstance(k_fp, RingRows):
+    if ring:
         news = [fp.new.float().contiguous() for fp in (k_fp, v_fp)]  # kept alive through the call
         scratch = _row_scratch((N * H, 2, k_fp.slots.shape[1] + 1, D))
         args = (*head, k_fp.slots.contiguous().numpy(), v_fp.slots.contiguous().numpy(),
                 np.stack([k_fp.vector(), v_fp.vector()]), news[0].numpy(), news[1].numpy(), int(w0), *tail[:3],
                 scratch, tail[3])
-        entry = (kernel.paged_ring_decode_threaded, kernel.paged_ring_decode_serial)
     else:
         args = (*head, k_fp.contiguous().numpy(), v_fp.contiguous().numpy(), int(w0), *tail)
-        entry = (kernel.paged_decode_threaded, kernel.paged_decode_serial)
+    entry = getattr(kernel, name)
     if threaded:
-        _run_threaded(entry[0], args)
+        _run_threaded(entry, args)
     else:
-        entry[1](*args)
+        entry(*args)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
