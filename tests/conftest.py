@@ -76,10 +76,10 @@ def pytest_sessionstart(session):
 
     from kivi.attention.fused_cpu import dispatch, kernel
 
-    if not dispatch._cache_missing(kernel):
+    if not dispatch._cache_missing(kernel, None):
         return
     done = os.path.join(tempfile.mkdtemp(prefix="kivi-kernel-fill-"), "done")
-    code = ("try:\n    from kivi.attention.fused_cpu import kernel\n    kernel.load_entries()\n"
+    code = ("try:\n    from kivi.attention.fused_cpu import kernel\n    kernel.fill_entries(None)\n"
             f"finally:\n    open({done!r}, 'w').close()\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
@@ -103,10 +103,10 @@ def pytest_configure(config):
 
     probe = dispatch._cache_missing
 
-    def cache_missing_after_the_controllers_fill(kernel):
+    def cache_missing_after_the_controllers_fill(kernel, names):
         deadline = time.monotonic() + 900
         while not os.path.exists(done) and time.monotonic() < deadline:
             time.sleep(0.5)
-        return probe(kernel)
+        return probe(kernel, names)
 
     dispatch._cache_missing = cache_missing_after_the_controllers_fill
