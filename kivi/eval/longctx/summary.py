@@ -56,7 +56,7 @@ def _row(by, bits, c, L, proto, name, ts, fp, seed) -> dict[str, Any]:
                            "n": sum(len(s) for s in strata), "ci_low": 100 * lo, "ci_high": 100 * hi,
                            "bits_per_element": sum(b) / len(b), "diff_vs_fp": None, "diff_ci_low": None,
                            "diff_ci_high": None, "within_noise": None}
-    if len(ts) > 1:
+    if name.startswith("average"):
         row["tasks"] = list(ts)
     if all((fp, L, t, proto) in by for t in ts):
         pairs = [[i for i in ix if i in by[(fp, L, t, proto)]] for t, ix in zip(ts, idx)]

@@ -312,11 +312,13 @@ def _qa(b: _Build) -> Sample:
             raise ValueError(f"length {b.length} is too short for task 'qa'")
         b.hay.check_tokens(span + q_guess, f"a {b.length}-token qa prompt")
         start = b.rng.randrange(0, len(b.hay.ids) - span - q_guess + 1)
-        at = b.hay.snap(start, round(b.depth * (span - 64)), span - 64)
-        nxt = b.hay.next_start(start, at + 4)
-        if nxt is None or not 8 <= nxt - at <= 48:
+        at = b.hay.next_start(start, round(b.depth * (span - 200)) - 1)  # a real sentence start, not the slice's
+        nxt = None if at is None or at > span - 64 else b.hay.next_start(start, at + 4)
+        if nxt is None or not 4 <= nxt - at <= 96:
             continue
         sentence = decode(tok, b.hay.ids[start + at : start + nxt]).strip()
+        if len(re.findall(r"[A-Za-z]{2,}", sentence)) < 6 or len(sentence) > 400:  # words, not a table row
+            continue
         cands = _CANDIDATE.findall(sentence)
         b.rng.shuffle(cands)
         for word in cands:
