@@ -33,15 +33,22 @@ def cmd_longctx(args: argparse.Namespace) -> int:
     meta = {"model": args.model, "text": hashlib.sha1(text.encode("utf-8")).hexdigest()[:16], "seed": args.seed,
             "samples": args.samples}
     assert tuple(meta) == META
+    if args.report_only and not args.jsonl:
+        raise CliError("--report-only reads the rows of --jsonl FILE: give it")
     log = ResultLog(args.jsonl, meta)  # a --jsonl of another run fails before the model loads
-    model, tok = load_model_from_args(args)
-    longest = max(MAX_NEW_TOKENS[t] for t in args.tasks)
-    check_context_fits(model, lengths[-1] + longest, f"--lengths {lengths[-1]} + a {longest}-token answer")
-    rows = run_suite(model, tok, text, configs, lengths=lengths, tasks=args.tasks, samples=args.samples,
-                     protocols=args.protocol, seed=args.seed, log=log, progress=not args.no_progress)
+    if args.report_only:
+        rows = log.rows
+    else:
+        model, tok = load_model_from_args(args)
+        longest = max(MAX_NEW_TOKENS[t] for t in args.tasks)
+        check_context_fits(model, lengths[-1] + longest, f"--lengths {lengths[-1]} + a {longest}-token answer")
+        rows = run_suite(model, tok, text, configs, lengths=lengths, tasks=args.tasks, samples=args.samples,
+                         protocols=args.protocol, seed=args.seed, log=log, progress=not args.no_progress)
     wanted = {(c, L, t, p) for c, _ in configs for L in lengths for t in args.tasks for p in args.protocol}
     rows = [r for r in rows if (r["config"], r["length"], r["task"], r["protocol"]) in wanted
             and r["sample"] < args.samples]
+    if not rows:
+        raise CliError(f"--jsonl {args.jsonl!r} holds no rows of these configs, lengths, tasks and protocols")
     summary = summarize(rows, configs=[c for c, _ in configs], seed=args.seed)
     result = {"interval": INTERVAL, "score_unit": "points (0-100): mean over samples of RULER's fraction of "
               "expected strings found in the answer", "bits_per_element": "real cache bytes * 8 / (2 * layers * "
@@ -54,7 +61,7 @@ def cmd_longctx(args: argparse.Namespace) -> int:
     failed = write_outputs([("--json", args.json, lambda p: write_json_file(p, result)),
                             ("--plot", args.plot, lambda p: plot(summary, p, title=title))])
     print_rich(table(summary))
-    for path in (args.json, args.plot, args.jsonl):
+    for path in (args.json, args.plot, None if args.report_only else args.jsonl):
         if path and not any(path in f for f in failed):
             print(f"wrote {path}", file=sys.stderr)
     if failed:
@@ -93,6 +100,8 @@ def add_parser(evs: argparse._SubParsersAction) -> None:
     p.add_argument("--jsonl", default=None, type=output_path,
                    help="stream every answer to this JSONL file; an existing file of the same run is resumed")
     p.add_argument("--plot", default=None, type=output_path, help="write a PNG: score vs length, score vs bits")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing, load no model: summarize the rows --jsonl already holds (e.g. of a stopped run)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=cmd_longctx)
 

@@ -84,3 +84,26 @@ def test_run_writes_json_jsonl_and_plot(tiny, capsys, tmp_path):
     assert k2["n"] == 2 and k2["ci_low"] <= k2["score"] <= k2["ci_high"] and k2["bits_per_element"] < 16
     assert k2["diff_vs_fp"] is not None and isinstance(k2["within_noise"], bool)
     assert len(rows.read_text().splitlines()) == 4 and png.stat().st_size > 1000
+
+
+def test_report_only_summarizes_a_jsonl_without_a_model(no_model, capsys, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    meta = {"model": "smollm2", "seed": 0, "samples": 2}
+    import hashlib
+
+    from kivi.data import load_text
+
+    meta["text"] = hashlib.sha1(load_text().encode("utf-8")).hexdigest()[:16]
+    lines = [{**meta, "config": c, "length": 4096, "task": "qa", "protocol": "question-after", "sample": i,
+              "score": s, "bits_per_element": b} for c, b, ss in (("fp", 32.0, (1, 1)), ("extreme", 5.0, (1, 0)))
+             for i, s in enumerate(ss)]
+    rows.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "s.json"
+    argv = ["--report-only", "--jsonl", str(rows), "--json", str(out), "--tasks", "qa", "--samples", "2",
+            "--configs", "fp", "extreme"]
+    rc = main(["eval", "longctx", "--no-progress", *argv])
+    _, err = capsys.readouterr()
+    assert rc == 0 and "rows.jsonl" not in err, err  # nothing written to the JSONL
+    r = {x["config"]: x for x in json.loads(out.read_text())["rows"]}
+    assert r["extreme"]["score"] == 50.0 and r["extreme"]["diff_vs_fp"] == -50.0 and r["extreme"]["n"] == 2
+    assert "--report-only reads the rows" in _err(capsys, ["--report-only"])
