@@ -10,6 +10,8 @@ from typing import Any, Sequence
 def _fmt_diff(r: dict[str, Any]) -> str:
     if r.get("diff_vs_fp") is None:
         return ""
+    if r.get("diff_ci_low") is None:
+        return f"{r['diff_vs_fp']:+.1f} [n=1]"
     mark = " ~" if r["within_noise"] else ""
     return f"{r['diff_vs_fp']:+.1f} [{r['diff_ci_low']:+.1f}, {r['diff_ci_high']:+.1f}]{mark}"
 
@@ -30,8 +32,8 @@ def table(summary: Sequence[dict[str, Any]]) -> Any:
         avg = rows.get("average") or next(iter(rows.values()))
         cells = [f"{rows[x]['score']:.1f}" + ("" if rows[x].get("fp_meaningful", True) else "*") if x in rows else ""
                  for x in tasks]
-        t.add_row(p, str(L), c, f"{avg['bits_per_element']:.2f}",
-                  f"{avg['score']:.1f} [{avg['ci_low']:.1f}, {avg['ci_high']:.1f}]", _fmt_diff(avg), *cells)
+        ci = "" if avg["ci_low"] is None else f" [{avg['ci_low']:.1f}, {avg['ci_high']:.1f}]"
+        t.add_row(p, str(L), c, f"{avg['bits_per_element']:.2f}", f"{avg['score']:.1f}{ci}", _fmt_diff(avg), *cells)
     t.caption = "* full precision scores at most 20 points on this task at this length: the model cannot do it"
     return t
 
@@ -55,7 +57,8 @@ def plot(summary: Sequence[dict[str, Any]], path: str | Path, *, title: str | No
             if pts:
                 xs = [x[0] for x in pts]
                 a.plot(xs, [x[1] for x in pts], style, label=f"{c} ({p})")
-                a.fill_between(xs, [x[2] for x in pts], [x[3] for x in pts], alpha=0.1)
+                if all(x[2] is not None for x in pts):
+                    a.fill_between(xs, [x[2] for x in pts], [x[3] for x in pts], alpha=0.1)
     a.set_xscale("log", base=2)
     a.set_xlabel("prompt length (tokens)")
     a.set_ylabel("suite average score (points)")
@@ -64,8 +67,8 @@ def plot(summary: Sequence[dict[str, Any]], path: str | Path, *, title: str | No
     longest = max(r["length"] for r in avg)
     for r in (r for r in avg if r["length"] == longest):
         marker = "o" if r["protocol"] == "question-after" else "s"
-        b.errorbar(r["bits_per_element"], r["score"], yerr=[[r["score"] - r["ci_low"]], [r["ci_high"] - r["score"]]],
-                   fmt=marker, capsize=3)
+        err = None if r["ci_low"] is None else [[r["score"] - r["ci_low"]], [r["ci_high"] - r["score"]]]
+        b.errorbar(r["bits_per_element"], r["score"], yerr=err, fmt=marker, capsize=3)
         b.annotate(r["config"], (r["bits_per_element"], r["score"]), textcoords="offset points", xytext=(4, 4),
                    fontsize=7)
     b.set_xscale("log", base=2)

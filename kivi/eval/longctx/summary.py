@@ -4,7 +4,8 @@
 Two averages per (config, length, protocol) are added as tasks: ``average`` (every task) and
 ``average_fp_meaningful`` (the tasks on which full precision scores above :data:`MEANINGFUL` points at
 that length; a task the model cannot do at full precision says nothing about a cache). Their intervals
-resample within each task (stratified bootstrap).
+resample within each task (stratified bootstrap). With one sample of a task there is nothing to resample:
+the intervals (and ``within_noise``) are ``None``.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def _row(by, bits, c, L, proto, name, ts, fp, seed) -> dict[str, Any]:
                            "diff_ci_high": None, "within_noise": None}
     if name.startswith("average"):
         row["tasks"] = list(ts)
+    if min(len(x) for x in strata) < 2:  # one sample per task: a bootstrap has nothing to resample
+        row.update(ci_low=None, ci_high=None)
     if all((fp, L, t, proto) in by for t in ts):
         pairs = [[i for i in ix if i in by[(fp, L, t, proto)]] for t, ix in zip(ts, idx)]
         if all(pairs):
@@ -66,6 +69,8 @@ def _row(by, bits, c, L, proto, name, ts, fp, seed) -> dict[str, Any]:
             d, dlo, dhi = paired_difference(a, f, seed=seed)
             row.update(diff_vs_fp=100 * d, diff_ci_low=100 * dlo, diff_ci_high=100 * dhi,
                        within_noise=within_noise(dlo, dhi))
+            if min(len(x) for x in a) < 2:
+                row.update(diff_ci_low=None, diff_ci_high=None, within_noise=None)
     return row
 
 

@@ -60,3 +60,8 @@ def test_summary_rows():
     assert s[("q", "average")]["score"] == pytest.approx((75 + 2.5) / 2) and s[("q", "average")]["n"] == 8
     assert s[("q", "average_fp_meaningful")]["tasks"] == ["a"]
     assert s[("fp", "average")]["bits_per_element"] == 32 and s[("fp", "a")]["diff_vs_fp"] == 0.0
+
+
+def test_one_sample_has_no_interval():
+    s = {r["config"]: r for r in summarize(_rows("fp", "a", [1]) + _rows("q", "a", [0]))}
+    assert s["q"]["diff_vs_fp"] == -100.0 and s["q"]["ci_low"] is None and s["q"]["within_noise"] is None
