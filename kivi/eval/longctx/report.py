@@ -38,9 +38,27 @@ def table(summary: Sequence[dict[str, Any]]) -> Any:
     return t
 
 
+def _common_averages(summary: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (config, length, protocol): the mean score and bits over the tasks that every config has at that
+    (length, protocol), so that the points compare the same tasks (intervals: the table and the JSON)."""
+    per = [r for r in summary if not r["task"].startswith("average")]
+    out = []
+    for p, L in dict.fromkeys((r["protocol"], r["length"]) for r in per):
+        here = [r for r in per if (r["protocol"], r["length"]) == (p, L)]
+        configs = list(dict.fromkeys(r["config"] for r in here))
+        common = set.intersection(*({r["task"] for r in here if r["config"] == c} for c in configs))
+        for c in configs:
+            rs = [r for r in here if r["config"] == c and r["task"] in common]
+            if rs:
+                out.append({"config": c, "length": L, "protocol": p, "score": sum(r["score"] for r in rs) / len(rs),
+                            "bits_per_element": sum(r["bits_per_element"] for r in rs) / len(rs)})
+    return out
+
+
 def plot(summary: Sequence[dict[str, Any]], path: str | Path, *, title: str | None = None) -> Path:
     """Two panels (PNG): the average score vs length per (config, protocol), and the average score vs bits
-    per element at the longest length. Needs matplotlib (imported here)."""
+    per element at the longest length; each average is over the tasks every config ran there
+    (:func:`_common_averages`). Needs matplotlib (imported here)."""
     try:
         import matplotlib  # noqa: PLC0415
 
@@ -48,32 +66,27 @@ def plot(summary: Sequence[dict[str, Any]], path: str | Path, *, title: str | No
         import matplotlib.pyplot as plt  # noqa: PLC0415
     except ImportError:
         raise ValueError("--plot needs matplotlib: pip install matplotlib (or 'kivi[plot]')") from None
-    avg = [r for r in summary if r["task"] == "average"] or list(summary)
+    avg = _common_averages(summary)
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 5))
     for c in dict.fromkeys(r["config"] for r in avg):
         for p, style in (("question-after", "-o"), ("one-shot", "--s")):
-            pts = sorted((r["length"], r["score"], r["ci_low"], r["ci_high"]) for r in avg
-                         if r["config"] == c and r["protocol"] == p)
+            pts = sorted((r["length"], r["score"]) for r in avg if r["config"] == c and r["protocol"] == p)
             if pts:
-                xs = [x[0] for x in pts]
-                a.plot(xs, [x[1] for x in pts], style, label=f"{c} ({p})")
-                if all(x[2] is not None for x in pts):
-                    a.fill_between(xs, [x[2] for x in pts], [x[3] for x in pts], alpha=0.1)
+                a.plot([x[0] for x in pts], [x[1] for x in pts], style, label=f"{c} ({p})")
     a.set_xscale("log", base=2)
     a.set_xlabel("prompt length (tokens)")
-    a.set_ylabel("suite average score (points)")
+    a.set_ylabel("average over the tasks every config ran (points)")
     a.grid(True, alpha=0.3)
     a.legend(fontsize=7)
     longest = max(r["length"] for r in avg)
     for r in (r for r in avg if r["length"] == longest):
         marker = "o" if r["protocol"] == "question-after" else "s"
-        err = None if r["ci_low"] is None else [[r["score"] - r["ci_low"]], [r["ci_high"] - r["score"]]]
-        b.errorbar(r["bits_per_element"], r["score"], yerr=err, fmt=marker, capsize=3)
+        b.scatter(r["bits_per_element"], r["score"], marker=marker)
         b.annotate(r["config"], (r["bits_per_element"], r["score"]), textcoords="offset points", xytext=(4, 4),
                    fontsize=7)
     b.set_xscale("log", base=2)
     b.set_xlabel(f"bits per cached element at {longest} tokens (real cache bytes)")
-    b.set_ylabel("suite average score (points)")
+    b.set_ylabel("average over the tasks every config ran (points)")
     b.set_title(f"at {longest} tokens (o question-after, s one-shot)", fontsize=9)
     b.grid(True, alpha=0.3)
     if title:
