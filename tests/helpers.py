@@ -44,6 +44,24 @@ def tiny_model(model_type: str = "llama", seed: int = 0, *, weight_scale: float 
     return model
 
 
+class ByteTokenizer:
+    """A tokenizer whose ids are the UTF-8 bytes of the text (0-255) and 256 the end of a sequence: exact,
+    instant, and fits a tiny model of ``vocab_size=257``. No chat template, no BOS."""
+
+    name_or_path = "bytes"
+    eos_token_id = 256
+    chat_template = None
+
+    def __len__(self) -> int:
+        return 257
+
+    def __call__(self, text, add_special_tokens=False, **kw):
+        return {"input_ids": list(str(text).encode("utf-8"))}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", "replace")
+
+
 def triton_skip_reason() -> str | None:
     """Why Triton kernel tests cannot run here (None when they can): CPU tests need the interpreter."""
     from kivi.kernels import triton_available

@@ -41,6 +41,8 @@ LAYERS: dict[str, int] = {
     "kivi.cache.tiers": 3,
     # 4 cache (schedule, layers, the transformers Cache, what update hands to attention)
     "kivi.cache": 4,
+    # replaying a recorded prefill into any cache through its update path (the long-context suite's shared prefill)
+    "kivi.cache.replay": 4,
     # 5 attention over the cache's views, and its kernels
     "kivi.attention": 5,
     "kivi.kernels": 5,

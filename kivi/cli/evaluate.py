@@ -191,6 +191,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_output_args(p)
     p.set_defaults(func=cmd_passkey)
 
+    from .longctx import add_parser as add_longctx
+
+    add_longctx(evs)
+
     p = subparsers.add_parser("sweep", help="run a grid of configs and baselines; CSV/JSON rows, Pareto plot",
                               description="Evaluate many caches on the same windows (one FP reference per window).")
     add_model_args(p)

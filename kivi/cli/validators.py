@@ -185,5 +185,16 @@ def model_dtype(text: str) -> str:
 
 
 __all__ = ["MAX_SEED", "MODEL_DTYPES", "byte_size", "finite_float", "fraction_list", "int_list", "json_object",
-           "model_dtype", "non_negative_float", "non_negative_int", "output_path", "port_number", "positive_float",
-           "positive_int", "seed", "text_value", "token_count", "utf8_text"]
+           "longctx_config", "model_dtype", "non_negative_float", "non_negative_int", "output_path", "port_number",
+           "positive_float", "positive_int", "seed", "text_value", "token_count", "utf8_text"]
+
+
+def longctx_config(text: str):
+    """One ``kivi eval longctx --configs`` entry -> ``(label, spec)``: ``fp``, a preset, a quanto baseline
+    (optimum-quanto installed) or a KiviConfig JSON file (:func:`kivi.eval.longctx.configs.resolve_config`)."""
+    from ..eval.longctx.configs import resolve_config
+
+    try:
+        return resolve_config(text_value(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

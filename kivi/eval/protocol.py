@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..attention.interface import reading_views
+from ..cache.replay import replay_prefill
 from .caches import bits_per_element, cache_nbytes, make_cache, spec_name
 from .metrics import Accumulator, score_logits
 
@@ -114,8 +115,7 @@ def stream_window(model: Any, ids: torch.Tensor, cache: Any, prefix: int, chunk:
         raise ValueError("prefill was computed for other windows or another prefix")
     with torch.inference_mode(), reading_views(model, cache):
         if prefill is not None and replays_prefill(cache):
-            for i, (k, v) in enumerate(prefill.states):
-                cache.update(k.clone(), v.clone(), i)  # clones: no cache may alias the shared prefix
+            replay_prefill(cache, prefill.states)  # clones: no cache may alias the shared prefix
             yield prefill.logits, ids[:, prefix : prefix + 1]
         else:
             out = model(input_ids=ids[:, :prefix], cache=cache, use_cache=True, logits_to_keep=1)

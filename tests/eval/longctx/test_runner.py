@@ -1,0 +1,79 @@
+"""kivi.eval.longctx.runner on a tiny random model and the byte tokenizer: the rows of both protocols,
+JSONL streaming, and resuming a killed run (a cut last line, missing rows) to the same rows as an
+uninterrupted run, without redoing what was done."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kivi import KiviConfig
+from kivi.data import load_text
+from kivi.eval.longctx import runner
+from kivi.eval.longctx.runner import ResultLog, run_suite
+from tests.helpers import ByteTokenizer, tiny_model
+
+TEXT = load_text()[:40_000]
+META = {"model": "tiny", "text": "t", "seed": 0, "samples": 2}
+CONFIGS = [("fp", None), ("k2", KiviConfig(k_bits=2, v_bits=2, group_size=16, residual_length=32,
+                                            attention_backend="reference"))]
+KW = dict(lengths=[420], tasks=["niah_single"], samples=2, protocols=["question-after", "one-shot"], seed=0,
+          progress=False)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", vocab_size=257, max_position_embeddings=512)
+
+
+def _key(r):
+    return tuple(r[k] for k in runner.KEY)
+
+
+def test_rows_stream_and_resume(model, tmp_path):
+    full = tmp_path / "full.jsonl"
+    rows = run_suite(model, ByteTokenizer(), TEXT, CONFIGS, log=ResultLog(full, META), **KW)
+    assert len(rows) == 2 * 2 * 2 and len({_key(r) for r in rows}) == 8
+    lines = full.read_text().splitlines()
+    assert len(lines) == 8 and [_key(json.loads(x)) for x in lines] == [_key(r) for r in rows]
+    by = {_key(r): r for r in rows}
+    assert {r["protocol"] for r in rows} == {"question-after", "one-shot"}
+    assert all(by[k]["bits_per_element"] == 32.0 for k in by if k[0] == "fp")
+    assert all(by[k]["bits_per_element"] < 16 for k in by if k[0] == "k2")
+    assert all(0.0 <= r["score"] <= 1.0 and r["new_tokens"] <= 12 for r in rows)
+
+    cut = tmp_path / "cut.jsonl"  # killed while writing the 6th row
+    cut.write_text("\n".join(lines[:5]) + "\n" + lines[5][:40])
+    calls = {"answer": 0, "prefill": 0}
+    answer, prefill = runner.answer, runner.record_prefill
+
+    def counting(name, fn):
+        def f(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return f
+
+    pytest.MonkeyPatch.setattr(pytest.MonkeyPatch(), runner, "answer", counting("answer", answer))
+    try:
+        runner.record_prefill = counting("prefill", prefill)
+        again = run_suite(model, ByteTokenizer(), TEXT, CONFIGS, log=ResultLog(cut, META), **KW)
+    finally:
+        runner.answer, runner.record_prefill = answer, prefill
+    assert calls["answer"] == 3 and calls["prefill"] == 2  # rows 1-5 done: 2 of the 4 prefills fully served
+    assert len(cut.read_text().splitlines()) == 8
+    for r in again:
+        want = by[_key(r)]
+        assert (r["answer"], r["score"], r["cache_bytes"]) == (want["answer"], want["score"], want["cache_bytes"])
+
+
+def test_a_log_of_another_run_is_refused(tmp_path):
+    p = tmp_path / "r.jsonl"
+    p.write_text(json.dumps({**META, "config": "fp", "length": 1, "task": "qa", "protocol": "one-shot",
+                             "sample": 0}) + "\n")
+    ResultLog(p, META)
+    with pytest.raises(ValueError, match="holds rows of another run"):
+        ResultLog(p, {**META, "seed": 1})
+    p.write_text("not json\n")
+    with pytest.raises(ValueError, match="line 1 is not JSON"):
+        ResultLog(p, META)
