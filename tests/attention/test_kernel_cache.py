@@ -161,7 +161,7 @@ def test_a_single_sequence_decode_loads_only_its_entry():
     assert _run(code).stdout.split("\n")[-2] == "['decode_serial']"
 
 
-@pytest.mark.long  # ~60-130 s: two cold compiles in children (tests/test_numba_cache.py covers the detection in seconds)
+@pytest.mark.long  # ~60-130 s: two cold compiles (tests/test_numba_cache.py covers the detection in seconds)
 def test_an_unreadable_cache_file_is_set_aside_once_and_compiled_again(tmp_path):
     """A truncated data file of the entry a decode needs and a garbled index of another entry (a full disk, a bad
     copy): the next process warns once naming both, sets them aside, compiles the entry again (in its child) and

@@ -49,7 +49,7 @@ def _err(capsys, argv):
     (["--protocol", "both"], "invalid choice: 'both'"),
     (["--samples", "0"], "--samples: 0 is not a positive integer"),
     (["--seed", "-1"], "--seed"),
-    (["--text", "no/such/file.txt"], "text file not found"),
+    (["--text", "no/such/file.txt"], "does not exist"),
 ])
 def test_refusals_before_the_model_loads(no_model, capsys, argv, message):
     assert message in _err(capsys, argv)
