@@ -21,6 +21,8 @@ LAYERS: dict[str, int] = {
     # 0 primitives: pure quantize / pack, optional-dependency probes, allocator tuning
     "kivi.quant.primitives": 0, "kivi.quant.clipping": 0, "kivi.quant.packing": 0, "kivi.optional": 0,
     "kivi.allocator": 0,
+    # the one rule of the host frameworks' version pins (kivi.batching, kivi.vllm)
+    "kivi.version_pin": 0,
     # the value that names one side's quantized format (built by the config, read by every layer above)
     "kivi.quant.side_format": 0,
     # 1 configuration: what to quantize and how; which attention backend reads it
