@@ -261,7 +261,7 @@ def test_bad_tiers_are_one_line_errors(kwargs, needle):
 def test_one_list_of_bit_widths():
     """Every code-width list is SUPPORTED_BITS itself (kivi/quant/primitives.py), and every config width
     (layer, per-head, tier) is checked by its one validator, with the same message."""
-    import kivi.config as config_module
+    import kivi.config_checks as config_module
     from kivi.attention.fused_cpu import KERNEL_BITS
     from kivi.kernels._common import ATTENTION_BITS
     from kivi.quant.primitives import SUPPORTED_BITS, check_bits

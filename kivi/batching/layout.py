@@ -35,7 +35,7 @@ from ..attention.fused_cpu.paged import PagedLayout
 from ..cache.schedule import layer_sink_tokens, sliding_cut, window_ring_slots
 from ..cache.support import check_head_dim, model_head_dim, plan_layers, text_config
 from ..config import KiviConfig
-from ..quant.page import AXIS, SIDES, SideField, page_fields
+from ..quant.page import AXIS, SIDES, SideField, field_view, page_fields, page_refusals
 from ..quant.page import round_up as _round_up
 
 BLOCK_ALIGN = 128  # bytes: transformers aligns its sectors on 128 bytes
@@ -149,13 +149,9 @@ class PageLayout:
 
     def kernel_layout(self, layer: int) -> PagedLayout | None:
         """Where layer ``layer``'s fields sit in a block, for the paged decode kernel
-        (:class:`kivi.attention.fused_cpu.paged.PagedLayout`); ``None`` when the kernel cannot read them
-        (compensation codes, a width or group size it does not read)."""
-        cfg = self.layer_configs[layer]
-        return PagedLayout.from_fields(self.layer_fields(layer, "k"), self.layer_fields(layer, "v"),
-                                       block_bytes=self.block_bytes, page_size=self.page_size,
-                                       group_size=cfg.group_size, num_kv_heads=self.num_kv_heads,
-                                       head_dim=self.head_dim, k_bits=cfg.k_bits, v_bits=cfg.v_bits)
+        (:meth:`kivi.attention.fused_cpu.paged.PagedLayout.of_page`); ``None`` when the kernel cannot read them."""
+        fields = [f for f in self.fields if f.layer == layer]
+        return PagedLayout.of_page(fields, self.layer_configs[layer], block_bytes=self.block_bytes)
 
     def requests_that_fit(self, cache_memory: int, tokens: int) -> int:
         """Requests of ``tokens`` tokens each that ``cache_memory`` bytes of blocks hold at once."""
@@ -173,6 +169,10 @@ def build_layout(model_config: Any, config: KiviConfig, page_size: int, dtype: t
     """The :class:`PageLayout` of ``config`` on a model; ``ValueError`` naming what the paged cache cannot hold."""
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size={page_size!r} must be a positive integer")
+    refusals = page_refusals(config)
+    if refusals:
+        raise ValueError(f"{'; '.join(refusals)}: not supported by KIVI pages in continuous batching (use kivi's "
+                         "generate())")
     # Sliding-window layers keep no sink (kivi.cache.schedule.layer_sink_tokens, as KiviLayer); their window
     # is applied by the "kivi_paged" attention (the pages keep every token: no eviction yet).
     plan = [(dataclasses.replace(cfg, sink_tokens=layer_sink_tokens(cfg.sink_tokens, window)), window)
@@ -186,18 +186,6 @@ def build_layout(model_config: Any, config: KiviConfig, page_size: int, dtype: t
     window_rows = 0
     for layer, (cfg, _) in enumerate(plan):
         where = f"layer_specific_config[{layer}]." if layer in config.layer_specific_config else ""
-        if not (cfg.quantize_key and cfg.quantize_value):
-            raise ValueError(
-                f"{where}quantize_key={cfg.quantize_key}, quantize_value={cfg.quantize_value}: KIVI pages hold "
-                "quantized keys and values only; a full-precision side is not supported in continuous batching"
-            )
-        if cfg.tiers:
-            raise ValueError(f"{where}tiers={[list(t) for t in cfg.tiers]}: position tiers are not supported in "
-                             "continuous batching (KIVI pages hold one width per side); use kivi's generate()")
-        if cfg.quantize_after:
-            raise ValueError(f"{where}quantize_after={cfg.quantize_after}: full precision before quantizing is not "
-                             "supported in continuous batching (a request's window blocks are sized for the window); "
-                             "use kivi's generate() or quantize_after=0")
         window_rows = max(window_rows, cfg.sink_tokens + window_ring_slots(cfg.residual_length, cfg.group_size))
         side_fields, offset = page_fields(cfg, heads, head_dim, page_size, dtype, offset=offset, where=where)
         fields.extend(PageField(f.side, f.name, f.shape, f.dtype, f.offset, f.tokens_per_row, layer=layer)
@@ -222,17 +210,10 @@ def field_views(cache_tensor: torch.Tensor, layout: PageLayout) -> dict[tuple[in
 
     Element ``[b]`` of a view is that field of block ``b``; the views alias the cache (no copy).
     """
-    nb = cache_tensor.numel() // layout.block_bytes
     out: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for f in layout.fields:
-        flat = cache_tensor.view(f.dtype)
-        item = f.dtype.itemsize
-        inner = [1]
-        for s in reversed(f.shape[1:]):
-            inner.insert(0, inner[0] * s)
-        out.setdefault((f.layer, f.side), {})[f.name] = flat.as_strided(
-            (nb, *f.shape), (layout.block_bytes // item, *inner), f.offset // item
-        )
+        out.setdefault((f.layer, f.side), {})[f.name] = field_view(cache_tensor, f.shape, f.dtype, f.offset,
+                                                                   layout.block_bytes)
     return out
 
 

@@ -245,9 +245,6 @@ def init_continuous_batching(model: Any, kivi_config: KiviConfig | None, *, cach
                         f"workload_hints and the ContinuousBatchingConfig fields {sorted(CB_FIELDS)}")
     if kivi_config is not None and not isinstance(kivi_config, KiviConfig):
         raise TypeError(f"kivi_config must be a KiviConfig or None, got {type(kivi_config).__name__}")
-    if kivi_config is not None and kivi_config.head_bits:
-        raise ValueError("kivi_config.head_bits (per-head widths) is not supported by KIVI pages in continuous "
-                         "batching; use a config without head_bits (one width per layer)")
     if cache_memory is not None and (isinstance(cache_memory, bool) or not isinstance(cache_memory, int)
                                      or cache_memory < 1):
         raise ValueError(f"cache_memory={cache_memory!r} must be a positive number of bytes or None")

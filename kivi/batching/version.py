@@ -8,7 +8,8 @@ which change between releases. Other versions are refused with one line naming t
 from __future__ import annotations
 
 import transformers
-from packaging.version import Version
+
+from ..version_pin import raise_version_problem, release_tested
 
 #: ``(major, minor)`` releases whose continuous-batching internals this package was tested against.
 TESTED_TRANSFORMERS = ((5, 24), (5, 25))
@@ -17,8 +18,7 @@ TESTED_TRANSFORMERS = ((5, 24), (5, 25))
 def transformers_version_problem(version: str | None = None) -> str | None:
     """Why ``version`` (default: the installed transformers) cannot run kivi's paged cache, or ``None``."""
     text = transformers.__version__ if version is None else version
-    v = Version(text)
-    if (v.major, v.minor) in TESTED_TRANSFORMERS:
+    if release_tested(text, (f"{a}.{b}" for a, b in TESTED_TRANSFORMERS)):
         return None
     tested = ", ".join(f"{a}.{b}.x" for a, b in TESTED_TRANSFORMERS)
     return (
@@ -30,9 +30,7 @@ def transformers_version_problem(version: str | None = None) -> str | None:
 
 def check_transformers_version(version: str | None = None) -> None:
     """Raise ``RuntimeError`` (one line naming the installed version) on an untested transformers."""
-    problem = transformers_version_problem(version)
-    if problem is not None:
-        raise RuntimeError(problem)
+    raise_version_problem(transformers_version_problem(version))
 
 
 __all__ = ["TESTED_TRANSFORMERS", "transformers_version_problem", "check_transformers_version"]

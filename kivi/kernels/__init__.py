@@ -9,13 +9,12 @@ Each kernel has a plain-torch reference beside it (``kivi.quant.kv.quantize_kv``
 
 from ._common import triton_available
 from .segments import BlockTable, KernelSide, build_block_table, kernel_side
-from .triton_attention import (
+from .triton_attention import decode_attention_sides, torch_decode_attention_sides
+from .triton_attention_loose import (
     decode_attention,
     decode_attention_packed,
-    decode_attention_sides,
     torch_decode_attention,
     torch_decode_attention_packed,
-    torch_decode_attention_sides,
 )
 from .triton_quant import quantize_pack_keys, quantize_pack_values
 

@@ -13,35 +13,15 @@ from __future__ import annotations
 import numba
 import numpy as np
 from numba import types
-from numba.extending import intrinsic, overload
+from numba.extending import overload
+
+from .numba_bits import bits_f32, f32_bits
 
 inline = numba.njit(inline="always", cache=True)
 
 _F0 = np.float32(0.0)
 _F1 = np.float32(1.0)
 _F2 = np.float32(2.0)
-
-
-@intrinsic
-def f32_bits(typingctx, x):
-    """The bit pattern (uint32) of the float32 ``x``."""
-    sig = types.uint32(types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.uint32))
-
-    return sig, codegen
-
-
-@intrinsic
-def bits_f32(typingctx, x):
-    """The float32 whose bit pattern is the uint32 ``x``."""
-    sig = types.float32(types.uint32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.float32))
-
-    return sig, codegen
 
 
 def as_f32(x):

@@ -10,7 +10,7 @@ Field shapes and dtypes are read off :func:`kivi.quant.kv.quantize_side` itself 
 zero page in each side's :meth:`~kivi.config.KiviConfig.side_format`), so the page format is the format
 of kivi's own cache, never restated here. Every paged
 cache (transformers' continuous batching in :mod:`kivi.batching`, vLLM in :mod:`kivi.vllm`) lays its
-pages out with :func:`page_fields`.
+pages out with :func:`page_fields` and reads a field of every block through :func:`field_view`.
 """
 
 from __future__ import annotations
@@ -75,4 +75,47 @@ def page_fields(cfg: KiviConfig, heads: int, head_dim: int, page_size: int, dtyp
     return tuple(fields), offset
 
 
-__all__ = ["SIDES", "AXIS", "ALIGN", "SideField", "page_fields", "round_up"]
+def field_view(memory: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, offset: int, block_stride: int,
+               num_blocks: int | None = None) -> torch.Tensor:
+    """``[num_blocks, *shape]`` view (no copy) of one page field in every block of ``memory``: ``dtype``
+    elements, dense in ``shape`` order, starting ``offset`` bytes into each block; block ``b`` starts
+    ``b * block_stride`` bytes after ``memory``'s first byte (any dtype, any storage offset: the view aliases
+    its storage). ``num_blocks`` defaults to the whole blocks ``memory`` holds. The one rule every paged
+    cache reads its fields by (:func:`page_fields` gives ``shape``, ``dtype`` and ``offset``)."""
+    item = dtype.itemsize
+    start = memory.storage_offset() * memory.element_size() + offset
+    if start % item or block_stride % item:
+        raise ValueError(f"a {dtype} field must start on a multiple of {item} bytes: byte {start}, blocks "
+                         f"{block_stride} bytes apart")
+    if num_blocks is None:
+        num_blocks = memory.numel() * memory.element_size() // block_stride
+    inner = [1]
+    for n in reversed(shape[1:]):
+        inner.insert(0, inner[0] * n)
+    typed = torch.empty(0, dtype=dtype, device=memory.device).set_(memory.untyped_storage())
+    return typed.as_strided((num_blocks, *shape), (block_stride // item, *inner), start // item)
+
+
+def page_refusals(cfg: KiviConfig) -> list[str]:
+    """Every setting of ``cfg`` that KIVI pages cannot hold, each ``"field=value: why"`` (a layer override's
+    field as ``"layer_specific_config[i].field"``); empty when pages hold it. The one list of what pages
+    hold: one width per side (no per-head widths, no position tiers), both sides quantized, quantized from the
+    first token on (a request's full-precision rows are sized for the window). Each host adds its own
+    limits and says where the refusal comes from."""
+    out = ["head_bits: per-head widths (a page holds one width per side)"] if cfg.head_bits else []
+    for layer in [None, *sorted(cfg.layer_specific_config)]:
+        where = "" if layer is None else f"layer_specific_config[{layer}]."
+        c = cfg if layer is None else cfg.for_layer(layer)
+        sets = set(vars(cfg)) if layer is None else set(cfg.layer_specific_config[layer])  # what this level sets
+        if sets & {"quantize_key", "quantize_value"} and not (c.quantize_key and c.quantize_value):
+            out.append(f"{where}quantize_key={c.quantize_key}, quantize_value={c.quantize_value}: pages hold "
+                       "quantized keys and values only")
+        if "tiers" in sets and c.tiers:
+            out.append(f"{where}tiers={[list(t) for t in c.tiers]}: position tiers (a page holds one width per side)")
+        if "quantize_after" in sets and c.quantize_after:
+            out.append(f"{where}quantize_after={c.quantize_after}: full precision before quantizing (a request's "
+                       "full-precision rows are sized for the window; use 0)")
+    return out
+
+
+__all__ = ["SIDES", "AXIS", "ALIGN", "SideField", "field_view", "page_fields", "page_refusals", "round_up"]

@@ -17,21 +17,16 @@ from typing import Any
 
 from ..backends import kernel_config_unsupported
 from ..config import KiviConfig
+from ..quant.page import page_refusals
 
 CONFIG_KEY = "kivi"
 
 
 def _unsupported(cfg: KiviConfig) -> str | None:
     """The first field of ``cfg`` the vLLM pages cannot hold yet, as ``"field=value: why"``, or ``None``."""
-    if not (cfg.quantize_key and cfg.quantize_value):
-        return (f"quantize_key={cfg.quantize_key}, quantize_value={cfg.quantize_value}: vLLM KIVI pages hold quantized "
-                "keys and values only")
-    if cfg.tiers:
-        return f"tiers={[list(t) for t in cfg.tiers]}: position tiers are not supported by the vLLM plugin"
-    if cfg.quantize_after:
-        return f"quantize_after={cfg.quantize_after}: not supported by the vLLM plugin (use 0)"
-    if cfg.head_bits:
-        return "head_bits: per-head widths are not supported by the vLLM plugin"
+    refusals = page_refusals(cfg)
+    if refusals:
+        return f"{'; '.join(refusals)}: not supported by the vLLM plugin"
     if cfg.layer_specific_config:
         return "layer_specific_config: per-layer settings are not supported by the vLLM plugin"
     if cfg.attention_backend == "triton":

@@ -30,7 +30,7 @@ import torch
 from ..attention.fused_cpu.paged import PagedLayout
 from ..cache.schedule import window_capacity
 from ..config import KiviConfig
-from ..quant.page import SideField, page_fields
+from ..quant.page import SideField, field_view, page_fields
 
 
 @dataclass(frozen=True)
@@ -74,13 +74,9 @@ class KiviGeometry:
 
     def kernel_layout(self, cfg: KiviConfig, block_bytes: int, page_at: int = 0) -> PagedLayout | None:
         """Where this page's fields sit in blocks ``block_bytes`` apart, the page ``page_at`` bytes into its
-        block, for the paged decode kernel (:class:`kivi.attention.fused_cpu.paged.PagedLayout`, offsets read
-        off :attr:`fields`); ``None`` when the kernel cannot read them (compensation codes, a width, group size
-        or scale dtype it does not read)."""
-        return PagedLayout.from_fields(self.side_fields("k"), self.side_fields("v"), block_bytes=block_bytes,
-                                       page_size=self.page_size, group_size=cfg.group_size,
-                                       num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, k_bits=cfg.k_bits,
-                                       v_bits=cfg.v_bits, base=page_at)
+        block, for the paged decode kernel (:meth:`kivi.attention.fused_cpu.paged.PagedLayout.of_page`);
+        ``None`` when the kernel cannot read them."""
+        return PagedLayout.of_page(self.fields, cfg, block_bytes=block_bytes, base=page_at)
 
 
 def build_geometry(cfg: KiviConfig, *, page_size: int, num_kv_heads: int, head_dim: int,
@@ -207,17 +203,9 @@ def block_field_views(cache: torch.Tensor, geo: KiviGeometry, side: str) -> dict
     whatever order vLLM's layout puts its logical ``[H, N, C]``; blocks ``cache.stride(0)`` apart): element ``[b]`` is
     that field of block ``b``. The views alias the
     cache's storage (no copy), whatever dtype vLLM gave the cache tensor."""
-    nb = cache.shape[0]
-    block_stride, first = _block_bytes(cache, geo)
-    out = {}
-    for name, f in geo.side_fields(side).items():
-        size = f.dtype.itemsize
-        typed = torch.empty(0, dtype=f.dtype, device=cache.device).set_(cache.untyped_storage())
-        inner = [1]
-        for s in reversed(f.shape[1:]):
-            inner.insert(0, inner[0] * s)
-        out[name] = typed.as_strided((nb, *f.shape), (block_stride // size, *inner), (first + f.offset) // size)
-    return out
+    block_stride, _ = _block_bytes(cache, geo)
+    return {name: field_view(cache, f.shape, f.dtype, f.offset, block_stride, cache.shape[0])
+            for name, f in geo.side_fields(side).items()}
 
 
 __all__ = ["KiviGeometry", "RingPool", "build_geometry", "block_field_views", "block_pool", "ring_pool", "ring_slot",

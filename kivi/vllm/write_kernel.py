@@ -54,7 +54,8 @@ from ..attention.fused_cpu.kernel import (
     _PL_VROW,
     _PL_VSC,
 )
-from ..quant.fused_cpu_kernel import all_finite, as_f32, f32_bits, group_code, group_params, put_code
+from ..quant.fused_cpu_kernel import all_finite, as_f32, group_code, group_params, put_code
+from ..quant.numba_bits import f32_bits
 
 inline = numba.njit(inline="always", cache=True)
 

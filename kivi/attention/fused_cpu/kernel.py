@@ -50,6 +50,7 @@ import numpy as np
 from numba import carray, prange, types
 from numba.extending import intrinsic
 
+from ...quant.numba_bits import bits_f32
 from .tables import (
     _BITS,
     _BS,
@@ -115,17 +116,6 @@ _f32p = _pointer(types.float32)
 
 
 @intrinsic
-def _bits_f32(typingctx, x):
-    """The float32 whose bit pattern is the int32 ``x``."""
-    sig = types.float32(types.int32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.float32))
-
-    return sig, codegen
-
-
-@intrinsic
 def _code(typingctx, x, shift, mask):
     """``float32((x >> shift) & mask)`` in 32-bit lanes (uint32 arguments).
 
@@ -182,7 +172,7 @@ def _exp_into(si, n, mx):
         p = p * r + np.float32(1.6666665459e-1)
         p = p * r + np.float32(5.0000001201e-1)
         p = p * r * r + r + np.float32(1.0)
-        e = p * _bits_f32(np.int32((k + np.float32(127.0)) * np.float32(8388608.0)))
+        e = p * bits_f32(np.int32((k + np.float32(127.0)) * np.float32(8388608.0)))
         e = e if x > np.float32(-87.0) else _F0
         si[t] = e
         tot += e
@@ -823,22 +813,11 @@ PAGED_NCOL = 14
 _u16p = _pointer(types.uint16)
 
 
-@intrinsic
-def _u32_f32(typingctx, x):
-    """The float32 whose bit pattern is the uint32 ``x``."""
-    sig = types.float32(types.uint32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.float32))
-
-    return sig, codegen
-
-
 @inline
 def _half_f32(x, pdt):
     """The 16-bit float ``x`` (uint32 holding its bits) as float32: ``pdt`` 1 = bfloat16, 2 = float16."""
     if pdt == 1:
-        return _u32_f32(x << np.uint32(16))
+        return bits_f32(x << np.uint32(16))
     sign = (x & np.uint32(0x8000)) << np.uint32(16)
     e = (x >> np.uint32(10)) & np.uint32(0x1F)
     m = x & np.uint32(0x3FF)
@@ -846,8 +825,8 @@ def _half_f32(x, pdt):
         f = np.float32(m) * np.float32(5.9604644775390625e-08)
         return -f if sign else f
     if e == 31:  # inf / nan
-        return _u32_f32(sign | np.uint32(0x7F800000) | (m << np.uint32(13)))
-    return _u32_f32(sign | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13)))
+        return bits_f32(sign | np.uint32(0x7F800000) | (m << np.uint32(13)))
+    return bits_f32(sign | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13)))
 
 
 @inline
@@ -857,7 +836,7 @@ def _half_into(addr, pdt, n, out):
     y = carray(_u16p(addr), (n,))
     if pdt == 1:
         for i in range(n):
-            out[i] = _u32_f32(np.uint32(y[i]) << np.uint32(16))
+            out[i] = bits_f32(np.uint32(y[i]) << np.uint32(16))
     else:
         for i in range(n):
             out[i] = _half_f32(np.uint32(y[i]), 2)

@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from ...quant.kv import PackedKV, dequantize_kv
+from ...quant.page import field_view
 
 #: dtype codes of the pages' scales / offsets in the layout vector (the kernel converts 16-bit ones)
 PARAM_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -61,7 +62,7 @@ PARAM_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 @dataclass(frozen=True)
 class PagedLayout:
     """Where one layer's quantized fields sit inside a block of the pool (byte offsets, one home:
-    :meth:`kivi.batching.layout.PageLayout.kernel_layout` derives this from its page fields).
+    :meth:`of_page` derives this from a page's fields, for every paged cache).
 
     Per kv head the fields are contiguous: key codes ``[H, P, k_row_bytes]``, key scale / offset
     ``[H, P // G, D]``; value codes ``[H, P, v_row_bytes]``, value scale / offset ``[H, P, D // G]``, all
@@ -95,16 +96,20 @@ class PagedLayout:
                         dtype=np.int64)
 
     @classmethod
-    def from_fields(cls, k: dict, v: dict, *, block_bytes: int, page_size: int, group_size: int, num_kv_heads: int,
-                    head_dim: int, k_bits: int, v_bits: int, base: int = 0) -> PagedLayout | None:
-        """The layout of one layer's page fields (name -> field with ``offset`` / ``shape`` / ``dtype``, as
-        :func:`kivi.quant.page.page_fields` gives them) placed ``base`` bytes into blocks ``block_bytes``
-        apart; ``None`` when the kernel cannot read them (compensation codes, or :meth:`unsupported`)."""
+    def of_page(cls, fields, cfg, *, block_bytes: int, base: int = 0) -> PagedLayout | None:
+        """The layout of one layer's page ``fields`` (:class:`kivi.quant.page.SideField` of both sides, as
+        :func:`kivi.quant.page.page_fields` gives them; heads, page size and head_dim read off their shapes) of
+        the layer config ``cfg`` (group size, widths), the page ``base`` bytes into blocks ``block_bytes`` apart;
+        ``None`` when the kernel cannot read them (compensation codes, or :meth:`unsupported`). The one
+        translation of a page's fields into the kernel's layout, for every paged cache."""
+        k = {f.name: f for f in fields if f.side == "k"}
+        v = {f.name: f for f in fields if f.side == "v"}
         if "comp" in k or "comp" in v:
             return None
         k_off, v_off = (None if "offset" not in f else base + f["offset"].offset for f in (k, v))
-        out = cls(block_bytes=block_bytes, page_size=page_size, group_size=group_size, num_kv_heads=num_kv_heads,
-                  head_dim=head_dim, k_bits=k_bits, v_bits=v_bits, param_dtype=k["scale"].dtype,
+        heads, page_size, _ = k["packed"].shape
+        out = cls(block_bytes=block_bytes, page_size=page_size, group_size=cfg.group_size, num_kv_heads=heads,
+                  head_dim=k["scale"].shape[-1], k_bits=cfg.k_bits, v_bits=cfg.v_bits, param_dtype=k["scale"].dtype,
                   k_row_bytes=k["packed"].shape[-1], v_row_bytes=v["packed"].shape[-1],
                   k_packed=base + k["packed"].offset, k_scale=base + k["scale"].offset, k_offset=k_off,
                   v_packed=base + v["packed"].offset, v_scale=base + v["scale"].offset, v_offset=v_off)
@@ -133,10 +138,7 @@ class PagedLayout:
         else:
             off = getattr(self, f"{side}_{name}")
             shape, dtype = ((H, P // G, D) if side == "k" else (H, P, D // G)), self.param_dtype
-        item = dtype.itemsize
-        nb = pool.numel() // self.block_bytes
-        flat = pool.view(dtype)
-        return flat.as_strided((nb, *shape), (self.block_bytes // item, shape[1] * shape[2], shape[2], 1), off // item)
+        return field_view(pool, shape, dtype, off, self.block_bytes)
 
 
 #: dtype codes of the rows pool of :class:`RingRows` (the kernel converts 16-bit rows)
