@@ -7,7 +7,7 @@ import hashlib
 import sys
 
 from .errors import CliError
-from .loading import check_context_fits, load_model_from_args
+from .loading import check_context_fits, load_model_from_args, read_text_arg
 from .options import add_model_args, add_text_args
 from .output import print_rich, write_json_file, write_outputs
 from .validators import longctx_config, output_path, positive_int, seed, token_count
@@ -16,7 +16,6 @@ DEFAULT_CONFIGS = ("fp", "extreme", "balanced")
 
 
 def cmd_longctx(args: argparse.Namespace) -> int:
-    from ..data import load_text
     from ..eval.longctx.runner import META, ResultLog, run_suite
     from ..eval.longctx.summary import INTERVAL, summarize
     from ..eval.longctx.tasks import MAX_NEW_TOKENS
@@ -29,7 +28,7 @@ def cmd_longctx(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise CliError("--plot needs matplotlib: pip install matplotlib") from None
-    text = load_text(args.text)  # a bad --text fails before the model loads
+    text = read_text_arg(args)  # a bad --text fails before the model loads (the one bounded reader)
     meta = {"model": args.model, "text": hashlib.sha1(text.encode("utf-8")).hexdigest()[:16], "seed": args.seed,
             "samples": args.samples}
     assert tuple(meta) == META

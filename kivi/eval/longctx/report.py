@@ -92,9 +92,13 @@ def plot(summary: Sequence[dict[str, Any]], path: str | Path, *, title: str | No
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
+    from ...files import write_file
+
     p = Path(path)
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
+    try:  # the one writer: a temporary name, then it replaces a regular file only
+        write_file(p, lambda tmp: fig.savefig(tmp, dpi=120, format=p.suffix[1:].lower() or "png"))
+    finally:
+        plt.close(fig)
     return p
 
 

@@ -110,7 +110,9 @@ class ResultLog:
             raw = self.path.read_bytes()
             keep = raw[: raw.rfind(b"\n") + 1]  # a line without its newline was cut by a kill
             if len(keep) != len(raw):
-                self.path.write_bytes(keep)
+                from ...files import write_bytes
+
+                write_bytes(self.path, keep)  # the one writer: atomic, the file stays a regular file
             for n, line in enumerate(keep.decode("utf-8").splitlines(), 1):
                 if not line.strip():
                     continue
@@ -130,6 +132,9 @@ class ResultLog:
         self.rows.append(row)
         self.done.add(tuple(row[k] for k in KEY))
         if self.path is not None:
+            from ...files import check_write_target
+
+            check_write_target(self.path)  # still a regular file (or absent): never append to a FIFO or device
             with self.path.open("a", encoding="utf-8") as f:
                 f.write(json.dumps(row, default=str) + "\n")
                 f.flush()
