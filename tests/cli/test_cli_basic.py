@@ -163,7 +163,7 @@ def test_demo_uses_every_core_unless_told(monkeypatch):
     class Stop(Exception):
         pass
 
-    def stop(text):  # the first step after the thread count is set
+    def stop(text, **_):  # the first step after the thread count is set
         seen.append(__import__("torch").get_num_threads())
         raise Stop
 
@@ -173,7 +173,7 @@ def test_demo_uses_every_core_unless_told(monkeypatch):
     before = torch.get_num_threads()
     try:
         for given, want in ((None, 3), (1, 1)):
-            ns = argparse.Namespace(presets="balanced", threads=given, text=None)
+            ns = argparse.Namespace(presets="balanced", threads=given, text=None, max_text_bytes=1 << 20)
             with pytest.raises(Stop):
                 demo.run(ns)
             assert seen[-1] == want
