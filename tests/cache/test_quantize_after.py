@@ -297,7 +297,8 @@ def test_continuous_batching_pages_are_refused():
     from kivi.batching.layout import build_layout
 
     model = tiny_model()
-    with pytest.raises(ValueError, match=r"quantize_after=64: full precision before quantizing .*not supported by KIVI pages"):
+    with pytest.raises(ValueError,
+                       match=r"quantize_after=64: full precision before quantizing .*not supported by KIVI pages"):
         build_layout(model.config, KiviConfig(quantize_after=64), 32, torch.float32)
 
 
