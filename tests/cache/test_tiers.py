@@ -325,7 +325,7 @@ def test_continuous_batching_refuses_tiers():
     from kivi.batching.layout import build_layout
     from tests.helpers import tiny_model
 
-    with pytest.raises(ValueError, match=r"position tiers \(a page holds one width per side\): not supported by KIVI pages"):
+    with pytest.raises(ValueError, match=r"position tiers \(a page holds one width per side\): not supported by KIVI"):
         build_layout(tiny_model().config, KiviConfig(**T3), 64, torch.float32)
 
 
