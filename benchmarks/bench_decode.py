@@ -165,12 +165,15 @@ def _prepare(model, name):
         cfg = KiviConfig.from_json(name)
         quantize_model(model, cfg)
         return cfg
-    if name.startswith("kivitiers"):  # position tiers (docs/tiers.md): 128 FP, 1024 at 4 bits, the rest 2 bits
+    # position tiers (docs/python.md, "Position tiers"): 128 FP, 1024 at 4 bits, the rest 2 bits
+    if name.startswith("kivitiers"):
         cfg = KiviConfig(k_bits=4, v_bits=4, sink_tokens=4, tiers=[(128, None), (1024, 4), (None, 2)],
                          attention_backend=name.split("-")[1])
         quantize_model(model, cfg)
         return cfg
-    if name.startswith("kivifp"):  # quantize_after beyond any context: the full-precision phase (docs/length-policy.md)
+    # quantize_after beyond any context: the full-precision phase
+    # (docs/python.md, "Precision chosen from the request's length")
+    if name.startswith("kivifp"):
         cfg = KiviConfig(k_bits=2, v_bits=2, quantize_after=2**31, attention_backend=name.split("-")[1])
         quantize_model(model, cfg)
         return cfg

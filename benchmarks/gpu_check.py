@@ -1,4 +1,4 @@
-"""kivi on a GPU, one run (``bash scripts/gpu-check.sh``; docs/triton.md, "Checking on a GPU").
+"""kivi on a GPU, one run (``bash scripts/gpu-check.sh``; docs/kernels.md, "Checking on a GPU").
 
 Four parts, each with its own time budget (a part stops starting new work after its ``--*-seconds``):
 

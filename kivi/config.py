@@ -18,7 +18,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # 4-bit keys and values + 4 full-precision sink tokens: within ~0.3% of full precision here.
     "high": {"k_bits": 4, "v_bits": 4, "sink_tokens": 4},
     # The spec's "balanced" was 2/2 + error compensation; measured, that compensation does not help
-    # (docs/evaluation-results.md). Keys are the sensitive side, so balanced spends its extra bits there:
+    # (docs/results.md, "Evaluation results in full"). Keys are the sensitive side, so
+    # balanced spends its extra bits there:
     # 4-bit keys, 2-bit values, 4 sink tokens (about +2% perplexity on SmolLM2 / WikiText-2).
     "balanced": {"k_bits": 4, "v_bits": 2, "sink_tokens": 4},
     # 2-bit keys and values, nothing else: KIVI-2 as published.
@@ -77,24 +78,24 @@ class KiviConfig:
         clip: MSE-optimal clipping of every quantization group's range (a small grid of shrink
             factors, the one with the lowest squared error; :mod:`kivi.quant.clipping`): ``True`` (keys
             and values), ``"keys"``, ``"values"`` or ``False``. Same stored format and bytes, write path
-            only; asymmetric only. Per layer via ``layer_specific_config``. Measured: docs/quality.md.
+            only; asymmetric only. Per layer via ``layer_specific_config``. Measured: docs/python.md, "Quality per bit".
         head_bits: per-head widths, ``{layer_idx: {"k_bits": [one per kv head], "v_bits": [...]}}``
             (either list may be left out: that side keeps the layer's width for every head). Heads of
-            one layer may then hold different widths (docs/per-head.md); the lists' length must be the
+            one layer may then hold different widths (docs/python.md, "Per-head widths"); the lists' length must be the
             model's number of kv heads.
         tiers: position tiers, newest first, e.g. ``[(128, None), (1024, 4), (None, 2)]``: the
             ``residual_length`` most recent tokens at full precision (``tiers[0]`` restates the window
             and must be ``(residual_length, None)``), the next 1024 at 4 bits, every older token at
-            2 bits; tokens move down as they age by demotion of their codes (docs/tiers.md). A width is
-            an int (keys and values) or ``[k_bits, v_bits]``; the first quantized tier's widths must be
+            2 bits; tokens move down as they age by demotion of their codes (docs/python.md, "Position tiers").
+            A width is an int (keys and values) or ``[k_bits, v_bits]``; the first quantized tier's widths must be
             ``k_bits`` / ``v_bits`` (what tokens leaving the window get). ``None`` = no tiers.
         quantize_after: full precision until a layer holds more than this many tokens (0 = off, KIVI from
             the first token). While a layer holds ``<= quantize_after`` tokens nothing is quantized
             (attention is exact, memory that of a full-precision cache); the update that takes it past
             that quantizes everything but the window (and sink tokens) at once, by the usual rules, so
             from then on the layer holds what it would hold with ``quantize_after=0``
-            (:func:`kivi.cache.schedule.quantizing`; docs/length-policy.md). Per layer via
-            ``layer_specific_config``; not on sliding-window layers (override it to 0 there).
+            (:func:`kivi.cache.schedule.quantizing`; docs/python.md, "Precision chosen from the request's length").
+            Per layer via ``layer_specific_config``; not on sliding-window layers (override it to 0 there).
     """
 
     k_bits: int = 2

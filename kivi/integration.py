@@ -12,13 +12,13 @@ After ``quantize_model(model, config)``:
   the ``"kivi"`` attention does not implement (logit softcapping, attention sinks). With
   ``"reference"`` the ``"kivi"`` attention hands the cache's dequantized tensors to SDPA, and reads
   the views itself only for forwards whose queries need their own precision (chunked prefill or
-  evaluation, speculative verify forwards: see ``docs/speculative.md``); ``dequantize_model``
+  evaluation, speculative verify forwards: see ``docs/python.md``, "Speculative decoding"); ``dequantize_model``
   restores the previous one.
 
 Weights and ``generate`` arguments stay as they were; a model whose linear layers are quantized by
 optimum-quanto (:func:`kivi.models.quantize_weights`, before or after this call) works unchanged: nothing
-here looks at how the weights are stored (docs/weight-quantization.md). Tested with transformers 5.x: the cache goes
-under the keyword the model's forward takes
+here looks at how the weights are stored (docs/python.md, "KIVI on weight-quantized models"). Tested with
+transformers 5.x: the cache goes under the keyword the model's forward takes
 (:func:`generate_cache_key`: ``cache=`` in 5.2x, ``past_key_values=`` before).
 """
 
@@ -128,7 +128,8 @@ def quantize_model(model: Any, config: KiviConfig | None = None, *,
             cache = model_kwargs.get(key)
             if isinstance(cache, KiviCache) and cache.get_seq_length() == 0:
                 # The prompt's queries are the exact prefill; speculative candidates that transformers
-                # runs in the same first forward must see what one-token decoding would (docs/speculative.md).
+                # runs in the same first forward must see what one-token decoding would
+                # (docs/python.md, "Speculative decoding").
                 cache.set_prompt_length(_prompt_length(generation_config, model_kwargs))
             return None if wants_default else result
 

@@ -35,7 +35,8 @@ def weights_sha256(model: Any, mode: str = "all") -> str:
     """sha256 over every parameter's name, dtype, shape and bytes (``"all"``) or an evenly spaced sample of
     :data:`SAMPLE_ELEMENTS` of its elements (``"sample"``: cheaper, misses a change between samples).
 
-    Measured on SmolLM2-135M (float32, 538 MB): ``"all"`` 0.69 s on this 2-core VM (see docs/prefix-cache.md).
+    Measured on SmolLM2-135M (float32, 538 MB): ``"all"`` 0.69 s on this 2-core VM
+    (see docs/python.md, "Saved quantized prefixes").
     """
     if mode not in WEIGHT_HASHES:
         raise ValueError(f"weights={mode!r} is not allowed; choose one of {list(WEIGHT_HASHES)}")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# kivi on a GPU in one command (docs/triton.md, "Checking on a GPU"): on a machine with torch, triton and a
+# kivi on a GPU in one command (docs/kernels.md, "Checking on a GPU"): on a machine with torch, triton and a
 # transformers 5.x already installed and nothing reachable, install what .whl/ carries, then run
 # benchmarks/gpu_check.py (a. correctness in fp16/bf16, b. kernel timings, c. the spec's table at LLaMA-2-13B's
 # shape; each part stops on its own time budget), writing gpu_check.json / gpu_check.txt under $OUT.

@@ -215,7 +215,7 @@ def test_head_bits_checked_against_the_layer_and_the_model():
     with pytest.raises(ValueError, match=r"head_bits\[7\]\.k_bits has 2 widths, but the layer has 3 kv heads"):
         cfg.check_kv_heads(3)
     cfg.check_kv_heads(2)
-# --------------------------------------------------------------------------- position tiers (docs/tiers.md)
+# ------------------------------------------------------------- position tiers (docs/python.md, "Position tiers")
 
 TIERS = [(128, None), (1024, 4), (None, 2)]
 

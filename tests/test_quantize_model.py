@@ -26,7 +26,7 @@ Q8_ATOL = 2e-2
 
 def _chunked_logits(model, ids, cache, step):
     # Chunks after the first give each query its own precision: an unprepared model reads the KIVI
-    # cache's views through the "kivi" attention for them (docs/speculative.md).
+    # cache's views through the "kivi" attention for them (docs/python.md, "Speculative decoding").
     from kivi.attention.interface import reading_views
 
     outs = []

@@ -25,7 +25,7 @@ CONFIGS = {
     "2-2": dict(k_bits=2, v_bits=2),
     "balanced": dict(k_bits=4, v_bits=2, sink_tokens=4),
     "4-4": dict(k_bits=4, v_bits=4),
-    # position tiers small enough that every verify forward demotes tokens (docs/tiers.md)
+    # position tiers small enough that every verify forward demotes tokens (docs/python.md, "Position tiers")
     "tiers": dict(k_bits=4, v_bits=4, sink_tokens=4, tiers=[(16, None), (16, 4), (None, 2)]),
 }
 NEW = 200

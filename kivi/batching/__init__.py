@@ -1,7 +1,8 @@
 """KIVI pages in transformers' continuous batching (``model.generate_batch`` / ``init_continuous_batching``).
 
 :func:`init_continuous_batching` and :func:`generate_batch` are the entry points; see
-docs/continuous-batching.md. Modules: ``version`` (the tested transformers versions), ``layout``
+docs/serving.md, "KIVI pages in transformers' continuous batching". Modules: ``version`` (the tested transformers
+versions), ``layout``
 (bytes of a KIVI block), ``pages`` (page reads and writes), ``allocator`` (block bookkeeping and each
 request's KIVI state), ``cache`` (the paged cache's forward), ``attention`` (the ``"kivi_paged"``
 attention over packed pages), ``manager`` (the entry points), ``requests`` (the checks of a request

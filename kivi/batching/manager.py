@@ -46,7 +46,7 @@ CB_FIELDS = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
 #: 8192). With transformers' FIFO scheduler (kivi's default too) every decoding request is scheduled first and
 #: prefill chunks of admitted requests fill the rest of the step, so this bounds how long a decode step waits
 #: for them; on CPU 512 served the most generated tokens/s of 256 / 512 / 2048 and ``prefill_first`` for
-#: float and KIVI pages (docs/continuous-batching.md, "Scheduler setting").
+#: float and KIVI pages (docs/serving.md, "Scheduler setting").
 DEFAULT_MAX_BATCH_TOKENS = 512
 
 

@@ -70,7 +70,7 @@ class KiviCache(Cache):
         multi-token forward into a non-empty cache (chunked prefill, a speculative verify forward) every
         query then reads the history as it was before the forward (the old window at full precision) plus
         the forward's tokens exactly, slightly more precise for the later queries than one-token decoding
-        (docs/speculative.md). ``reading_views``: the caller runs every forward under
+        (docs/python.md, "Speculative decoding"). ``reading_views``: the caller runs every forward under
         :func:`kivi.attention.interface.reading_views` (the evaluation tools do), so per-query precision
         applies wherever ``"kivi"`` implements the model's attention.
         """
@@ -110,7 +110,7 @@ class KiviCache(Cache):
         Only the prompt's queries of a forward into an empty cache read every token at full precision;
         the rest read what one-token decoding would give them. transformers' assisted and prompt-lookup
         decoding run the prompt and the first candidates in one forward, so :func:`kivi.quantize_model`'s
-        ``generate`` sets this from the prompt (see ``docs/speculative.md``).
+        ``generate`` sets this from the prompt (see ``docs/python.md``, "Speculative decoding").
         """
         if prompt_length is not None and (isinstance(prompt_length, bool) or not isinstance(prompt_length, int)
                                           or prompt_length < 1):

@@ -98,7 +98,7 @@ class KiviLayer(CacheLayerMixin):
         # False when the model's attention reads tensors only (it is not "kivi": never quantized, or
         # softcapping, e.g. Gemma2; set by KiviCache.from_model / load): `update` then materialises what the
         # forward's FIRST query sees for every query (approximate for multi-token forwards after the
-        # prefill; docs/speculative.md).
+        # prefill; docs/python.md, "Speculative decoding").
         self.per_query_views = True
 
     # ------------------------------------------------------------------ parts (HeadSplitLayer: one per head group)

@@ -17,7 +17,7 @@ Its safetensors header metadata holds (``__metadata__``):
   tensors replaced by ``{"tensor": name}``) and the sha256 of every tensor;
 * ``kivi_meta_sha256``: the sha256 of ``kivi_meta`` (a changed header byte is caught).
 
-:func:`load_cache` reads the file as untrusted input (docs/prefix-cache.md "Trust"): the structure
+:func:`load_cache` reads the file as untrusted input (docs/python.md "Trust"): the structure
 comes from the configuration, and every tensor's name, dtype and shape is derived from it and the
 file's checked token counts before a byte is read or allocated (:mod:`kivi.cache.persist_plan`,
 :mod:`kivi.cache.persist_checks`); the saved structure is never taken as a template. Each failure is a

@@ -3,7 +3,7 @@
 :func:`read_header` reads what the file says about itself without touching its tensors: a kivi prefix
 file of a version this kivi reads, complete (its size against the tensor table, whose byte ranges must
 tile the payload), with intact metadata (``kivi_meta`` against ``kivi_meta_sha256``: damage, not
-forgery, see docs/prefix-cache.md "Trust"). :func:`check_fingerprint`, :func:`check_config` and
+forgery, see docs/python.md "Trust"). :func:`check_fingerprint`, :func:`check_config` and
 :func:`check_layers` compare it with the caller's model, tokenizer and configuration.
 """
 

@@ -1,5 +1,5 @@
 """`kivi cache ls|verify|clear`: the converted copies of GGUF models (``<cache root>/models``, see
-docs/model-cache.md)."""
+docs/cli.md, "The converted-model cache")."""
 
 from __future__ import annotations
 
@@ -81,7 +81,8 @@ def cmd_clear(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     p = sub.add_parser("cache", help="list / verify / clear the converted copies of GGUF models (e.g. SmolLM2)",
                        description="The first load of a GGUF model keeps a converted copy (safetensors) under "
-                       "<cache root>/models, keyed by the GGUF's content; see docs/model-cache.md. The cache root is "
+                       "<cache root>/models, keyed by the GGUF's content; see docs/cli.md, "
+                       "\"The converted-model cache\". The cache root is "
                        "$KIVI_CACHE_DIR, else $XDG_CACHE_HOME/kivi, else ~/.cache/kivi.")
     cs = p.add_subparsers(dest="cache_command", metavar="ACTION")
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])

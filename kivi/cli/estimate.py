@@ -17,7 +17,8 @@ EPILOG = """examples:
   kivi estimate --model meta-llama/Llama-3.1-8B --context 128k --batch 4 --device-memory 80GB --json
   kivi estimate --model smollm2 --context 8k --preset balanced --weight-bits 4   (weights + cache)
   kivi estimate --model smollm2 --context 8k --cache-budget 100MiB --write-config picked.json
-      (the best-quality config whose cache fits 100 MiB at 8K tokens; docs/budget.md)
+      (the best-quality config whose cache fits 100 MiB at 8K tokens;
+       docs/python.md, "Precision chosen from a byte budget")
 
 Sizes: GB/MB are decimal (10^9/10^6), GiB/MiB and a bare G/M are binary. Contexts: 32768, 32k, 128K, 1m
 (k = 1024 tokens)."""
@@ -75,7 +76,7 @@ def register(sub: Any) -> None:
     )
     w.add_argument("--ignore-max-context", action="store_true",
                    help="plan a context longer than the model's max_position_embeddings anyway")
-    b = p.add_argument_group("precision from a budget (docs/budget.md)")
+    b = p.add_argument_group("precision from a budget (docs/python.md, \"Precision chosen from a byte budget\")")
     b.add_argument("--cache-budget", default=None, type=byte_size,
                    help="bytes for the KV cache alone (e.g. 2GiB): pick the best-quality config whose cache fits at "
                    "--context x --batch (presets high > balanced > K2V2+4 sinks > extreme > K2V2 G64, measured order), "

@@ -46,7 +46,8 @@ def register(sub: Any) -> None:
                    help="sampling temperature (with --do-sample; below 1e-5: greedy, as in kivi serve)")
     p.add_argument("--seed", type=seed, default=0, help="random seed for sampling, 0 to 2**64-1 (default 0)")
     add_config_args(p, default_preset=None)
-    b = p.add_argument_group("precision from a budget (docs/budget.md, docs/length-policy.md)")
+    b = p.add_argument_group("precision from a budget (docs/python.md, \"Precision chosen from a byte budget\" and "
+                             "\"Precision chosen from the request's length\")")
     b.add_argument("--cache-budget", default=None, type=byte_size,
                    help="bytes for the KV cache alone (e.g. 64MiB): pick the best-quality config whose cache fits the "
                         "prompt + --max-new-tokens (kivi estimate --cache-budget's ladder), say which and why")

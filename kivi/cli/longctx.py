@@ -1,4 +1,4 @@
-"""`kivi eval longctx`: the offline RULER-style long-context suite (docs/longctx.md)."""
+"""`kivi eval longctx`: the offline RULER-style long-context suite (docs/evaluation.md, "Long-context suite")."""
 
 from __future__ import annotations
 
@@ -80,7 +80,8 @@ def add_parser(evs: argparse._SubParsersAction) -> None:
 
     p = evs.add_parser("longctx", help="RULER-style long-context suite (NIAH, variable tracking, word extraction, QA)",
                        description="Offline RULER-style long-context tasks at exact token lengths, one shared "
-                       "full-precision prefill per sample, paired statistics vs full precision (docs/longctx.md).")
+                       "full-precision prefill per sample, paired statistics vs full precision "
+                       "(docs/evaluation.md, \"Long-context suite\").")
     add_model_args(p)
     add_text_args(p)
     p.add_argument("--lengths", nargs="+", type=token_count, default=[4096],

@@ -35,7 +35,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="float32 | bfloat16 | float16 (default: as loaded; float32 for GGUF)")
     p.add_argument("--weight-bits", type=int, default=16, choices=WEIGHT_BITS,
                    help="weights of the linear layers: 16 = as loaded, 8 / 4 = optimum-quanto qint8 / qint4 "
-                   "(pip install 'kivi[quanto]'); docs/weight-quantization.md (default: 16)")
+                   "(pip install 'kivi[quanto]'); docs/python.md, \"KIVI on weight-quantized models\" (default: 16)")
 
 
 def add_text_args(p: argparse.ArgumentParser) -> None:
@@ -89,13 +89,13 @@ def add_config_args(p: argparse.ArgumentParser, *, default_preset: str | None = 
     g.add_argument("--sink-tokens", type=int, default=None, help="first tokens kept in full precision (0 = off)")
     g.add_argument("--quantize-after", type=int, default=None, metavar="N",
                    help="full precision until the cache holds more than N tokens, then KIVI (0 = off; "
-                        "docs/length-policy.md)")
+                        "docs/python.md, \"Precision chosen from the request's length\")")
     g.add_argument("--no-quantize-key", action="store_true", help="keep keys in full precision")
     g.add_argument("--no-quantize-value", action="store_true", help="keep values in full precision")
     g.add_argument("--symmetric", action="store_true", help="symmetric quantization (for comparison)")
     g.add_argument("--clip", nargs="?", const="both", default=None, choices=["both", "keys", "values"],
                    help="MSE-optimal clipping of group ranges, both sides (bare --clip) or one; same bytes "
-                        "(docs/quality.md)")
+                        "(docs/python.md, \"Quality per bit\")")
     g.add_argument("--attention-backend", default=None, type=text_value, help="auto | reference | cpu | triton")
 
 

@@ -12,7 +12,8 @@ from .validators import output_path, text_value
 
 
 def add_prefix_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("saved prefixes (docs/prefix-cache.md)").add_mutually_exclusive_group()
+    g = p.add_argument_group("saved prefixes (docs/python.md, \"Saved quantized prefixes\")")
+    g = g.add_mutually_exclusive_group()
     g.add_argument("--save-prefix", metavar="FILE", default=None, type=output_path,
                    help="after the prompt's prefill, save its KIVI cache (packed, with the config and a fingerprint "
                         "of the model and tokenizer) to FILE, then generate as usual")

@@ -239,7 +239,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--per-head", action="store_true",
                    help="score every (layer, kv head, side) in one FP pass and recommend per-head widths (head_bits) "
                         "within --max-bits, counted by the planner for a float16 model at 32K tokens (default: the "
-                        "base + 0.3); docs/per-head.md")
+                        "base + 0.3); docs/python.md, \"Per-head widths\"")
     p.add_argument("--head-upgrade-bits", type=positive_int, default=4,
                    help="with --per-head: the width the most sensitive head-sides get (default 4)")
     p.add_argument("--write-config", default=None, type=output_path, help="write the recommended KiviConfig JSON here")

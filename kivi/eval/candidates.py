@@ -2,7 +2,8 @@
 
 * **uniform widths** ``UNIFORM_WIDTHS`` x group sizes ``GROUP_SIZES`` x sinks ``SINKS`` (0 and 4 sink
   tokens: the sinks cost 4 full-precision tokens per layer, nothing at long context, and helped
-  every config measured, docs/evaluation-results.md; 0 is there so that tune measures rather than assumes it);
+  every config measured, docs/results.md, "Evaluation results in full"; 0 is there so that tune measures rather
+  than assumes it);
 * **per-layer key upgrades** (given a ``kivi profile --json`` layer profile): 2/2 with the 2/4/8 most
   sensitive layers' keys at 4 bits;
 * **per-head widths** (given a head profile, :func:`kivi.eval.head_profile.head_profile`): from each

@@ -13,7 +13,8 @@ exact), attention of the head's query heads is recomputed for the scored queries
 the share of the layer's attention output that quantizing this one head-side perturbs. It costs one
 forward per window (no forward per candidate: a (layer x head) KL profile of SmolLM2 would need 90
 evaluation passes); it is a proxy, ranked per head within and across layers, and the choices it makes
-are then measured end to end (``studies/per_head_study.py`` in the git tag studies-archive, docs/per-head.md).
+are then measured end to end (``studies/per_head_study.py`` in the git tag studies-archive, docs/python.md,
+"Per-head widths").
 
 :func:`recommend_head_bits` turns a profile into a config within a bit budget: starting from ``base``,
 it widens the head-sides (or, ``granularity="layer"``, whole layer-sides: the per-layer mix at the

@@ -5,7 +5,7 @@ and returns the first whose cache, planned by :func:`~kivi.memory.estimate.estim
 for byte ``KiviCache.nbytes``), fits the budget at the requested context and batch. Nothing is
 measured here: the order of the candidates is the quality ranking, and the default ranking,
 :data:`QUALITY_LADDER`, is the one measured on the 20-window protocol (SmolLM2-135M, WikiText-2,
-``docs/evaluation-results.md``, table "The grid at full size", ``results/quality/grid_20w.csv``).
+``docs/results.md``, "Evaluation results in full", table "The grid at full size", ``results/quality/grid_20w.csv``).
 
 The need of a candidate is the cache's *peak* while it grows to ``context``: the largest
 ``kivi_total_bytes`` over the last ``group_size`` token counts up to ``context`` (keys leave the
@@ -27,7 +27,7 @@ from .units import format_bytes, parse_bytes, parse_context
 
 #: ``(name, KiviConfig fields, measured Δppl % on the 20-window protocol)``, best quality first; the
 #: presets' fields are read from :data:`kivi.config.PRESETS` (the rungs between them extend them).
-#: Source: docs/evaluation-results.md "The grid at full size" (results/quality/grid_20w.csv): high +0.22 %, balanced
+#: Source: docs/results.md "The grid at full size" (results/quality/grid_20w.csv): high +0.22 %, balanced
 #: +1.45 %, K2V2 + 4 sinks +12.39 %, extreme (KIVI-2) +22.87 %, K2V2 G64 +36.13 %. Each step down
 #: stores fewer bytes per token (sinks cost 4 full-precision tokens; G64 halves the scales). Configs
 #: the grid measured that are worse *and* larger than one above (K4V4 without sinks, K4V2 without

@@ -21,7 +21,7 @@ order (``G - 1`` vectorised additions over all groups and candidates) so that th
 per-token quantizer (:mod:`kivi.quant.fused_cpu`) reproduces the choice bit for bit.
 
 Measured on SmolLM2 (results/quality/quality12_screen.md): K2V2 +97.5 % -> +80.9 / +84.1 % perplexity in the
-fake-quantization screen; see docs/quality.md for the real-cache numbers.
+fake-quantization screen; see docs/python.md, "Quality per bit" for the real-cache numbers.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ Optional error compensation (``residual_bits > 0``, spec §2.3): per group, the 
 error ``m = mean(x - x_hat)`` lies in ``[-scale/2, scale/2]``; it is stored as a
 ``residual_bits``-bit code ``c = round(m / scale * 2**rb) + 2**(rb - 1)`` (clamped to the code range;
 ``c = 2**(rb-1)`` is exactly zero) and added back on dequantization. Its cost is ``rb`` bits per group.
-Measured (docs/evaluation-results.md): it barely helps, as round-to-nearest errors have near-zero means.
+Measured (docs/results.md, "Evaluation results in full"): it barely helps, as round-to-nearest errors have
+near-zero means.
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ def test_greedy_tokens_equal_single_request_generate(backend, monkeypatch):
     read by kivi's CPU kernels ("kivi_paged" attention). The scheduler splits a prompt when the step's
     token budget runs out (here the 70-token one, 26 + 44): with "auto" it equals a generate() whose
     prefill's first chunk is the same (later chunks follow the one-token rule); the materialized mode has
-    no per-query boundary (docs/continuous-batching.md), so there a split prompt is not compared."""
+    no per-query boundary (docs/serving.md, "KIVI pages in transformers' continuous batching"), so there a split
+    prompt is not compared."""
     from kivi.batching.cache import KiviPagedCache
 
     first_chunk: dict[str, int] = {}

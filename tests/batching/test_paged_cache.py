@@ -90,7 +90,7 @@ def _run(cfg: KiviConfig, dtype: torch.dtype, schedule: list[list[tuple[str, int
             off_new = off_seen = 0
             for i, (rid, past, q) in enumerate(batch):
                 # The materialized mode gives every query of a chunk what KiviLayer's first query reads; the
-                # packed mode's views carry KiviLayer's per-query boundary (docs/speculative.md) too.
+                # packed mode's views carry KiviLayer's per-query boundary (docs/python.md, "Speculative decoding") too.
                 ref_layer = refs[rid][layer]
                 kview, vview = ref_layer.append(k[None, :, off_new: off_new + q], v[None, :, off_new: off_new + q])
                 rk, rv = materialize(kview, ref_layer.dtype), materialize(vview, ref_layer.dtype)

@@ -291,7 +291,7 @@ def test_smollm2_prefix_answers_questions_like_the_saving_process(tmp_path, smol
     try:
         ids = wikitext_ids[None, :700]
         cache = prefill(model, ids)
-        snapshot = copy.deepcopy(cache)  # before first use: see docs/prefix-cache.md
+        snapshot = copy.deepcopy(cache)  # before first use: see docs/python.md, "Saved quantized prefixes"
         save_prefix(tmp_path / "doc.kivi", cache, model, tok, ids)
         kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=tok.eos_token_id)
         for q in ("\n\nQuestion: What is this about?\nAnswer:", "\n\nSummary:"):

@@ -1,5 +1,6 @@
 """Length-aware precision (``KiviConfig.quantize_after = N``): full precision while a layer holds <= N tokens,
-then, from the update that passes N, exactly the state of the plain config (docs/length-policy.md)."""
+then, from the update that passes N, exactly the state of the plain config (docs/python.md, "Precision chosen from
+the request's length")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Position tiers (KiviConfig.tiers): where tokens are, demotion in the layer, every backend, crop,
-rollback, batch edits, refusals, and the planner byte for byte (docs/tiers.md)."""
+rollback, batch edits, refusals, and the planner byte for byte (docs/python.md, "Position tiers")."""
 
 from __future__ import annotations
 

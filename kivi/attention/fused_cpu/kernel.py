@@ -1247,7 +1247,7 @@ def load_entries(names=None) -> None:
     copies of its ``@jit`` callees and parallel loop bodies, while the saved object holds its own copies,
     optimised again after linking, and reassociation reorders float sums differently in the two (about 1 ulp of
     float32; enough to flip a near-tie between two tokens). A process that runs code loaded from the cache
-    gives the same bits as every other such process. Measured: docs/fused-cpu.md.
+    gives the same bits as every other such process. Measured: docs/kernels.md, "The fused CPU decode kernel".
     """
     for entry, sig in _selected(names):
         if not entry.signatures:  # idempotent: a second call finds the overload and compiling closed
