@@ -110,7 +110,7 @@ def test_replay_equals_a_real_prefill(model_name, spec_name, tmp_path):
     _check(model, SPECS[spec_name], tmp_path)
 
 
-@pytest.mark.long  # ~45 s: optimum-quanto's first import and cache (the KIVI and FP replay cases above stay in the default run)
+@pytest.mark.long  # ~45 s: optimum-quanto's first import (the KIVI and FP replay cases stay in the default run)
 @pytest.mark.parametrize("name", ["quanto-int2"])
 def test_replay_equals_a_real_prefill_quanto(name, tmp_path):
     if baseline_unavailable_reason(name):
