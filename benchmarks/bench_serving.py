@@ -704,7 +704,7 @@ def run_one(args, spec: dict) -> dict:
     import kivi
 
     seconds = set_threads(args.threads)
-    from kivi.quant.fused_cpu import warmup as warm_quant
+    from kivi.quant.numba_quant import warmup as warm_quant
 
     warm_quant()
     model, tok, vocab = _model(args.model)

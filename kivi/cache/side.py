@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from ..config import KiviConfig
-from ..quant.fused_cpu import quantize_tokens_into, token_quantizer_supported
 from ..quant.kv import PackedKV, dequantize_kv, quantize_side
+from ..quant.numba_quant import quantize_tokens_into, token_quantizer_supported
 from ..quant.side_format import KEY_AXIS, VALUE_AXIS, SideFormat
 from .boundary import SideCounts, TierLayout, set_boundary
 from .schedule import key_group_start, window_exits
@@ -160,7 +160,7 @@ class SideState:
         return quantize_side(x, self.format, valid=None if valid is None or self.axis == VALUE_AXIS else valid)
 
     def _fast_tokens(self, x: torch.Tensor) -> bool:
-        """Whether values leave the window through :func:`kivi.quant.fused_cpu.quantize_tokens_into`.
+        """Whether values leave the window through :func:`kivi.quant.numba_quant.quantize_tokens_into`.
 
         It reproduces :func:`quantize_kv` bit for bit where it applies (CPU, float32, asymmetric, no
         compensation, finiteness checked, numba installed); everything else takes the torch path.

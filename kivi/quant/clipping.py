@@ -18,7 +18,7 @@ is on the write path only (``len(SHRINKS)`` candidate quantizations) and zero bi
 Because min/max is a candidate and the error is measured on the parameters as stored, clipping never
 increases a group's squared error over min/max. The error is accumulated element by element in group
 order (``G - 1`` vectorised additions over all groups and candidates) so that the compiled
-per-token quantizer (:mod:`kivi.quant.fused_cpu`) reproduces the choice bit for bit.
+per-token quantizer (:mod:`kivi.quant.numba_quant`) reproduces the choice bit for bit.
 
 Measured on SmolLM2 (results/quality/quality12_screen.md): K2V2 +97.5 % -> +80.9 / +84.1 % perplexity in the
 fake-quantization screen; see docs/python.md, "Quality per bit" for the real-cache numbers.

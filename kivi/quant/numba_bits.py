@@ -1,5 +1,5 @@
 """numba's bit casts between float32 and 32-bit integers: the one home of these intrinsics, used by every
-compiled kernel of kivi (the quantizers of :mod:`kivi.quant.fused_cpu_kernel`, the vLLM decode step's writes,
+compiled kernel of kivi (the quantizers of :mod:`kivi.quant.numba_quant_kernel`, the vLLM decode step's writes,
 the decode kernel of :mod:`kivi.attention.fused_cpu.kernel`).
 
 Importing this module imports numba.

@@ -4,7 +4,7 @@ in one compiled call (numba; imported on first use).
 The torch form (:meth:`kivi.vllm.geometry.RingPool.slot_ids` per side, the block-table rows, the query and new
 rows gathered and converted: ~20 small tensor operations, ~100 us a layer on the 2-core development machine)
 stays the reference (``compiled=False``); both give the same tensors (``tests/vllm/test_decode_inputs.py``).
-numba's cache of this file holds :func:`kivi.quant.fused_cpu_kernel.as_f32` compiled in: touch this file after
+numba's cache of this file holds :func:`kivi.quant.numba_quant_kernel.as_f32` compiled in: touch this file after
 an edit of that one.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ..quant.fused_cpu_kernel import as_f32
+from ..quant.numba_quant_kernel import as_f32
 
 
 @numba.njit(cache=True)

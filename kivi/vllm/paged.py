@@ -23,7 +23,7 @@ ring slots the step writes); :func:`paged_step` does, for one layer:
    sink, :func:`~kivi.cache.schedule.window_exits`: keys in whole groups of ``G`` once ``R`` newer remain,
    values beyond ``R``; sink tokens are never quantized and never move: their rows are already in their
    slots), every request's tokens in one call per side (groups never span requests: keys leave in whole
-   aligned groups; values on the CPU in one compiled pass, :func:`kivi.quant.fused_cpu.quantize_tokens`), both
+   aligned groups; values on the CPU in one compiled pass, :func:`kivi.quant.numba_quant.quantize_tokens`), both
    sides before writing either, so a refused value (NaN) writes nothing to the pages; then writes them to
    their page rows, one indexed write per field;
 4. attends: the decode rows with something stored in one call of kivi's batched paged decode kernel
@@ -59,8 +59,8 @@ from ..cache.pages import page_store, scatter_tokens
 from ..cache.schedule import prefill_exact_queries, side_tokens, window_exits
 from ..cache.view import AttentionView, exact_queries
 from ..config import KiviConfig
-from ..quant.fused_cpu import quantize_tokens, tokens_quantizable
 from ..quant.kv import quantize_side
+from ..quant.numba_quant import quantize_tokens, tokens_quantizable
 from ..quant.page import AXIS, SIDES
 from .decode import DecodeKernel, decode_kernel, leaving_rows, paged_decode
 from .geometry import KiviGeometry, block_field_views, ring_slots
@@ -103,7 +103,7 @@ def _ring_read(rings: list[torch.Tensor], pos: torch.Tensor, ring_table_row: tor
 
 def _quantize(cfg: KiviConfig, side: str, x: torch.Tensor):
     """``x [H, T, D]`` leaving the window (T a multiple of G for keys) as the pages store it: values on the CPU in
-    one compiled pass where it reproduces the reference (:func:`kivi.quant.fused_cpu.tokens_quantizable`)."""
+    one compiled pass where it reproduces the reference (:func:`kivi.quant.numba_quant.tokens_quantizable`)."""
     fmt = cfg.side_format(side)
     if x.device.type == "cpu" and tokens_quantizable(fmt, x.dtype):
         return quantize_tokens(x.unsqueeze(0), fmt)

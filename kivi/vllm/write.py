@@ -5,7 +5,7 @@ In a step whose every request is a row of the batched decode kernel (:class:`kiv
 prefill or chunk: the steady state of serving), :func:`kivi.vllm.paged.paged_step` hands the layer's writes to
 :func:`write_step`: one call of :func:`kivi.vllm.write_kernel.decode_write`, which reads the leaving rows where
 the rings keep them (or from the step's input), quantizes them with kivi's compiled quantizer
-(:mod:`kivi.quant.fused_cpu_kernel`: values per token, keys per channel in whole groups of ``G``), writes codes and
+(:mod:`kivi.quant.numba_quant_kernel`: values per token, keys per channel in whole groups of ``G``), writes codes and
 parameters to their page rows and the new tokens to their ring slots. The torch path it replaces (leaving rows,
 one quantize call per side, page row indices, one indexed write per field and per ring: ~20 small tensor
 operations a layer) stays beside it as the reference and for every other step; both leave the pages and rings
@@ -25,7 +25,7 @@ import torch
 
 from ..attention.fused_cpu.paged import PagedLayout
 from ..config import KiviConfig
-from ..quant.fused_cpu import shrinks_array
+from ..quant.numba_quant import shrinks_array
 from .geometry import RingPool
 from .plan import StepPlan
 

@@ -1,10 +1,10 @@
 """The numba side of :mod:`kivi.vllm.write`: a decode step's writes of one layer in one compiled call.
 
 Importing this module imports numba (and the paged decode kernel's layout columns); :mod:`kivi.vllm.write`
-imports it on first use. The quantization is :mod:`kivi.quant.fused_cpu_kernel`'s (the one compiled rule,
+imports it on first use. The quantization is :mod:`kivi.quant.numba_quant_kernel`'s (the one compiled rule,
 bit-identical to :func:`kivi.quant.kv.quantize_side`); this module only says where the rows come from and
 where the codes and parameters go. numba's on-disk cache of :func:`decode_write` is keyed on this file only, and
-the quantizer's helpers are compiled into it: after an edit of :mod:`kivi.quant.fused_cpu_kernel`, touch this
+the quantizer's helpers are compiled into it: after an edit of :mod:`kivi.quant.numba_quant_kernel`, touch this
 file (or drop ``kivi/vllm/__pycache__/write_kernel*.nb*``), or a stale cache keeps the old quantizer (an
 installed kivi's files change together).
 
@@ -54,15 +54,15 @@ from ..attention.fused_cpu.kernel import (
     _PL_VROW,
     _PL_VSC,
 )
-from ..quant.fused_cpu_kernel import all_finite, as_f32, group_code, group_params, put_code
 from ..quant.numba_bits import f32_bits
+from ..quant.numba_quant_kernel import all_finite, as_f32, group_code, group_params, put_code
 
 inline = numba.njit(inline="always", cache=True)
 
 
 @inline
 def _put_param(pool, at, v, bf16):
-    """Store the parameter ``v`` (already :func:`~kivi.quant.fused_cpu_kernel.stored`) at byte ``at``: 4 bytes of
+    """Store the parameter ``v`` (already :func:`~kivi.quant.numba_quant_kernel.stored`) at byte ``at``: 4 bytes of
     float32, or (``bf16``) the 2 high bytes, little-endian."""
     w = f32_bits(v)
     if bf16:

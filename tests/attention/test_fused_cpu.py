@@ -60,7 +60,7 @@ def _lengths(total):
 
 def test_numba_is_imported_with_the_kernel_only():
     """``import kivi`` and the package leave numba (and compilation) to the first fused call."""
-    from kivi.quant.fused_cpu import numba_available
+    from kivi.quant.numba_quant import numba_available
 
     assert fused_decode_available is numba_available  # one availability check, in the lower layer
     code = ("import sys, kivi, kivi.attention.fused_cpu; "

@@ -20,7 +20,7 @@ and omp are missing. So :func:`_run_threaded`, the one place the threaded entry 
 serialises it with a lock until the first call has told which layer numba chose
 (``numba.threading_layer()``, known only after a parallel launch), and for good if that layer is not
 in :data:`THREAD_SAFE_LAYERS`; calls on tbb / omp then run unlocked. The serial entry and the value
-quantizer (:mod:`kivi.quant.fused_cpu`) use no thread pool and never lock.
+quantizer (:mod:`kivi.quant.numba_quant`) use no thread pool and never lock.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 
 from ...backends import CpuBackend
 from ...optional import numba_available
-from ...quant.fused_cpu import warmup as _warmup_quantizer
+from ...quant.numba_quant import warmup as _warmup_quantizer
 from ...quant.primitives import SUPPORTED_BITS
 from ..reference import view_geometry
 from .tables import heads_table, side_table, valid_row

@@ -12,13 +12,13 @@ from hypothesis import strategies as st
 
 pytest.importorskip("numba")
 
-from kivi.quant.fused_cpu import (  # noqa: E402
+from kivi.quant.kv import dequantize_kv, quantize_kv, quantize_side  # noqa: E402
+from kivi.quant.numba_quant import (  # noqa: E402
     quantize_tokens,
     quantize_tokens_into,
     token_quantizer_supported,
     tokens_quantizable,
 )
-from kivi.quant.kv import dequantize_kv, quantize_kv, quantize_side  # noqa: E402
 from kivi.quant.packing import packed_size  # noqa: E402
 from kivi.quant.side_format import SideFormat  # noqa: E402
 

@@ -24,7 +24,7 @@ Codes are packed as in :mod:`kivi.quant.packing`: a little-endian bit stream alo
 code ``c`` at bits ``[c * bits, (c + 1) * bits)`` of the row (for 1, 2, 4, 8 bits ``8 // bits`` codes per
 byte; for 3 bits the same stream is the runs of 8 codes in 3 bytes, a code may straddle two bytes).
 numba is imported, and the kernel compiled or loaded from numba's on-disk cache, on first use
-(:func:`_kernel`, the kernel in :mod:`kivi.quant.fused_cpu_kernel`): ``import kivi`` does not import it.
+(:func:`_kernel`, the kernel in :mod:`kivi.quant.numba_quant_kernel`): ``import kivi`` does not import it.
 :func:`kivi.optional.numba_available` is kivi's one check for numba (the fused decode attention of
 :mod:`kivi.attention.fused_cpu` uses it too).
 """
@@ -73,17 +73,17 @@ def token_quantizer_supported(fmt: SideFormat, dtype: torch.dtype) -> bool:
 
 @functools.cache
 def _kernel():
-    """The compiled kernel (:func:`kivi.quant.fused_cpu_kernel.quantize_tokens`, or numba's cached copy); imports
+    """The compiled kernel (:func:`kivi.quant.numba_quant_kernel.quantize_tokens`, or numba's cached copy); imports
     numba on first use, and first sets aside its cache files that do not read back (:mod:`kivi.numba_cache`, one
     warning; numba then compiles it again)."""
     from ..numba_cache import set_aside_unreadable
-    from . import fused_cpu_kernel
+    from . import numba_quant_kernel
 
     try:
-        set_aside_unreadable([fused_cpu_kernel.quantize_tokens], "kivi's value quantizer")
+        set_aside_unreadable([numba_quant_kernel.quantize_tokens], "kivi's value quantizer")
     except AttributeError:  # a numba whose cache internals differ: numba's own loading decides
         pass
-    return fused_cpu_kernel.quantize_tokens
+    return numba_quant_kernel.quantize_tokens
 
 
 def quantize_tokens_into(

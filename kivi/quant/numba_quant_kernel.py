@@ -1,11 +1,11 @@
-"""The numba side of :mod:`kivi.quant.fused_cpu`: one group's asymmetric min/max parameters and codes, the rule
+"""The numba side of :mod:`kivi.quant.numba_quant`: one group's asymmetric min/max parameters and codes, the rule
 every compiled quantizer of kivi calls (values per token here, keys per channel in the vLLM decode step's
-writes, :mod:`kivi.attention.fused_cpu.write_kernel`).
+writes, :mod:`kivi.vllm.write_kernel`).
 
-Importing this module imports numba; :mod:`kivi.quant.fused_cpu` imports it on first use. Nothing here uses
+Importing this module imports numba; :mod:`kivi.quant.numba_quant` imports it on first use. Nothing here uses
 ``fastmath``: every operation is the float32 operation the torch reference (:func:`kivi.quant.primitives.
 quantize_groups`, :func:`kivi.quant.clipping.clipped_params`) performs, in the same order, so the codes and
-parameters are bit-identical to it (the module docstring of :mod:`kivi.quant.fused_cpu` states the numerics).
+parameters are bit-identical to it (the module docstring of :mod:`kivi.quant.numba_quant` states the numerics).
 """
 
 from __future__ import annotations
