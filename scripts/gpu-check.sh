@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # kivi on a GPU in one command (docs/kernels.md, "Checking on a GPU"): on a machine with torch, triton and a
 # transformers 5.x already installed and nothing reachable, install what .whl/ carries, then run
-# benchmarks/gpu_check.py (a. correctness in fp16/bf16, b. kernel timings, c. the spec's table at LLaMA-2-13B's
+# benchmarks/bench_triton_gpu.py check (a. correctness in fp16/bf16, b. kernel timings, c. the spec's table at LLaMA-2-13B's
 # shape; each part stops on its own time budget), writing gpu_check.json / gpu_check.txt under $OUT.
 #
 #   bash scripts/gpu-check.sh              # on the GPU machine (about 7 minutes; OUT defaults to results/tmp/gpu-check)
@@ -17,7 +17,7 @@
 # (transformers' other requirements are the preinstalled release's; when one is missing, pip refuses and the
 # preinstalled transformers is kept, with a message.)
 # kivi goes in with --no-deps (its numba dependency is only needed by the CPU kernel, which this does not run).
-# Extra arguments go to benchmarks/gpu_check.py (e.g. --contexts 4096 32768 --table-seconds 300).
+# Extra arguments go to benchmarks/bench_triton_gpu.py check (e.g. --contexts 4096 32768 --table-seconds 300).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python}
@@ -50,4 +50,4 @@ if ! $PYTHON -c "import kivi" 2>/dev/null; then
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 $PYTHON -c "import kivi, torch, transformers; print('gpu-check: kivi', kivi.__file__, '| torch', torch.__version__, '| transformers', transformers.__version__)"
-exec $PYTHON benchmarks/gpu_check.py --out-dir "$OUT" "$@"
+exec $PYTHON benchmarks/bench_triton_gpu.py check --out-dir "$OUT" "$@"
