@@ -27,7 +27,7 @@ Without ``--isolate`` this delta is meaningless for later rows (freed memory of 
     python benchmarks/bench_decode.py --contexts 8192 --batches 1 --configs floor dynamic quanto2 kivi2-cpu \
         --isolate --repeat 3
     python benchmarks/bench_decode.py --contexts 8192 --batches 1 4 --configs dynamic kivi2-cpu \
-        results/configs/pareto12_cfg_heads_k2v2_3p3.json --isolate --repeat 3
+        results/configs/pareto12_cfg_heads_k3v3_4p3.json --isolate --repeat 3
 
 Long contexts: a context beyond the model's ``max_position_embeddings`` (SmolLM2: 8192) is refused unless
 ``--ignore-max-context`` is given; such rows measure speed only (the model was not trained that far, its

@@ -3,14 +3,18 @@
 Citations are ``results/...`` paths in docs/*.md, README.md, CHANGELOG.md and results/README.md's prose (its
 "## Files" table is the record of each file, not a citation). A path may use braces (``x_{a,b}.{json,txt}``) or a
 ``*`` glob. A path written as a command's output (``--out PATH``, ``-o PATH``, ...) keeps a file it names, but is not
-required to exist: it says where a rerun writes. Every file has a row in that table: the commit that added it and
-the command that produced it (or the document that gives it).
+required to exist: it says where a rerun writes. Every file has a row in that table: a commit that wrote it (git
+history holds it, renames followed) and the command that produced it, or the document (and section) that gives it
+and cites the file. ``studies-archive:results/PATH`` names a file kept only in the git tag ``studies-archive``: the
+tag must hold it, and results/ must not (one place per file).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -23,6 +27,9 @@ OUTPUT_OPTIONS = ("--out", "-o", "--json", "--plot", "--write-config", "--thread
                   "--csv")
 FILES_HEADING = "## Files"
 ROW_RE = re.compile(r"^\| `([^`]+)` \| ([0-9a-f]{7,40}) \| (.+) \|$")
+ARCHIVE = "studies-archive"
+#: a row's command that names the document giving it: ``in docs/NAME.md`` or ``in docs/NAME.md, "Section"``
+DOC_COMMAND_RE = re.compile(r'^in ((?:docs/)?[A-Za-z_.-]+\.md)(?:, "([^"]+)")?')
 
 
 def expand(path: str) -> list[str]:
@@ -56,6 +63,8 @@ def citations(root: Path) -> tuple[dict[str, set[str]], list[tuple[str, str]]]:
     missing = []
     for doc, text in citing_texts(root).items():
         for m in PATH_RE.finditer(text):
+            if text[: m.start()].endswith(ARCHIVE + ":"):
+                continue  # kept in the git tag, checked by archived_citations
             before = text[max(0, m.start() - 16): m.start()].split()
             written = bool(before) and before[-1] in OUTPUT_OPTIONS
             for path in expand(m.group(0).rstrip(".,/")):
@@ -73,6 +82,90 @@ def citations(root: Path) -> tuple[dict[str, set[str]], list[tuple[str, str]]]:
                 for h in hits:
                     cited.setdefault(h, set()).add(doc)
     return cited, missing
+
+
+def archived_citations(root: Path) -> dict[str, set[str]]:
+    """``studies-archive:results/...`` paths (braces expanded, globs kept) -> the documents that name them."""
+    found: dict[str, set[str]] = {}
+    for doc, text in citing_texts(root).items():
+        for m in re.finditer(re.escape(ARCHIVE) + ":(" + PATH_RE.pattern + ")", text):
+            for path in expand(m.group(1).rstrip(".,/")):
+                path = path.rstrip(".,")
+                if Path(path).suffix or "*" in path:  # not a folder, nor a placeholder such as results/PATH
+                    found.setdefault(path, set()).add(doc)
+    return found
+
+
+def git(root: Path, *args: str) -> str | None:
+    """``git args`` in ``root``'s repository, or None where there is no git or no repository (an unpacked copy)."""
+    if shutil.which("git") is None or not (root / ".git").exists():
+        return None
+    r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=60)
+    return r.stdout if r.returncode == 0 else None
+
+
+def writers(log: str, path: str) -> set[str]:
+    """Commits (abbreviated as logged) that wrote ``path``'s content, following renames back, from ``git log
+    --format=@%h --name-status -M`` (newest first): added, modified, or renamed with changes."""
+    found, current = set(), path
+    commit = None
+    for line in log.splitlines():
+        if line.startswith("@"):
+            commit = line[1:]
+            continue
+        parts = line.split("\t")
+        if len(parts) < 2:
+            continue
+        status, new = parts[0], parts[-1]
+        if new != current:
+            continue
+        if status[0] in "AM" or (status[0] in "RC" and status[1:] != "100"):
+            found.add(commit)
+        if status[0] == "R":
+            current = parts[1]
+    return found
+
+
+def doc_section(text: str, title: str) -> str | None:
+    """The text under the heading that starts with ``title`` (to the next heading of its level or above)."""
+    lines = text.splitlines()
+    fenced, heads = False, []  # (line, level, title) of each heading outside ``` blocks
+    for i, line in enumerate(lines):
+        fenced ^= line.startswith("```")
+        m = None if fenced else re.match(r"^(#+) (.*)", line)
+        if m:
+            heads.append((i, len(m.group(1)), m.group(2)))
+    for k, (i, level, text_) in enumerate(heads):
+        if text_.startswith(title):
+            end = next((j for j, lv, _ in heads[k + 1:] if lv <= level), len(lines))
+            return "\n".join(lines[i:end])
+    return None
+
+
+def cites(text: str, path: str) -> bool:
+    """Whether ``text`` names ``path`` (braces and globs as in :func:`citations`)."""
+    return any(fnmatch.fnmatch(path, p.rstrip(".,")) for m in PATH_RE.finditer(text)
+               for p in expand(m.group(0).rstrip(".,/")))
+
+
+def record_problems(root: Path, rows: dict[str, tuple[str, str]], log: str | None) -> list[str]:
+    """Rows whose commit did not write the file, or whose command is neither a command nor a document (and section)
+    that cites the file. ``log``: see :func:`writers` (None: commits not checked)."""
+    problems = []
+    for path, (commit, command) in sorted(rows.items()):
+        if log is not None and not any(c.startswith(commit) or commit.startswith(c) for c in writers(log, path)):
+            problems.append(f"{path}: commit {commit} did not write it")
+        m = DOC_COMMAND_RE.match(command)
+        if m:
+            doc = root / m.group(1)
+            text = doc.read_text() if doc.is_file() else ""
+            if m.group(2):
+                text = doc_section(text, m.group(2)) or ""
+            if not cites(text, path):
+                problems.append(f"{path}: {m.group(0)!r} does not cite it")
+        elif not re.match(r"^`[^`]+`", command):
+            problems.append(f"{path}: command {command!r} is neither `a command` nor 'in docs/NAME.md'")
+    return problems
 
 
 def records(root: Path) -> dict[str, tuple[str, str]]:
@@ -103,7 +196,20 @@ def test_every_results_file_records_its_commit_and_command():
     files = result_files(ROOT)
     assert sorted(files - set(rows)) == [], "results files without a row in results/README.md's Files table"
     assert sorted(set(rows) - files) == [], "rows of results/README.md's Files table whose file is gone"
-    assert all(cmd.strip("`") for _, cmd in rows.values())
+    log = git(ROOT, "log", "--format=@%h", "--name-status", "-M", "--", "results")
+    assert record_problems(ROOT, rows, log) == []
+
+
+def test_every_archived_citation_is_in_the_tag_and_not_here():
+    archived = archived_citations(ROOT)
+    here = sorted(p for p in archived if p in result_files(ROOT))
+    assert here == [], f"cited as {ARCHIVE}: but still in results/ (cite it directly): {here}"
+    listing = git(ROOT, "ls-tree", "-r", "--name-only", ARCHIVE, "--", "results")
+    if listing is None:
+        pytest.skip(f"no git repository or no tag {ARCHIVE} here")
+    tagged = set(listing.split())
+    missing = sorted(p for p in archived if not fnmatch.filter(tagged, p))
+    assert missing == [], f"cited as {ARCHIVE}:PATH but not in the tag: {missing}"
 
 
 @pytest.fixture
@@ -132,3 +238,31 @@ def test_the_checks_see_a_missing_an_uncited_and_an_unrecorded_file(tree):
     doc.write_text("all of them: `results/a/x_*.json`; none: `results/b/*.json`\n")
     cited, missing = citations(tree)
     assert set(cited) == result_files(tree) and missing == [("docs/d.md", "results/b/*.json")]
+
+
+def test_writers_follow_renames_and_skip_pure_renames():
+    log = ("@c3\nR100\tresults/a/x.json\tresults/b/x.json\n@c2\nM\tresults/a/x.json\n"
+           "@c1\nA\tresults/a/x.json\nA\tresults/a/y.json\n")
+    assert writers(log, "results/b/x.json") == {"c2", "c1"}
+    assert writers(log, "results/a/y.json") == {"c1"}
+    assert writers("@c4\nR087\tresults/a/y.json\tresults/b/z.json\n" + log, "results/b/z.json") == {"c4", "c1"}
+
+
+def test_record_problems_name_a_wrong_commit_an_uncited_document_and_a_non_command(tree):
+    (tree / "docs" / "d.md").write_text("# T\n\n```\n# not a heading\n```\nsee `results/a/x_{1,2}.json`\n\n# U\n")
+    log = "@abc1234\nA\tresults/a/x_1.json\nA\tresults/a/x_2.json\n"
+    ok = {"results/a/x_1.json": ("abc1234", "`python b.py`"), "results/a/x_2.json": ("abc1234", 'in docs/d.md, "T"')}
+    assert record_problems(tree, ok, log) == []
+    bad = {"results/a/x_1.json": ("def5678", "`python b.py`"), "results/a/x_2.json": ("abc1234", 'in docs/d.md, "U"')}
+    assert record_problems(tree, bad, log) == ["results/a/x_1.json: commit def5678 did not write it",
+                                               "results/a/x_2.json: 'in docs/d.md, \"U\"' does not cite it"]
+    assert record_problems(tree, {"results/a/x_1.json": ("abc1234", "60.88 1.000 | 30")}, None) == [
+        "results/a/x_1.json: command '60.88 1.000 | 30' is neither `a command` nor 'in docs/NAME.md'"]
+
+
+def test_archived_citations_are_not_citations_of_results(tree):
+    (tree / "docs" / "d.md").write_text("old: `studies-archive:results/a/old_{1,2}.json`, "
+                                        "`studies-archive:results/PATH`; kept: `results/a/x_1.json`\n")
+    cited, missing = citations(tree)
+    assert set(cited) == {"results/a/x_1.json"} and missing == []
+    assert set(archived_citations(tree)) == {"results/a/old_1.json", "results/a/old_2.json"}

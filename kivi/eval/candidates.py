@@ -8,7 +8,8 @@
   sensitive layers' keys at 4 bits;
 * **per-head widths** (given a head profile, :func:`kivi.eval.head_profile.head_profile`): from each
   base of ``HEAD_BASES`` (K2V2, K3V2, K3V3 and K4V2, 4 sink tokens; K3V2 / K3V3 + widened heads were the
-  best mixes near 4.3 bits in results/quality/pareto12_screen43_w24_4w.json and results/quality/pareto12b_20w.json),
+  best mixes near 4.3 bits in studies-archive:results/quality/pareto12_screen43_w24_4w.json and
+  studies-archive:results/quality/pareto12b_20w.json),
   the head-sides that pay most widened to 4 bits
   at budgets ``HEAD_STEPS`` bits per element above the base (and at any extra budget asked for, e.g.
   ``--max-bits``), counted by the planner for a float16 model (:func:`recommend_head_bits`);

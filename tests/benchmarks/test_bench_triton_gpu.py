@@ -34,7 +34,7 @@ def test_bench_dry_run(tmp_path):
     (paged,) = data["paged"]
     assert paged["ok"] and paged["batch"] == 3 and paged["context"] == 301
     assert paged["paged_ms"] > 0 and paged["sdpa_ms"] > 0 and paged["paged_bytes"] > 0
-    # the vLLM plugin's layer step with "triton" (bench_triton_gpu.plugin_check): checked against the CPU reference, timed
+    # the vLLM plugin's layer step with "triton" (plugin_check): checked against the CPU reference, timed
     (check,) = data["plugin"]["checks"]
     assert check["ok"] and check["max_abs_err"] < 2e-2 and check["steps"] == 7 and check["config"]["sink_tokens"] == 4
     (timing,) = data["plugin"]["timings"]

@@ -237,7 +237,7 @@ def _views_supported(k_view: AttentionView, v_view: AttentionView, formats_check
 #: Below this many ``batch x kv heads x kv positions`` a call runs on the calling thread only: smaller
 #: calls do not pay for waking numba's pool (serial / threaded is ~1.0 at 1.5K units and 1.15 from 3K on
 #: a 2-core CPU, omp pool, SmolLM2 shapes; ``studies/fused_threads.py`` in the git tag studies-archive,
-#: ``results/attention/bench_fused_threads.txt``).
+#: ``studies-archive:results/attention/bench_fused_threads.txt``).
 SERIAL_BELOW = 3072
 
 
