@@ -58,3 +58,21 @@ def test_bench_dry_run_cache_layouts(tmp_path):
     for r in data["layouts"]:
         assert r["ok"] and r["blocks"] >= 3 and r["kivi_ms"] > 0 and r["blocked_ms"] > 0
     assert data["layouts"][0]["concat_ms"] > 0 and data["layouts"][1]["concat_ms"] is None  # no concat with sinks
+
+
+def test_interpret_mode_checks_the_kernel_and_times_the_preparation(tmp_path):
+    """``interpret`` (through ``main``'s mode dispatch): the correctness table on one preset, both GQA shapes and
+    every dtype, within one unit in the last place; then the per-step preparation, kernel sides against the read."""
+    spec = importlib.util.spec_from_file_location("bench_triton_gpu", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "interpret.json"
+    rc = mod.main(["interpret", "--presets", "k3v2", "--context", "99", "--extra", "40", "--prep-context", "700",
+                   "--prep-extra", "300", "--repeat", "2", "--out", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    rows = data["correctness"]
+    assert {(r["dtype"], r["hq"]) for r in rows} == {(d, h) for d in ("fp32", "fp16", "bf16") for h in (9, 8)}
+    assert all(r["preset"] == "k3v2" and r["key_blocks"] >= 2 and r["rel"] < 2e-2 for r in rows)
+    prep = data["preparation"]
+    assert prep["context"] == 700 and prep["kernel_sides_us"] > 0 and prep["blockstore_read_us"] > 0
