@@ -30,7 +30,7 @@ from typing import Any
 
 from . import attention  # noqa: F401 - registers the "kivi" attention and mask functions with transformers
 from .backends import ATTN_IMPLEMENTATION, PACKED_BACKENDS, model_attention_unsupported, resolve_attention_backend
-from .cache.cache import KiviCache
+from .cache.kivi_cache import KiviCache
 from .cache.padding import install_padding_hook
 from .cache.support import check_head_dim, model_head_dim, model_layer_types, plan_layers
 from .config import KiviConfig

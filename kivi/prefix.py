@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
-from .cache.cache import KiviCache
+from .cache.kivi_cache import KiviCache
 from .cache.persist import read_header
 from .cache.support import model_head_dim, model_layer_types, text_config
 from .config import KiviConfig

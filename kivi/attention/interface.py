@@ -164,7 +164,7 @@ def reading_views(model: Any, cache: Any) -> Iterator[None]:
     after :func:`kivi.quantize_model`): one built for a model's own attention returns tensors only, and
     would give every query the history as it was before the forward, so it is refused.
     """
-    from ..cache.cache import KiviCache  # noqa: PLC0415 - cache sits below attention; lazy keeps imports light
+    from ..cache.kivi_cache import KiviCache  # noqa: PLC0415 - cache sits below attention; lazy keeps imports light
 
     if not isinstance(cache, KiviCache):
         yield

@@ -1,7 +1,7 @@
 """Continuous batching with KIVI pages: :func:`init_continuous_batching` and :func:`generate_batch`.
 
 Both build a :class:`KiviBatchingManager`, transformers' ``ContinuousBatchingManager`` with three
-changes: its cache is a :class:`~kivi.batching.cache.KiviPagedCache` of ``cache_memory`` bytes
+changes: its cache is a :class:`~kivi.batching.paged_cache.KiviPagedCache` of ``cache_memory`` bytes
 (``kivi_config=None``: transformers' own float ``PagedAttentionCache`` with the same byte budget,
 ``num_blocks = cache_memory // float block bytes``); a request is checked by ``add_request`` /
 ``add_requests`` before it is queued (:mod:`kivi.batching.requests`: prompt type, ids, context,
@@ -34,9 +34,9 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 from ..backends import ATTN_IMPLEMENTATION, Backend, backend_named, model_attention_unsupported
 from ..config import KiviConfig
 from ..sampling import is_greedy_temperature
-from .attention import PAGED_ATTN_IMPLEMENTATION
-from .cache import KiviPagedCache
 from .layout import PageLayout, build_layout, fp_block_bytes
+from .paged_attention import PAGED_ATTN_IMPLEMENTATION
+from .paged_cache import KiviPagedCache
 from .requests import RequestLimits, check_request, check_requests
 from .version import check_transformers_version
 

@@ -1,6 +1,6 @@
 """KIVI cache: per-layer storage (`KiviLayer`) and the transformers `Cache` (`KiviCache`)."""
 
-from .cache import KiviCache
+from .kivi_cache import KiviCache
 from .layer import KiviLayer
 from .store import BlockStore, FpSegment
 from .view import AttentionView, PackedStates, materialize

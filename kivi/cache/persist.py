@@ -60,7 +60,7 @@ from .persist_plan import plan_cache, state_dict
 # ---------------------------------------------------------------------------------------------- save
 def save_cache(cache: Any, path: str | os.PathLike, *, fingerprint: dict[str, Any],
                input_ids: torch.Tensor | None = None) -> Path:
-    """Write ``cache`` (a :class:`~kivi.cache.cache.KiviCache`) to ``path`` (see the module docstring);
+    """Write ``cache`` (a :class:`~kivi.cache.kivi_cache.KiviCache`) to ``path`` (see the module docstring);
     returns the path.
 
     ``fingerprint``: a JSON-serialisable dict describing the model and tokenizer the cache was made
@@ -171,7 +171,7 @@ def load_cache(path: str | os.PathLike, *, fingerprint: dict[str, Any], config: 
                kv_heads: int | None = None, head_dim: int | None = None,
                ) -> tuple[KiviConfig, list[KiviLayer], torch.Tensor | None]:
     """``(config, layers, input_ids or None)`` of the cache in a file written by :func:`save_cache`
-    (:meth:`KiviCache.load <kivi.cache.cache.KiviCache.load>` builds the cache from them).
+    (:meth:`KiviCache.load <kivi.cache.kivi_cache.KiviCache.load>` builds the cache from them).
 
     The file is untrusted input. Checks in this order, each failure a :class:`PrefixFileError` before
     anything is built: the header (:func:`read_header`: format, version, size, the tensor table's byte

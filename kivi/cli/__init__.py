@@ -26,7 +26,7 @@ SUBCOMMAND_MODULES = (
     "demo",  # demo
     "evaluate",  # eval ppl|kld|passkey, sweep
     "tune",  # profile, tune
-    "cache",  # cache ls|clear
+    "model_cache",  # cache ls|verify|clear (the converted-model cache)
     "serve",  # serve (OpenAI-compatible HTTP server)
 )
 

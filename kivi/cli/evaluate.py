@@ -191,7 +191,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_output_args(p)
     p.set_defaults(func=cmd_passkey)
 
-    from .longctx import add_parser as add_longctx
+    from .eval_longctx import add_parser as add_longctx
 
     add_longctx(evs)
 

@@ -62,7 +62,7 @@ def prefix_inputs(args: argparse.Namespace, model: Any, tokenizer: Any, prompt: 
                   ) -> tuple[Any, dict[str, Any], dict[str, Any], PrefixSaver | None]:
     """``(input ids, extra generate() arguments, extra result fields, the --save-prefix saver or None)`` for
     the prefix options (none: unchanged). Call the saver's ``check()`` once the result is printed."""
-    from ..cache.cache import KiviCache
+    from ..cache.kivi_cache import KiviCache
     from ..prefix import SaveAfterPrefill, load_prefix
 
     if args.load_prefix:

@@ -101,7 +101,7 @@ def make_cache(model: Any, spec: CacheSpec, *, read_packed: bool = False):
 
         return DynamicCache(config=model.config)
     if isinstance(spec, KiviConfig):
-        from ..cache.cache import KiviCache  # noqa: PLC0415
+        from ..cache.kivi_cache import KiviCache  # noqa: PLC0415
 
         if not read_packed:
             return KiviCache.from_model(model, spec, reading_views=True)

@@ -96,7 +96,7 @@ def replays_prefill(cache: Any) -> bool:
     ``KiviCache``, empty); any other cache (a quanto baseline) runs its own prefill."""
     from transformers import DynamicCache  # noqa: PLC0415
 
-    from ..cache.cache import KiviCache  # noqa: PLC0415
+    from ..cache.kivi_cache import KiviCache  # noqa: PLC0415
 
     return type(cache) is DynamicCache or isinstance(cache, KiviCache)
 
@@ -152,7 +152,7 @@ def chunk_neutral(cache: Any) -> bool:
     each other's tokens at full precision, so it keeps the protocol's ``chunk``."""
     from transformers import DynamicCache  # noqa: PLC0415
 
-    from ..cache.cache import KiviCache  # noqa: PLC0415
+    from ..cache.kivi_cache import KiviCache  # noqa: PLC0415
 
     if type(cache) is DynamicCache:
         return True

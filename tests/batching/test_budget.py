@@ -9,7 +9,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from kivi import KiviConfig, quantize_model
 from kivi.batching import block_usage, build_layout, generate_batch
 from kivi.batching.allocator import EVICTED
-from kivi.batching.cache import KiviPagedCache
+from kivi.batching.paged_cache import KiviPagedCache
 from tests.helpers import tiny_model
 
 CFG = KiviConfig(k_bits=2, v_bits=2, group_size=16, residual_length=32)

@@ -36,7 +36,7 @@ def test_greedy_tokens_equal_single_request_generate(backend, monkeypatch):
     prefill's first chunk is the same (later chunks follow the one-token rule); the materialized mode has
     no per-query boundary (docs/serving.md, "KIVI pages in transformers' continuous batching"), so there a split
     prompt is not compared."""
-    from kivi.batching.cache import KiviPagedCache
+    from kivi.batching.paged_cache import KiviPagedCache
 
     first_chunk: dict[str, int] = {}
     record = KiviPagedCache.extend_read_and_write_indices
@@ -47,7 +47,7 @@ def test_greedy_tokens_equal_single_request_generate(backend, monkeypatch):
         record(self, request_id, past_length, query_length, read_index, write_index)
 
     monkeypatch.setattr(KiviPagedCache, "extend_read_and_write_indices", spy)
-    from kivi.batching.attention import PagedDecode
+    from kivi.batching.paged_attention import PagedDecode
 
     per_call: list[int] = []  # requests read by each paged decode kernel call
     attend = PagedDecode.attend

@@ -12,9 +12,9 @@ import torch
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from kivi import KiviConfig, KiviLayer
-from kivi.batching.cache import KiviPagedCache
 from kivi.batching.decode import decode_step
 from kivi.batching.layout import build_layout
+from kivi.batching.paged_cache import KiviPagedCache
 from kivi.cache.view import materialize
 from kivi.optional import numba_available
 from tests.helpers import tiny_model
@@ -218,7 +218,7 @@ def test_packed_attention_matches_materialized_pages(name, backend):
     that holds tokens (b's 70, c's 30 while others decode) carries a per-query boundary: the plain side
     then attends query by query over its own keys (the materialized tensor, with the tokens that left the
     window by that query's step taken from the view's ``left``)."""
-    from kivi.batching.attention import PagedBatchViews, fp_attention, paged_attention_forward
+    from kivi.batching.paged_attention import PagedBatchViews, fp_attention, paged_attention_forward
 
     cfg = CONFIGS[name]
     torch.manual_seed(1)
@@ -275,7 +275,7 @@ def test_packed_attention_matches_materialized_pages(name, backend):
 
 
 def test_fp_attention_is_bottom_right_causal():
-    from kivi.batching.attention import fp_attention
+    from kivi.batching.paged_attention import fp_attention
 
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)

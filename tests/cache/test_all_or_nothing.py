@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import kivi.cache.boundary as boundary_mod
-import kivi.cache.cache as cache_mod
+import kivi.cache.kivi_cache as cache_mod
 import kivi.cache.layer as layer_mod
 import kivi.cache.side as side_mod
 import kivi.cache.sliding as sliding_mod

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kivi
-from kivi.cache.cache import KiviCache
+from kivi.cache.kivi_cache import KiviCache
 from kivi.cache.persist import PrefixFileError, read_header
 from kivi.config import KiviConfig
 from kivi.prefix import load_prefix, model_fingerprint, prefill, save_prefix, tokenizer_sha256, weights_sha256

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kivi.cache.cache import KiviCache
+from kivi.cache.kivi_cache import KiviCache
 from kivi.cache.persist import PrefixFileError
 from kivi.prefix import model_fingerprint, prefill
 from tests.cache.test_persist import _config, _decode, _ids, _model, _same_state

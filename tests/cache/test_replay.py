@@ -62,7 +62,7 @@ def _stored(cache, model, path):
     tail of a block is never written), any other cache as every tensor it holds."""
     from safetensors import safe_open
 
-    from kivi.cache.cache import KiviCache
+    from kivi.cache.kivi_cache import KiviCache
     from kivi.prefix import model_fingerprint
 
     if not isinstance(cache, KiviCache):

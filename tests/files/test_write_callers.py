@@ -14,7 +14,7 @@ from tests.files.paths import leftovers, make, snapshot
 
 
 def _save_cache(path):
-    from kivi.cache.cache import KiviCache
+    from kivi.cache.kivi_cache import KiviCache
     from kivi.config import KiviConfig
 
     KiviCache(KiviConfig()).save(path, fingerprint={})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kivi.cache.cache import KiviCache
+from kivi.cache.kivi_cache import KiviCache
 from kivi.config import KiviConfig
 from kivi.memory import model_spec
 from kivi.memory.budget import QUALITY_LADDER, BudgetError, cache_need, config_for_budget, default_candidates

@@ -46,9 +46,9 @@ from ..cache.view import AttentionView
 from ..optional import numba_available
 from ..quant.kv import dequantize_kv, quantize_side
 from .allocator import KiviPageAllocator
-from .attention import PagedBatchViews, PagedDecode
 from .decode import DecodeStep, decode_counts, decode_step
 from .layout import AXIS, SIDES, PageLayout, field_views, window_view
+from .paged_attention import PagedBatchViews, PagedDecode
 
 TRANSFORMERS_MAX_BATCH_TOKENS = 8192  # transformers' default where a config gives none (PagedAttentionMemoryHandler)
 

@@ -1,7 +1,7 @@
 """The ``"kivi_paged"`` attention: each request of a continuous batch attends over its KIVI pages, packed.
 
 transformers lets a model run a registered attention function over whatever ``cache.update`` returned.
-With a packed attention backend (``cpu``), :class:`~kivi.batching.cache.KiviPagedCache` returns a
+With a packed attention backend (``cpu``), :class:`~kivi.batching.paged_cache.KiviPagedCache` returns a
 :class:`PagedBatchViews` per side instead of tensors: for every request of the batch, the
 :class:`~kivi.cache.view.AttentionView` kivi's own cache would hand attention (sink, pages as a
 :class:`~kivi.cache.store.BlockStore` aliasing the page memory — no copy, no dequantization —, window
