@@ -79,8 +79,9 @@ def pytest_sessionstart(session):
     if not dispatch._cache_missing(kernel, None):
         return
     done = os.path.join(tempfile.mkdtemp(prefix="kivi-kernel-fill-"), "done")
-    code = ("try:\n    from kivi.attention.fused_cpu import kernel\n    kernel.fill_entries(None)\n"
-            f"finally:\n    open({done!r}, 'w').close()\n")
+    import textwrap
+
+    code = "try:\n" + textwrap.indent(dispatch.fill_code(None), "    ") + f"finally:\n    open({done!r}, 'w').close()\n"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     _fill_child = subprocess.Popen([sys.executable, "-c", code], cwd=root, env=env)

@@ -140,10 +140,11 @@ def run_one(model: Any, cfg: Any, prompt: Any, cont: Any, max_new: int, chunk: i
     return res
 
 
-def warm_up(model: Any, kivi_rows: bool, threads: int) -> float | None:
+def warm_up(model: Any, kivi_rows: bool, threads: int, kv_lens: tuple[int, int]) -> float | None:
     """Untimed first-call work before any row is timed: one short forward (the first forward of a
     process allocates lasting buffers) and, for KIVI rows on CPU, compiling / loading the numba
-    kernels of the fused decode attention (its single-sequence entries only: what the rows decode with) and the
+    kernels of the fused decode attention (the single-sequence entries that one sequence decoding at kv lengths
+    ``kv_lens[0] .. kv_lens[1]`` runs: :func:`kivi.attention.fused_cpu.dispatch.decode_entries`) and the
     value quantizer; then ``threads`` CPU threads
     for torch and numba (loading the kernels can change torch's count). Returns the kernels'
     seconds (``None`` when they are not used)."""
@@ -153,10 +154,12 @@ def warm_up(model: Any, kivi_rows: bool, threads: int) -> float | None:
         model(torch.ones(1, 8, dtype=torch.long, device=model.device), use_cache=False, logits_to_keep=1)
     seconds = None
     if kivi_rows and model.device.type == "cpu":
-        from ..attention.fused_cpu import SINGLE_SEQUENCE, fused_decode_available, warmup
+        from ..attention.fused_cpu import fused_decode_available, warmup
+        from ..attention.fused_cpu.dispatch import decode_entries
+        from ..cache.heads import kv_heads_of
 
         if fused_decode_available():
-            seconds = warmup(SINGLE_SEQUENCE)
+            seconds = warmup(decode_entries(1, kv_heads_of(model.config) or 1, kv_lens))
     set_cpu_threads(threads)
     return seconds
 
@@ -204,7 +207,9 @@ def run(args: argparse.Namespace) -> int:
     # before any timing: timed inside the first KIVI row, compiling the numba kernels made its decode
     # column several times slower than the others
     _status("warming up (first forward; numba kernels of the CPU attention: compiled once, then loaded) ...")
-    compile_s = warm_up(model, kivi_rows=bool(presets), threads=threads)
+    # decode steps (and scoring, when --chunk 1) attend over up to context + extra positions
+    compile_s = warm_up(model, kivi_rows=bool(presets), threads=threads,
+                        kv_lens=(args.context + 1, args.context + extra))
     n_chunks = 0 if cont is None else len(range(0, args.eval_tokens - 1, args.chunk))
     bar = progress_bar(len(runs) * (1 + args.max_new_tokens + n_chunks), "demo")
     results: list[dict[str, Any]] = []

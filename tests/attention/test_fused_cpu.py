@@ -179,6 +179,18 @@ def test_serial_threshold_boundary(monkeypatch, delta):
     _check(torch.randn(B, hkv * 3, 1, 32), views, threaded=(None,))
 
 
+def test_decode_entries_of_a_kv_range_are_those_its_calls_run():
+    """What a run decoding one sequence over a kv range loads (kivi demo's warm-up): the entry of each end, and
+    only the threaded one when the whole range is above SERIAL_BELOW."""
+    hkv, cut = 3, -(-dispatch.SERIAL_BELOW // 3)  # the first kv length that takes the pool
+    assert dispatch.decode_entries(1, hkv, (2001, 2256)) == ("decode_threaded",)
+    assert dispatch.decode_entries(1, hkv, (cut - 10, cut - 1)) == ("decode_serial",)
+    assert dispatch.decode_entries(1, hkv, (cut - 1, cut)) == ("decode_threaded", "decode_serial")
+    assert dispatch.decode_entries(1, hkv, (2001, 2256), threaded=False) == ("decode_serial",)
+    for n in range(cut - 3, cut + 3):  # every length of a range runs one of the range's entries
+        assert dispatch.decode_entry(1, hkv, n) in dispatch.decode_entries(1, hkv, (cut - 3, cut + 3))
+
+
 def _count_fused_calls(monkeypatch) -> list:
     """Record every fused_decode_attention call the "cpu" backend makes (run_backend imports it per call)."""
     import kivi.attention.fused_cpu as pkg

@@ -161,6 +161,30 @@ def test_a_single_sequence_decode_loads_only_its_entry():
     assert _run(code).stdout.split("\n")[-2] == "['decode_serial']"
 
 
+def test_the_fill_child_imports_neither_torch_nor_transformers(tmp_path):
+    """The child that fills numba's cache imports numba and the kernel module only (kivi's package inits import
+    torch and transformers: seconds of CPU on a small machine), and the kernel module it imports is this one."""
+    from kivi.attention.fused_cpu import dispatch, kernel
+
+    code = dispatch.fill_code([]).replace("kernel.fill_entries([])", "print(kernel.__file__); print(sorted(m for m in "
+                                          "sys.modules if m.split('.')[0] in ('torch', 'transformers')))")
+    assert code != dispatch.fill_code([])
+    out = _run(code, cache_dir=str(tmp_path)).stdout.splitlines()
+    assert out == [kernel.__file__, "[]"]
+
+
+@pytest.mark.long  # ~50-100 s: two cold compiles
+def test_an_entry_filled_alone_gives_the_bits_of_one_filled_with_its_twin(tmp_path):
+    """kivi demo fills only the entry its decode steps run; the other is filled by the next process that needs it.
+    Either way an entry's saved code is compiled from the source in the filling child: the serial entry filled
+    alone gives the bits of the serial entry filled together with the threaded one."""
+    code = ("import sys, torch; from kivi.attention.fused_cpu import warmup; warmup(tuple(sys.argv[2].split(','))); "
+            "from tests.attention.test_kernel_cache import serial_output; torch.save(serial_output(), sys.argv[1])")
+    _run(code, str(tmp_path / "alone.pt"), "decode_serial", cache_dir=str(tmp_path / "alone"))
+    _run(code, str(tmp_path / "both.pt"), "decode_threaded,decode_serial", cache_dir=str(tmp_path / "both"))
+    assert torch.equal(torch.load(tmp_path / "alone.pt"), torch.load(tmp_path / "both.pt"))
+
+
 @pytest.mark.long  # ~60-130 s: two cold compiles (tests/test_numba_cache.py covers the detection in seconds)
 def test_an_unreadable_cache_file_is_set_aside_once_and_compiled_again(tmp_path):
     """A truncated data file of the entry a decode needs and a garbled index of another entry (a full disk, a bad

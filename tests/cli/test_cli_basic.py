@@ -142,9 +142,14 @@ def test_demo_warm_up_compiles_the_kernels_before_timing(monkeypatch):
     calls = []
     monkeypatch.setattr(fused, "fused_decode_available", lambda: True)
     monkeypatch.setattr(fused, "warmup", lambda entries=None: calls.append(entries) or 1.5)
-    assert warm_up(tiny_llama, kivi_rows=True, threads=1) == 1.5
-    assert calls == [fused.SINGLE_SEQUENCE]  # the entries a single-sequence decode runs, not the paged ones
-    assert warm_up(tiny_llama, kivi_rows=False, threads=1) is None and len(calls) == 1  # FP only: nothing to compile
+    hkv = tiny_llama.config.num_key_value_heads
+    long, short = -(-fused.SERIAL_BELOW // hkv), 16  # kv lengths that take numba's pool / the calling thread
+    assert warm_up(tiny_llama, kivi_rows=True, threads=1, kv_lens=(long, long + 32)) == 1.5
+    assert warm_up(tiny_llama, kivi_rows=True, threads=1, kv_lens=(short, long)) == 1.5
+    assert warm_up(tiny_llama, kivi_rows=True, threads=1, kv_lens=(short, short + 8)) == 1.5
+    # the single-sequence entries that the range's decode steps run, not the paged ones nor an unused twin
+    assert calls == [("decode_threaded",), ("decode_threaded", "decode_serial"), ("decode_serial",)]
+    assert warm_up(tiny_llama, kivi_rows=False, threads=1, kv_lens=(short, long)) is None and len(calls) == 3
 
 
 def test_demo_uses_every_core_unless_told(monkeypatch):

@@ -70,11 +70,12 @@ def _kernel_module():
 def _kernel(*names: str):
     """The :mod:`.kernel` module, the entry points ``names`` ready (every entry when none is named).
 
-    Only the entries a call needs are loaded, each on first use (a cold cache gets the entry and its serial or
-    threaded twin: :func:`.kernel.partners`, one compile of their callees). They always run as numba's on-disk
-    cache gives them back: where the cache lacks one (the first use after installing or changing kivi) a child process
-    compiles it into the cache first (:func:`_fill_cache`), so that this process's results equal every later
-    process's bit for bit (why: :func:`.kernel.load_entries`). Before the first load, cache files that do not
+    Only the entries a call needs are loaded, each on first use. They always run as numba's on-disk cache gives
+    them back: where the cache lacks some of ``names`` (the first use after installing or changing kivi) a child
+    process compiles those, and only those, into the cache first (:func:`_fill_cache`; entries named together share
+    one compile of their callees), so that this process's results equal every later process's bit for bit (why:
+    :func:`.kernel.load_entries`; an entry's saved code does not depend on which entries were filled with it,
+    :func:`.kernel.fill_entries`). Before the first load, cache files that do not
     read back are set aside with one warning (:func:`kivi.numba_cache.set_aside_unreadable`) and compiled again.
 
     Loading the threaded entry starts numba's OpenMP layer, which sets the shared OpenMP thread count
@@ -91,8 +92,9 @@ def _kernel(*names: str):
         if todo:
             threads = torch.get_num_threads()
             _check_cache_files(kernel)
-            if _cache_missing(kernel, todo):  # the entries sharing their signatures are compiled with them
-                _fill_cache(kernel, _cache_missing(kernel, kernel.partners(todo)))
+            missing = _cache_missing(kernel, todo)
+            if missing:
+                _fill_cache(kernel, missing)
             kernel.load_entries(todo)
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
@@ -135,6 +137,26 @@ def _cache_missing(kernel, names) -> list[str]:
         return []
 
 
+_FILL_CODE = """\
+import sys, types
+from pathlib import Path
+root = Path.cwd()
+for name in ("kivi", "kivi.quant", "kivi.attention", "{package}"):
+    package = types.ModuleType(name)
+    package.__path__ = [str(root.joinpath(*name.split(".")))]
+    sys.modules[name] = package
+from {package} import kernel
+kernel.fill_entries({names!r})
+"""
+
+
+def fill_code(names) -> str:
+    """The code a child process runs, in the folder that holds ``kivi/``, to fill numba's cache with the entries
+    ``names`` (``None``: all): :func:`.kernel.fill_entries`. The packages above :mod:`.kernel` are made empty (their
+    ``__init__`` imports torch and transformers: 4-5 s of CPU on a 2-core VM); the kernel file is the same one."""
+    return _FILL_CODE.format(package=__package__, names=None if names is None else list(names))
+
+
 def _fill_cache(kernel, names) -> None:
     """Compile the kernel's entry points ``names`` in a child process, which saves them to numba's on-disk cache.
 
@@ -156,7 +178,7 @@ def _fill_cache(kernel, names) -> None:
     names = list(names)
     root = str(Path(kernel.__file__).resolve().parents[3])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    code = f"from {__package__} import kernel; kernel.fill_entries({names!r})"
+    code = fill_code(names)
     log.info("compiling kivi's numba decode kernel into numba's cache (%s), once per install", ", ".join(names))
     t0 = time.perf_counter()
     if not sys.executable:
@@ -176,12 +198,16 @@ def _fill_cache(kernel, names) -> None:
 
 def warmup(entries=None) -> float:
     """Compile (or load) the decode kernel's entry points ``entries`` (names, e.g. :data:`SINGLE_SEQUENCE` or
-    :func:`decode_entry`'s; ``None``: all) and the value quantizer now; returns the seconds it took."""
+    :func:`decode_entries`'; ``None``: all) and the value quantizer now; returns the seconds it took. The quantizer
+    (~3 s of CPU cold) compiles on a thread while a cold kernel compiles in its child: on two cores, at once."""
     import time
+    from concurrent.futures import ThreadPoolExecutor
 
     t0 = time.perf_counter()
-    _kernel(*(entries or ()))
-    _warmup_quantizer()
+    with ThreadPoolExecutor(1, thread_name_prefix="kivi-quantizer-warmup") as pool:
+        quantizer = pool.submit(_warmup_quantizer)
+        _kernel(*(entries or ()))
+        quantizer.result()  # its error, if any, raised here
     return time.perf_counter() - t0
 
 
@@ -252,6 +278,14 @@ def decode_entry(batch: int, hkv: int, kv_len: int, threaded: bool | None = None
     if threaded is None:
         threaded = _use_threads(batch, hkv, kv_len)
     return "decode_threaded" if threaded else "decode_serial"
+
+
+def decode_entries(batch: int, hkv: int, kv_lens: tuple[int, int], threaded: bool | None = None) -> tuple[str, ...]:
+    """The entry points single-sequence decode calls of ``batch x hkv`` with kv lengths from ``kv_lens[0]`` to
+    ``kv_lens[1]`` run (:func:`decode_entry` of both ends: its choice is a threshold on the size), in
+    :data:`SINGLE_SEQUENCE` order: what :func:`warmup` needs to load for such a run and no more."""
+    ends = {decode_entry(batch, hkv, n, threaded) for n in kv_lens}
+    return tuple(name for name in SINGLE_SEQUENCE if name in ends)
 
 
 def _chunk_tokens(ntok: int, tasks_bh: int, threads: int, sub: int | None = None) -> int:
@@ -411,4 +445,5 @@ def _decode(q, kside, vside, kv_len: int, hkv: int, dv: int, keep: list, *, scal
 
 
 __all__ = ["fused_decode_supported", "fused_decode_attention", "fused_decode_heads", "fused_decode_heads_supported",
-           "warmup", "decode_entry", "SINGLE_SEQUENCE", "SERIAL_BELOW", "THREAD_SAFE_LAYERS", "KERNEL_BITS"]
+           "warmup", "decode_entry", "decode_entries",
+           "SINGLE_SEQUENCE", "SERIAL_BELOW", "THREAD_SAFE_LAYERS", "KERNEL_BITS"]

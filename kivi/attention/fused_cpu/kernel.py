@@ -51,7 +51,7 @@ from numba import carray, prange, types
 from numba.extending import intrinsic
 
 from ...quant.numba_bits import bits_f32
-from .tables import (
+from .columns import (
     _BITS,
     _BS,
     _BS0,
@@ -74,11 +74,11 @@ from .tables import (
 )
 
 # The descriptor columns are compiled in as constants, but numba's on-disk cache is keyed on this
-# file only: a layout change in tables.py must change this file too, or a stale cache would read
+# file only: a layout change in columns.py must change this file too, or a stale cache would read
 # the wrong columns. Hence this check.
 if (_LO, _HI, _QUANT, _DATA, _DS0, _DS1, _DS2, _SC, _SS0, _SS1, _SS2, _BS, _BS0, _BS1, _BS2, _BITS, _H0, _H1,
         NCOL) != (*range(18), 18):
-    raise ImportError("the descriptor layout of tables.py changed: update the check in kernel.py")
+    raise ImportError("the descriptor layout of columns.py changed: update the check in kernel.py")
 
 _NEG32 = np.finfo(np.float32).min  # the score of a masked position
 _F0 = np.float32(0.0)
@@ -555,7 +555,7 @@ def _key_scores(d, p, b, h, a, e, qsc, bits, G, c0, s, qp, tw):
             for t in range(n):
                 si[o + t] = cc
         _transpose(codes, r, n, ds2, bits, nbytes, nw, tw)
-        i0 = 0
+        i0 = np.int64(0)  # not a literal 0: numba would compile each pass for Literal[int](0) as well
         while i0 < g:
             w = _pass_width(g, i0)
             if w == HC:
@@ -640,7 +640,7 @@ def _value_accumulate(d, p, b, h, a, e, bits, G, c0, pr, accq, accf, accb, wt, s
                 wig[t] = pi[t] * sg[t]
                 tot += pi[t] * bg[t]
             accb[i, gg] += tot
-    i0 = 0
+    i0 = np.int64(0)  # not a literal 0 (see _key_scores)
     while i0 < g:
         w = _pass_width(g, i0)
         if w == HC:
@@ -1205,13 +1205,6 @@ def _selected(names) -> list:
     return [(entry, sig) for entry, sig in ENTRIES if entry.__name__ in names]
 
 
-def partners(names) -> list[str]:
-    """The entries that share a signature with one of ``names`` (a threaded entry and its serial twin): one fill
-    compiles them together, their ``@jit`` callees compiled once for both."""
-    sigs = {sig for _, sig in _selected(names)}
-    return [entry.__name__ for entry, sig in ENTRIES if sig in sigs]
-
-
 def cache_missing(names=None) -> list[str]:
     """The entry points (of ``names``; ``None``: all) numba's on-disk cache has no code for (this machine, this
     source), loading nothing.
@@ -1259,10 +1252,11 @@ def fill_entries(names) -> None:
     """What the child of :func:`.dispatch._fill_cache` runs: compile the entries ``names`` and save them to numba's
     cache, every ``@jit`` callee compiled here (their caches turned off: neither read nor written).
 
-    So the saved code does not depend on what an earlier fill left in the cache: an entry compiled against
-    callees loaded from the cache links the same callee code, yet its outputs differed from the entry compiled
-    with fresh callees in the last float32 bit (``tests/attention/test_kernel_cache.py``, the unreadable-file
-    test, failed that way).
+    So the saved code does not depend on what an earlier fill left in the cache, nor on which entries are filled
+    together (each links callees compiled in this process from the source): an entry compiled against callees
+    loaded from the cache links the same callee code, yet its outputs differed from the entry compiled with fresh
+    callees in the last float32 bit (``tests/attention/test_kernel_cache.py``, the unreadable-file test, failed
+    that way). Entries named together share the compile of their callees.
     """
     entries = {entry for entry, _ in _selected(names)}
     for f in DISPATCHERS:
