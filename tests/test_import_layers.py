@@ -42,6 +42,8 @@ LAYERS: dict[str, int] = {
     "kivi.cache.store": 3,
     "kivi.cache.schedule": 3,
     "kivi.cache.tiers": 3,
+    # where a paged request's full-precision rows live: the one window-ring rule (pure torch)
+    "kivi.paged.ring": 3, "kivi.paged": 3,
     # 4 cache (schedule, layers, the transformers Cache, what update hands to attention)
     "kivi.cache": 4,
     # replaying a recorded prefill into any cache through its update path (the long-context suite's shared prefill)

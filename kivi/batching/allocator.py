@@ -8,8 +8,9 @@ hashes and the free pool stay transformers' own) and changes what a block is and
   needs (``layout.request_window_blocks``, at most ``layout.window_blocks``), taken with its pages when
   it gets cache (so the scheduler's free-block arithmetic counts them, and what is held is what is
   reported) and given back when it is freed;
-* each request has a :class:`RequestState`: per layer and side, how many tokens are in the sink and
-  how many are quantized in pages (the window holds the rest);
+* each request has a :class:`RequestState`: its window blocks, its token count and the prompt tokens it took
+  from other requests' pages; how many of its tokens are in the sink, in pages and in the window follows from
+  them (:func:`kivi.paged.counts.side_counts`, the schedule's one rule: no per-layer copy);
 * prefix matching only shares pages that are fully quantized in the source and that the new request's
   own schedule would have quantized too (:func:`shareable_tokens`), and a block is only hashed for
   sharing once every layer has quantized all its tokens (:meth:`quantized_blocks`).
@@ -32,6 +33,7 @@ from transformers.generation.continuous_batching.cache_allocators import FullAtt
 from transformers.generation.continuous_batching.cache_allocators.cache_allocator import compute_block_hash
 
 from ..cache.schedule import KEY_AXIS, VALUE_AXIS, side_tokens
+from ..paged.counts import side_counts
 from .layout import PageLayout, window_view
 
 
@@ -39,15 +41,18 @@ from .layout import PageLayout, window_view
 class RequestState:
     """One request's KIVI bookkeeping.
 
-    ``sink[layer][s]`` / ``stored[layer][s]`` (``s`` = 0 keys, 1 values): tokens in the full-precision
-    sink / quantized in pages. ``window_blocks``: its window block ids; ``window_index``: long
-    ``[layers, 2, slots, 2]`` = (block id, row) of every full-precision row slot they hold.
+    ``tokens``: the tokens its cache holds once the running forward is done; ``shared``: prompt tokens taken
+    quantized from other requests' pages (the sink and whole pages; 0: none), so its sink / stored / window counts
+    are :func:`kivi.paged.counts.side_counts` of them. ``window_blocks``: its window block ids; ``window_index``:
+    long ``[layers, 2, slots, 2]`` = (block id, row) of every full-precision row slot they hold.
     """
 
-    sink: list[list[int]]
-    stored: list[list[int]]
+    tokens: int = 0
+    shared: int = 0
     window_blocks: list[int] = field(default_factory=list)
     window_index: torch.Tensor | None = None
+    #: long ``[layers, 2, slots]``: the same slots' row ids (``block * rows_per_block + row``, the kernel's)
+    window_ids: torch.Tensor | None = None
     #: ``[layers, 2, S, H, D]`` sink rows of a shared prefix, written to the window blocks when they are taken
     shared_sink: torch.Tensor | None = None
     #: leading tokens whose pages were freed (sliding-window models: out of every query's reach)
@@ -112,8 +117,7 @@ class KiviPageAllocator(FullAttentionCacheAllocator):
     def state(self, request_id: str) -> RequestState:
         st = self.requests.get(request_id)
         if st is None:
-            n = self.layout.num_layers
-            st = self.requests[request_id] = RequestState([[0, 0] for _ in range(n)], [[0, 0] for _ in range(n)])
+            st = self.requests[request_id] = RequestState()
         return st
 
     def _missing_window_blocks(self, request_id: str, tokens: int) -> int:
@@ -129,6 +133,7 @@ class KiviPageAllocator(FullAttentionCacheAllocator):
             return
         lay = self.layout
         st.window_blocks = st.window_blocks + self.pool.get_free_blocks(self.index, missing)
+        st.window_ids = lay.window_ids(st.window_blocks)
         st.window_index = lay.window_index(st.window_blocks)
         if st.shared_sink is not None:  # a shared prefix's sink: the request's own full-precision rows
             idx = st.window_index[:, :, : st.shared_sink.shape[2]]  # [layers, 2, S, 2]
@@ -140,7 +145,8 @@ class KiviPageAllocator(FullAttentionCacheAllocator):
         st = self.requests.get(request_id)
         if st is None:
             return 0
-        return min(min(s) for s in st.stored) // self.tokens_per_page
+        return min(side_counts(cfg, side, st.tokens, st.shared)[1] for cfg in self.layout.layer_configs
+                   for side in ("k", "v")) // self.tokens_per_page
 
     # ------------------------------------------------------------------ block level (transformers API)
     def needs_new_blocks(self, request_id: str, past_length: int, query_length: int) -> int:
@@ -227,9 +233,7 @@ class KiviPageAllocator(FullAttentionCacheAllocator):
         for block_id in block_ids[:pages]:
             self.ledger.acquire(block_id)
         st = self.state(request_id)
-        for layer in range(self.layout.num_layers):
-            st.sink[layer] = [S, S]
-            st.stored[layer] = [prefix_len - S, prefix_len - S]  # the shared pages hold the prefix, quantized
+        st.shared = st.tokens = prefix_len  # the shared pages hold the prefix, quantized
         if S:
             st.shared_sink = self._prefix_sink(block_ids[0]).clone()
 

@@ -6,8 +6,8 @@ their block tables as one ``int32 [N, max_pages]`` tensor and their window-block
 :func:`~kivi.batching.layout.window_view`). Per layer and side the kernel reads the rows in place through
 that table (:class:`kivi.attention.fused_cpu.paged.RingRows`: sink in slots ``[0, S)``, the window a ring
 from slot ``S``, the step's new token apart): no gather of the window rows. The counts come from the
-requests' states before the layer moves anything (:func:`decode_counts`), so the kernel sees what one-token
-decoding shows attention: the window at full precision, then the move.
+requests' token counts before the layer moves anything (:func:`decode_counts`, the schedule's), so the kernel
+sees what one-token decoding shows attention: the window at full precision, then the move.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from ..paged.counts import kernel_counts
 
 
 @dataclass(frozen=True)
@@ -41,22 +43,17 @@ def decode_step(batch: list[tuple[str, int, int]], states: list, block_tables: d
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     slots = torch.zeros(layout.num_layers, 2, len(rows), layout.window_rows, dtype=torch.int32)
     for k, i in enumerate(rows):
-        index = states[i].window_index  # long [layers, 2, slots, 2]: (block, row)
-        slots[:, :, k, : index.shape[2]] = index[..., 0] * layout.rows_per_block + index[..., 1]
+        ids = states[i].window_ids  # long [layers, 2, slots]: PageLayout.window_ids
+        slots[:, :, k, : ids.shape[2]] = ids
     return DecodeStep(rows, table, slots)
 
 
-def decode_counts(layer: int, past: list[int], states: list) -> torch.Tensor:
+def decode_counts(cfg, past: list[int], shared: list[int]) -> torch.Tensor:
     """int64 ``[N, 6]``: per request ``[k sink, k stored, k window + 1, v sink, v stored, v window + 1]``
-    at ``layer`` (window + the new token), from the states before the layer moves anything."""
-    rows = []
-    for p, st in zip(past, states):
-        row = []
-        for s in range(2):
-            sink, stored = st.sink[layer][s], st.stored[layer][s]
-            row += [sink, stored, p - sink - stored + 1]
-        rows.append(row)
-    return torch.tensor(rows, dtype=torch.int64)
+    at a layer of config ``cfg`` (window + the new token) for requests holding ``past`` tokens (``shared`` of
+    them taken from other requests' pages): :func:`kivi.paged.counts.kernel_counts`, before the layer moves
+    anything."""
+    return torch.tensor([kernel_counts(cfg, p, n) for p, n in zip(past, shared)], dtype=torch.int64)
 
 
 __all__ = ["DecodeStep", "decode_step", "decode_counts"]

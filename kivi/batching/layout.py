@@ -7,16 +7,18 @@ block holds, per layer, one KIVI page of ``page_size`` tokens: the fields of kiv
 home of the page format, shared with the vLLM plugin).
 
 Each request also keeps full-precision rows (model dtype, ``[H, D]`` per token): its sink tokens (sink
-token ``t`` in slot ``t``) and its window of recent tokens kept as a **ring** from slot ``S`` (window token
-at position ``t`` in slot ``S + t % (R + G)``, :func:`kivi.cache.schedule.window_ring_slots`: a step writes
-its new token's row and the sink rows taken, and moves nothing), ``S + R + G`` rows per layer and side at
-most, and never more than ``S + t`` once it holds ``t`` tokens (:meth:`PageLayout.window_slots`). They live
-in **window blocks**
+token ``t`` in slot ``t``) and its window of recent tokens kept as a **ring** from slot ``S``: window token
+at position ``t`` in slot :func:`kivi.paged.ring.ring_slot` ``(t, R + G, S)`` (``t`` below ``S``, else
+``S + t % (R + G)``, :func:`kivi.cache.schedule.window_ring_slots`: a step writes the rows of its new tokens
+below ``S`` or staying in the window, and moves nothing), ``S + R + G`` rows per layer and side at most, and
+never more than ``S + t`` once it holds ``t`` tokens (:meth:`PageLayout.window_slots`). They live in **window
+blocks**
 taken from the same pool (so the budget counts them and the scheduler sees them), as many as the
 request's slots need (:meth:`PageLayout.request_window_blocks`; a short request takes fewer than the
 ``window_blocks`` of a full window). Rows are numbered slot-major,
-``r = slot * (2 * layers) + layer * 2 + side``, and cut into blocks of ``rows_per_block`` rows, so the
-slots a request uses are a prefix of its window blocks: it grows by taking more blocks, no row moves.
+``r = slot * (2 * layers) + layer * 2 + side``, and cut into blocks of ``rows_per_block`` rows
+(:func:`kivi.paged.ring.slot_rows` with ``2 * layers`` lanes), so the slots a request uses are a prefix of its
+window blocks: it grows by taking more blocks, no row moves.
 
 Store positions: a side's quantized tokens are numbered from the end of its sink (``u = t - S``), and
 store position ``u`` lives in the request's ``u // P``-th block, row ``u % P``. Key groups start at
@@ -35,6 +37,7 @@ from ..attention.fused_cpu.paged import PagedLayout
 from ..cache.schedule import layer_sink_tokens, sliding_cut, window_ring_slots
 from ..cache.support import check_head_dim, model_head_dim, plan_layers, text_config
 from ..config import KiviConfig
+from ..paged.ring import ring_slot, slot_rows
 from ..quant.page import AXIS, SIDES, SideField, field_view, page_fields, page_refusals
 from ..quant.page import round_up as _round_up
 
@@ -123,10 +126,11 @@ class PageLayout:
         cfg = self.layer_configs[layer]
         return window_ring_slots(cfg.residual_length, cfg.group_size)
 
-    def window_slot(self, layer: int, position: int) -> int:
-        """The slot of layer ``layer``'s window token at ``position`` (counted from the request's first token):
-        ``S + position % ring_slots(layer)``. A short request's positions stay below its slots (``t < tokens``)."""
-        return self.layer_configs[layer].sink_tokens + position % self.ring_slots(layer)
+    def window_slot(self, layer: int, position):
+        """The slot of layer ``layer``'s token at ``position`` (an int or a long tensor, counted from the request's
+        first token): :func:`kivi.paged.ring.ring_slot` with ring :meth:`ring_slots`. A short request's
+        positions stay below its slots (``t < tokens``)."""
+        return ring_slot(position, self.ring_slots(layer), self.layer_configs[layer].sink_tokens)
 
     def request_window_blocks(self, tokens: int) -> int:
         """Window blocks a request holding ``tokens`` tokens needs (``window_blocks`` once its window is full)."""
@@ -136,16 +140,22 @@ class PageLayout:
         """Blocks one request of ``tokens`` tokens takes: its pages plus its window blocks."""
         return self.token_blocks(tokens) + self.request_window_blocks(tokens)
 
+    def window_ids(self, window_blocks: list[int]) -> torch.Tensor:
+        """Long ``[layers, 2, slots]``: the row id (``block * rows_per_block + row`` of :func:`window_view`) of
+        every full-precision row slot that a request whose window blocks are ``window_blocks`` holds (``slots``:
+        as many as the blocks cover, at most ``window_rows``). Row ``(layer, side, slot)`` is number
+        ``r = slot * (2 * layers) + layer * 2 + side`` (:func:`kivi.paged.ring.slot_rows`, ``2 * layers``
+        lanes): more blocks add slots and move no row."""
+        lanes = self.num_layers * 2
+        slots = min(self.window_rows, len(window_blocks) * self.rows_per_block // lanes)
+        lane = torch.arange(lanes).view(self.num_layers, 2, 1)
+        return slot_rows(torch.tensor(window_blocks, dtype=torch.long), torch.arange(slots).expand(
+            self.num_layers, 2, slots), self.rows_per_block, lanes, lane)
+
     def window_index(self, window_blocks: list[int]) -> torch.Tensor:
-        """Long ``[layers, 2, slots, 2]``: (block id, row) of every full-precision row slot that a request
-        whose window blocks are ``window_blocks`` holds (``slots``: as many as the blocks cover, at most
-        ``window_rows``). Row ``(layer, side, slot)`` is number ``r = slot * (2 * layers) + layer * 2 + side``
-        and lives in window block ``r // rows_per_block``: more blocks add slots and move no row."""
-        per_slot = self.num_layers * 2
-        slots = min(self.window_rows, len(window_blocks) * self.rows_per_block // per_slot)
-        r = torch.arange(slots * per_slot).view(slots, self.num_layers, 2).permute(1, 2, 0)  # [layers, 2, slots]
-        blocks = torch.tensor(window_blocks, dtype=torch.long)[r // self.rows_per_block]
-        return torch.stack([blocks, r % self.rows_per_block], dim=-1)
+        """Long ``[layers, 2, slots, 2]``: :meth:`window_ids` as (block id, row)."""
+        ids = self.window_ids(window_blocks)
+        return torch.stack([ids // self.rows_per_block, ids % self.rows_per_block], dim=-1)
 
     def kernel_layout(self, layer: int) -> PagedLayout | None:
         """Where layer ``layer``'s fields sit in a block, for the paged decode kernel

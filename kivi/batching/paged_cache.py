@@ -44,6 +44,7 @@ from ..cache.pages import gather_pages, page_store, scatter_tokens, store_rows
 from ..cache.schedule import prefill_exact_queries, window_exits
 from ..cache.view import AttentionView
 from ..optional import numba_available
+from ..paged.counts import side_counts
 from ..quant.kv import dequantize_kv, quantize_side
 from .allocator import KiviPageAllocator
 from .decode import DecodeStep, decode_counts, decode_step
@@ -170,6 +171,8 @@ class KiviPagedCache(PagedAttentionCache):
             raise NotImplementedError("KIVI pages cannot be read by a block-table (flash) kernel")
         if layer_idx == 0:
             self._batch, self._next_batch = self._next_batch, []
+            for rid, past, q in self._batch:
+                self.allocator.state(rid).tokens = past + q
             if self.layout.evicting_window is not None:  # before the views: as KiviLayer, at a forward's start
                 for rid, past, _ in self._batch:
                     self.allocator.evict_pages(rid, past)
@@ -201,19 +204,21 @@ class KiviPagedCache(PagedAttentionCache):
         for (rid, past, q), st in zip(batch, states):
             if not st.window_blocks:
                 raise RuntimeError(f"request {rid} has no KIVI window blocks (its cache was never allocated)")
-            for s in range(2):
-                window = past - st.sink[layer][s] - st.stored[layer][s]
-                if window < 0:
-                    raise RuntimeError(f"request {rid}: layer {layer} side {SIDES[s]} holds more tokens than its past "
-                                       f"({past})")
+            if st.shared > past:
+                raise RuntimeError(f"request {rid}: it shares {st.shared} prompt tokens, more than its past ({past})")
             if st.window_index.shape[2] < lay.window_slots(past + q):
                 raise RuntimeError(f"request {rid}: its window blocks hold {st.window_index.shape[2]} row slots, "
                                    f"{past + q} tokens need {lay.window_slots(past + q)} (allocated for fewer tokens?)")
         qs = [q for _, _, q in batch]
-        dec = self._decode_rows(layer, batch, states)
+        # (sink, stored) of each request's sides before the forward: the schedule's, a function of its token
+        # count (kivi.paged.counts; no stateful copy)
+        counts = [[side_counts(cfg, side, past, st.shared)[:2] for side in SIDES]
+                  for (_, past, _), st in zip(batch, states)]
+        dec = self._decode_rows(layer, counts)
         # Both sides are read and quantized before either is written: a refused value (NaN) leaves the
-        # layer's pages, windows and request states exactly as they were.
-        sides = [self._side_forward(layer, s, side, cfg, new.split(qs, dim=1), batch, states, dec)
+        # layer's pages and windows exactly as they were.
+        sides = [self._side_forward(layer, s, side, cfg, new.split(qs, dim=1), batch, states,
+                                    [c[s] for c in counts], dec)
                  for s, (side, new) in enumerate((("k", keys), ("v", values)))]
         seen = [side[0] for side in sides]
         if dec:
@@ -221,28 +226,28 @@ class KiviPagedCache(PagedAttentionCache):
             picked = [k for _, k in dec]
             table = self._decode.table if len(picked) == len(self._decode.rows) else self._decode.table[picked]
             decode = PagedDecode(tuple(j for j, _ in dec), self.cache_tensor, self._kernel_layouts[layer], table,
-                                 decode_counts(layer, [p for _, p, _ in rows], [states[j] for j, _ in dec]),
+                                 decode_counts(cfg, [p for _, p, _ in rows], [states[j].shared for j, _ in dec]),
                                  sides[0][2], sides[1][2], cfg.sink_tokens)
             seen = [dataclasses.replace(v, decode=decode) for v in seen]
         for side in sides:
             side[1]()
         return seen[0], seen[1]
 
-    def _decode_rows(self, layer: int, batch: list[tuple[str, int, int]], states: list) -> list[tuple[int, int]]:
+    def _decode_rows(self, layer: int, counts: list) -> list[tuple[int, int]]:
         """``(batch position, row of the DecodeStep)`` of the requests one paged decode kernel call reads at
         ``layer``: one query token and something quantized or in the sink (a request holding only its
         window attends with SDPA, as one-request generate() does)."""
         if self._decode is None or self._kernel_layouts[layer] is None:
             return []
         return [(j, k) for k, j in enumerate(self._decode.rows)
-                if any(states[j].sink[layer][s] or states[j].stored[layer][s] for s in range(2))]
+                if any(sink or stored for sink, stored in counts[j])]
 
     def _side_forward(self, layer: int, s: int, side: str, cfg: Any, news: tuple[torch.Tensor, ...],
-                      batch: list[tuple[str, int, int]], states: list,
+                      batch: list[tuple[str, int, int]], states: list, counts: list[tuple[int, int]],
                       dec: list[tuple[int, int]]) -> tuple[Any, Any, RingRows | None]:
         """What attention sees of one side ``[H, sum(past + q), D]``, the function that then writes the
-        side's moves (quantized tokens to pages, the sink rows taken and the new tokens that stay in the
-        window to their ring slots, request states), and the full-precision rows of the requests in ``dec``
+        side's moves (quantized tokens to pages, the new tokens below the sink slots or staying in the window to
+        their slots: :func:`_written`), and the full-precision rows of the requests in ``dec``
         as the paged decode kernel reads them in place (:class:`RingRows`; they get no view).
 
         The window is a ring in its slots (:meth:`PageLayout.window_slot`): tokens that leave it are read
@@ -255,16 +260,15 @@ class KiviPagedCache(PagedAttentionCache):
         S, ring = cfg.sink_tokens, lay.ring_slots(layer)
         # what leaves each request's window in this forward: kivi.cache.schedule's one rule
         exits = []
-        for (_rid, past, q), st in zip(batch, states):
-            sink, stored = st.sink[layer][s], st.stored[layer][s]
+        for (_rid, past, q), (sink, stored) in zip(batch, counts):
             exits.append(window_exits(AXIS[side], past + q - sink - stored, cfg.residual_length, cfg.group_size,
                                       sink, S, sink + stored, cfg.quantize_after))
         # 1. every request's pages of this layer and side: one gather, one dequantization (materialized mode)
         blocks: list[int] = []
         starts: list[int] = []
-        for (rid, _, _), st in zip(batch, states):
+        for (rid, _, _), (_, stored) in zip(batch, counts):
             starts.append(len(blocks) * P)
-            blocks.extend(alloc.block_table[rid][: lay.token_blocks(st.stored[layer][s])])
+            blocks.extend(alloc.block_table[rid][: lay.token_blocks(stored)])
         meta = dict(bits=bits, group_size=cfg.group_size, axis=AXIS[side], head_dim=lay.head_dim,
                     residual_bits=cfg.residual_bits)
         deq = None
@@ -279,18 +283,14 @@ class KiviPagedCache(PagedAttentionCache):
             picked = [k for _, k in dec]
             reads, writes, spans = ([], []), ([], []), []
             for j, k in dec:
-                (_, past, _), st = batch[j], states[j]
-                sink, stored = st.sink[layer][s], st.stored[layer][s]
+                (_, past, _), (sink, stored) = batch[j], counts[j]
                 take, move = exits[j]
                 lo, out = sink + stored, min(sink + stored + take + move, past)
                 for t in range(lo, out):
                     reads[0].append(k)
                     reads[1].append(lay.window_slot(layer, t))
                 spans.append((j, out - lo, lo + take + move - out))
-                for slot in range(sink, sink + take):  # sink rows taken
-                    writes[0].append(k)
-                    writes[1].append(slot)
-                if past >= lo + take + move:  # the new token stays in the window: its ring slot
+                if _written(past, 1, S, lo + take + move):  # the new token: its sink slot, or its ring slot
                     writes[0].append(k)
                     writes[1].append(lay.window_slot(layer, past))
             per_block = lay.rows_per_block
@@ -319,12 +319,12 @@ class KiviPagedCache(PagedAttentionCache):
             if j in decoding:
                 attn_views.append(None)
                 continue
-            sink, stored = st.sink[layer][s], st.stored[layer][s]
+            sink, stored = counts[j]
             wlen = past - sink - stored
             idx = st.window_index[layer, s]
             sink_t = self._rows[idx[:sink, 0], idx[:sink, 1]].transpose(0, 1) if sink else None  # [H, S, D]
             if wlen:  # the ring read in token order
-                w = idx[S + torch.arange(sink + stored, past) % ring]
+                w = idx[lay.window_slot(layer, torch.arange(sink + stored, past))]
                 pending = torch.cat([self._rows[w[:, 0], w[:, 1]].transpose(0, 1), new], dim=1)
             else:
                 pending = new
@@ -349,15 +349,13 @@ class KiviPagedCache(PagedAttentionCache):
             seen = torch.cat(parts, dim=1)
         del deq
         # 4. move what is due out of the windows, quantize once, find the slots to write
-        moved, tok_index, grp_index, new_state = [], ([], []), ([], []), []
+        moved, tok_index, grp_index = [], ([], []), ([], [])
         row_slots, row_values, dec_values = [], [], []  # (block, row) and rows of the other requests; decoding's
         for j, ((rid, past, _q), st, new, (take, move)) in enumerate(zip(batch, states, news, exits)):
-            sink, stored = st.sink[layer][s], st.stored[layer][s]
+            sink, stored = counts[j]
             lo = sink + stored
             src = pendings.get(j, leaving.get(j))  # the side's tokens from position ``lo`` on
             values = dec_values if j in decoding else row_values  # in the order of their slots' lists
-            if take:
-                values.append(src[:, :take])
             if move:
                 moved.append(src[:, take: take + move])
                 table = alloc.block_table[rid]
@@ -366,15 +364,10 @@ class KiviPagedCache(PagedAttentionCache):
                         b, r = store_rows(table, stored, move, lay.page_size, per_row)
                         dest[0].extend(b)
                         dest[1].extend(r)
-            keep = max(past, lo + take + move)  # the new tokens that stay in the window
-            if j in pendings:
-                idx = st.window_index[layer, s]
-                row_slots.append(idx[sink: sink + take])
-                if keep < new.shape[1] + past:
-                    row_slots.append(idx[S + torch.arange(keep, past + new.shape[1]) % ring])
-            if keep < past + new.shape[1]:
-                values.append(new[:, keep - past:])
-            new_state.append((sink + take, stored + move))
+            for first, end in _written(past, new.shape[1], S, lo + take + move):
+                values.append(new[:, first - past: end - past])
+                if j in pendings:
+                    row_slots.append(st.window_index[layer, s][lay.window_slot(layer, torch.arange(first, end))])
         seg = None
         if moved:  # quantize before writing anything: a refused value leaves the cache as it was
             seg = _quantize(cfg, side, torch.cat(moved, dim=1))
@@ -398,8 +391,6 @@ class KiviPagedCache(PagedAttentionCache):
             if blocks_at:
                 self._rows[torch.cat(blocks_at), torch.cat(rows_at)] = torch.cat(
                     [r.transpose(0, 1) for r in row_values + dec_values], dim=0).to(self._rows.dtype)  # [n, H, D]
-            for st, (sink, stored) in zip(states, new_state):
-                st.sink[layer][s], st.stored[layer][s] = sink, stored
 
         return seen, commit, rows_in
 
@@ -416,6 +407,16 @@ class KiviPagedCache(PagedAttentionCache):
         x = pending.unsqueeze(0)  # [1, H, window + q, D]: the layout the boundary reads
         set_boundary(view, counts, x, q, prefill_exact_queries(past, q, None),
                      lambda lo, hi: _quantize(cfg, side, pending[:, lo:hi]))
+
+
+def _written(past: int, q: int, sink_slots: int, kept: int) -> list[tuple[int, int]]:
+    """The position ranges of a forward's ``q`` new tokens (``[past, past + q)``) whose rows it writes: those below
+    the sink slots (each has its own, :func:`kivi.paged.ring.ring_slot`) and those that stay in the window (from
+    ``kept`` on, the window's first token after the forward's moves). Tokens that leave the window at or past
+    ``sink_slots`` in their own forward go to the pages only."""
+    end = past + q
+    below = min(end, max(past, sink_slots))
+    return [(a, b) for a, b in ((past, below), (max(kept, below), end)) if b > a]
 
 
 def _quantize(cfg: Any, side: str, x: torch.Tensor):

@@ -12,7 +12,8 @@ of that request; it walks the range in ``BLOCK_N`` tiles, each token read from w
   ``u % P``; its packed row read by the single-sequence kernel's readers (whole bytes unpacked, 3-bit runs as
   24-bit integers); keys' parameters one row per ``G`` tokens, values'
   one per token and ``G`` channels; ``code * scale + offset`` (or ``(code - qmax) * scale`` without offsets);
-* ``sink + stored <= t < T - 1``: the rows pool, row id ``slots[n, w0 + t % ring]``;
+* ``sink + stored <= t < T - 1``: the rows pool, row id ``slots[n, c]``, ``c`` the slot of
+  :func:`kivi.paged.ring.ring_slot` (``t`` below ``w0``, else ``w0 + t % ring``);
 * ``t = T - 1``: ``new[n]``;
 
 and updates an online softmax (base 2). Pass 2 is :func:`kivi.kernels._attention_kernels.decode_reduce_kernel`.
@@ -54,10 +55,11 @@ def _side_tile(
 ):
     """float32 ``[BLOCK_N, BLOCK_D]`` of one side's tokens ``t`` of request ``n``, kv head ``h``."""
     dm = dmask[None, :]
-    # full-precision rows of the pool: the sink (column t) and the window's ring (column w0 + t % ring)
+    # full-precision rows of the pool: column = slot = kivi.paged.ring.ring_slot(t, ring, w0) (position t below
+    # w0, else w0 + t % ring), the one ring rule
     is_sink = tmask & (t < sink)
     is_win = tmask & (t >= sink + stored) & (t < total - 1)
-    col = tl.where(is_sink, t, w0 + t % ring)
+    col = tl.where(t < w0, t, w0 + t % ring)
     fp_rows = is_sink | is_win
     rid = tl.load(slots_ptr + n64 * sl_sn + col, mask=fp_rows, other=0).to(tl.int64)
     rptr = rows_ptr + (rid // rows_per_block) * r_sb + (rid % rows_per_block) * r_sr + h64 * r_sh

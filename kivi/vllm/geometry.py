@@ -30,6 +30,8 @@ import torch
 from ..attention.fused_cpu.paged import PagedLayout
 from ..cache.schedule import window_capacity
 from ..config import KiviConfig
+from ..paged.ring import ring_slot as _ring_slot
+from ..paged.ring import slot_place, slot_rows
 from ..quant.page import SideField, field_view, page_fields
 
 
@@ -101,12 +103,9 @@ def build_geometry(cfg: KiviConfig, *, page_size: int, num_kv_heads: int, head_d
 
 def ring_slot(pos, slots: int, sink: int):
     """The slot of position ``pos`` (an int or a long tensor) among a request's ``slots`` full-precision rows:
-    ``pos`` itself below ``sink`` (the sink slots), else ``sink + (pos - sink) mod (slots - sink)`` (the ring
-    of the window's tokens after the sink). The one rule for where the plugin's rows live."""
-    if not sink:
-        return pos % slots
-    ring = slots - sink
-    return pos - (pos >= sink) * ((pos - sink) // ring * ring)
+    :func:`kivi.paged.ring.ring_slot` with a ring of ``slots - sink`` (every slot of the ``k`` window blocks
+    after the sink)."""
+    return _ring_slot(pos, slots - sink, sink)
 
 
 def ring_slots(
@@ -117,10 +116,9 @@ def ring_slots(
     (ring, block, row). ``ring_table`` is one request's ``[k]`` blocks, or ``[N, k]`` for ``pos [N, T]`` of ``N``
     requests; ``sink``: the sink slots ``S``."""
     k = ring_table.shape[-1]
-    slot = ring_slot(pos, k * pw, sink)
-    ring = slot // pw
+    ring, row = slot_place(ring_slot(pos, k * pw, sink), pw)
     block = ring_table[ring] if ring_table.dim() == 1 else ring_table.gather(1, ring)
-    return ring, block.long(), slot % pw
+    return ring, block.long(), row
 
 
 def _block_bytes(cache: torch.Tensor, geo: KiviGeometry) -> tuple[int, int]:
@@ -166,10 +164,9 @@ class RingPool:
 
     def slot_ids(self, ring_table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Row ids (long, the shape of ``slots``) of slots ``slots [N, m]`` (:func:`ring_slot` values) of the
-        requests whose ring blocks are ``ring_table [N, k]``."""
-        pw = self.rows["k"].shape[1]
-        blocks = self.base + ring_table.long() * self.step  # [N, k] pool blocks
-        return blocks.gather(1, slots // pw) * pw + slots % pw
+        requests whose ring blocks are ``ring_table [N, k]``: :func:`kivi.paged.ring.slot_rows` over their pool
+        blocks (one lane: a ring block holds one layer's rows)."""
+        return slot_rows(self.base + ring_table.long() * self.step, slots, self.rows["k"].shape[1])
 
 
 def ring_pool(rings: list[torch.Tensor], geo: KiviGeometry) -> RingPool | None:

@@ -56,9 +56,10 @@ import torch.nn.functional as F
 from ..attention.interface import run_backend
 from ..cache.boundary import SideCounts, set_boundary
 from ..cache.pages import page_store, scatter_tokens
-from ..cache.schedule import prefill_exact_queries, side_tokens, window_exits
+from ..cache.schedule import prefill_exact_queries, window_exits
 from ..cache.view import AttentionView, exact_queries
 from ..config import KiviConfig
+from ..paged.counts import side_counts
 from ..quant.kv import quantize_side
 from ..quant.numba_quant import quantize_tokens, tokens_quantizable
 from ..quant.page import AXIS, SIDES
@@ -197,7 +198,7 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
         side_views = []
         for side, new in (("k", key[lo:hi]), ("v", value[lo:hi])):  # 1-2. the view kivi's cache would build
             axis = AXIS[side]
-            sink, stored, window = side_tokens(axis, past, R, G, S)
+            sink, stored, window = side_counts(cfg, side, past)
             take, move = window_exits(axis, window + q_len, R, G, sink, S)
             split = sink + stored
             if window:

@@ -10,9 +10,9 @@ and each layer only maps ring slots to its own blocks with a few tensor ops
 
 * :class:`KernelRows` (``None`` when no decode row has anything stored): the decode rows of
   :func:`kivi.vllm.decode.stores_any`, the kernel's ``counts``, and per side the slot each column of the
-  kernel's in-place slot table reads (:class:`kivi.attention.fused_cpu.paged.RingRows`: column ``c < S`` sink
-  token ``c``; column ``S + x`` the window token ``t`` with ``t % ring == x``, ``ring = k * Pw - S``), and what
-  leaves those rows' windows in the step (:class:`KernelLeaving`);
+  kernel's in-place slot table reads (:class:`kivi.attention.fused_cpu.paged.RingRows`: column ``c`` is slot
+  ``c``, the kernel and the rings following one rule, :func:`kivi.paged.ring.ring_slot`), and what leaves those
+  rows' windows in the step (:class:`KernelLeaving`);
 * ``others``: every other request with tokens in the step (prefills, chunks, decode rows with nothing
   stored), which :func:`kivi.vllm.paged.paged_step` serves request by request;
 * :class:`RingWrites`: the step's tokens still in full precision after it, their slots in ring order.
@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..cache.schedule import side_tokens, window_exits
+from ..cache.schedule import window_exits
 from ..config import KiviConfig
+from ..paged.counts import kernel_counts, side_counts
 from ..quant.page import AXIS, SIDES
 from .geometry import KiviGeometry, ring_slot
 
@@ -54,8 +55,9 @@ class KernelLeaving:
 class KernelRows:
     """The step's decode rows the batched kernel serves: ``rows`` (batch rows), ``tokens`` (long ``[N]``: each
     row's query in the step's input), ``counts`` (int64 ``[N, 6]``: ``[k sink, k stored, k window + 1, v sink,
-    v stored, v window + 1]``), ``slots`` (per side long ``[N, S + ring]``: the ring slot each kernel column
-    reads), ``leaving`` (per side, ``None`` when nothing leaves), ``w0`` (the sink columns ``S``), ``index`` and
+    v stored, v window + 1]``), ``slots`` (per side long ``[N, k * Pw]``: the slot each kernel column reads,
+    the column itself), ``leaving`` (per side, ``None`` when nothing leaves), ``w0`` (the sink columns ``S``),
+    ``index`` and
     ``host_counts`` (``counts`` as a host array: it stays on the host when the plan moves to the step's device, so
     a kernel on that device checks and sizes its launch without reading ``counts`` back)."""
 
@@ -118,8 +120,7 @@ def stores_any(cfg: KiviConfig, past: int) -> bool:
     """Whether a request holding ``past`` tokens has a token out of its window (stored, or in the sink) on
     either side: a decode row of such a request goes to the kernel, one without attends exactly (as kivi's own
     cache does)."""
-    R, G, S = cfg.residual_length, cfg.group_size, cfg.sink_tokens
-    return any(sum(side_tokens(AXIS[side], past, R, G, S)[:2]) for side in SIDES)
+    return any(sum(side_counts(cfg, side, past)[:2]) for side in SIDES)
 
 
 def step_plan(cfg: KiviConfig, geo: KiviGeometry, query_start: list[int], seq_lens: list[int]) -> StepPlan:
@@ -142,27 +143,20 @@ def step_plan(cfg: KiviConfig, geo: KiviGeometry, query_start: list[int], seq_le
         if q_len != 1 or not stores_any(cfg, past):
             others.append(i)
             continue
-        row = []
-        for side in SIDES:
-            sink, stored, window = side_tokens(AXIS[side], past, R, G, S)
-            take, move = window_exits(AXIS[side], window + 1, R, G, sink, S)
+        row = kernel_counts(cfg, past)
+        for s, side in enumerate(SIDES):
+            sink, stored, window = row[3 * s: 3 * s + 3]  # window: with the new token
+            take, move = window_exits(AXIS[side], window, R, G, sink, S)
             if move:
                 leaving[side].append((len(rows), sink + stored + take, move, i, stored))
-            row += [sink, stored, window + 1]
         rows.append(i)
         counts.append(row)
     kernel = None
     if rows:
         c = torch.tensor(counts, dtype=torch.long)
         index = torch.tensor(rows, dtype=torch.long)
-        ring = slots - S
-        x = torch.arange(ring)
-        table = {}
-        for s, side in enumerate(SIDES):
-            split = c[:, 3 * s] + c[:, 3 * s + 1]  # the window's first position
-            t = split[:, None] + (x[None, :] - split[:, None]) % ring  # [N, ring]: column S + x's position
-            sink_cols = torch.arange(S).expand(len(rows), S)
-            table[side] = torch.cat([sink_cols, ring_slot(t, slots, S)], dim=1)
+        cols = torch.arange(slots).expand(len(rows), slots)  # the kernel's column is the slot (kivi.paged.ring)
+        table = {side: cols for side in SIDES}
         out = {}
         for side in SIDES:
             if not leaving[side]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -147,13 +149,15 @@ def test_bad_inputs_are_refused_by_name(bad, match):
 
 # ------------------------------------------------------------------ rows read in place (RingRows)
 from kivi.attention.fused_cpu.paged import RingRows  # noqa: E402
+from kivi.paged.ring import ring_slot  # noqa: E402
 
 
 def _ring_form(k_fp, v_fp, counts, w0, ring, dtype, seed=5):
     """The gathered rows of :func:`_batch` laid out as rings in a shuffled rows pool of ``dtype`` (head stride
     padded: a view of a larger buffer): ``(k RingRows, v RingRows, k_fp, v_fp)``, the gathered arrays rounded to
-    ``dtype`` so both forms hold the same values. Window token at position ``t`` sits in ring column
-    ``w0 + t % ring``; the window's last row is the step's new token (passed apart)."""
+    ``dtype`` so both forms hold the same values. Window token at position ``t`` sits in column
+    :func:`kivi.paged.ring.ring_slot` ``(t, ring, w0)``; the window's last row is the step's new token (passed
+    apart)."""
     g = torch.Generator().manual_seed(seed)
     N, _, H, D = k_fp.shape
     k_fp, v_fp = k_fp.to(dtype).float(), v_fp.to(dtype).float()
@@ -172,7 +176,7 @@ def _ring_form(k_fp, v_fp, counts, w0, ring, dtype, seed=5):
                 r = int(ids[i, t])
                 rows[r // per_block, r % per_block] = fp[i, t].to(dtype)
             for j in range(window - 1):
-                r = int(ids[i, w0 + (sink + stored + j) % ring])
+                r = int(ids[i, ring_slot(sink + stored + j, ring, w0)])
                 rows[r // per_block, r % per_block] = fp[i, w0 + j].to(dtype)
             new[i] = fp[i, w0 + window - 1]
         out.append(RingRows(rows, ids, new))
@@ -210,6 +214,28 @@ def test_rows_read_in_place_match_gathered_rows_and_reference(ci, dtype, extra, 
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(ref, torch_paged_decode(q, pool, lay, table, counts, k_fp, v_fp, w0, scaling=0.3),
                                atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rows_in_place_follow_the_ring_rule_on_random_sinks_and_rings(seed):
+    """Random sink slots ``w0``, sinks below them and ring sizes, short requests whose window still holds
+    positions below ``w0``: the numba kernel and the torch reference read each window position at the column
+    :func:`kivi.paged.ring.ring_slot` names (the rings laid out by it give what the gathered rows give)."""
+    rng = random.Random(seed)
+    H, gqa, D, P, G, kb, vb, pdt, sym = CASES[0]
+    lay = _layout(H, D, P, G, kb, vb, pdt, sym)
+    w0 = rng.randint(1, 6)
+    lens = [rng.randint(1, 3 * w0 + 2) for _ in range(3)] + [rng.randint(1, 150) for _ in range(3)]
+    sinks = [rng.randint(0, min(w0, n - 1)) for n in lens]
+    pool, table, counts, k_fp, v_fp = _batch(lay, lens, sinks, w0, seed=seed)
+    ring = int(counts[:, [2, 5]].max()) - 1 + rng.randint(0, 9)
+    kr, vr, k_fp, v_fp = _ring_form(k_fp, v_fp, counts, w0, ring, torch.float32, seed=seed)
+    q = torch.randn(len(lens), H * gqa, D, generator=torch.Generator().manual_seed(seed))
+    gathered = paged_decode_attention(q, pool, lay, table, counts, k_fp, v_fp, w0, scaling=0.3)
+    torch.testing.assert_close(paged_decode_attention(q, pool, lay, table, counts, kr, vr, w0, scaling=0.3),
+                               gathered, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(torch_paged_decode(q, pool, lay, table, counts, kr, vr, w0, scaling=0.3), gathered,
+                               atol=2e-5, rtol=2e-5)
 
 
 def test_rows_read_in_place_from_a_vllm_style_ring():

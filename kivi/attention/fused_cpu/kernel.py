@@ -1102,8 +1102,10 @@ def _ring_row(rl, rid, h, D, out):
 def _ring_stage(rl, slots, new, b, h, ns, nst, nw, w0, t0, t1, out):
     """Kv head ``h``'s full-precision rows of one side of request ``b`` as float32 in ``out [rows, D]``: sink token
     ``t < ns`` at ``out[t]`` (row ``slots[b, t]``), window token ``j < nw`` (position ``t = ns + nst + j``) at
-    ``out[ns + j]`` — the first ``nw - 1`` from row ``slots[b, w0 + t % ring]`` (``ring = slots.shape[1] - w0``),
-    the last from ``new[b]``. Only positions in ``[t0, t1)``: the task reads no other."""
+    ``out[ns + j]`` — the first ``nw - 1`` from row ``slots[b, c]``, ``c`` the slot of
+    :func:`kivi.paged.ring.ring_slot` (``t`` below ``w0``, else ``w0 + t % ring``, ``ring = slots.shape[1] - w0``;
+    the one ring rule, restated here: compiled code cannot call it), the last from ``new[b]``. Only positions in
+    ``[t0, t1)``: the task reads no other."""
     ring = slots.shape[1] - w0
     D = out.shape[1]
     for t in range(max(0, t0), min(ns, t1)):
@@ -1117,7 +1119,7 @@ def _ring_stage(rl, slots, new, b, h, ns, nst, nw, w0, t0, t1, out):
             for k in range(D):
                 o[k] = x[k]
         else:
-            _ring_row(rl, np.int64(slots[b, w0 + t % ring]), h, D, o)
+            _ring_row(rl, np.int64(slots[b, t if t < w0 else w0 + t % ring]), h, D, o)
 
 
 @jit

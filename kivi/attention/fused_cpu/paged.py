@@ -24,7 +24,8 @@ The full-precision rows come in one of two forms, the same for both sides:
   ``[blocks, rows_per_block, H, D]`` (float32 / bfloat16 / float16), read through a per-request slot table
   ``int32 [N, w0 + ring]`` of row ids ``block * rows_per_block + row``: columns ``[0, w0)`` hold the sink
   (sink token ``t`` in column ``t``), and the window is a **ring**: the window token at position ``t``
-  (``t`` counts the request's tokens from 0) is in column ``w0 + t % ring``. The step's new token comes
+  (``t`` counts the request's tokens from 0) is in column :func:`kivi.paged.ring.ring_slot` ``(t, ring, w0)``
+  (``t`` below ``w0``, else ``w0 + t % ring``): a column is a slot of the one ring rule. The step's new token comes
   separately (``new [N, H, D]``), so a caller may write it into its ring after the call (a ring of
   ``R + G - 1`` slots) or before (its ring then needs a slot more than the window: kivi's window blocks,
   :func:`kivi.cache.schedule.window_ring_slots`). No gather copy of the rows is made on the host; each
@@ -33,9 +34,9 @@ The full-precision rows come in one of two forms, the same for both sides:
   kivi's window blocks: ``rows`` is :func:`kivi.batching.layout.window_view` of the cache pool, ``w0`` the
   layer's sink slots. kivi's vLLM plugin: ``rows`` is its ``k`` window rings ``[NBw, H, Pw, 2D]`` seen as one
   pool over vLLM's shared allocation (:func:`kivi.vllm.geometry.ring_pool`, keys in channels ``[0, D)``,
-  values in ``[D, 2D)``), ``w0`` the sink slots, the slot table per request and side from the step's plan
-  (:class:`kivi.vllm.plan.KernelRows`: the ring slot each column reads), the step's keys / values as ``new``,
-  the rings written after the call.
+  values in ``[D, 2D)``), ``w0`` the sink slots, the slot table per request the row ids of its slots
+  (:meth:`kivi.vllm.geometry.RingPool.slot_ids`), the step's keys / values as ``new``, the rings written after
+  the call.
 
 :func:`paged_decode_attention` checks the inputs and runs the numba kernel (:mod:`.kernel`,
 ``paged_decode_*``: split-K over ``(request, kv head, chunk)`` tasks on numba's pool, each task running
@@ -52,6 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ...paged.ring import ring_slot
 from ...quant.kv import PackedKV, dequantize_kv
 from ...quant.page import field_view
 
@@ -151,8 +153,9 @@ class RingRows:
 
     ``rows``: the rows pool ``[blocks, rows_per_block, H, D]``, float32 / bfloat16 / float16, channels
     contiguous (any other strides: a view of a larger buffer). ``slots``: ``int32 [N, w0 + ring]`` row ids
-    (``block * rows_per_block + row``), sink columns first, then the ring (window position ``t`` in column
-    ``w0 + t % ring``). ``new``: ``[N, H, D]`` the step's token of each request, the window's last.
+    (``block * rows_per_block + row``) of the slots of :func:`kivi.paged.ring.ring_slot`: sink columns first,
+    then the ring (window position ``t`` in column ``ring_slot(t, ring, w0)``). ``new``: ``[N, H, D]`` the
+    step's token of each request, the window's last.
     """
 
     rows: torch.Tensor
@@ -362,7 +365,7 @@ def _fp_rows(fp: torch.Tensor | RingRows, i: int, sink: int, first: int, window:
         return fp.rows[ids // per_block, ids % per_block].float().transpose(0, 1)  # [H, n, D]
 
     dev = fp.slots.device
-    old = read(w0 + torch.arange(first, first + window - 1, device=dev) % ring)
+    old = read(ring_slot(torch.arange(first, first + window - 1, device=dev), ring, w0))
     return read(torch.arange(sink, device=dev)), torch.cat([old, fp.new[i].float().unsqueeze(1)], dim=1)
 
 
