@@ -22,6 +22,7 @@ from .options import (
 )
 from .output import emit, write_json_file, write_outputs
 from .validators import (
+    finite_float,
     json_object,
     non_negative_int,
     output_path,
@@ -159,13 +160,56 @@ def bits_at_arg(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"{text!r} is not 'eval' or a token count (e.g. 32k, 32768)") from None
 
 
+def score_drop_arg(text: str) -> float:
+    """``--max-score-drop``: points of the long-context suite, 0..100 (the library's rule)."""
+    from ..eval.longctx.objective import check_score_drop
+
+    try:
+        return check_score_drop(finite_float(text))
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of points between 0 and 100") from None
+
+
+DEFAULT_SCORE_LENGTH = 4096  # as `kivi eval longctx --lengths`
+SUITE_OPTIONS = ("--score-tasks", "--score-samples", "--score-protocol")
+
+
+def suite_requested(args: argparse.Namespace) -> bool:
+    """Whether `kivi tune` scores the long-context suite; the suite's other options without it are refused."""
+    on = args.max_score_drop is not None or args.score_length is not None
+    given = [o for o in SUITE_OPTIONS if getattr(args, o[2:].replace("-", "_")) is not None]
+    if given and not on:
+        raise CliError(f"{given[0]} needs --score-length L or --max-score-drop P (the long-context suite is off)")
+    return on
+
+
+def suite_reference(args: argparse.Namespace, model, tok):
+    """The suite's full-precision side for `kivi tune` (prefilled once, replayed into every scored candidate)."""
+    from ..eval.longctx.objective import DEFAULT_SAMPLES, DEFAULT_TASKS, SuiteReference
+    from ..eval.longctx.protocols import PROTOCOLS
+    from ..eval.longctx.tasks import MAX_NEW_TOKENS
+    from .loading import check_context_fits, read_text_arg
+
+    if tok is None:
+        raise CliError(f"--score-length: the long-context suite needs {args.model!r}'s tokenizer, which did not load")
+    tasks = args.score_tasks or list(DEFAULT_TASKS)
+    length = args.score_length or DEFAULT_SCORE_LENGTH
+    longest = max(MAX_NEW_TOKENS[t] for t in tasks)
+    check_context_fits(model, length + longest, f"--score-length {length} + a {longest}-token answer")
+    return SuiteReference(model, tok, read_text_arg(args), length=length, tasks=tasks,
+                          samples=args.score_samples or DEFAULT_SAMPLES, protocol=args.score_protocol or PROTOCOLS[0])
+
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     from ..config import KiviConfig
     from ..eval.candidates import candidate_grid, tiers_comparable
     from ..eval.tuning import NoCandidateFits, parse_percent, tune
 
-    if args.max_ppl_increase is None and args.max_bits is None:
-        raise ValueError("give a budget: --max-ppl-increase 5%% and/or --max-bits 4".replace("%%", "%"))
+    if args.max_ppl_increase is None and args.max_bits is None and args.max_score_drop is None:
+        raise ValueError("give a budget: --max-ppl-increase 5%%, --max-bits 4 and/or --max-score-drop 1".replace(
+            "%%", "%"))
+    with_suite = suite_requested(args)
     try:
         mpi = parse_percent(args.max_ppl_increase) if args.max_ppl_increase is not None else None
     except ValueError as e:
@@ -185,8 +229,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
     for c in cands:
         c.validate(num_layers=num_layers)  # a profile of another model names layers this one lacks
+    suite = suite_reference(args, model, tok) if with_suite else None
     try:
         r = tune(model, windows, cands, max_ppl_increase=mpi, max_bits=args.max_bits, profile=profile,
+                 suite=suite, max_score_drop=args.max_score_drop,
                  prefix=args.prefix, chunk=args.chunk, batch_size=args.batch_size, progress=not args.no_progress,
                  fast=not args.reference_eval, early_stop=args.early_stop or None, bits_at=args.bits_at,
                  profile_windows=profile_windows)
@@ -201,10 +247,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
     chosen = KiviConfig.from_dict(r["config"])
     stopped = sum(1 for x in r["evaluated"] if "stopped_early" in x)
     sec = r["seconds"]
-    lines = [f"{'candidate (in order of bits)':58s} {'bits':>6s} {'@eval':>6s} {'dppl%':>8s} {'windows':>7s}"]
+    lines = [f"{'candidate (in order of bits)':58s} {'bits':>6s} {'@eval':>6s} {'dppl%':>8s} {'windows':>7s}"
+             + (f" {'score':>6s} {'drop':>6s}" if suite else "")]
     for x in r["evaluated"]:
+        on_suite = ""
+        if suite:
+            on_suite = (f" {x['score']:6.1f} {x['score_drop']:+6.1f}" if "score_drop" in x else f" {'-':>6s} {'-':>6s}")
         lines.append(f"{x['name'][:58]:58s} {x['bits_per_element']:6.3f} {x['bits_at_eval']:6.3f} "
-                     f"{x['delta_ppl_pct']:+8.2f} {x['windows']:7d}"
+                     f"{x['delta_ppl_pct']:+8.2f} {x['windows']:7d}" + on_suite
                      + ("  stopped early" if "stopped_early" in x else ""))
     lines.append(
         f"chose {r['name']}: {r['bits_per_element']:.3f} bits/element ({r['bits_basis']}; {r['bits_at_eval']:.3f} held "
@@ -212,7 +262,17 @@ def cmd_tune(args: argparse.Namespace) -> int:
         f"({r['delta_ppl_pct']:+.2f}%) after measuring {len(r['evaluated'])} of {r['search']['ranked']} candidates"
         + (f" ({stopped} stopped early, over {args.early_stop:g} x the budget)" if stopped else "")
         + f"; {r['search']['per_head']} per-head candidates; tiers {r['search']['tiers']}; "
-        f"seconds: profile {sec['profile']:.0f}, FP {sec['fp']:.0f}, candidates {sec['candidates']:.0f}")
+        f"seconds: profile {sec['profile']:.0f}, FP {sec['fp']:.0f}, candidates {sec['candidates']:.0f}"
+        + (f" (suite {sec.get('suite', 0):.0f}), suite FP prefills {r['suite']['prefill_seconds']:.0f}"
+           if suite else ""))
+    if suite:
+        s, ci = r["suite"], r["score_drop_ci"]
+        lines.append(
+            f"on the long-context suite ({s['protocol']}, {s['length']} tokens, {', '.join(s['tasks'])}; "
+            f"{s['samples']} samples each): {r['name']} scores {r['score']:.1f} vs FP {r['score_fp']:.1f}, drop "
+            f"{r['score_drop']:+.1f} points" + (f" (95% paired interval {ci[0]:+.1f}..{ci[1]:+.1f})" if ci else "")
+            + (f"; budget {args.max_score_drop:g} points" if args.max_score_drop is not None else "")
+            + "; per task: " + ", ".join(f"{t} {v:.0f}" for t, v in r["score_tasks"].items()))
     by_reason: dict[str, list[str]] = {}
     for x in r["skipped"]:
         by_reason.setdefault(x["reason"], []).append(x["name"])
@@ -220,6 +280,26 @@ def cmd_tune(args: argparse.Namespace) -> int:
         lines.append(f"skipped {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "") + f": {reason}")
     emit(args, r, "\n".join(lines), writes=[("--write-config", out, chosen.to_json)])
     return 0
+
+
+def add_suite_args(p: argparse.ArgumentParser) -> None:
+    """The long-context suite as a constraint and a report (docs/evaluation.md, "Tuning on the long-context suite")."""
+    from ..eval.longctx.objective import DEFAULT_SAMPLES, DEFAULT_TASKS
+    from ..eval.longctx.protocols import PROTOCOLS
+    from ..eval.longctx.tasks import TASKS
+
+    p.add_argument("--max-score-drop", type=score_drop_arg, default=None, metavar="POINTS",
+                   help="admit a candidate only if its long-context suite score (0-100, average over --score-tasks) "
+                   "is at most this many points below full precision's on the same samples")
+    p.add_argument("--score-length", type=token_count, default=None, metavar="TOKENS",
+                   help="score the pick (and, with --max-score-drop, the candidates) on the long-context suite at "
+                   f"this prompt length (default with --max-score-drop: {DEFAULT_SCORE_LENGTH})")
+    p.add_argument("--score-tasks", nargs="+", choices=list(TASKS), default=None, metavar="TASK",
+                   help=f"suite tasks (default: {' '.join(DEFAULT_TASKS)}); any of {' '.join(TASKS)}")
+    p.add_argument("--score-samples", type=positive_int, default=None,
+                   help=f"suite samples per task, each prefilled once at full precision (default {DEFAULT_SAMPLES})")
+    p.add_argument("--score-protocol", choices=list(PROTOCOLS), default=None,
+                   help=f"suite protocol (default {PROTOCOLS[0]}: the question reads the candidate's cache)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -260,6 +340,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-ppl-increase", default=None, type=text_value,
                    help="perplexity budget vs FP, e.g. 5%% (percent)")
     p.add_argument("--max-bits", type=positive_float, default=None, help="bits per element budget")
+    add_suite_args(p)
     p.add_argument("--profile", default=None, type=text_value,
                    help="`kivi profile --json` output: adds per-layer candidates")
     p.add_argument("--candidates", nargs="*", default=None, type=text_value,
