@@ -175,9 +175,9 @@ def tune(
     full-precision prefills, built once, are replayed into every candidate it scores) adds each scored
     candidate's suite score and ``score_drop`` (points, FP minus the candidate on the same samples, with
     its paired interval); ``max_score_drop`` (needs ``suite``) makes a candidate admissible only if its drop
-    is at most that many points. A candidate within the other budgets is scored as it is measured (in order
-    of bits the first one within every budget is the pick); with ``max_bits`` alone they are scored in
-    order of perplexity until one is within the drop. With a ``suite``, the pick is always scored: the
+    is at most that many points, and the pick is the cheapest within every budget: a candidate within the
+    other budgets is scored as it is measured, in order of bits, and the first one within the drop is the
+    pick (``max_score_drop`` alone is a budget too). With a ``suite``, the pick is always scored: the
     result reports it on perplexity and on the suite (``score``, ``score_fp``, ``score_drop``,
     ``score_drop_ci``, ``within_noise``, ``score_tasks``; ``suite``: the suite's protocol and FP side).
 
