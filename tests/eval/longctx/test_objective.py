@@ -25,18 +25,29 @@ def test_one_prefill_per_sample_shared_by_every_scored_config(model, monkeypatch
     prefills = []
     record = runner.record_prefill
     monkeypatch.setattr(runner, "record_prefill", lambda m, ids: prefills.append(len(ids)) or record(m, ids))
-    ref = SuiteReference(model, ByteTokenizer(), TEXT, length=420, tasks=["niah_single", "niah_single_word"], samples=2)
+    ref = SuiteReference(model, ByteTokenizer(), TEXT, length=420, tasks=["niah_single", "niah_single_word"],
+                         samples=2)
     assert len(prefills) == 4 and all(n < 420 for n in prefills)  # question-after: the context only
-    k2 = ref.score(K2, "k2")
     same = ref.score(None, "fp-again")
     assert len(prefills) == 4  # scoring replays the kept prefills
-    assert set(k2) >= {"score", "score_fp", "score_drop", "score_drop_ci", "within_noise", "score_tasks", "n"}
-    assert k2["n"] == 4 and set(k2["score_tasks"]) == {"niah_single", "niah_single_word"}
-    assert k2["score_drop"] == pytest.approx(k2["score_fp"] - k2["score"])
+    assert set(same) >= {"score", "score_fp", "score_drop", "score_drop_ci", "within_noise", "score_tasks", "n"}
+    assert same["n"] == 4 and set(same["score_tasks"]) == {"niah_single", "niah_single_word"}
     assert same["score"] == same["score_fp"] and same["score_drop"] == 0.0 and same["score_drop_ci"] == [0.0, 0.0]
     d = ref.describe()
     assert d["prefills"] == 4 and d["prefill_bytes"] > 0 and d["protocol"] == "question-after"
     assert d["tasks"] == ["niah_single", "niah_single_word"] and d["samples"] == 2 and d["length"] == 420
+
+
+def test_a_quantized_config_is_scored_on_the_same_samples(model, monkeypatch):
+    ref = SuiteReference(model, ByteTokenizer(), TEXT, length=420, tasks=["niah_single"], samples=1)
+    answers = []
+    answer = runner.answer
+    monkeypatch.setattr(runner, "answer", lambda m, t, spec, s, p, pre: answers.append((spec, s.index, id(pre)))
+                        or answer(m, t, spec, s, p, pre))
+    k2 = ref.score(K2, "k2")
+    assert answers == [(K2, 0, id(ref.items[0][1]))]  # the kept prefill of sample 0
+    assert k2["score_drop"] == pytest.approx(k2["score_fp"] - k2["score"]) and k2["n"] == 1
+    assert k2["score_drop_ci"] is None and k2["within_noise"] is None  # one sample: nothing to resample
 
 
 def test_one_shot_prefills_the_whole_prompt(model, monkeypatch):
