@@ -197,7 +197,8 @@ def suite_reference(args: argparse.Namespace, model, tok):
     longest = max(MAX_NEW_TOKENS[t] for t in tasks)
     check_context_fits(model, length + longest, f"--score-length {length} + a {longest}-token answer")
     return SuiteReference(model, tok, read_text_arg(args), length=length, tasks=tasks,
-                          samples=args.score_samples or DEFAULT_SAMPLES, protocol=args.score_protocol or PROTOCOLS[0])
+                          samples=args.score_samples or DEFAULT_SAMPLES, protocol=args.score_protocol or PROTOCOLS[0],
+                          progress=not args.no_progress)
 
 
 

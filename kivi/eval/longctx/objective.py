@@ -16,6 +16,7 @@ import math
 import time
 from typing import Any, Sequence
 
+from ..progress import progress_bar
 from . import runner
 from .haystack import Haystack, Template
 from .protocols import PROTOCOLS, check_protocols
@@ -44,7 +45,8 @@ class SuiteReference:
     ``length`` plus the longest answer past ``max_context`` (when given)."""
 
     def __init__(self, model: Any, tok: Any, text: str, *, length: int, tasks: Sequence[str], samples: int,
-                 seed: int = 0, protocol: str = PROTOCOLS[0], max_context: int | None = None):
+                 seed: int = 0, protocol: str = PROTOCOLS[0], max_context: int | None = None,
+                 progress: bool = False):
         tasks = check_tasks(list(tasks))
         protocol = check_protocols([protocol])[0]
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
@@ -60,11 +62,17 @@ class SuiteReference:
         hay, tpl = Haystack.from_text(tok, text), Template.of(tok)
         t0, c0 = time.perf_counter(), time.process_time()
         self.items = []
-        for t in tasks:
-            for i in range(samples):
-                s = make_sample(hay, tpl, t, length, i, samples=samples, seed=seed)
-                self.items.append((s, runner.record_prefill(model, s.context if protocol == "question-after"
-                                                             else s.ids)))
+        bar = progress_bar(len(tasks) * samples, f"suite FP prefills at {length} tokens", enabled=progress,
+                           unit="prefill")
+        try:
+            for t in tasks:
+                for i in range(samples):
+                    s = make_sample(hay, tpl, t, length, i, samples=samples, seed=seed)
+                    self.items.append((s, runner.record_prefill(model, s.context if protocol == "question-after"
+                                                                 else s.ids)))
+                    bar.update(1)
+        finally:
+            bar.close()
         self.prefill_seconds = time.perf_counter() - t0
         self.prefill_cpu_seconds = time.process_time() - c0
         self.prefill_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
