@@ -66,10 +66,30 @@ def read_profile(path: str) -> dict:
     return profile
 
 
+def suite_line(name: str, r: dict, s: dict) -> str:
+    """One line: a config's long-context suite score vs full precision's (a `SuiteReference.score` result)."""
+    ci = r["score_drop_ci"]
+    return (f"on the long-context suite ({s['protocol']}, {s['length']} tokens, {', '.join(s['tasks'])}; "
+            f"{s['samples']} samples each): {name} scores {r['score']:.1f} vs FP {r['score_fp']:.1f}, drop "
+            f"{r['score_drop']:+.1f} points" + (f" (95% paired interval {ci[0]:+.1f}..{ci[1]:+.1f})" if ci else "")
+            + "; per task: " + ", ".join(f"{t} {v:.0f}" for t, v in r["score_tasks"].items()))
+
+
+def score_recommendation(ref, rec, prof: dict) -> list[str]:
+    """`kivi profile --score-length`: the recommended config scored on the suite ``ref`` (``prof`` gets ``suite``
+    and ``recommended_suite``); the lines to print (none without a suite)."""
+    if ref is None:
+        return []
+    prof["suite"] = ref.describe()
+    prof["recommended_suite"] = ref.score(rec, rec.describe())
+    return [suite_line(rec.describe(), prof["recommended_suite"], prof["suite"])]
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from ..config import KiviConfig
     from ..eval.profile import layer_profile, recommend_layer_config
 
+    suite_requested(args)  # the suite's options refused before the model loads
     if args.per_head:
         return cmd_head_profile(args)
     base = config_from_args(args) or KiviConfig.preset("extreme")
@@ -79,6 +99,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise ValueError("give either --upgrade-layers or --max-bits, not both")
     check_window_args(args)
     model, tok, windows = load_model_and_windows(args)
+    ref = suite_reference(args, model, tok) if args.score_length is not None else None  # checks the context first
     num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
     if args.upgrade_layers is not None and args.upgrade_layers > num_layers:
         raise CliError(f"--upgrade-layers {args.upgrade_layers} is more than the model's {num_layers} layers")
@@ -93,6 +114,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     prof["recommended"] = rec.to_dict()
     prof["recommended_name"] = rec.describe()
     prof["upgrade"] = upgrade
+    suite_line = score_recommendation(ref, rec, prof)
     lines = [f"per-layer sensitivity to {prof['base_name']} (others FP), {prof['protocol']['windows']} windows; "
              f"FP ppl {prof['fp_ppl']:.4f}",
              f"{'layer':>5s} {'KL':>10s} {'dppl%':>8s} {'top1%':>7s}"]
@@ -100,6 +122,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         lines.append(f"{r['layer']:5d} {r['kl']:10.6f} {r['delta_ppl_pct']:+8.3f} {100 * r['top1_agreement']:7.2f}")
     lines.append(f"most sensitive first: {prof['ranking']}")
     lines.append(f"recommended: {rec.describe()}; layer_specific_config={rec.layer_specific_config}")
+    lines += suite_line
     emit(args, prof, "\n".join(lines), writes=[("--write-config", args.write_config, rec.to_json)])
     return 0
 
@@ -128,6 +151,7 @@ def cmd_head_profile(args: argparse.Namespace) -> int:
                        f"(k_bits={base.k_bits}, v_bits={base.v_bits}); sides already that wide are left alone")
     check_window_args(args)
     model, tok, windows = load_model_and_windows(args)
+    ref = suite_reference(args, model, tok) if args.score_length is not None else None  # checks the context first
     spec = model_spec(model)
     base.validate(num_layers=spec.num_layers)
     max_bits = args.max_bits if args.max_bits is not None else bits_per_element(spec, base) + 0.3
@@ -136,6 +160,7 @@ def cmd_head_profile(args: argparse.Namespace) -> int:
     rec, bits = recommend_head_bits(prof, spec, max_bits, base=base, upgrade=args.head_upgrade_bits)
     prof.update(recommended=rec.to_dict(), recommended_name=rec.describe(), recommended_bits=bits, max_bits=max_bits,
                 base_bits=bits_per_element(spec, base))
+    suite_line = score_recommendation(ref, rec, prof)
     up = str(args.head_upgrade_bits)
     lines = [
         f"per-head sensitivity ({prof['metric']}) to {prof['base_name']}, {prof['protocol']['windows']} windows",
@@ -146,6 +171,7 @@ def cmd_head_profile(args: argparse.Namespace) -> int:
                      + " ".join(f"{r['score'][str(b)]:10.6f}" for b in prof["bits"]))
     lines.append(f"recommended ({up}-bit where it pays most): {prof['base_bits']:.4f} -> {bits:.4f} bits/element "
                  f"(budget {max_bits:.4f}; float16, 32K tokens); head_bits={rec.head_bits}")
+    lines += suite_line
     emit(args, prof, "\n".join(lines), writes=[("--write-config", args.write_config, rec.to_json)])
     return 0
 
@@ -176,10 +202,11 @@ SUITE_OPTIONS = ("--score-tasks", "--score-samples", "--score-protocol")
 
 def suite_requested(args: argparse.Namespace) -> bool:
     """Whether `kivi tune` scores the long-context suite; the suite's other options without it are refused."""
-    on = args.max_score_drop is not None or args.score_length is not None
+    on = getattr(args, "max_score_drop", None) is not None or args.score_length is not None
     given = [o for o in SUITE_OPTIONS if getattr(args, o[2:].replace("-", "_")) is not None]
     if given and not on:
-        raise CliError(f"{given[0]} needs --score-length L or --max-score-drop P (the long-context suite is off)")
+        need = "--score-length L or --max-score-drop P" if hasattr(args, "max_score_drop") else "--score-length L"
+        raise CliError(f"{given[0]} needs {need} (the long-context suite is off)")
     return on
 
 
@@ -267,13 +294,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         + (f" (suite {sec.get('suite', 0):.0f}), suite FP prefills {r['suite']['prefill_seconds']:.0f}"
            if suite else ""))
     if suite:
-        s, ci = r["suite"], r["score_drop_ci"]
-        lines.append(
-            f"on the long-context suite ({s['protocol']}, {s['length']} tokens, {', '.join(s['tasks'])}; "
-            f"{s['samples']} samples each): {r['name']} scores {r['score']:.1f} vs FP {r['score_fp']:.1f}, drop "
-            f"{r['score_drop']:+.1f} points" + (f" (95% paired interval {ci[0]:+.1f}..{ci[1]:+.1f})" if ci else "")
-            + (f"; budget {args.max_score_drop:g} points" if args.max_score_drop is not None else "")
-            + "; per task: " + ", ".join(f"{t} {v:.0f}" for t, v in r["score_tasks"].items()))
+        lines.append(suite_line(r["name"], r, r["suite"])
+                     + (f"; budget {args.max_score_drop:g} points" if args.max_score_drop is not None else ""))
     by_reason: dict[str, list[str]] = {}
     for x in r["skipped"]:
         by_reason.setdefault(x["reason"], []).append(x["name"])
@@ -283,18 +305,24 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_suite_args(p: argparse.ArgumentParser) -> None:
-    """The long-context suite as a constraint and a report (docs/evaluation.md, "Tuning on the long-context suite")."""
+def add_suite_args(p: argparse.ArgumentParser, *, constraint: bool = True) -> None:
+    """The long-context suite as a constraint (``constraint``: `kivi tune`) and a report (docs/evaluation.md,
+    "Choosing configs by it")."""
     from ..eval.longctx.objective import DEFAULT_SAMPLES, DEFAULT_TASKS
     from ..eval.longctx.protocols import PROTOCOLS
     from ..eval.longctx.tasks import TASKS
 
-    p.add_argument("--max-score-drop", type=score_drop_arg, default=None, metavar="POINTS",
-                   help="admit a candidate only if its long-context suite score (0-100, average over --score-tasks) "
-                   "is at most this many points below full precision's on the same samples")
-    p.add_argument("--score-length", type=token_count, default=None, metavar="TOKENS",
-                   help="score the pick (and, with --max-score-drop, the candidates) on the long-context suite at "
-                   f"this prompt length (default with --max-score-drop: {DEFAULT_SCORE_LENGTH})")
+    if constraint:
+        p.add_argument("--max-score-drop", type=score_drop_arg, default=None, metavar="POINTS",
+                       help="admit a candidate only if its long-context suite score (0-100, average over "
+                       "--score-tasks) is at most this many points below full precision's on the same samples")
+        p.add_argument("--score-length", type=token_count, default=None, metavar="TOKENS",
+                       help="score the pick (and, with --max-score-drop, the candidates) on the long-context suite "
+                       f"at this prompt length (default with --max-score-drop: {DEFAULT_SCORE_LENGTH})")
+    else:
+        p.add_argument("--score-length", type=token_count, default=None, metavar="TOKENS",
+                       help="also score the recommended config on the long-context suite at this prompt length "
+                       "(a report; the ranking stays KL: docs/evaluation.md, \"Choosing configs by it\")")
     p.add_argument("--score-tasks", nargs="+", choices=list(TASKS), default=None, metavar="TASK",
                    help=f"suite tasks (default: {' '.join(DEFAULT_TASKS)}); any of {' '.join(TASKS)}")
     p.add_argument("--score-samples", type=positive_int, default=None,
@@ -324,6 +352,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--head-upgrade-bits", type=positive_int, default=4,
                    help="with --per-head: the width the most sensitive head-sides get (default 4)")
     p.add_argument("--write-config", default=None, type=output_path, help="write the recommended KiviConfig JSON here")
+    add_suite_args(p, constraint=False)
     add_output_args(p)
     p.set_defaults(func=cmd_profile)
 

@@ -143,3 +143,19 @@ def test_a_suite_length_past_the_context_is_refused(tiny_with_tokenizer, capsys)
                "--score-tasks", "niah_single", *PROTO])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and "--score-length 600" in err and "512 tokens" in err
+
+
+def test_profile_scores_its_recommendation_on_the_suite(tiny_with_tokenizer, capsys, tmp_path):
+    out = tmp_path / "p.json"
+    assert main(["profile", "--upgrade-layers", "1", "-o", str(out), *SUITE, *PROTO]) == 0
+    assert "on the long-context suite (question-after, 420 tokens" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert r["suite"]["prefills"] == 1 and r["recommended_suite"]["n"] == 1
+    assert r["recommended_suite"]["score_drop"] == r["recommended_suite"]["score_fp"] - r["recommended_suite"]["score"]
+
+
+@pytest.mark.parametrize("argv", [["--score-tasks", "qa"], ["--per-head", "--score-samples", "2"]])
+def test_profile_suite_options_need_a_length(no_model, capsys, argv):
+    rc = main(["profile", *argv])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "needs --score-length L (the long-context suite is off)" in err
