@@ -4,7 +4,7 @@ candidates, measurement on the streaming protocol)."""
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -34,47 +34,83 @@ def parse_percent(value: str | float) -> float:
     return v
 
 
+def fits(row: dict[str, Any], *, max_ppl_increase: float | None = None, max_bits: float | None = None,
+         max_score_drop: float | None = None) -> bool:
+    """Whether a measured row is within every given budget: Δppl % (``delta_ppl_pct``), bits per element
+    (``bits_per_element``) and the long-context suite's score drop from full precision in points
+    (``score_drop``, :meth:`kivi.eval.longctx.objective.SuiteReference.score`); a row without a number a
+    budget needs does not fit. The one admissibility rule of :func:`select_config` and :func:`tune`."""
+    def within(key: str, bound: float | None) -> bool:
+        v = row.get(key)
+        return bound is None or (v is not None and math.isfinite(v) and v <= bound)
+
+    return (within("delta_ppl_pct", max_ppl_increase) and within("bits_per_element", max_bits)
+            and within("score_drop", max_score_drop))
+
+
 def select_config(
     rows: Sequence[dict[str, Any]],
     *,
     max_ppl_increase: float | None = None,
     max_bits: float | None = None,
+    max_score_drop: float | None = None,
+    score: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Pick a row under a budget.
 
-    * ``max_ppl_increase`` (percent): the row with the fewest bits per element whose Δppl % is
-      within the budget (ties: lower perplexity);
-    * ``max_bits``: the row with the lowest perplexity within that many bits per element (ties:
+    * ``max_ppl_increase`` (percent) and/or ``max_score_drop`` (points of the long-context suite): the row
+      with the fewest bits per element within them (ties: lower perplexity);
+    * ``max_bits`` alone: the row with the lowest perplexity within that many bits per element (ties:
       fewer bits);
-    * both: the cheapest row satisfying both.
+    * ``max_bits`` with another budget: the cheapest row satisfying all.
 
     Rows need ``bits_per_element`` and ``delta_ppl_pct`` (and ``ppl``); rows with ``unavailable``
-    or missing numbers are ignored. Raises ``ValueError`` when nothing fits, naming the closest.
+    or missing numbers are ignored. With ``max_score_drop``, a row needs ``score_drop``: ``score`` (when
+    given) is called on a row without one, in the order of preference, to add it (the suite is scored only
+    as far as the pick needs). Admissibility is :func:`fits`. Raises ``ValueError`` when nothing fits,
+    naming the closest.
     """
-    if max_ppl_increase is None and max_bits is None:
-        raise ValueError("give a budget: max_ppl_increase (percent) and/or max_bits (bits per element)")
+    if max_ppl_increase is None and max_bits is None and max_score_drop is None:
+        raise ValueError("give a budget: max_ppl_increase (percent), max_bits (bits per element) and/or "
+                         "max_score_drop (points)")
     ok_rows = [r for r in rows if not r.get("unavailable") and r.get("bits_per_element") is not None
                and r.get("delta_ppl_pct") is not None and math.isfinite(r["bits_per_element"])]
     if not ok_rows:
         raise ValueError("no measured candidates to choose from")
-    fits = [r for r in ok_rows
-            if (max_ppl_increase is None or r["delta_ppl_pct"] <= max_ppl_increase)
-            and (max_bits is None or r["bits_per_element"] <= max_bits)]
-    if not fits:
-        best_q = min(ok_rows, key=lambda r: r["delta_ppl_pct"])
-        cheapest = min(ok_rows, key=lambda r: r["bits_per_element"])
-        raise ValueError(
-            "no candidate fits the budget"
-            + (f" max_ppl_increase={max_ppl_increase}%" if max_ppl_increase is not None else "")
-            + (f" max_bits={max_bits}" if max_bits is not None else "")
-            + f"; best quality: {best_q['name']} "
-            f"({best_q['delta_ppl_pct']:+.2f}% at {best_q['bits_per_element']:.2f} bits),"
-            f" cheapest: {cheapest['name']} "
-            f"({cheapest['bits_per_element']:.2f} bits, {cheapest['delta_ppl_pct']:+.2f}%)"
-        )
-    if max_ppl_increase is not None:
-        return min(fits, key=lambda r: (r["bits_per_element"], r["delta_ppl_pct"]))
-    return min(fits, key=lambda r: (r["delta_ppl_pct"], r["bits_per_element"]))
+    if max_ppl_increase is None and max_score_drop is None:
+        order = sorted(ok_rows, key=lambda r: (r["delta_ppl_pct"], r["bits_per_element"]))
+    else:
+        order = sorted(ok_rows, key=lambda r: (r["bits_per_element"], r["delta_ppl_pct"]))
+    budget = {"max_ppl_increase": max_ppl_increase, "max_bits": max_bits}
+    suite_rejected = []
+    for r in order:
+        if not fits(r, **budget):
+            continue
+        if max_score_drop is not None and r.get("score_drop") is None and score is not None:
+            score(r)
+        if fits(r, **budget, max_score_drop=max_score_drop):
+            return r
+        if r.get("score_drop") is not None:
+            suite_rejected.append(r)
+    best_q = min(ok_rows, key=lambda r: r["delta_ppl_pct"])
+    cheapest = min(ok_rows, key=lambda r: r["bits_per_element"])
+    msg = ("no candidate fits the budget"
+           + (f" max_ppl_increase={max_ppl_increase}%" if max_ppl_increase is not None else "")
+           + (f" max_bits={max_bits}" if max_bits is not None else "")
+           + (f" max_score_drop={max_score_drop} points" if max_score_drop is not None else "")
+           + f"; best quality: {best_q['name']} "
+           f"({best_q['delta_ppl_pct']:+.2f}% at {best_q['bits_per_element']:.2f} bits),"
+           f" cheapest: {cheapest['name']} "
+           f"({cheapest['bits_per_element']:.2f} bits, {cheapest['delta_ppl_pct']:+.2f}%)")
+    if suite_rejected:
+        least = min(suite_rejected, key=lambda r: r["score_drop"])
+        msg += (f"; {len(suite_rejected)} within the other budgets dropped the long-context score too far "
+                f"(least: {least['name']}, {least['score_drop']:.2f} points)")
+    raise ValueError(msg)
+
+
+#: the fields :meth:`kivi.eval.longctx.objective.SuiteReference.score` adds to a scored row (and tune's result)
+SUITE_FIELDS = ("score", "score_fp", "score_drop", "score_drop_ci", "within_noise", "score_tasks")
 
 
 class NoCandidateFits(ValueError):
@@ -104,6 +140,8 @@ def tune(
     profile_windows: torch.Tensor | None = None,
     head_steps: Sequence[float] = HEAD_STEPS,
     head_bases: Sequence[KiviConfig] | None = None,
+    suite: Any = None,
+    max_score_drop: float | None = None,
 ) -> dict[str, Any]:
     """Cheapest candidate within a Δppl budget (or best within a bits budget), measured.
 
@@ -133,6 +171,16 @@ def tune(
     ``early_stop`` x the budget; it is listed with ``"stopped_early"`` and never chosen (``None`` or 0:
     measure every window).
 
+    **Long-context suite.** ``suite`` (a :class:`~kivi.eval.longctx.objective.SuiteReference`: its
+    full-precision prefills, built once, are replayed into every candidate it scores) adds each scored
+    candidate's suite score and ``score_drop`` (points, FP minus the candidate on the same samples, with
+    its paired interval); ``max_score_drop`` (needs ``suite``) makes a candidate admissible only if its drop
+    is at most that many points, and the pick is the cheapest within every budget: a candidate within the
+    other budgets is scored as it is measured, in order of bits, and the first one within the drop is the
+    pick (``max_score_drop`` alone is a budget too). With a ``suite``, the pick is always scored: the
+    result reports it on perplexity and on the suite (``score``, ``score_fp``, ``score_drop``,
+    ``score_drop_ci``, ``within_noise``, ``score_tasks``; ``suite``: the suite's protocol and FP side).
+
     Returns ``{"config": {...}, "name", "ppl", "ppl_fp", "delta_ppl_pct", "bits_per_element", "bits_basis",
     "bits_at_eval", "bits_planner", "seconds": {"profile", "fp", "candidates"}, "search", "evaluated": [rows],
     "skipped"}``. Raises :class:`NoCandidateFits` (a ``ValueError`` carrying the measured rows) when none fits.
@@ -144,8 +192,15 @@ def tune(
     from .metrics import Accumulator  # noqa: PLC0415
     from .protocol import check_windows, measure_window, run_prefill  # noqa: PLC0415
 
-    if max_ppl_increase is None and max_bits is None:
-        raise ValueError("give a budget: max_ppl_increase (percent) and/or max_bits (bits per element)")
+    if max_score_drop is not None:
+        from .longctx.objective import check_score_drop  # noqa: PLC0415
+
+        max_score_drop = check_score_drop(max_score_drop)
+        if suite is None:
+            raise ValueError("max_score_drop needs suite (a kivi.eval.longctx.objective.SuiteReference)")
+    if max_ppl_increase is None and max_bits is None and max_score_drop is None:
+        raise ValueError("give a budget: max_ppl_increase (percent), max_bits (bits per element) and/or "
+                         "max_score_drop (points of the long-context suite)")
     if early_stop is not None and (isinstance(early_stop, bool) or not isinstance(early_stop, (int, float))
                                    or not math.isfinite(early_stop) or early_stop < 0 or 0 < early_stop < 1):
         raise ValueError(f"early_stop={early_stop!r} must be None, 0 (off) or a factor >= 1 of the budget")
@@ -205,6 +260,14 @@ def tune(
     prefills = []
     rows = []
     stop_at = early_stop * max_ppl_increase if early_stop and max_ppl_increase is not None else None
+    budget = {"max_ppl_increase": max_ppl_increase, "max_bits": max_bits, "max_score_drop": max_score_drop}
+    sequential = max_ppl_increase is not None or max_score_drop is not None  # the cheapest within: stop at the first
+    cfgs: dict[int, KiviConfig] = {}
+
+    def score(r: dict[str, Any]) -> None:
+        t = time.time()
+        r.update(suite.score(cfgs[id(r)], r["name"]))
+        seconds["suite"] = round(seconds.get("suite", 0.0) + time.time() - t, 1)
     try:
         t0 = time.time()
         for j, ids in enumerate(batches):
@@ -237,24 +300,26 @@ def tune(
             r["bits_planner"] = plan
             r["bits_per_element"] = rank if bits_at is not None else r["bits_at_eval"]
             r["bits_estimated"] = rank
-            r["_cfg"] = c
+            cfgs[id(r)] = c
             if stopped is not None:
                 r["stopped_early"] = (f"Δppl {stopped:+.2f}% after {r['windows']} of {windows.shape[0]} windows "
                                       f"> {early_stop:g} x the {max_ppl_increase:g}% budget")
             rows.append(r)
             bar.set_postfix_str(f"{r['name']}: {r['bits_per_element']:.2f} bits, {r['delta_ppl_pct']:+.2f}%"
                                 + (" (stopped early)" if stopped is not None else ""))
-            if stopped is None and max_ppl_increase is not None and r["delta_ppl_pct"] <= max_ppl_increase and (
-                    max_bits is None or r["bits_per_element"] <= max_bits):
-                break
+            if stopped is None and sequential and fits(r, max_ppl_increase=max_ppl_increase, max_bits=max_bits):
+                if max_score_drop is not None:
+                    score(r)
+                if fits(r, **budget):
+                    break
         seconds["candidates"] = round(time.time() - t0, 1)
     finally:
         bar.close()
-    cfgs = {id(r): r.pop("_cfg") for r in rows}
     basis = (f"planner, float16 model, {bits_at} tokens" if bits_at is not None
              else f"cache.nbytes at the end of a {ctx}-token evaluation window (model dtype)")
     report = {"ppl_fp": ppl_fp, "bits_basis": basis, "bits_planner_tokens": planner_tokens,
-              "budget": {"max_ppl_increase_pct": max_ppl_increase, "max_bits": max_bits},
+              "budget": {"max_ppl_increase_pct": max_ppl_increase, "max_bits": max_bits,
+                         "max_score_drop": max_score_drop},
               "protocol": {"windows": int(windows.shape[0]), "context": int(ctx), "prefix": prefix, "chunk": chunk,
                            "fast": fast, "early_stop": early_stop, "bits_at": bits_at,
                            "profile_windows": int(profile_windows.shape[0]) if profile_windows is not None else 0},
@@ -262,6 +327,8 @@ def tune(
                          "tiers": "searched" if tiers_ok else
                          f"not searched: bits counted at {bits_at} tokens, longer than the {ctx}-token windows"},
               "seconds": seconds, "evaluated": rows, "skipped": skipped}
+    if suite is not None:
+        report["suite"] = suite.describe()
     complete = [r for r in rows if "stopped_early" not in r]
     if not complete:
         best_partial = min(rows, key=lambda r: r["delta_ppl_pct"])
@@ -269,15 +336,18 @@ def tune(
             f"no candidate fits the budget max_ppl_increase={max_ppl_increase}%: every one was over {early_stop:g} x "
             f"the budget (best: {best_partial['name']}, {best_partial['stopped_early']})", report)
     try:
-        best = select_config(complete, max_ppl_increase=max_ppl_increase, max_bits=max_bits)
+        best = select_config(complete, **budget, score=score if suite is not None else None)
     except ValueError as e:
         raise NoCandidateFits(str(e), report) from None
+    if suite is not None and "score_drop" not in best:
+        score(best)  # the pick is reported on the suite too
     cfg = cfgs[id(best)]
+    on_suite = {k: best[k] for k in SUITE_FIELDS} if suite is not None else {}
     return {"config": cfg.to_dict(), "name": best["name"], "ppl": best["ppl"], "delta_ppl_pct": best["delta_ppl_pct"],
             "bits_per_element": best["bits_per_element"], "bits_at_eval": best["bits_at_eval"],
-            "bits_planner": best["bits_planner"], "cache_bytes": best["cache_bytes"], **report}
+            "bits_planner": best["bits_planner"], "cache_bytes": best["cache_bytes"], **on_suite, **report}
 
 
 
 
-__all__ = ["parse_percent", "select_config", "NoCandidateFits", "tune"]
+__all__ = ["SUITE_FIELDS", "NoCandidateFits", "fits", "parse_percent", "select_config", "tune"]

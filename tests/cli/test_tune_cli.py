@@ -76,3 +76,86 @@ def test_nothing_fits_still_writes_what_was_measured(tiny_cli, capsys, tmp_path)
     assert rc == 2 and len(err.splitlines()) == 1 and "no candidate fits" in err and str(out) in err
     r = json.loads(out.read_text())
     assert r["config"] is None and "no candidate fits" in r["error"] and len(r["evaluated"]) >= 1
+
+
+@pytest.fixture()
+def no_model(monkeypatch):
+    import kivi.models.load
+
+    def refuse(*a, **k):
+        raise AssertionError("the model must not load")
+
+    monkeypatch.setattr(kivi.models.load, "load_model", refuse)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--max-score-drop", "-1"], "--max-score-drop: '-1' is not a number of points between 0 and 100"),
+    (["--max-score-drop", "101"], "'101' is not a number of points between 0 and 100"),
+    (["--max-score-drop", "nan"], "--max-score-drop"),
+    (["--max-score-drop", "lots"], "--max-score-drop"),
+    (["--max-score-drop", "1", "--score-length", "0"], "--score-length"),
+    (["--max-score-drop", "1", "--score-tasks", "niah"], "invalid choice: 'niah'"),
+    (["--max-score-drop", "1", "--score-samples", "0"], "--score-samples: 0 is not a positive integer"),
+    (["--max-score-drop", "1", "--score-protocol", "both"], "invalid choice: 'both'"),
+    (["--max-bits", "4", "--score-tasks", "qa"], "--score-tasks needs --score-length L or --max-score-drop P"),
+    (["--max-bits", "4", "--score-samples", "3"], "--score-samples needs --score-length"),
+])
+def test_bad_suite_options_are_one_line_before_the_model_loads(no_model, capsys, argv, message):
+    rc = main(["tune", *argv])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert message in err
+
+
+@pytest.fixture()
+def tiny_with_tokenizer(monkeypatch):
+    """The tiny model with the byte tokenizer (the suite builds its prompts with it), random tuning windows."""
+    import kivi.data
+    import kivi.models.load
+    from tests.helpers import ByteTokenizer, tiny_model
+
+    model = tiny_model("llama", vocab_size=257, max_position_embeddings=512)
+    monkeypatch.setattr(kivi.models.load, "load_model", lambda name="smollm2", dtype=None, **kw: (model,
+                                                                                                    ByteTokenizer()))
+    monkeypatch.setattr(kivi.data, "token_windows", lambda tok, text, context, n, **kw: torch.randint(
+        0, 256, (n, context), generator=torch.Generator().manual_seed(3)))
+
+
+SUITE = ["--score-length", "420", "--score-tasks", "niah_single", "--score-samples", "1"]
+
+
+def test_the_pick_is_reported_on_perplexity_and_the_suite(tiny_with_tokenizer, capsys, tmp_path):
+    out = tmp_path / "t.json"
+    assert main(["tune", "--head-profile-windows", "0", "--max-score-drop", "0", "-o", str(out), *BUDGET, *SUITE,
+                 *PROTO]) == 0
+    text = capsys.readouterr().out
+    assert "score" in text.splitlines()[0] and "on the long-context suite (question-after, 420 tokens" in text
+    r = json.loads(out.read_text())
+    assert {"ppl", "delta_ppl_pct", "score", "score_fp", "score_drop", "score_drop_ci", "score_tasks"} <= set(r)
+    assert r["budget"]["max_score_drop"] == 0.0 and r["score_drop"] <= 0.0
+    s = r["suite"]
+    assert (s["length"], s["tasks"], s["samples"], s["protocol"]) == (420, ["niah_single"], 1, "question-after")
+    assert s["prefills"] == 1 and "score_drop" in r["evaluated"][-1]
+
+
+def test_a_suite_length_past_the_context_is_refused(tiny_with_tokenizer, capsys):
+    rc = main(["tune", "--head-profile-windows", "0", "--max-score-drop", "1", "--score-length", "600",
+               "--score-tasks", "niah_single", *PROTO])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "--score-length 600" in err and "512 tokens" in err
+
+
+def test_profile_scores_its_recommendation_on_the_suite(tiny_with_tokenizer, capsys, tmp_path):
+    out = tmp_path / "p.json"
+    assert main(["profile", "--upgrade-layers", "1", "-o", str(out), *SUITE, *PROTO]) == 0
+    assert "on the long-context suite (question-after, 420 tokens" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert r["suite"]["prefills"] == 1 and r["recommended_suite"]["n"] == 1
+    assert r["recommended_suite"]["score_drop"] == r["recommended_suite"]["score_fp"] - r["recommended_suite"]["score"]
+
+
+@pytest.mark.parametrize("argv", [["--score-tasks", "qa"], ["--per-head", "--score-samples", "2"]])
+def test_profile_suite_options_need_a_length(no_model, capsys, argv):
+    rc = main(["profile", *argv])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "needs --score-length L (the long-context suite is off)" in err

@@ -99,3 +99,53 @@ def test_nothing_fits_raises_with_the_measured_rows(peaked_model, windows):
     rows = e.value.result["evaluated"]
     assert [r["name"] for r in rows] == [one_bit.describe()] and rows[0]["delta_ppl_pct"] > 0
     assert "config" not in e.value.result and e.value.result["ppl_fp"] > 0
+
+
+class ScriptedSuite:
+    """A suite whose drop per candidate is scripted by its key width (tune's selection under a score bound,
+    apart from a model that can do the tasks: tests/eval/longctx/test_objective.py scores real ones)."""
+
+    def __init__(self, drops):
+        self.drops, self.scored = drops, []
+
+    def score(self, spec, name):
+        self.scored.append(name)
+        d = self.drops[spec.k_bits]
+        return {"score": 100.0 - d, "score_fp": 100.0, "score_drop": d, "score_drop_ci": [d, d], "within_noise": d == 0,
+                "score_tasks": {"niah_single": 100.0 - d}, "n": 2, "seconds": 0.0}
+
+    def describe(self):
+        return {"length": 420, "tasks": ["niah_single"], "samples": 2, "protocol": "question-after", "score_fp": 100.0,
+                "prefill_seconds": 0.0}
+
+
+def test_a_score_drop_bound_rejects_the_cheaper_damaged_candidate(peaked_model, windows):
+    suite = ScriptedSuite({2: 50.0, 4: 0.0})  # A (2-bit) loses 50 points, B (4-bit) none
+    free = tune(peaked_model, windows[:1], [B, A], max_ppl_increase=1e6, suite=suite, **FAST)
+    assert free["name"] == A.describe() and free["score_drop"] == 50.0  # no bound: the cheaper, reported on both
+    assert free["suite"]["length"] == 420 and free["budget"]["max_score_drop"] is None
+    suite.scored.clear()
+    r = tune(peaked_model, windows[:1], [B, A], max_ppl_increase=1e6, suite=suite, max_score_drop=0, **FAST)
+    assert r["name"] == B.describe() and r["score_drop"] == 0.0 and r["score"] == 100.0
+    assert suite.scored == [A.describe(), B.describe()]  # each once, in order of bits
+    assert [x.get("score_drop") for x in r["evaluated"]] == [50.0, 0.0]
+    assert r["budget"]["max_score_drop"] == 0.0
+    alone = tune(peaked_model, windows[:1], [B, A], suite=suite, max_score_drop=49.0, **FAST)  # the only budget
+    assert alone["name"] == B.describe()
+    assert tune(peaked_model, windows[:1], [B, A], suite=suite, max_score_drop=50.0, **FAST)["name"] == A.describe()
+
+
+def test_a_bits_budget_with_a_score_bound_takes_the_cheapest_within_both(peaked_model, windows):
+    suite = ScriptedSuite({2: 5.0, 4: 0.0})
+    r = tune(peaked_model, windows[:1], [B, A], max_bits=20.0, suite=suite, max_score_drop=1.0, **FAST)
+    assert r["name"] == B.describe() and suite.scored == [A.describe(), B.describe()]
+    with pytest.raises(ValueError, match="dropped the long-context score too far"):
+        tune(peaked_model, windows[:1], [B, A], max_bits=20.0, suite=ScriptedSuite({2: 5.0, 4: 5.0}),
+             max_score_drop=1.0, **FAST)
+
+
+def test_a_score_bound_needs_a_suite_and_a_valid_bound(peaked_model, windows):
+    with pytest.raises(ValueError, match="max_score_drop needs suite"):
+        tune(peaked_model, windows[:1], [A], max_score_drop=1.0, **FAST)
+    with pytest.raises(ValueError, match="between 0 and 100"):
+        tune(peaked_model, windows[:1], [A], suite=ScriptedSuite({2: 0.0}), max_score_drop=-1, **FAST)
