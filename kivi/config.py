@@ -102,7 +102,7 @@ class KiviConfig:
             row; ``head_dim`` must be a power of two) and rotated back when read (:mod:`kivi.quant.rotation`).
             Same bytes; sink tokens and the window stay unrotated and bit-exact. Read by the ``reference``
             attention backend only (``"auto"`` picks it; the packed backends and KIVI pages refuse it).
-            Measured: docs/evaluation.md, "Key rotation".
+            Measured: docs/evaluation.md, "Key rotation (Hadamard) screened with the suite".
     """
 
     k_bits: int = 2

@@ -5,7 +5,8 @@ attention unchanged in exact arithmetic and only moves where the quantization er
 is the normalized Walsh-Hadamard matrix of size ``head_dim`` (a power of two) with a fixed pseudo-random
 +-1 sign on each row, ``R = diag(s) H / sqrt(D)`` (what llama.cpp applies to quantized K caches by default,
 and vLLM / SGLang ship as an option). KIVI groups keys per channel over tokens, so the rotation mixes the
-channels whose groups KIVI keeps apart; whether it helps is measured (docs/evaluation.md, "Key rotation").
+channels whose groups KIVI keeps apart; whether it helps is measured (docs/evaluation.md, "Key rotation
+(Hadamard) screened with the suite").
 
 Stored keys are ``quantize(k R)``; :func:`kivi.quant.kv.dequantize_kv` returns ``dequantize(...) R.T``
 (the keys in their own basis), so every reader that dequantizes sees ordinary keys. Sink tokens and the
