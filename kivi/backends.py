@@ -7,9 +7,10 @@
   blocked torch path (:func:`kivi.attention.blocked.blocked_attention`, any torch device).
 * ``"triton"`` — ``kivi.kernels.triton_attention`` (CUDA).
 * ``"auto"`` — ``"reference"`` for models whose attention the packed paths do not implement
-  (logit softcapping, e.g. Gemma2; attention sinks); else ``"triton"`` on a CUDA device when
-  triton is installed and the config is one the kernel implements (asymmetric, no compensation;
-  every code width, 3 bits included; sink tokens and any number of stored blocks are read in place); else ``"cpu"``.
+  (logit softcapping, e.g. Gemma2; attention sinks) and for configs they do not read (``key_rotation``);
+  else ``"triton"`` on a CUDA device when triton is installed and the config is one the kernel implements
+  (asymmetric, no compensation; every code width, 3 bits included; sink tokens and any number of stored
+  blocks are read in place); else ``"cpu"``.
 
 The decision is made once: :func:`kivi.quantize_model` resolves it for the model (and switches the
 model's attention to ``"kivi"`` unless it is ``"reference"``); :meth:`KiviCache.from_model` takes
@@ -64,6 +65,15 @@ def model_attention_unsupported(model_config: Any) -> str | None:
     return None
 
 
+def packed_config_unsupported(config: Any) -> str | None:
+    """Why no packed backend ("cpu", "triton") can read caches of ``config`` (a KiviConfig), or ``None``:
+    rotated keys (``key_rotation``), which only the reference dequantization rotates back."""
+    rotation = getattr(config, "key_rotation", "none") if config is not None else "none"
+    if rotation != "none":
+        return f"rotated keys (key_rotation={rotation!r}: its kernels read codes in the keys' own basis)"
+    return None
+
+
 def stored_formats(config: Any) -> list[SideFormat]:
     """Every quantized format a cache of ``config`` stores, without repeats: each side of the config and of
     each layer it overrides (``layer_specific_config``) or splits by head (``head_bits``), at every width
@@ -103,7 +113,9 @@ class Backend:
         each a clause that follows ``attention_backend='<name>'`` in an error; empty when it can. ``None``
         arguments are not checked."""
         why = model_attention_unsupported(model_config) if self.packed else None
-        return [f"cannot run this model: {why}; use 'reference'"] if why else []
+        out = [f"cannot run this model: {why}; use 'reference'"] if why else []
+        rot = packed_config_unsupported(config) if self.packed else None
+        return out + ([f"does not read {rot}; use 'reference'"] if rot else [])
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -158,7 +170,7 @@ class TritonBackend(Backend):
     packed = True
 
     def supports(self, *, device: Any = None, config: Any = None, model_config: Any = None) -> list[str]:
-        why = super().supports(model_config=model_config)
+        why = super().supports(config=config, model_config=model_config)
         if not triton_available():
             why.append("is not available: the 'triton' package is not installed (pip install 'kivi[triton]')")
         dev = _device_type(device)
@@ -224,7 +236,7 @@ def resolve_backend(requested: str, device: Any = None, *, config: Any = None, m
         raise ValueError(f"attention_backend={requested!r} is not allowed; choose one of {list(ATTENTION_BACKENDS)}")
     dev = _device_type(device)
     if requested == "auto":
-        if model_attention_unsupported(model_config):
+        if model_attention_unsupported(model_config) or packed_config_unsupported(config):
             return ReferenceBackend(config)
         if dev == "cuda" and not TritonBackend().supports(device=device, config=config, model_config=model_config):
             return TritonBackend(config)
@@ -298,6 +310,7 @@ __all__ = [
     "resolve_backend",
     "resolve_attention_backend",
     "numba_missing_message",
+    "packed_config_unsupported",
     "cache_attention_backend",
     "attention_reads_views",
     "model_attention_unsupported",

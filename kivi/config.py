@@ -12,6 +12,7 @@ import torch
 
 from .config_checks import check_int, check_layer_fields, normalize_tiers, parse_head_bits
 from .files import read_text, write_text
+from .quant.rotation import check_rotation
 from .quant.side_format import AXIS, KEY_AXIS, SIDES, SideFormat
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -96,6 +97,12 @@ class KiviConfig:
             from then on the layer holds what it would hold with ``quantize_after=0``
             (:func:`kivi.cache.schedule.quantizing`; docs/python.md, "Precision chosen from the request's length").
             Per layer via ``layer_specific_config``; not on sliding-window layers (override it to 0 there).
+        key_rotation: ``"none"`` (KIVI as published) or ``"hadamard"``: stored keys are quantized after an
+            orthogonal rotation of each head's channels (normalized Walsh-Hadamard with a fixed +-1 sign per
+            row; ``head_dim`` must be a power of two) and rotated back when read (:mod:`kivi.quant.rotation`).
+            Same bytes; sink tokens and the window stay unrotated and bit-exact. Read by the ``reference``
+            attention backend only (``"auto"`` picks it; the packed backends and KIVI pages refuse it).
+            Measured: docs/evaluation.md, "Key rotation (Hadamard) screened with the suite".
     """
 
     k_bits: int = 2
@@ -116,6 +123,7 @@ class KiviConfig:
     head_bits: dict[int, dict[str, list[int]]] = field(default_factory=dict)
     tiers: tuple | None = None
     quantize_after: int = 0
+    key_rotation: str = "none"
 
     def __post_init__(self) -> None:
         self.tiers = normalize_tiers(self.tiers)
@@ -155,6 +163,7 @@ class KiviConfig:
                 "sink tokens are kept in full precision "
                 "(a handful, e.g. 4, is what they are for); use residual_length for a longer full-precision window"
             )
+        check_rotation(self.key_rotation)
         if not isinstance(self.check_finite, bool):
             raise ValueError(f"check_finite={self.check_finite!r} must be true or false")
         if self.block_size % self.group_size:
@@ -244,7 +253,8 @@ class KiviConfig:
                 bits = widths[SIDES.index(side)][head]
         sd = None if cfg.scale_dtype == "auto" else getattr(torch, cfg.scale_dtype)
         return SideFormat(AXIS[side], bits, cfg.group_size, symmetric=cfg.symmetric, residual_bits=cfg.residual_bits,
-                          clip=cfg.clips(AXIS[side]), scale_dtype=sd, check_finite=cfg.check_finite)
+                          clip=cfg.clips(AXIS[side]), scale_dtype=sd, check_finite=cfg.check_finite,
+                          rotation=cfg.key_rotation if side == "k" else "none")
 
     # ------------------------------------------------------------------ per layer
     def for_layer(self, layer_idx: int) -> "KiviConfig":
@@ -332,6 +342,8 @@ class KiviConfig:
             parts.append("tiers " + "/".join(
                 f"{'rest' if n is None else n}@{'fp' if b is None else (b[0] if b[0] == b[1] else f'K{b[0]}V{b[1]}')}"
                 for n, b in self.tiers))
+        if self.key_rotation != "none":
+            parts.append(f"rot-{self.key_rotation}")
         if self.layer_specific_config:
             parts.append(f"{len(self.layer_specific_config)} layer overrides")
         if self.head_bits:

@@ -40,9 +40,28 @@ def test_clip_round_trips_and_overrides_per_layer():
     assert KiviConfig(clip="keys").clips("channel") and "clip-keys" in KiviConfig(clip="keys").describe()
 
 
+def test_key_rotation_round_trips_and_is_described():
+    c = KiviConfig(key_rotation="hadamard", sink_tokens=4)
+    assert KiviConfig.from_json(c.to_json()) == c and json.loads(c.to_json())["key_rotation"] == "hadamard"
+    assert KiviConfig().key_rotation == "none" and KiviConfig.from_dict({"k_bits": 2}).key_rotation == "none"
+    assert "rot-hadamard" in c.describe() and "rot" not in KiviConfig().describe()
+    assert c.side_format("k").rotation == "hadamard" and c.side_format("v").rotation == "none"
+    assert c.for_layer(0).key_rotation == "hadamard"
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['key_rotation'\]"):  # one rotation per cache
+        KiviConfig(layer_specific_config={0: {"key_rotation": "hadamard"}})
+
+
+def test_key_rotation_needs_a_power_of_two_head_dim_when_applied():
+    model = tiny_model("llama", hidden_size=96, num_attention_heads=4, head_dim=24)
+    with pytest.raises(ValueError, match=r"key_rotation='hadamard' needs head_dim to be a power of two.*head_dim=24"):
+        quantize_model(model, KiviConfig(group_size=8, residual_length=16, key_rotation="hadamard"))
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [
+        (dict(key_rotation="walsh"), r"key_rotation='walsh' is not allowed; choose one of \['none', 'hadamard'\]"),
+        (dict(key_rotation=None), r"key_rotation=None is not allowed"),
         (dict(k_bits=5), r"k_bits=5 is not supported; allowed values are \[1, 2, 3, 4, 8\]"),
         (dict(v_bits=0), r"v_bits=0"),
         (dict(group_size=0), r"group_size=0 must be an integer >= 1"),

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent / "kivi"
 #: Layer of each module, by longest matching name prefix (lower layers first).
 LAYERS: dict[str, int] = {
     # 0 primitives: pure quantize / pack, optional-dependency probes, the glibc malloc pin
-    "kivi.quant.primitives": 0, "kivi.quant.clipping": 0, "kivi.quant.packing": 0, "kivi.optional": 0,
+    "kivi.quant.primitives": 0, "kivi.quant.clipping": 0, "kivi.quant.packing": 0, "kivi.quant.rotation": 0,
+    "kivi.optional": 0,
     "kivi.malloc_pin": 0, "kivi.numba_cache": 0,
     # the one writer and the one bounded reader of user-named files (every layer writes or reads them)
     "kivi.files": 0,

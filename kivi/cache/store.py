@@ -369,8 +369,11 @@ def segment_meta(template: Segment | None) -> dict[str, Any] | None:
               for k, t in template.tensors().items()}
     if isinstance(template, FpSegment):
         return {"kind": "fp", "axis": template.axis, "group_size": template.group_size, "fields": fields}
-    return {"kind": "packed", "bits": template.bits, "group_size": template.group_size, "axis": template.axis,
+    meta = {"kind": "packed", "bits": template.bits, "group_size": template.group_size, "axis": template.axis,
             "head_dim": template.head_dim, "residual_bits": template.residual_bits, "fields": fields}
+    if template.rotation != "none":  # only a rotated segment names it: unrotated metadata is unchanged
+        meta["rotation"] = template.rotation
+    return meta
 
 
 def segment_from_meta(meta: dict[str, Any] | None, device: str | torch.device = "cpu") -> Segment | None:
@@ -386,7 +389,7 @@ def segment_from_meta(meta: dict[str, Any] | None, device: str | torch.device = 
         return FpSegment(empty["data"], meta["axis"], meta["group_size"])
     return PackedKV(packed=empty["packed"], scale=empty["scale"], offset=empty.get("offset"), comp=empty.get("comp"),
                     bits=meta["bits"], group_size=meta["group_size"], axis=meta["axis"], head_dim=meta["head_dim"],
-                    residual_bits=meta["residual_bits"])
+                    residual_bits=meta["residual_bits"], rotation=meta.get("rotation", "none"))
 
 
 def token_slice(seg: Segment, a: int, b: int) -> Segment:

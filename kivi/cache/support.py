@@ -10,6 +10,7 @@ from typing import Any
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from ..config import KiviConfig
+from ..quant.rotation import rotation_head_dim_problem
 
 #: Attention layers whose keys/values go through ``Cache.update`` (a KiviLayer each).
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -63,11 +64,15 @@ def max_position_embeddings(model_config: Any) -> int | None:
 
 
 def check_head_dim(config: KiviConfig, head_dim: int, num_layers: int = 1) -> None:
-    """Raise ``ValueError`` when a layer quantizes values and its ``group_size`` does not divide ``head_dim``.
+    """Raise ``ValueError`` when a layer quantizes values and its ``group_size`` does not divide ``head_dim``,
+    or when ``key_rotation`` cannot rotate heads of ``head_dim`` channels (Hadamard: a power of two).
 
     Values are grouped per token over channels, so a group must not straddle heads. ``config``'s
     ``layer_specific_config`` is applied for layers ``0 .. num_layers - 1``.
     """
+    why = rotation_head_dim_problem(config.key_rotation, head_dim)
+    if why:
+        raise ValueError(why)
     for i in range(num_layers):
         lcfg = config.for_layer(i) if i in config.layer_specific_config else config
         if lcfg.quantize_value and head_dim % lcfg.group_size:

@@ -16,6 +16,7 @@ from typing import Any
 from ..config import PRESETS, KiviConfig
 from ..files import DEFAULT_MAX_TEXT_BYTES
 from ..memory.weights import WEIGHT_BITS
+from ..quant.rotation import KEY_ROTATIONS
 from .errors import CliError
 from .validators import byte_size, model_dtype, non_negative_int, output_path, positive_int, text_value
 
@@ -96,6 +97,9 @@ def add_config_args(p: argparse.ArgumentParser, *, default_preset: str | None = 
     g.add_argument("--clip", nargs="?", const="both", default=None, choices=["both", "keys", "values"],
                    help="MSE-optimal clipping of group ranges, both sides (bare --clip) or one; same bytes "
                         "(docs/python.md, \"Quality per bit\")")
+    g.add_argument("--key-rotation", default=None, choices=list(KEY_ROTATIONS),
+                   help="rotate each head's keys before quantizing them (hadamard: Walsh-Hadamard with fixed signs; "
+                        "read by the 'reference' backend; docs/python.md, \"Rotated keys\")")
     g.add_argument("--attention-backend", default=None, type=text_value, help="auto | reference | cpu | triton")
 
 
@@ -130,7 +134,7 @@ def config_from_args(args: argparse.Namespace) -> KiviConfig | None:
     """The KiviConfig the options describe, or ``None`` when none was given."""
     fields: dict[str, Any] = {}
     for name in ("k_bits", "v_bits", "group_size", "residual_length", "residual_bits", "sink_tokens",
-                 "quantize_after", "attention_backend"):
+                 "quantize_after", "key_rotation", "attention_backend"):
         v = getattr(args, name, None)
         if v is not None:
             fields[name] = v

@@ -43,7 +43,7 @@ def demote_kv(p: PackedKV, to_bits: int) -> PackedKV:
     codes = demote_codes(unpack_codes(p.packed, p.bits, p.head_dim), r)
     scale = (p.scale.float() * r).to(p.scale.dtype)
     return PackedKV(packed=pack_codes(codes, to_bits), scale=scale, offset=p.offset.clone(), comp=None,
-                    bits=to_bits, group_size=p.group_size, axis=p.axis, head_dim=p.head_dim)
+                    bits=to_bits, group_size=p.group_size, axis=p.axis, head_dim=p.head_dim, rotation=p.rotation)
 
 
 __all__ = ["demote_ratio", "demote_codes", "demote_kv"]

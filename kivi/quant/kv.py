@@ -23,6 +23,7 @@ import torch
 
 from .packing import pack_codes, unpack_codes
 from .primitives import dequantize_groups, group_view, quantize_groups
+from .rotation import rotate, unrotate
 from .side_format import KEY_AXIS, VALUE_AXIS, SideFormat
 
 
@@ -36,6 +37,7 @@ class PackedKV:
         offset: like ``scale``, or ``None`` for symmetric quantization.
         comp:   uint8 packed compensation codes ``[..., packed_size(scale.shape[-1], residual_bits)]``
                 with ``scale``'s leading shape, or ``None``.
+        rotation: the codes quantize ``x R`` (:mod:`kivi.quant.rotation`; keys only); ``"none"``: ``x`` itself.
     """
 
     packed: torch.Tensor
@@ -47,6 +49,7 @@ class PackedKV:
     axis: str  # "channel" (keys) or "token" (values)
     head_dim: int
     residual_bits: int = 0
+    rotation: str = "none"
 
     TENSOR_FIELDS = ("packed", "scale", "offset", "comp")
 
@@ -137,11 +140,13 @@ def quantize_side(x: torch.Tensor, fmt: SideFormat, *, valid: torch.Tensor | Non
     """Quantize ``x [B, H, T, D]`` (cached tensors) in the side format ``fmt``: :func:`quantize_kv` with every
     setting taken from the format, scales / offsets in ``fmt.param_dtype(x.dtype)``.
 
-    ``valid [B, T]`` (bool) marks real tokens; padding is left out of every statistic.
+    ``valid [B, T]`` (bool) marks real tokens; padding is left out of every statistic. A rotated format
+    (``fmt.rotation``) quantizes ``x R`` (float32) and records the rotation in the result.
     """
-    return quantize_kv(x, fmt.axis, fmt.bits, fmt.group_size, symmetric=fmt.symmetric,
-                       residual_bits=fmt.residual_bits, valid=valid, param_dtype=fmt.param_dtype(x.dtype),
-                       check_finite=fmt.check_finite, clip=fmt.clip)
+    seg = quantize_kv(rotate(x, fmt.rotation), fmt.axis, fmt.bits, fmt.group_size, symmetric=fmt.symmetric,
+                      residual_bits=fmt.residual_bits, valid=valid, param_dtype=fmt.param_dtype(x.dtype),
+                      check_finite=fmt.check_finite, clip=fmt.clip)
+    return seg if fmt.rotation == "none" else replace(seg, rotation=fmt.rotation)
 
 
 def compensation_values(p: PackedKV) -> torch.Tensor | None:
@@ -154,7 +159,7 @@ def compensation_values(p: PackedKV) -> torch.Tensor | None:
 
 
 def dequantize_kv(p: PackedKV, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``PackedKV`` -> ``[B, H, T, D]`` in ``dtype``."""
+    """``PackedKV`` -> ``[B, H, T, D]`` in ``dtype`` (a rotated segment rotated back: the tokens' own basis)."""
     dim = -2 if p.axis == KEY_AXIS else -1
     codes = unpack_codes(p.packed, p.bits, p.head_dim)
     out = dequantize_groups(codes, p.scale, p.offset, p.bits, p.group_size, dim, dtype=torch.float32)
@@ -163,7 +168,7 @@ def dequantize_kv(p: PackedKV, dtype: torch.dtype = torch.float32) -> torch.Tens
         g = group_view(out, dim % 4, p.group_size)
         g = g + comp.unsqueeze((dim % 4) + 1)
         out = g.reshape(out.shape)
-    return out.to(dtype)
+    return unrotate(out, p.rotation).to(dtype)
 
 
 __all__ = [

@@ -100,9 +100,13 @@ def page_refusals(cfg: KiviConfig) -> list[str]:
     """Every setting of ``cfg`` that KIVI pages cannot hold, each ``"field=value: why"`` (a layer override's
     field as ``"layer_specific_config[i].field"``); empty when pages hold it. The one list of what pages
     hold: one width per side (no per-head widths, no position tiers), both sides quantized, quantized from the
-    first token on (a request's full-precision rows are sized for the window). Each host adds its own
-    limits and says where the refusal comes from."""
+    first token on (a request's full-precision rows are sized for the window), keys not rotated (the paged
+    kernels read codes in the keys' own basis). Each host adds its own limits and says where the refusal
+    comes from."""
     out = ["head_bits: per-head widths (a page holds one width per side)"] if cfg.head_bits else []
+    if cfg.key_rotation != "none":
+        out.append(f"key_rotation={cfg.key_rotation!r}: rotated keys (the paged kernels read unrotated codes; "
+                   "use 'none')")
     for layer in [None, *sorted(cfg.layer_specific_config)]:
         where = "" if layer is None else f"layer_specific_config[{layer}]."
         c = cfg if layer is None else cfg.for_layer(layer)

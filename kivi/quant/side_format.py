@@ -15,6 +15,7 @@ import torch
 
 from .packing import packed_size
 from .primitives import check_bits
+from .rotation import check_rotation
 
 SIDES = ("k", "v")
 KEY_AXIS = "channel"  # keys: quantized per channel, groups of G tokens
@@ -38,6 +39,8 @@ class SideFormat:
         scale_dtype: dtype of scales / offsets, or ``None`` for the cached tensors' dtype
             (:meth:`param_dtype`).
         check_finite: the quantizer raises on NaN / Inf instead of storing them; write path only.
+        rotation: orthogonal rotation of each head's channels before quantization (keys only;
+            :mod:`kivi.quant.rotation`): ``"none"`` or ``"hadamard"``. Same bytes; dequantization rotates back.
     """
 
     axis: str
@@ -48,10 +51,14 @@ class SideFormat:
     clip: bool = False
     scale_dtype: torch.dtype | None = None
     check_finite: bool = True
+    rotation: str = "none"
 
     def __post_init__(self) -> None:
         if self.axis not in AXIS.values():
             raise ValueError(f"axis={self.axis!r} must be 'channel' (keys) or 'token' (values)")
+        check_rotation(self.rotation, name="rotation")
+        if self.rotation != "none" and self.axis != KEY_AXIS:
+            raise ValueError(f"rotation={self.rotation!r} is for keys (axis='channel'); values are not rotated")
         check_bits(self.bits, symmetric=self.symmetric)
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
             raise ValueError(f"group_size={self.group_size!r} must be an integer >= 1")
