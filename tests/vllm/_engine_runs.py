@@ -27,8 +27,14 @@ from pathlib import Path
 
 
 def run_engine(job: dict, *, timeout: float = 3600, env: dict | None = None) -> dict:
-    """Run ``job`` in a child process (this file) with 1 GiB of KV cache; its result (asserts it finished)."""
+    """Run ``job`` in a child process (this file) with 1 GiB of KV cache; its result (asserts it finished).
+
+    An engine bound to one core (``VLLM_CPU_OMP_THREADS_BIND`` a single core id: tests/vllm/conftest.py under
+    xdist) runs one torch thread: vLLM sets that for the worker processes it spawns, not for an engine that runs
+    in this child (``record``), whose two threads would otherwise spin against the other worker's engine."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
+    if env.get("VLLM_CPU_OMP_THREADS_BIND", "").isdigit():
+        env.setdefault("OMP_NUM_THREADS", "1")
     proc = subprocess.run([sys.executable, str(Path(__file__)), json.dumps(job)], capture_output=True, text=True,
                           env=env, timeout=timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -15,7 +15,8 @@ import pytest
 from tests.vllm._engine_runs import run_engine
 from tests.vllm._reference import assert_request_matches, compare_tokens, segments
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # engine runs of minutes each: KIVI_SLOW=1
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,  # engine runs of minutes each: KIVI_SLOW=1
+              pytest.mark.xdist_group("tensor_parallel")]  # one worker: the tp1 engine starts once
 
 KIVI = {"k_bits": 2, "v_bits": 2, "group_size": 32, "residual_length": 32}
 NEW_TOKENS = 96
