@@ -21,17 +21,16 @@ is announced with a warning that says how to fix it.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from typing import Any
 
+from .capabilities import REFUSED, kernel_reasons, model_attention_unsupported, reasons, stored_formats
 from .config import ATTENTION_BACKENDS
 from .optional import numba_problem, triton_available
-from .quant.primitives import SUPPORTED_BITS
-from .quant.side_format import SIDES, VALUE_AXIS, SideFormat
 
 #: Name of the attention implementation kivi registers with transformers (kivi.attention.interface).
 ATTN_IMPLEMENTATION = "kivi"
+
 
 def numba_missing_message(problem: str) -> str:
     """The warning of a ``"cpu"`` backend that cannot run its numba kernel: ``problem`` (from
@@ -52,33 +51,10 @@ def _device_type(device: Any) -> str | None:
     return getattr(device, "type", None) or str(device).split(":")[0]
 
 
-def model_attention_unsupported(model_config: Any) -> str | None:
-    """Why the packed paths ("cpu", "triton") cannot run this model's attention, or ``None``."""
-    if model_config is None:
-        return None
-    text = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
-    if getattr(text, "attn_logit_softcapping", None) is not None:
-        return "its attention uses logit softcapping (attn_logit_softcapping)"
-    if getattr(text, "use_sinks", False) or getattr(text, "sinks", None) is not None:
-        return "its attention uses attention sinks"
-    return None
-
-
-def stored_formats(config: Any) -> list[SideFormat]:
-    """Every quantized format a cache of ``config`` stores, without repeats: each side of the config and of
-    each layer it overrides (``layer_specific_config``) or splits by head (``head_bits``), at every width
-    its tokens take (the layer's, each position tier's, each head's)."""
-    layers = sorted(set(config.layer_specific_config) | set(config.head_bits))
-    out: list[SideFormat] = []
-    for idx, c in [(None, config)] + [(i, config.for_layer(i)) for i in layers]:
-        heads = config.layer_head_bits(idx) if idx is not None else None
-        for j, (side, quant) in enumerate(zip(SIDES, (c.quantize_key, c.quantize_value))):
-            if not quant:
-                continue
-            fmt = c.side_format(side)
-            widths = {fmt.bits} | {w[j] for _, w in (c.tiers or ())[1:]} | set(heads[j] if heads else ())
-            out += [f for f in (dataclasses.replace(fmt, bits=b) for b in sorted(widths)) if f not in out]
-    return out
+#: How an explicit request's error words each kind of reason (:attr:`kivi.capabilities.Reason.kind`), in this order.
+_WORDING = {"model": "cannot run this model: {}; use 'reference'", "machine": "{}",
+            "config": "does not implement {}; use 'cpu' or 'reference'",
+            "format": "does not implement {}; use 'cpu' or 'reference'"}
 
 
 class Backend:
@@ -101,9 +77,12 @@ class Backend:
     def supports(self, *, device: Any = None, config: Any = None, model_config: Any = None) -> list[str]:
         """Every reason this backend cannot read caches of ``config`` for ``model_config`` on ``device``,
         each a clause that follows ``attention_backend='<name>'`` in an error; empty when it can. ``None``
-        arguments are not checked."""
-        why = model_attention_unsupported(model_config) if self.packed else None
-        return [f"cannot run this model: {why}; use 'reference'"] if why else []
+        arguments are not checked. The reasons are the refused cells of :data:`kivi.capabilities.TABLE`."""
+        facts = {"triton": triton_available()} if self.name == "triton" else {}
+        why = reasons(config, "generate", self.name, REFUSED, model_config=model_config, device=_device_type(device),
+                      **facts)
+        why.sort(key=lambda r: list(_WORDING).index(r.kind))
+        return [_WORDING[r.kind].format(r.detail) for r in why]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -135,18 +114,8 @@ class CpuBackend(Backend):
         #: True: every layer of a cache of ``config`` stores formats the fused kernel reads; False: some
         #: layer does not (each call's views are checked); None: config unknown (each call checked).
         self.kernel_reads_layouts: bool | None = (
-            None if config is None else not kernel_config_reasons(config, CpuBackend.format_reasons)
+            None if config is None else not kernel_reasons(config, "generate", "cpu")
         )
-
-    @staticmethod
-    def format_reasons(bits: int, axis: str, group_size: int) -> list[str]:
-        """Why the fused kernel cannot read a stored segment of this format (empty: it reads it)."""
-        why = []
-        if bits not in SUPPORTED_BITS:
-            why.append(f"{bits}-bit codes (the kernel reads {list(SUPPORTED_BITS)})")
-        if axis == VALUE_AXIS and group_size % 4:
-            why.append(f"value groups of {group_size} channels (the kernel reads 4 channels at a time)")
-        return why
 
 
 class TritonBackend(Backend):
@@ -156,36 +125,6 @@ class TritonBackend(Backend):
 
     name = "triton"
     packed = True
-
-    def supports(self, *, device: Any = None, config: Any = None, model_config: Any = None) -> list[str]:
-        why = super().supports(model_config=model_config)
-        if not triton_available():
-            why.append("is not available: the 'triton' package is not installed (pip install 'kivi[triton]')")
-        dev = _device_type(device)
-        if dev is not None and dev != "cuda":
-            why.append(f"needs a CUDA device; the model is on {dev!r}")
-        if config is not None:
-            why += [f"does not implement {w}; use 'cpu' or 'reference'" for w in _triton_config_reasons(config)]
-        return why
-
-
-def _triton_config_reasons(config: Any) -> list[str]:
-    why = []
-    for f in stored_formats(config):  # every code width is read by the kernel (per-head widths too)
-        if f.symmetric and "symmetric quantization" not in why:
-            why.append("symmetric quantization")
-        if f.residual_bits and "error compensation (residual_bits > 0)" not in why:
-            why.append("error compensation (residual_bits > 0)")
-    return why
-
-
-def kernel_config_reasons(config: Any, format_reasons) -> list[str]:
-    """``format_reasons(bits, axis, group_size)`` over every format a cache of ``config`` stores
-    (:func:`stored_formats`), without repeats."""
-    out: list[str] = []
-    for f in stored_formats(config):
-        out += [w for w in format_reasons(f.bits, f.axis, f.group_size) if w not in out]
-    return out
 
 
 #: One backend class per ``attention_backend`` name (``"auto"`` resolves to one of them).
@@ -207,12 +146,6 @@ def backend_named(name: str | Backend, config: Any = None) -> Backend:
                          f"{list(BACKEND_CLASSES)}") from None
 
 
-def kernel_config_unsupported(config: Any) -> str | None:
-    """Why the Triton kernel cannot read caches made with ``config`` (a KiviConfig), or ``None``."""
-    why = [] if config is None else _triton_config_reasons(config)
-    return why[0] if why else None
-
-
 def resolve_backend(requested: str, device: Any = None, *, config: Any = None, model_config: Any = None) -> Backend:
     """The backend for ``requested`` (one of ``ATTENTION_BACKENDS``) on ``device``; raise if it cannot run.
 
@@ -232,8 +165,9 @@ def resolve_backend(requested: str, device: Any = None, *, config: Any = None, m
     backend = BACKEND_CLASSES[requested](config)
     why = backend.supports(device=device, config=config, model_config=model_config)
     if why:
-        missing = not triton_available() or (dev is not None and dev != "cuda")
-        error = RuntimeError if requested == "triton" and missing else ValueError
+        missing = any(r.kind == "machine" for r in reasons(None, "generate", requested, REFUSED, device=dev,
+                                                             triton=triton_available()))
+        error = RuntimeError if missing else ValueError
         raise error(f"attention_backend={requested!r} " + "; and ".join(why))
     problem = numba_problem() if requested == "cpu" and dev in (None, "cpu") else None
     if problem:
@@ -301,7 +235,5 @@ __all__ = [
     "cache_attention_backend",
     "attention_reads_views",
     "model_attention_unsupported",
-    "kernel_config_unsupported",
-    "kernel_config_reasons",
     "stored_formats",
 ]

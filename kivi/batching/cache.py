@@ -43,7 +43,8 @@ from ..cache.boundary import SideCounts, set_boundary
 from ..cache.pages import gather_pages, page_store, scatter_tokens, store_rows
 from ..cache.schedule import prefill_exact_queries, window_exits
 from ..cache.view import AttentionView
-from ..optional import numba_available
+from ..capabilities import kernel_reasons
+from ..optional import numba_problem
 from ..quant.kv import dequantize_kv, quantize_side
 from .allocator import KiviPageAllocator
 from .attention import PagedBatchViews, PagedDecode
@@ -99,10 +100,12 @@ class KiviPagedCache(PagedAttentionCache):
         self._rows = window_view(self.cache_tensor, layout)
         #: per layer, the paged decode kernel's view of its fields (``None``: that layer's decoding requests are
         #: read one by one — materialized or reference mode, numba absent, a sliding window, compensation codes)
+        backend, numba = getattr(packed_backend, "name", packed_backend) or "reference", numba_problem() or ""
+        scales = {f.layer: f.dtype for f in layout.fields if f.name == "scale"}
         self._kernel_layouts = [
-            layout.kernel_layout(i) if getattr(packed_backend, "name", packed_backend) == "cpu" and numba_available()
-            and w is None else None
-            for i, w in enumerate(layout.sliding_windows)]
+            None if kernel_reasons(cfg, "batching", backend, numba=numba, sliding=w is not None, param_dtype=scales[i])
+            else layout.kernel_layout(i)
+            for i, (cfg, w) in enumerate(zip(layout.layer_configs, layout.sliding_windows))]
         self._decode: DecodeStep | None = None  # the running forward's decoding requests
         self._next_batch: list[tuple[str, int, int]] = []  # filled while a batch is prepared
         self._batch: list[tuple[str, int, int]] = []  # the batch of the running forward
