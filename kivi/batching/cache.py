@@ -254,7 +254,6 @@ class KiviPagedCache(PagedAttentionCache):
         P = lay.page_size
         dtype = news[0].dtype
         views = self._views[(layer, side)]
-        bits = cfg.k_bits if side == "k" else cfg.v_bits
         S, ring = cfg.sink_tokens, lay.ring_slots(layer)
         # what leaves each request's window in this forward: kivi.cache.schedule's one rule
         exits = []
@@ -268,8 +267,7 @@ class KiviPagedCache(PagedAttentionCache):
         for (rid, _, _), st in zip(batch, states):
             starts.append(len(blocks) * P)
             blocks.extend(alloc.block_table[rid][: lay.token_blocks(st.stored[layer][s])])
-        meta = dict(bits=bits, group_size=cfg.group_size, axis=AXIS[side], head_dim=lay.head_dim,
-                    residual_bits=cfg.residual_bits)
+        meta = dict(fmt=cfg.side_format(side), head_dim=lay.head_dim)
         deq = None
         if blocks and self.packed_backend is None:
             seg = gather_pages(views, torch.tensor(blocks, dtype=torch.long, device=self.cache_tensor.device), **meta)

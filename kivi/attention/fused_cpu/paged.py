@@ -381,7 +381,7 @@ def torch_paged_decode(q: torch.Tensor, pool: torch.Tensor, layout: PagedLayout,
     out = torch.empty(N, hq, D, device=q.device)
     for i in range(N):
         sides = []
-        for s, (side, fp, bits) in enumerate((("k", k_fp, layout.k_bits), ("v", v_fp, layout.v_bits))):
+        for s, (side, fp) in enumerate((("k", k_fp), ("v", v_fp))):
             sink, stored, window = counts[i, 3 * s: 3 * s + 3].tolist()
             sink_rows, window_rows = _fp_rows(fp, i, sink, sink + stored, window, w0)
             parts = [sink_rows]  # [H, sink, D]
@@ -394,8 +394,7 @@ def torch_paged_decode(q: torch.Tensor, pool: torch.Tensor, layout: PagedLayout,
                     t = layout.field(pool, side, name).index_select(0, blocks)  # [n, H, rows, C]
                     fields[name] = t.transpose(0, 1).reshape(1, H, -1, t.shape[-1])
                 seg = PackedKV(packed=fields["packed"], scale=fields["scale"], offset=fields.get("offset"), comp=None,
-                               bits=bits, group_size=layout.group_size, axis="channel" if side == "k" else "token",
-                               head_dim=D)
+                               format=layout.formats()[0 if side == "k" else 1], head_dim=D)
                 parts.append(dequantize_kv(seg, torch.float32)[0, :, :stored])
             parts.append(window_rows)
             sides.append(torch.cat(parts, dim=1))  # [H, T, D]
