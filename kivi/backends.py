@@ -7,10 +7,9 @@
   blocked torch path (:func:`kivi.attention.blocked.blocked_attention`, any torch device).
 * ``"triton"`` — ``kivi.kernels.triton_attention`` (CUDA).
 * ``"auto"`` — ``"reference"`` for models whose attention the packed paths do not implement
-  (logit softcapping, e.g. Gemma2; attention sinks) and for configs they do not read (``key_rotation``);
-  else ``"triton"`` on a CUDA device when triton is installed and the config is one the kernel implements
-  (asymmetric, no compensation; every code width, 3 bits included; sink tokens and any number of stored
-  blocks are read in place); else ``"cpu"``.
+  (logit softcapping, e.g. Gemma2; attention sinks); else ``"triton"`` on a CUDA device when
+  triton is installed and the config is one the kernel implements (asymmetric, no compensation;
+  every code width, 3 bits included; sink tokens and any number of stored blocks are read in place); else ``"cpu"``.
 
 The decision is made once: :func:`kivi.quantize_model` resolves it for the model (and switches the
 model's attention to ``"kivi"`` unless it is ``"reference"``); :meth:`KiviCache.from_model` takes
@@ -22,17 +21,16 @@ is announced with a warning that says how to fix it.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from typing import Any
 
+from .capabilities import FEATURES, REFUSED, kernel_reasons, model_attention_unsupported, reasons, stored_formats
 from .config import ATTENTION_BACKENDS
 from .optional import numba_problem, triton_available
-from .quant.primitives import SUPPORTED_BITS
-from .quant.side_format import SIDES, VALUE_AXIS, SideFormat
 
 #: Name of the attention implementation kivi registers with transformers (kivi.attention.interface).
 ATTN_IMPLEMENTATION = "kivi"
+
 
 def numba_missing_message(problem: str) -> str:
     """The warning of a ``"cpu"`` backend that cannot run its numba kernel: ``problem`` (from
@@ -53,42 +51,15 @@ def _device_type(device: Any) -> str | None:
     return getattr(device, "type", None) or str(device).split(":")[0]
 
 
-def model_attention_unsupported(model_config: Any) -> str | None:
-    """Why the packed paths ("cpu", "triton") cannot run this model's attention, or ``None``."""
-    if model_config is None:
-        return None
-    text = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
-    if getattr(text, "attn_logit_softcapping", None) is not None:
-        return "its attention uses logit softcapping (attn_logit_softcapping)"
-    if getattr(text, "use_sinks", False) or getattr(text, "sinks", None) is not None:
-        return "its attention uses attention sinks"
-    return None
+#: How an explicit request's error words each kind of reason (:attr:`kivi.capabilities.Reason.kind`), in this order.
+_WORDING = {"model": "cannot run this model: {}; use 'reference'", "machine": "{}",
+            "config": "does not implement {}; use {}", "format": "does not implement {}; use {}"}
 
 
-def packed_config_unsupported(config: Any) -> str | None:
-    """Why no packed backend ("cpu", "triton") can read caches of ``config`` (a KiviConfig), or ``None``:
-    rotated keys (``key_rotation``), which only the reference dequantization rotates back."""
-    rotation = getattr(config, "key_rotation", "none") if config is not None else "none"
-    if rotation != "none":
-        return f"rotated keys (key_rotation={rotation!r}: its kernels read codes in the keys' own basis)"
-    return None
-
-
-def stored_formats(config: Any) -> list[SideFormat]:
-    """Every quantized format a cache of ``config`` stores, without repeats: each side of the config and of
-    each layer it overrides (``layer_specific_config``) or splits by head (``head_bits``), at every width
-    its tokens take (the layer's, each position tier's, each head's)."""
-    layers = sorted(set(config.layer_specific_config) | set(config.head_bits))
-    out: list[SideFormat] = []
-    for idx, c in [(None, config)] + [(i, config.for_layer(i)) for i in layers]:
-        heads = config.layer_head_bits(idx) if idx is not None else None
-        for j, (side, quant) in enumerate(zip(SIDES, (c.quantize_key, c.quantize_value))):
-            if not quant:
-                continue
-            fmt = c.side_format(side)
-            widths = {fmt.bits} | {w[j] for _, w in (c.tiers or ())[1:]} | set(heads[j] if heads else ())
-            out += [f for f in (dataclasses.replace(fmt, bits=b) for b in sorted(widths)) if f not in out]
-    return out
+def _alternatives(feature: str, backend: str) -> str:
+    """The other backends of the ``"generate"`` host that take ``feature`` (its row of the table), worded."""
+    ok = [b for b in ("cpu", "reference") if b != backend and FEATURES[feature].cells["generate", b] != REFUSED]
+    return " or ".join(repr(b) for b in ok)
 
 
 class Backend:
@@ -111,11 +82,13 @@ class Backend:
     def supports(self, *, device: Any = None, config: Any = None, model_config: Any = None) -> list[str]:
         """Every reason this backend cannot read caches of ``config`` for ``model_config`` on ``device``,
         each a clause that follows ``attention_backend='<name>'`` in an error; empty when it can. ``None``
-        arguments are not checked."""
-        why = model_attention_unsupported(model_config) if self.packed else None
-        out = [f"cannot run this model: {why}; use 'reference'"] if why else []
-        rot = packed_config_unsupported(config) if self.packed else None
-        return out + ([f"does not read {rot}; use 'reference'"] if rot else [])
+        arguments are not checked. The reasons are the refused cells of :data:`kivi.capabilities.TABLE`."""
+        facts = {"triton": triton_available()} if self.name == "triton" else {}
+        why = reasons(config, "generate", self.name, REFUSED, model_config=model_config, device=_device_type(device),
+                      **facts)
+        why.sort(key=lambda r: list(_WORDING).index(r.kind))
+        return [_WORDING[r.kind].format(r.detail, _alternatives(r.feature, self.name)) if r.kind in ("config", "format")
+                else _WORDING[r.kind].format(r.detail) for r in why]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -147,18 +120,8 @@ class CpuBackend(Backend):
         #: True: every layer of a cache of ``config`` stores formats the fused kernel reads; False: some
         #: layer does not (each call's views are checked); None: config unknown (each call checked).
         self.kernel_reads_layouts: bool | None = (
-            None if config is None else not kernel_config_reasons(config, CpuBackend.format_reasons)
+            None if config is None else not kernel_reasons(config, "generate", "cpu")
         )
-
-    @staticmethod
-    def format_reasons(bits: int, axis: str, group_size: int) -> list[str]:
-        """Why the fused kernel cannot read a stored segment of this format (empty: it reads it)."""
-        why = []
-        if bits not in SUPPORTED_BITS:
-            why.append(f"{bits}-bit codes (the kernel reads {list(SUPPORTED_BITS)})")
-        if axis == VALUE_AXIS and group_size % 4:
-            why.append(f"value groups of {group_size} channels (the kernel reads 4 channels at a time)")
-        return why
 
 
 class TritonBackend(Backend):
@@ -168,36 +131,6 @@ class TritonBackend(Backend):
 
     name = "triton"
     packed = True
-
-    def supports(self, *, device: Any = None, config: Any = None, model_config: Any = None) -> list[str]:
-        why = super().supports(config=config, model_config=model_config)
-        if not triton_available():
-            why.append("is not available: the 'triton' package is not installed (pip install 'kivi[triton]')")
-        dev = _device_type(device)
-        if dev is not None and dev != "cuda":
-            why.append(f"needs a CUDA device; the model is on {dev!r}")
-        if config is not None:
-            why += [f"does not implement {w}; use 'cpu' or 'reference'" for w in _triton_config_reasons(config)]
-        return why
-
-
-def _triton_config_reasons(config: Any) -> list[str]:
-    why = []
-    for f in stored_formats(config):  # every code width is read by the kernel (per-head widths too)
-        if f.symmetric and "symmetric quantization" not in why:
-            why.append("symmetric quantization")
-        if f.residual_bits and "error compensation (residual_bits > 0)" not in why:
-            why.append("error compensation (residual_bits > 0)")
-    return why
-
-
-def kernel_config_reasons(config: Any, format_reasons) -> list[str]:
-    """``format_reasons(bits, axis, group_size)`` over every format a cache of ``config`` stores
-    (:func:`stored_formats`), without repeats."""
-    out: list[str] = []
-    for f in stored_formats(config):
-        out += [w for w in format_reasons(f.bits, f.axis, f.group_size) if w not in out]
-    return out
 
 
 #: One backend class per ``attention_backend`` name (``"auto"`` resolves to one of them).
@@ -219,12 +152,6 @@ def backend_named(name: str | Backend, config: Any = None) -> Backend:
                          f"{list(BACKEND_CLASSES)}") from None
 
 
-def kernel_config_unsupported(config: Any) -> str | None:
-    """Why the Triton kernel cannot read caches made with ``config`` (a KiviConfig), or ``None``."""
-    why = [] if config is None else _triton_config_reasons(config)
-    return why[0] if why else None
-
-
 def resolve_backend(requested: str, device: Any = None, *, config: Any = None, model_config: Any = None) -> Backend:
     """The backend for ``requested`` (one of ``ATTENTION_BACKENDS``) on ``device``; raise if it cannot run.
 
@@ -236,7 +163,7 @@ def resolve_backend(requested: str, device: Any = None, *, config: Any = None, m
         raise ValueError(f"attention_backend={requested!r} is not allowed; choose one of {list(ATTENTION_BACKENDS)}")
     dev = _device_type(device)
     if requested == "auto":
-        if model_attention_unsupported(model_config) or packed_config_unsupported(config):
+        if reasons(config, "generate", "cpu", REFUSED, model_config=model_config):  # what no packed path reads
             return ReferenceBackend(config)
         if dev == "cuda" and not TritonBackend().supports(device=device, config=config, model_config=model_config):
             return TritonBackend(config)
@@ -244,8 +171,9 @@ def resolve_backend(requested: str, device: Any = None, *, config: Any = None, m
     backend = BACKEND_CLASSES[requested](config)
     why = backend.supports(device=device, config=config, model_config=model_config)
     if why:
-        missing = not triton_available() or (dev is not None and dev != "cuda")
-        error = RuntimeError if requested == "triton" and missing else ValueError
+        missing = any(r.kind == "machine" for r in reasons(None, "generate", requested, REFUSED, device=dev,
+                                                             triton=triton_available()))
+        error = RuntimeError if missing else ValueError
         raise error(f"attention_backend={requested!r} " + "; and ".join(why))
     problem = numba_problem() if requested == "cpu" and dev in (None, "cpu") else None
     if problem:
@@ -310,11 +238,8 @@ __all__ = [
     "resolve_backend",
     "resolve_attention_backend",
     "numba_missing_message",
-    "packed_config_unsupported",
     "cache_attention_backend",
     "attention_reads_views",
     "model_attention_unsupported",
-    "kernel_config_unsupported",
-    "kernel_config_reasons",
     "stored_formats",
 ]

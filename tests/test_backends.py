@@ -159,8 +159,10 @@ def test_decode_steps_of_a_cache_do_not_rescan_formats(monkeypatch):
     cfg = KiviConfig(group_size=8, residual_length=8, block_size=16, attention_backend="cpu")
     model = quantize_model(tiny_model("llama", num_key_value_heads=2), cfg)
     scans, kernel_calls = [], []
-    real_reasons, real_kernel = CpuBackend.format_reasons, fused.fused_decode_attention
-    monkeypatch.setattr(CpuBackend, "format_reasons", staticmethod(lambda *a: scans.append(a) or real_reasons(*a)))
+    import kivi.attention.fused_cpu.dispatch as dispatch
+
+    real_reasons, real_kernel = dispatch.kernel_reasons, fused.fused_decode_attention
+    monkeypatch.setattr(dispatch, "kernel_reasons", lambda *a, **k: scans.append(a) or real_reasons(*a, **k))
     monkeypatch.setattr(fused, "fused_decode_attention", lambda *a, **k: kernel_calls.append(1) or real_kernel(*a, **k))
     cache = KiviCache.from_model(model)
     assert isinstance(cache.backend, CpuBackend) and cache.backend.kernel_reads_layouts is True

@@ -32,6 +32,8 @@ LAYERS: dict[str, int] = {
     "kivi.config": 1,
     "kivi.config_checks": 1,
     "kivi.backends": 1,
+    # the one table of what each host and backend does with a config (refusals, kernel choices)
+    "kivi.capabilities": 1,
     # the one rule of a sampling temperature (below it: greedy), shared by generate, batching and serving
     "kivi.sampling": 1,
     # 2 formats: quantized segments and the kernels that write them

@@ -36,9 +36,10 @@ import torch
 from ..attention.fused_cpu.paged import PagedLayout
 from ..cache.schedule import layer_sink_tokens, sliding_cut, window_ring_slots
 from ..cache.support import check_head_dim, model_head_dim, plan_layers, text_config
+from ..capabilities import host_reasons
 from ..config import KiviConfig
 from ..paged.ring import ring_slot, slot_rows
-from ..quant.page import AXIS, SIDES, SideField, field_view, page_fields, page_refusals
+from ..quant.page import AXIS, SIDES, SideField, field_view, page_fields
 from ..quant.page import round_up as _round_up
 
 BLOCK_ALIGN = 128  # bytes: transformers aligns its sectors on 128 bytes
@@ -157,9 +158,10 @@ class PageLayout:
         ids = self.window_ids(window_blocks)
         return torch.stack([ids // self.rows_per_block, ids % self.rows_per_block], dim=-1)
 
-    def kernel_layout(self, layer: int) -> PagedLayout | None:
+    def kernel_layout(self, layer: int) -> PagedLayout:
         """Where layer ``layer``'s fields sit in a block, for the paged decode kernel
-        (:meth:`kivi.attention.fused_cpu.paged.PagedLayout.of_page`); ``None`` when the kernel cannot read them."""
+        (:meth:`kivi.attention.fused_cpu.paged.PagedLayout.of_page`; whether it reads them:
+        :mod:`kivi.capabilities`)."""
         fields = [f for f in self.fields if f.layer == layer]
         return PagedLayout.of_page(fields, self.layer_configs[layer], block_bytes=self.block_bytes)
 
@@ -179,10 +181,10 @@ def build_layout(model_config: Any, config: KiviConfig, page_size: int, dtype: t
     """The :class:`PageLayout` of ``config`` on a model; ``ValueError`` naming what the paged cache cannot hold."""
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size={page_size!r} must be a positive integer")
-    refusals = page_refusals(config)
+    refusals = host_reasons(config, "batching")
     if refusals:
-        raise ValueError(f"{'; '.join(refusals)}: not supported by KIVI pages in continuous batching (use kivi's "
-                         "generate())")
+        raise ValueError(f"{'; '.join(map(str, refusals))}: not supported by KIVI pages in continuous batching "
+                         "(use kivi's generate())")
     # Sliding-window layers keep no sink (kivi.cache.schedule.layer_sink_tokens, as KiviLayer); their window
     # is applied by the "kivi_paged" attention (the pages keep every token: no eviction yet).
     plan = [(dataclasses.replace(cfg, sink_tokens=layer_sink_tokens(cfg.sink_tokens, window)), window)

@@ -32,6 +32,7 @@ from transformers.generation.continuous_batching.continuous_api import (
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from ..backends import ATTN_IMPLEMENTATION, Backend, backend_named, model_attention_unsupported
+from ..capabilities import reasons
 from ..config import KiviConfig
 from ..sampling import is_greedy_temperature
 from .layout import PageLayout, build_layout, fp_block_bytes
@@ -202,16 +203,15 @@ def pages_attention_backend(kivi_config: KiviConfig, model: Any) -> str | None:
     dequantized one layer at a time, transformers' attention). ``"triton"`` is refused."""
     requested = kivi_config.attention_backend
     device = getattr(getattr(model, "device", None), "type", "cpu")
-    if requested == "triton":
-        raise ValueError("attention_backend='triton' cannot read KIVI pages yet; use 'cpu', 'reference' or 'auto'")
-    if requested == "cpu" or (requested == "auto" and device == "cpu"):
-        if model_attention_unsupported(model.config):
-            if requested == "cpu":
-                raise ValueError(f"attention_backend='cpu' cannot run this model: "
-                                 f"{model_attention_unsupported(model.config)}; use 'reference'")
-            return None
-        return "cpu"
-    return None
+    backend = "cpu" if requested == "auto" and device == "cpu" else requested
+    if backend == "auto":
+        return None
+    why = [r for r in reasons(kivi_config, "batching", backend, model_config=model.config) if not r.everywhere]
+    if why and requested != "auto":
+        r = why[0]
+        raise ValueError(f"attention_backend={requested!r} " + (
+            f"cannot run this model: {r}; use 'reference'" if r.kind == "model" else str(r)))
+    return "cpu" if backend == "cpu" and not why else None
 
 
 def _greedy_if_tiny_temperature(gen: GenerationConfig) -> GenerationConfig:

@@ -43,7 +43,8 @@ from ..cache.boundary import SideCounts, set_boundary
 from ..cache.pages import gather_pages, page_store, scatter_tokens, store_rows
 from ..cache.schedule import prefill_exact_queries, window_exits
 from ..cache.view import AttentionView
-from ..optional import numba_available
+from ..capabilities import kernel_reasons
+from ..optional import numba_problem
 from ..paged.counts import side_counts
 from ..quant.kv import dequantize_kv, quantize_side
 from .allocator import KiviPageAllocator
@@ -100,10 +101,12 @@ class KiviPagedCache(PagedAttentionCache):
         self._rows = window_view(self.cache_tensor, layout)
         #: per layer, the paged decode kernel's view of its fields (``None``: that layer's decoding requests are
         #: read one by one — materialized or reference mode, numba absent, a sliding window, compensation codes)
+        backend, numba = getattr(packed_backend, "name", packed_backend) or "reference", numba_problem() or ""
+        scales = {f.layer: f.dtype for f in layout.fields if f.name == "scale"}
         self._kernel_layouts = [
-            layout.kernel_layout(i) if getattr(packed_backend, "name", packed_backend) == "cpu" and numba_available()
-            and w is None else None
-            for i, w in enumerate(layout.sliding_windows)]
+            None if kernel_reasons(cfg, "batching", backend, numba=numba, sliding=w is not None, param_dtype=scales[i])
+            else layout.kernel_layout(i)
+            for i, (cfg, w) in enumerate(zip(layout.layer_configs, layout.sliding_windows))]
         self._decode: DecodeStep | None = None  # the running forward's decoding requests
         self._next_batch: list[tuple[str, int, int]] = []  # filled while a batch is prepared
         self._batch: list[tuple[str, int, int]] = []  # the batch of the running forward
@@ -256,7 +259,6 @@ class KiviPagedCache(PagedAttentionCache):
         P = lay.page_size
         dtype = news[0].dtype
         views = self._views[(layer, side)]
-        bits = cfg.k_bits if side == "k" else cfg.v_bits
         S, ring = cfg.sink_tokens, lay.ring_slots(layer)
         # what leaves each request's window in this forward: kivi.cache.schedule's one rule
         exits = []
@@ -269,8 +271,7 @@ class KiviPagedCache(PagedAttentionCache):
         for (rid, _, _), (_, stored) in zip(batch, counts):
             starts.append(len(blocks) * P)
             blocks.extend(alloc.block_table[rid][: lay.token_blocks(stored)])
-        meta = dict(bits=bits, group_size=cfg.group_size, axis=AXIS[side], head_dim=lay.head_dim,
-                    residual_bits=cfg.residual_bits)
+        meta = dict(fmt=cfg.side_format(side), head_dim=lay.head_dim)
         deq = None
         if blocks and self.packed_backend is None:
             seg = gather_pages(views, torch.tensor(blocks, dtype=torch.long, device=self.cache_tensor.device), **meta)

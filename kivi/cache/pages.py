@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 
 from ..quant.kv import PackedKV
+from ..quant.side_format import SideFormat
 from .store import BlockStore
 
 
-def gather_pages(views: dict[str, torch.Tensor], blocks: torch.Tensor, *, bits: int, group_size: int, axis: str,
-                 head_dim: int, residual_bits: int) -> PackedKV:
+def gather_pages(views: dict[str, torch.Tensor], blocks: torch.Tensor, *, fmt: SideFormat, head_dim: int) -> PackedKV:
     """The pages ``blocks`` (long ``[N]``) of one side as one ``PackedKV`` of ``N * P`` tokens (copies)."""
     tensors = {}
     for name, view in views.items():
@@ -26,13 +26,11 @@ def gather_pages(views: dict[str, torch.Tensor], blocks: torch.Tensor, *, bits: 
         n, h, rows, c = pages.shape
         tensors[name] = pages.transpose(0, 1).reshape(1, h, n * rows, c)  # [1, H, N * rows, C]
     return PackedKV(packed=tensors["packed"], scale=tensors["scale"], offset=tensors.get("offset"),
-                    comp=tensors.get("comp"), bits=bits, group_size=group_size, axis=axis, head_dim=head_dim,
-                    residual_bits=residual_bits)
+                    comp=tensors.get("comp"), format=fmt, head_dim=head_dim)
 
 
 def page_store(views: dict[str, torch.Tensor], blocks: list[int], first: int, stored: int, page_size: int, *,
-               bits: int, group_size: int, axis: str, head_dim: int, residual_bits: int,
-               evicted: int = 0) -> BlockStore:
+               fmt: SideFormat, head_dim: int, evicted: int = 0) -> BlockStore:
     """A :class:`BlockStore` of tokens ``[first, first + stored)`` whose blocks are the pages ``blocks``
     themselves (views into the cache, no copy): what kivi's attention backends read. ``first`` is the
     first stored token (the sink length). ``evicted`` (a multiple of ``page_size``; sliding layers, no
@@ -47,8 +45,8 @@ def page_store(views: dict[str, torch.Tensor], blocks: list[int], first: int, st
     page0 = {name: v[blocks[0]].unsqueeze(0) for name, v in views.items()}
     store.template = PackedKV(packed=page0["packed"][:, :, :0], scale=page0["scale"][:, :, :0],
                               offset=None if "offset" not in page0 else page0["offset"][:, :, :0],
-                              comp=None if "comp" not in page0 else page0["comp"][:, :, :0], bits=bits,
-                              group_size=group_size, axis=axis, head_dim=head_dim, residual_bits=residual_bits)
+                              comp=None if "comp" not in page0 else page0["comp"][:, :, :0], format=fmt,
+                              head_dim=head_dim)
     store.blocks = [page0] + [{name: v[b].unsqueeze(0) for name, v in views.items()} for b in blocks[1:]]
     store.starts = [first + i * page_size for i in range(len(blocks))]
     store.caps = [page_size] * len(blocks)

@@ -139,8 +139,7 @@ class SideState:
                 and self._fast_tokens(x)):
             # One compiled pass, written straight into the block storage (decode: one token per step).
             def write(lo: int, hi: int, views: dict[str, torch.Tensor]) -> None:
-                quantize_tokens_into(x[:, :, lo:hi], fmt.bits, fmt.group_size, views["packed"], views["scale"],
-                                     views["offset"], clip=fmt.clip)
+                quantize_tokens_into(x[:, :, lo:hi], fmt, views["packed"], views["scale"], views["offset"])
 
             self.store.append_in_place(x.shape[-2], write)
             return

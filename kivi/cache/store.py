@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 
 from ..quant.kv import PackedKV, token_divisor
-from ..quant.side_format import VALUE_AXIS
+from ..quant.side_format import VALUE_AXIS, SideFormat
 from .schedule import new_block_tokens, saved_capacity
 
 
@@ -387,9 +387,10 @@ def segment_from_meta(meta: dict[str, Any] | None, device: str | torch.device = 
                             device=device) for k, f in meta["fields"].items()}
     if meta["kind"] == "fp":
         return FpSegment(empty["data"], meta["axis"], meta["group_size"])
+    fmt = SideFormat(meta["axis"], meta["bits"], meta["group_size"], symmetric="offset" not in empty,
+                     residual_bits=meta["residual_bits"], rotation=meta.get("rotation", "none"))
     return PackedKV(packed=empty["packed"], scale=empty["scale"], offset=empty.get("offset"), comp=empty.get("comp"),
-                    bits=meta["bits"], group_size=meta["group_size"], axis=meta["axis"], head_dim=meta["head_dim"],
-                    residual_bits=meta["residual_bits"], rotation=meta.get("rotation", "none"))
+                    format=fmt, head_dim=meta["head_dim"])
 
 
 def token_slice(seg: Segment, a: int, b: int) -> Segment:

@@ -13,7 +13,7 @@ import torch
 
 from ..quant.kv import PackedKV
 from ..quant.packing import packed_size
-from ..quant.side_format import KEY_AXIS, VALUE_AXIS
+from ..quant.side_format import KEY_AXIS, VALUE_AXIS, SideFormat
 from ._common import check_kernel_bits, next_pow2, param_kind, require_triton
 
 
@@ -84,8 +84,8 @@ def quantize_pack_keys(
             G=group_size, G_P2=next_pow2(group_size), BLOCK_D=block_d, BITS=bits,
             PARAM_KIND=param_kind(pdt), HAS_VALID=valid is not None,
         )
-    return PackedKV(packed=packed, scale=scale, offset=offset, comp=None, bits=bits, group_size=group_size,
-                    axis=KEY_AXIS, head_dim=D)
+    return PackedKV(packed=packed, scale=scale, offset=offset, comp=None, head_dim=D,
+                    format=SideFormat(KEY_AXIS, bits, group_size, scale_dtype=pdt, check_finite=check_finite))
 
 
 def quantize_pack_values(
@@ -126,8 +126,8 @@ def quantize_pack_values(
             G=group_size, NG=ng, BLOCK_T=block_t, BLOCK_D=block_d, BITS=bits,
             PARAM_KIND=param_kind(pdt), HAS_VALID=valid is not None,
         )
-    return PackedKV(packed=packed, scale=scale, offset=offset, comp=None, bits=bits, group_size=group_size,
-                    axis=VALUE_AXIS, head_dim=D)
+    return PackedKV(packed=packed, scale=scale, offset=offset, comp=None, head_dim=D,
+                    format=SideFormat(VALUE_AXIS, bits, group_size, scale_dtype=pdt, check_finite=check_finite))
 
 
 __all__ = ["quantize_pack_keys", "quantize_pack_values"]

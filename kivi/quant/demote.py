@@ -15,6 +15,8 @@ to the wider code's level (error at most ``(r - 1) / 2 * scale`` added to the wi
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .kv import PackedKV
@@ -43,7 +45,7 @@ def demote_kv(p: PackedKV, to_bits: int) -> PackedKV:
     codes = demote_codes(unpack_codes(p.packed, p.bits, p.head_dim), r)
     scale = (p.scale.float() * r).to(p.scale.dtype)
     return PackedKV(packed=pack_codes(codes, to_bits), scale=scale, offset=p.offset.clone(), comp=None,
-                    bits=to_bits, group_size=p.group_size, axis=p.axis, head_dim=p.head_dim, rotation=p.rotation)
+                    format=dataclasses.replace(p.format, bits=to_bits), head_dim=p.head_dim)
 
 
 __all__ = ["demote_ratio", "demote_codes", "demote_kv"]

@@ -37,21 +37,40 @@ class PackedKV:
         offset: like ``scale``, or ``None`` for symmetric quantization.
         comp:   uint8 packed compensation codes ``[..., packed_size(scale.shape[-1], residual_bits)]``
                 with ``scale``'s leading shape, or ``None``.
-        rotation: the codes quantize ``x R`` (:mod:`kivi.quant.rotation`; keys only); ``"none"``: ``x`` itself.
+        format: the :class:`~kivi.quant.side_format.SideFormat` the tokens were quantized in (axis, bits, group
+                size, symmetry, compensation width); ``bits``, ``group_size``, ``axis`` and ``residual_bits`` read it.
+        head_dim: ``D``.
     """
 
     packed: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor | None
     comp: torch.Tensor | None
-    bits: int
-    group_size: int
-    axis: str  # "channel" (keys) or "token" (values)
+    format: SideFormat
     head_dim: int
-    residual_bits: int = 0
-    rotation: str = "none"
 
     TENSOR_FIELDS = ("packed", "scale", "offset", "comp")
+
+    @property
+    def bits(self) -> int:
+        return self.format.bits
+
+    @property
+    def group_size(self) -> int:
+        return self.format.group_size
+
+    @property
+    def axis(self) -> str:
+        return self.format.axis
+
+    @property
+    def residual_bits(self) -> int:
+        return self.format.residual_bits
+
+    @property
+    def rotation(self) -> str:
+        """The codes quantize ``x R`` (:mod:`kivi.quant.rotation`; keys only); ``"none"``: ``x`` itself."""
+        return self.format.rotation
 
     @property
     def num_tokens(self) -> int:
@@ -123,17 +142,10 @@ def quantize_kv(
         # grid has no zero, so every near-zero mean would round to +-half a level by float noise).
         ccodes = (torch.round(rel * n) + n // 2).clamp_(0, n - 1).to(torch.uint8)
         comp = pack_codes(ccodes, residual_bits)
-    return PackedKV(
-        packed=pack_codes(codes, bits),
-        scale=scale,
-        offset=offset,
-        comp=comp,
-        bits=bits,
-        group_size=group_size,
-        axis=axis,
-        head_dim=x.shape[-1],
-        residual_bits=residual_bits,
-    )
+    fmt = SideFormat(axis, bits, group_size, symmetric=symmetric, residual_bits=residual_bits, clip=clip,
+                     scale_dtype=param_dtype, check_finite=check_finite)
+    return PackedKV(packed=pack_codes(codes, bits), scale=scale, offset=offset, comp=comp, format=fmt,
+                    head_dim=x.shape[-1])
 
 
 def quantize_side(x: torch.Tensor, fmt: SideFormat, *, valid: torch.Tensor | None = None) -> PackedKV:
@@ -141,12 +153,12 @@ def quantize_side(x: torch.Tensor, fmt: SideFormat, *, valid: torch.Tensor | Non
     setting taken from the format, scales / offsets in ``fmt.param_dtype(x.dtype)``.
 
     ``valid [B, T]`` (bool) marks real tokens; padding is left out of every statistic. A rotated format
-    (``fmt.rotation``) quantizes ``x R`` (float32) and records the rotation in the result.
+    (``fmt.rotation``) quantizes ``x R`` (float32) and records the rotation in the result's format.
     """
     seg = quantize_kv(rotate(x, fmt.rotation), fmt.axis, fmt.bits, fmt.group_size, symmetric=fmt.symmetric,
                       residual_bits=fmt.residual_bits, valid=valid, param_dtype=fmt.param_dtype(x.dtype),
                       check_finite=fmt.check_finite, clip=fmt.clip)
-    return seg if fmt.rotation == "none" else replace(seg, rotation=fmt.rotation)
+    return replace(seg, format=fmt)
 
 
 def compensation_values(p: PackedKV) -> torch.Tensor | None:

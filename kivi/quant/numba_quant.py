@@ -40,7 +40,6 @@ from ..optional import numba_available
 from .clipping import shrink_factors
 from .kv import PackedKV
 from .packing import packed_size
-from .primitives import SUPPORTED_BITS
 from .side_format import VALUE_AXIS, SideFormat
 
 #: dtypes of the values :func:`quantize_tokens` takes (converted to float32 exactly, as the reference does) and of
@@ -86,27 +85,26 @@ def _kernel():
     return numba_quant_kernel.quantize_tokens
 
 
-def quantize_tokens_into(
-    x: torch.Tensor, bits: int, group_size: int, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
-    *, clip: bool = False,
-) -> None:
-    """Quantize values ``x [B, H, n, D]`` (float32) per token into the given (possibly strided) views.
-
-    ``clip``: MSE-optimal group ranges, the same choice as :func:`kivi.quant.clipping.clipped_params`.
+def quantize_tokens_into(x: torch.Tensor, fmt: SideFormat, packed: torch.Tensor, scale: torch.Tensor,
+                         offset: torch.Tensor) -> None:
+    """Quantize values ``x [B, H, n, D]`` (float32) per token in the values' format ``fmt`` (its width, group size
+    and ``clip``: MSE-optimal group ranges, the choice of :func:`kivi.quant.clipping.clipped_params`) into the given
+    (possibly strided) views.
 
     ``packed [B, H, n, packed_size(D, bits)]`` uint8, ``scale`` / ``offset [B, H, n, D // G]`` float32.
     Raises ``ValueError`` (as :func:`kivi.quant.primitives.quantize_groups` does) on NaN / Inf.
     """
+    bits, group_size = fmt.bits, fmt.group_size
     if x.dtype != torch.float32 or scale.dtype != torch.float32 or offset.dtype != torch.float32:
         raise ValueError(f"quantize_tokens_into needs float32 input and parameters, got {x.dtype} / {scale.dtype}")
-    if isinstance(bits, bool) or bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits={bits!r} is not supported here; allowed values are {list(SUPPORTED_BITS)}")
+    if fmt.axis != VALUE_AXIS or fmt.symmetric or fmt.residual_bits:
+        raise ValueError(f"quantize_tokens_into writes asymmetric values without compensation, got {fmt}")
     B, H, n, D = x.shape
-    if D % group_size or group_size <= 0:
+    if D % group_size:
         raise ValueError(f"group_size={group_size} must divide head_dim={D}")
     if tuple(packed.shape) != (B, H, n, packed_size(D, bits)) or tuple(scale.shape) != (B, H, n, D // group_size):
         raise ValueError(f"output views {tuple(packed.shape)} / {tuple(scale.shape)} do not match x {tuple(x.shape)}")
-    if _kernel()(x.detach().numpy(), bits, group_size, shrinks_array(clip), packed.numpy(), scale.numpy(),
+    if _kernel()(x.detach().numpy(), bits, group_size, shrinks_array(fmt.clip), packed.numpy(), scale.numpy(),
                  offset.numpy(), False):
         raise ValueError(
             "x contains NaN or Inf; KV quantization needs finite values (pass check_finite=False to let a "
@@ -139,8 +137,7 @@ def quantize_tokens(x: torch.Tensor, fmt: SideFormat) -> PackedKV:
             "x contains NaN or Inf; KV quantization needs finite values (pass check_finite=False to let a "
             "non-finite value poison its group instead)"
         )
-    return PackedKV(packed=packed, scale=scale.to(pdt), offset=offset.to(pdt), comp=None, bits=fmt.bits,
-                    group_size=G, axis=fmt.axis, head_dim=D)
+    return PackedKV(packed=packed, scale=scale.to(pdt), offset=offset.to(pdt), comp=None, format=fmt, head_dim=D)
 
 
 @functools.cache

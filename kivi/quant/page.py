@@ -96,30 +96,4 @@ def field_view(memory: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
     return typed.as_strided((num_blocks, *shape), (block_stride // item, *inner), start // item)
 
 
-def page_refusals(cfg: KiviConfig) -> list[str]:
-    """Every setting of ``cfg`` that KIVI pages cannot hold, each ``"field=value: why"`` (a layer override's
-    field as ``"layer_specific_config[i].field"``); empty when pages hold it. The one list of what pages
-    hold: one width per side (no per-head widths, no position tiers), both sides quantized, quantized from the
-    first token on (a request's full-precision rows are sized for the window), keys not rotated (the paged
-    kernels read codes in the keys' own basis). Each host adds its own limits and says where the refusal
-    comes from."""
-    out = ["head_bits: per-head widths (a page holds one width per side)"] if cfg.head_bits else []
-    if cfg.key_rotation != "none":
-        out.append(f"key_rotation={cfg.key_rotation!r}: rotated keys (the paged kernels read unrotated codes; "
-                   "use 'none')")
-    for layer in [None, *sorted(cfg.layer_specific_config)]:
-        where = "" if layer is None else f"layer_specific_config[{layer}]."
-        c = cfg if layer is None else cfg.for_layer(layer)
-        sets = set(vars(cfg)) if layer is None else set(cfg.layer_specific_config[layer])  # what this level sets
-        if sets & {"quantize_key", "quantize_value"} and not (c.quantize_key and c.quantize_value):
-            out.append(f"{where}quantize_key={c.quantize_key}, quantize_value={c.quantize_value}: pages hold "
-                       "quantized keys and values only")
-        if "tiers" in sets and c.tiers:
-            out.append(f"{where}tiers={[list(t) for t in c.tiers]}: position tiers (a page holds one width per side)")
-        if "quantize_after" in sets and c.quantize_after:
-            out.append(f"{where}quantize_after={c.quantize_after}: full precision before quantizing (a request's "
-                       "full-precision rows are sized for the window; use 0)")
-    return out
-
-
-__all__ = ["SIDES", "AXIS", "ALIGN", "SideField", "field_view", "page_fields", "page_refusals", "round_up"]
+__all__ = ["SIDES", "AXIS", "ALIGN", "SideField", "field_view", "page_fields", "round_up"]

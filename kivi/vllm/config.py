@@ -15,25 +15,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..backends import kernel_config_unsupported
+from ..capabilities import host_reasons, reasons
 from ..config import KiviConfig
-from ..quant.page import page_refusals
 
 CONFIG_KEY = "kivi"
 
 
 def _unsupported(cfg: KiviConfig) -> str | None:
-    """The first field of ``cfg`` the vLLM pages cannot hold yet, as ``"field=value: why"``, or ``None``."""
-    refusals = page_refusals(cfg)
+    """What of ``cfg`` the vLLM pages cannot hold or its backend cannot read (:mod:`kivi.capabilities`), as
+    ``"field=value: why"``, or ``None``."""
+    refusals = host_reasons(cfg, "vllm")
     if refusals:
-        return f"{'; '.join(refusals)}: not supported by the vLLM plugin"
-    if cfg.layer_specific_config:
-        return "layer_specific_config: per-layer settings are not supported by the vLLM plugin"
+        return f"{'; '.join(map(str, refusals))}: not supported by the vLLM plugin"
     if cfg.attention_backend == "triton":
-        why = kernel_config_unsupported(cfg)
-        if why is not None:
-            return (f"attention_backend='triton' (the GPU path) does not implement {why}; the vLLM plugin reads such "
-                    "pages with 'cpu' or 'reference', on vLLM's CPU platform")
+        why = reasons(cfg, "vllm", "triton")
+        if why:
+            return (f"attention_backend='triton' (the GPU path) does not implement {why[0]}; the vLLM plugin reads "
+                    "such pages with 'cpu' or 'reference', on vLLM's CPU platform")
     return None
 
 

@@ -28,8 +28,9 @@ from typing import Callable
 import torch
 
 from ..attention.fused_cpu.paged import PagedLayout, RingRows, paged_decode_attention
+from ..capabilities import kernel_reasons
 from ..config import KiviConfig
-from ..optional import numba_available
+from ..optional import numba_problem, triton_available
 from .geometry import KiviGeometry, RingPool, block_pool, ring_pool
 from .plan import KernelLeaving, KernelRows, stores_any
 from .write import ROW_DTYPES, DecodeWriter, TritonWriter, decode_writer, numpy_view, triton_writer
@@ -56,22 +57,13 @@ def decode_kernel(cfg: KiviConfig, geo: KiviGeometry, backend: str, pages: torch
     """The batched paged decode kernel over ``pages`` (one layer's vLLM cache) and its window ``rings``, or
     ``None`` where it does not apply and decode rows go request by request (see the module docstring: the
     one rule)."""
-    if backend == "cpu":
-        if pages.device.type != "cpu" or not numba_available():
-            return None
-    elif backend == "triton":
-        from ..optional import triton_available
-
-        if not triton_available():
-            return None
-    else:
+    if kernel_reasons(cfg, "vllm", backend, numba=numba_problem() or "", triton=triton_available(),
+                      device=pages.device.type, param_dtype=geo.side_fields("k")["scale"].dtype):
         return None
     pool, ring = block_pool(pages, geo), ring_pool(rings, geo)
     if pool is None or ring is None:
         return None
     layout = geo.kernel_layout(cfg, pool[1], pool[2])
-    if layout is None:
-        return None
     if backend == "triton":
         from ..kernels.triton_paged import triton_paged_decode
 

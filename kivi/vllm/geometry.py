@@ -74,10 +74,10 @@ class KiviGeometry:
     def side_fields(self, side: str) -> dict[str, SideField]:
         return {f.name: f for f in self.fields if f.side == side}
 
-    def kernel_layout(self, cfg: KiviConfig, block_bytes: int, page_at: int = 0) -> PagedLayout | None:
+    def kernel_layout(self, cfg: KiviConfig, block_bytes: int, page_at: int = 0) -> PagedLayout:
         """Where this page's fields sit in blocks ``block_bytes`` apart, the page ``page_at`` bytes into its
-        block, for the paged decode kernel (:meth:`kivi.attention.fused_cpu.paged.PagedLayout.of_page`);
-        ``None`` when the kernel cannot read them."""
+        block, for the paged decode kernel (:meth:`kivi.attention.fused_cpu.paged.PagedLayout.of_page`;
+        whether it reads them: :mod:`kivi.capabilities`)."""
         return PagedLayout.of_page(self.fields, cfg, block_bytes=block_bytes, base=page_at)
 
 

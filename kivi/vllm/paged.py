@@ -185,8 +185,7 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
         out[plan.kernel.tokens] = decoded.to(out.dtype)
         return out
     views = {side: block_field_views(pages, geo, side) for side in SIDES}
-    meta = {side: dict(bits=cfg.k_bits if side == "k" else cfg.v_bits, group_size=cfg.group_size, axis=AXIS[side],
-                       head_dim=geo.head_dim, residual_bits=cfg.residual_bits) for side in SIDES}
+    meta = {side: dict(fmt=cfg.side_format(side), head_dim=geo.head_dim) for side in SIDES}
     per_request = plan.others if kernel is not None or plan.kernel is None else sorted(plan.others + plan.kernel.rows)
     jobs = []
     leaving = {side: _Leaving() for side in SIDES}  # what leaves the windows in this step, per side

@@ -24,13 +24,14 @@ import numpy as np
 import torch
 
 from ..attention.fused_cpu.paged import PagedLayout
+from ..capabilities import WRITE_DTYPES, WRITES, reasons
 from ..config import KiviConfig
 from ..quant.numba_quant import shrinks_array
 from .geometry import RingPool
 from .plan import StepPlan
 
 #: dtypes of the rings (and the step's input) the compiled writes read: float32, and bfloat16 as its int16 bits.
-ROW_DTYPES = (torch.float32, torch.bfloat16)
+ROW_DTYPES = WRITE_DTYPES
 _EMPTY_LEAVE = np.zeros((0, 4), dtype=np.int64)
 _EMPTY_WRITES = np.zeros((0, 3), dtype=np.int64)
 
@@ -62,17 +63,20 @@ class DecodeWriter:
         return key.dtype == self.dtype and value.dtype == self.dtype
 
 
+def _matches(fmts, layout: PagedLayout) -> bool:
+    """Whether the side formats ``fmts`` (keys, values) are the ones ``layout``'s pages hold."""
+    k, v = fmts
+    return (k.bits, v.bits, k.group_size, v.group_size) == (layout.k_bits, layout.v_bits, *[layout.group_size] * 2)
+
+
 def decode_writer(cfg: KiviConfig, pool: torch.Tensor, layout: PagedLayout, rings: RingPool) -> DecodeWriter | None:
     """The :class:`DecodeWriter` of a layer whose decode kernel reads ``pool`` / ``layout`` / ``rings``
     (:func:`kivi.vllm.decode.decode_kernel`), or ``None`` where the compiled writes do not reproduce the torch path
     (the module docstring: the one rule)."""
     fmts = {side: cfg.side_format(side) for side in ("k", "v")}
     dtype = rings.rows["k"].dtype
-    if (layout.param_dtype not in (torch.float32, torch.bfloat16) or layout.k_offset is None
-            or layout.v_offset is None or dtype not in ROW_DTYPES
-            or any(f.symmetric or f.residual_bits or not f.check_finite or f.group_size != layout.group_size
-                   for f in fmts.values())
-            or (fmts["k"].bits, fmts["v"].bits) != (layout.k_bits, layout.v_bits)):
+    if (reasons(cfg, "vllm", "cpu", WRITES, param_dtype=layout.param_dtype, row_dtype=dtype)
+            or not _matches(fmts.values(), layout)):
         return None
     return DecodeWriter(pool.numpy(), layout.vector(), numpy_view(rings.rows["k"]), numpy_view(rings.rows["v"]),
                         rings.base.numpy(), rings.step.numpy(), dtype,
@@ -102,9 +106,7 @@ def triton_writer(cfg: KiviConfig, pool: torch.Tensor, layout: PagedLayout, ring
     is the numba writes'."""
     from ..kernels.triton_paged_write import writable
 
-    fmts = [cfg.side_format(side) for side in ("k", "v")]
-    if (any(f.symmetric or f.residual_bits or f.clip or not f.check_finite or f.group_size != layout.group_size
-            for f in fmts) or (fmts[0].bits, fmts[1].bits) != (layout.k_bits, layout.v_bits)
+    if (reasons(cfg, "vllm", "triton", WRITES) or not _matches([cfg.side_format(s) for s in ("k", "v")], layout)
             or writable(layout) is not None):
         return None
     return TritonWriter(pool, layout, rings)

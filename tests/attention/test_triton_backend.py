@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from kivi.attention.reference import reference_attention
-from kivi.backends import kernel_config_unsupported, resolve_attention_backend
+from kivi.backends import resolve_attention_backend
 from kivi.cache.layer import KiviLayer
 from kivi.cache.sliding import new_layer
 from kivi.cache.store import BlockStore
 from kivi.cache.view import materialize
+from kivi.capabilities import reasons
 from kivi.config import KiviConfig
 
 pytestmark = pytest.mark.triton
@@ -182,6 +183,12 @@ def test_batch_one_mask_broadcasts():
     mask[..., 30:33] = False
     _close(triton_view_attention(q, kv, vv, scaling=0.2, attention_mask=mask, block_n=16),
            reference_attention(q, kv, vv, scaling=0.2, attention_mask=mask), torch.float32)
+
+
+def kernel_config_unsupported(cfg):
+    """The first format feature of ``cfg`` the Triton backend refuses (kivi.capabilities), or ``None``."""
+    why = [r for r in reasons(cfg, "generate", "triton") if r.kind == "format"]
+    return why[0].detail if why else None
 
 
 def test_resolution_rules():

@@ -8,7 +8,7 @@ import torch
 
 import kivi.cache.side as side_mod
 from kivi import KiviConfig, quantize_model
-from kivi.backends import kernel_config_unsupported
+from kivi.capabilities import reasons
 from kivi.memory.estimate import estimate_kv_memory
 from tests.helpers import forward_in_steps, tiny_model
 
@@ -98,4 +98,4 @@ def test_half_precision_models_close_to_reference(dtype):
 
 def test_triton_backend_reads_the_clipped_format():
     """Clipping changes only the values of scale/offset: nothing for the kernels to refuse."""
-    assert kernel_config_unsupported(KiviConfig(clip=True)) is None
+    assert reasons(KiviConfig(clip=True), "generate", "triton") == []

@@ -12,11 +12,11 @@ from kivi.backends import resolve_backend
 from kivi.cache.kivi_cache import KiviCache
 from kivi.cache.layer import KiviLayer
 from kivi.cache.view import materialize
+from kivi.capabilities import host_reasons
 from kivi.config import KiviConfig
 from kivi.prefix import model_fingerprint
 from kivi.quant.demote import demote_kv
 from kivi.quant.kv import dequantize_kv, quantize_kv
-from kivi.quant.page import page_refusals
 from kivi.quant.rotation import rotation_matrix
 from tests.helpers import tiny_model
 
@@ -83,14 +83,16 @@ def test_auto_reads_it_through_the_reference_backend_and_packed_backends_refuse(
     for name in ("cpu", "triton"):
         with pytest.raises((ValueError, RuntimeError), match=r"key_rotation='hadamard'.*use 'reference'"):
             resolve_backend(name, "cuda" if name == "triton" else "cpu", config=cfg)
-    with pytest.raises(ValueError, match=r"attention_backend='cpu' does not read rotated keys"):
+    with pytest.raises(ValueError, match=r"attention_backend='cpu' does not implement key_rotation='hadamard'"):
         KiviCache(KiviConfig(key_rotation="hadamard", attention_backend="cpu"), attention_backend="cpu")
     assert resolve_backend("auto", "cpu", config=KiviConfig()).name == "cpu"  # unchanged without rotation
 
 
 def test_pages_refuse_it():
-    assert page_refusals(KiviConfig(key_rotation="hadamard")) == [
-        "key_rotation='hadamard': rotated keys (the paged kernels read unrotated codes; use 'none')"]
+    for host in ("batching", "vllm"):
+        assert [str(r) for r in host_reasons(KiviConfig(key_rotation="hadamard"), host)] == [
+            "key_rotation='hadamard': rotated keys (the kernels and pages read codes in the keys' own basis; only the "
+            "reference rotates them back)"]
     from kivi.vllm.config import kivi_config
 
     with pytest.raises(ValueError, match=r"key_rotation='hadamard'.*not supported by the vLLM plugin"):

@@ -5,12 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kivi.kernels import (
-    decode_attention,
-    decode_attention_packed,
-    torch_decode_attention,
-    torch_decode_attention_packed,
-)
+from kivi.kernels import decode_attention_packed, torch_decode_attention_packed
 from kivi.quant.kv import dequantize_kv, quantize_kv
 
 pytestmark = pytest.mark.triton
@@ -46,20 +41,18 @@ def test_matches_reference(dtype, hq, hkv):
     _check(out, ref, dtype)
 
 
-def test_four_bits_mask_and_loose_tensor_signature():
+def test_four_bits_mask_and_per_side_group_sizes():
+    """Widths and group sizes differ per side and are read off each segment's format, whatever the knobs."""
     dtype = torch.float16
     q, pk, kf, pv, vf = _case(2, 6, 2, 32, 77, 64, 67, dtype, k_bits=4, v_bits=4, G=32, Gv=16, seed=7)
+    assert (pk.format.group_size, pv.format.group_size) == (32, 16)
     valid = torch.ones(2, 77, dtype=torch.bool)
     valid[0, :9] = False  # left padding
     valid[1, 30:40] = False
-    args = (q, pk.packed, pk.scale, pk.offset, kf, pv.packed, pv.scale, pv.offset, vf)
-    out = decode_attention(*args, scaling=0.2, kv_valid=valid, num_splits=2, block_n=16)
-    ref = torch_decode_attention(*args, scaling=0.2, kv_valid=valid)
-    _check(out, ref, dtype)
-    # explicit bits / group sizes agree with the inferred ones
-    out2 = decode_attention(*args, scaling=0.2, kv_valid=valid, k_bits=4, k_group_size=32, v_bits=4, v_group_size=16,
-                            num_splits=1, block_n=32)
-    _check(out2, ref, dtype)
+    ref = torch_decode_attention_packed(q, pk, kf, pv, vf, scaling=0.2, kv_valid=valid)
+    for splits, block_n in ((2, 16), (1, 32)):
+        _check(decode_attention_packed(q, pk, kf, pv, vf, scaling=0.2, kv_valid=valid, num_splits=splits,
+                                       block_n=block_n), ref, dtype)
 
 
 # 3-bit codes: runs of 8 codes in 3 bytes, a code may straddle two bytes. D = 20: the last run holds
@@ -77,13 +70,17 @@ def test_three_bit_codes_match_reference(dtype, D, Gv, kb, vb):
     _check(out, ref, dtype)
 
 
-def test_three_bits_inferred_from_the_row_size():
+def test_a_segment_whose_codes_do_not_fit_its_format_is_refused():
+    """The format travels with the data; codes of another width than the format says are refused by name."""
+    import dataclasses
+
     q, pk, kf, pv, vf = _case(1, 4, 2, 40, 45, 32, 43, torch.float32, k_bits=3, v_bits=3, G=16, Gv=8, seed=11)
-    args = (q, pk.packed, pk.scale, pk.offset, kf, pv.packed, pv.scale, pv.offset, vf)
-    out = decode_attention(*args, scaling=0.2, block_n=16)  # 15 bytes for 40 channels: only 3 bits fits
-    _check(out, torch_decode_attention(*args, scaling=0.2, k_bits=3, v_bits=3), torch.float32)
-    with pytest.raises(ValueError, match="k_packed has 15 bytes per token, expected 20 for bits=4"):
-        decode_attention(*args, scaling=0.2, k_bits=4)
+    _check(decode_attention_packed(q, pk, kf, pv, vf, scaling=0.2, block_n=16),
+           torch_decode_attention_packed(q, pk, kf, pv, vf, scaling=0.2), torch.float32)
+    wrong = dataclasses.replace(pk, format=dataclasses.replace(pk.format, bits=4))  # 15 bytes for 40 channels
+    for attend in (decode_attention_packed, torch_decode_attention_packed):
+        with pytest.raises(ValueError, match="k.packed has 15 bytes per token, expected 20 for bits=4"):
+            attend(q, wrong, kf, pv, vf, scaling=0.2)
 
 
 def test_reference_equals_dense_sdpa():

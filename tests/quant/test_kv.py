@@ -65,3 +65,22 @@ def test_bad_input():
         quantize_kv(torch.randn(4, 64), "token", 2, 32)
     with pytest.raises(ValueError, match="axis="):
         quantize_kv(torch.randn(1, 1, 32, 64), "rows", 2, 32)
+
+
+def test_a_segment_carries_the_format_it_was_quantized_in():
+    """``PackedKV.format`` is the side format itself (``quantize_side``) or the one its arguments name
+    (``quantize_kv``); ``bits`` / ``group_size`` / ``axis`` / ``residual_bits`` read it, and demotion changes its
+    width only."""
+    import dataclasses
+
+    from kivi.quant.demote import demote_kv
+    from kivi.quant.kv import quantize_side
+    from kivi.quant.side_format import SideFormat
+
+    x = torch.randn(1, 2, 16, 8)
+    fmt = SideFormat("token", 4, 4, clip=True)
+    seg = quantize_side(x, fmt)
+    assert seg.format is fmt and (seg.bits, seg.group_size, seg.axis, seg.residual_bits) == (4, 4, "token", 0)
+    keys = quantize_kv(x, "channel", 2, 8, residual_bits=2, param_dtype=torch.float32)
+    assert keys.format == SideFormat("channel", 2, 8, residual_bits=2, scale_dtype=torch.float32)
+    assert demote_kv(seg, 2).format == dataclasses.replace(fmt, bits=2)

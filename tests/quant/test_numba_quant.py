@@ -23,6 +23,10 @@ from kivi.quant.packing import packed_size  # noqa: E402
 from kivi.quant.side_format import SideFormat  # noqa: E402
 
 
+def _fmt(bits, G, clip=False):
+    return SideFormat("token", bits, G, clip=clip)
+
+
 def _outputs(B, H, n, D, bits, G):
     return (torch.empty(B, H, n, packed_size(D, bits), dtype=torch.uint8), torch.empty(B, H, n, D // G),
             torch.empty(B, H, n, D // G))
@@ -31,7 +35,7 @@ def _outputs(B, H, n, D, bits, G):
 def _assert_same(x, bits, G, clip=False):
     ref = quantize_kv(x, "token", bits, G, clip=clip)
     pk, sc, of = _outputs(*x.shape, bits, G)
-    quantize_tokens_into(x, bits, G, pk, sc, of, clip=clip)
+    quantize_tokens_into(x, _fmt(bits, G, clip), pk, sc, of)
     assert torch.equal(pk, ref.packed)
     assert torch.equal(sc, ref.scale)
     assert torch.equal(of, ref.offset)
@@ -93,7 +97,7 @@ def test_constant_groups_and_odd_head_dim():
         _assert_same(x, bits, 4, clip=True)
         _assert_same(x, bits, 4)  # 12 channels at 1 bit: 2 bytes, the last half-empty; at 3 bits: 2 runs
     pk, sc, of = _outputs(1, 2, 3, 12, 2, 4)
-    quantize_tokens_into(x, 2, 4, pk, sc, of)
+    quantize_tokens_into(x, _fmt(2, 4), pk, sc, of)
     assert torch.all(sc[..., 0] == 0)
     ref = quantize_kv(x, "token", 2, 4)
     assert torch.equal(dequantize_kv(ref)[..., :4], x[..., :4])
@@ -105,7 +109,7 @@ def test_writes_into_strided_views(bits):
     x = torch.randn(2, 3, 4, 64)
     pk = torch.full((2, 3, 10, packed_size(64, bits)), 0xAB, dtype=torch.uint8)
     sc, of = torch.full((2, 3, 10, 2), 7.0), torch.full((2, 3, 10, 2), 7.0)
-    quantize_tokens_into(x, bits, 32, pk[:, :, 3:7], sc[:, :, 3:7], of[:, :, 3:7])
+    quantize_tokens_into(x, _fmt(bits, 32), pk[:, :, 3:7], sc[:, :, 3:7], of[:, :, 3:7])
     ref = quantize_kv(x, "token", bits, 32)
     assert torch.equal(pk[:, :, 3:7], ref.packed) and torch.equal(sc[:, :, 3:7], ref.scale)
     assert torch.equal(of[:, :, 3:7], ref.offset)
@@ -118,19 +122,19 @@ def test_non_finite_raises(bad):
     x = torch.randn(1, 1, 2, 32)
     x[0, 0, 1, 5] = bad
     with pytest.raises(ValueError, match="NaN or Inf"):
-        quantize_tokens_into(x, 2, 32, *_outputs(1, 1, 2, 32, 2, 32))
+        quantize_tokens_into(x, _fmt(2, 32), *_outputs(1, 1, 2, 32, 2, 32))
 
 
 def test_bad_arguments_raise():
     x = torch.randn(1, 1, 2, 32)
     with pytest.raises(ValueError, match="float32"):
-        quantize_tokens_into(x.bfloat16(), 2, 32, *_outputs(1, 1, 2, 32, 2, 32))
+        quantize_tokens_into(x.bfloat16(), _fmt(2, 32), *_outputs(1, 1, 2, 32, 2, 32))
     with pytest.raises(ValueError, match="bits=5"):
-        quantize_tokens_into(x, 5, 32, *_outputs(1, 1, 2, 32, 2, 32))
+        quantize_tokens_into(x, _fmt(5, 32), *_outputs(1, 1, 2, 32, 2, 32))
     with pytest.raises(ValueError, match="group_size=12"):
-        quantize_tokens_into(x, 2, 12, *_outputs(1, 1, 2, 32, 2, 32))
+        quantize_tokens_into(x, _fmt(2, 12), *_outputs(1, 1, 2, 32, 2, 32))
     with pytest.raises(ValueError, match="do not match"):
-        quantize_tokens_into(x, 2, 32, *_outputs(1, 1, 3, 32, 2, 32))
+        quantize_tokens_into(x, _fmt(2, 32), *_outputs(1, 1, 3, 32, 2, 32))
 
 
 def test_supported_only_where_it_is_exact():
@@ -223,5 +227,5 @@ def test_quantize_tokens_into_writes_nothing_when_a_later_row_is_not_finite():
     x[0, 1, 2, 0] = float("inf")
     pk, sc, of = (torch.full_like(t, 7) for t in _outputs(1, 2, 3, 32, 2, 32))
     with pytest.raises(ValueError, match="NaN or Inf"):
-        quantize_tokens_into(x, 2, 32, pk, sc, of)
+        quantize_tokens_into(x, _fmt(2, 32), pk, sc, of)
     assert torch.all(pk == 7) and torch.all(sc == 7) and torch.all(of == 7)

@@ -1,5 +1,5 @@
-"""The page format's one home (kivi/quant/page.py): a field of every block through ``field_view``, and what
-pages hold (``page_refusals``)."""
+"""The page format's one home (kivi/quant/page.py): a field of every block through ``field_view`` (what pages hold:
+tests/test_capabilities.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kivi.config import KiviConfig
-from kivi.quant.page import field_view, page_fields, page_refusals
+from kivi.quant.page import field_view, page_fields
 
 
 @pytest.mark.parametrize("lead", [0, 48])  # the memory may start inside a larger buffer
@@ -32,14 +32,3 @@ def test_field_view_is_each_blocks_bytes(lead):
     assert (memory[at: at + f.nbytes].view(f.dtype) == 1.5).all()
     with pytest.raises(ValueError, match="multiple of 2 bytes"):
         field_view(memory, f.shape, f.dtype, f.offset + 1, stride)
-
-
-def test_page_refusals_name_every_setting_pages_cannot_hold():
-    assert page_refusals(KiviConfig()) == []
-    assert page_refusals(KiviConfig(layer_specific_config={1: {"k_bits": 4}})) == []
-    got = page_refusals(KiviConfig(quantize_after=64, head_bits={0: {"k_bits": [2, 4]}},
-                                   layer_specific_config={2: {"quantize_value": False}, 3: {"k_bits": 4}}))
-    assert [r.split(":")[0] for r in got] == [
-        "head_bits", "quantize_after=64", "layer_specific_config[2].quantize_key=True, quantize_value=False"]
-    tiers = page_refusals(KiviConfig(tiers=[(128, None), (1024, 2), (None, 1)], k_bits=2, v_bits=2))
-    assert len(tiers) == 1 and tiers[0].startswith("tiers=[[128, None], [1024, (2, 2)], [None, (1, 1)]]: ")

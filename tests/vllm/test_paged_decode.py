@@ -208,7 +208,7 @@ def test_where_the_kernel_applies(monkeypatch):
     storage = rings[0].untyped_storage()
     odd = torch.empty(0).set_(storage, rings[0].storage_offset() + 2 * D, rings[0].shape, rings[0].stride())
     assert decode_kernel(cfg, geo, "cpu", pages, [odd] + rings[1:]) is None
-    monkeypatch.setattr(vdecode, "numba_available", lambda: False)
+    monkeypatch.setattr(vdecode, "numba_problem", lambda: "numba is not installed")
     assert decode_kernel(cfg, geo, "cpu", pages, rings) is None
 
 

@@ -163,8 +163,7 @@ def test_paged_step_bfloat16_matches_kivi_layer(backend):
         store = layer.v.store
         n = store.length
         assert n > 2 * P, "the values must fill pages"
-        got = gather_pages(views, torch.tensor(vl.ptab[rid]), bits=cfg.v_bits, group_size=cfg.group_size,
-                           axis="token", head_dim=D, residual_bits=0)
+        got = gather_pages(views, torch.tensor(vl.ptab[rid]), fmt=cfg.side_format("v"), head_dim=D)
         want = store.read_range(0, n)
         assert want.scale.dtype == torch.bfloat16
         for name in ("packed", "scale", "offset"):

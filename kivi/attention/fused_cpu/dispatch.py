@@ -32,10 +32,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ...backends import CpuBackend
+from ...capabilities import KERNEL_BITS, kernel_reasons
 from ...optional import numba_available
 from ...quant.numba_quant import warmup as _warmup_quantizer
-from ...quant.primitives import SUPPORTED_BITS
 from ..reference import view_geometry
 from .tables import heads_table, side_table, valid_row
 
@@ -45,10 +44,9 @@ if TYPE_CHECKING:
 
 _ALL_VALID = np.ones((1, 1), dtype=np.bool_)  # the kernel's mask argument when there is no mask
 
-#: Code widths the kernel reads: every width of ``SUPPORTED_BITS`` (kivi/quant/primitives.py, the one
-#: list): 1, 2, 4, 8 bits as codes packed in bytes, 3 bits as runs of 8 codes in 3 bytes
-#: (:func:`.kernel._row_layout`). What it cannot read: :meth:`kivi.backends.CpuBackend.format_reasons`.
-KERNEL_BITS = SUPPORTED_BITS
+# Code widths the kernel reads (:data:`kivi.capabilities.KERNEL_BITS`): 1, 2, 4, 8 bits as codes packed in bytes,
+# 3 bits as runs of 8 codes in 3 bytes (:func:`.kernel._row_layout`). What it cannot read: the ``"torch"`` cells of
+# :data:`kivi.capabilities.TABLE` for host ``"generate"``, backend ``"cpu"``.
 
 
 _ready: set[str] = set()  # entry points loaded (kernel.load_entries) in this process
@@ -254,8 +252,7 @@ def _views_supported(k_view: AttentionView, v_view: AttentionView, formats_check
     for view in (k_view, v_view):
         for store in (view.store.stores if view.tiered else (view.store,)):  # position tiers: every width
             if view.quantized and store.template is not None:
-                t = store.template
-                if CpuBackend.format_reasons(t.bits, t.axis, t.group_size):
+                if kernel_reasons(None, "generate", "cpu", formats=[store.template]):
                     return False
     return True
 

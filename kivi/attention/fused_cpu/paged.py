@@ -53,9 +53,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ...capabilities import kernel_reasons
 from ...paged.ring import ring_slot
 from ...quant.kv import PackedKV, dequantize_kv
 from ...quant.page import field_view
+from ...quant.side_format import AXIS, SideFormat
 
 #: dtype codes of the pages' scales / offsets in the layout vector (the kernel converts 16-bit ones)
 PARAM_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -98,38 +100,37 @@ class PagedLayout:
                         dtype=np.int64)
 
     @classmethod
-    def of_page(cls, fields, cfg, *, block_bytes: int, base: int = 0) -> PagedLayout | None:
+    def of_page(cls, fields, cfg, *, block_bytes: int, base: int = 0) -> PagedLayout:
         """The layout of one layer's page ``fields`` (:class:`kivi.quant.page.SideField` of both sides, as
         :func:`kivi.quant.page.page_fields` gives them; heads, page size and head_dim read off their shapes) of
-        the layer config ``cfg`` (group size, widths), the page ``base`` bytes into blocks ``block_bytes`` apart;
-        ``None`` when the kernel cannot read them (compensation codes, or :meth:`unsupported`). The one
-        translation of a page's fields into the kernel's layout, for every paged cache."""
+        the layer config ``cfg`` (group size, widths), the page ``base`` bytes into blocks ``block_bytes`` apart.
+        The one translation of a page's fields into the kernel's layout, for every paged cache. Whether the kernel
+        reads them is :func:`kivi.capabilities.kernel_reasons`' answer, asked first; ``ValueError`` on compensation
+        codes (the layout has no place for them)."""
         k = {f.name: f for f in fields if f.side == "k"}
         v = {f.name: f for f in fields if f.side == "v"}
         if "comp" in k or "comp" in v:
-            return None
+            raise ValueError("the paged decode kernels read no compensation codes (residual_bits > 0)")
         k_off, v_off = (None if "offset" not in f else base + f["offset"].offset for f in (k, v))
         heads, page_size, _ = k["packed"].shape
-        out = cls(block_bytes=block_bytes, page_size=page_size, group_size=cfg.group_size, num_kv_heads=heads,
-                  head_dim=k["scale"].shape[-1], k_bits=cfg.k_bits, v_bits=cfg.v_bits, param_dtype=k["scale"].dtype,
-                  k_row_bytes=k["packed"].shape[-1], v_row_bytes=v["packed"].shape[-1],
-                  k_packed=base + k["packed"].offset, k_scale=base + k["scale"].offset, k_offset=k_off,
-                  v_packed=base + v["packed"].offset, v_scale=base + v["scale"].offset, v_offset=v_off)
-        return None if out.unsupported() else out
+        return cls(block_bytes=block_bytes, page_size=page_size, group_size=cfg.group_size, num_kv_heads=heads,
+                   head_dim=k["scale"].shape[-1], k_bits=cfg.k_bits, v_bits=cfg.v_bits, param_dtype=k["scale"].dtype,
+                   k_row_bytes=k["packed"].shape[-1], v_row_bytes=v["packed"].shape[-1],
+                   k_packed=base + k["packed"].offset, k_scale=base + k["scale"].offset, k_offset=k_off,
+                   v_packed=base + v["packed"].offset, v_scale=base + v["scale"].offset, v_offset=v_off)
+
+    def formats(self) -> list[SideFormat]:
+        """The two side formats the layout's pages hold (as far as the layout says: widths, group, symmetry)."""
+        return [SideFormat(AXIS[side], bits, self.group_size, symmetric=off is None)
+                for side, bits, off in (("k", self.k_bits, self.k_offset), ("v", self.v_bits, self.v_offset))]
 
     def unsupported(self) -> str | None:
-        """Why the kernel cannot read this layout, or ``None``."""
-        from .dispatch import KERNEL_BITS
-
-        if self.param_dtype not in PARAM_DTYPES:
-            return f"scales in {self.param_dtype} (the kernel reads {sorted(map(str, PARAM_DTYPES))})"
-        if self.k_bits not in KERNEL_BITS or self.v_bits not in KERNEL_BITS:
-            return f"k_bits={self.k_bits}, v_bits={self.v_bits} (the kernel reads {KERNEL_BITS})"
-        if self.group_size % 4:
-            return f"group_size={self.group_size} (value channels are read 4 at a time)"
+        """Why the paged kernels cannot read this layout, or ``None``: the ``"torch"`` cells of the paged kernels in
+        :data:`kivi.capabilities.TABLE` (``"vllm"``'s; ``"batching"`` reads pages with the same kernel)."""
         if (self.k_offset is None) != (self.v_offset is None):
             return "one side symmetric and the other not"
-        return None
+        why = kernel_reasons(None, "vllm", "cpu", formats=self.formats(), param_dtype=self.param_dtype)
+        return why[0].detail if why else None
 
     def field(self, pool: torch.Tensor, side: str, name: str) -> torch.Tensor:
         """``[num_blocks, H, rows, C]`` view of field ``name`` (``packed``, ``scale``, ``offset``) of ``side``."""
@@ -383,7 +384,7 @@ def torch_paged_decode(q: torch.Tensor, pool: torch.Tensor, layout: PagedLayout,
     out = torch.empty(N, hq, D, device=q.device)
     for i in range(N):
         sides = []
-        for s, (side, fp, bits) in enumerate((("k", k_fp, layout.k_bits), ("v", v_fp, layout.v_bits))):
+        for s, (side, fp) in enumerate((("k", k_fp), ("v", v_fp))):
             sink, stored, window = counts[i, 3 * s: 3 * s + 3].tolist()
             sink_rows, window_rows = _fp_rows(fp, i, sink, sink + stored, window, w0)
             parts = [sink_rows]  # [H, sink, D]
@@ -396,8 +397,7 @@ def torch_paged_decode(q: torch.Tensor, pool: torch.Tensor, layout: PagedLayout,
                     t = layout.field(pool, side, name).index_select(0, blocks)  # [n, H, rows, C]
                     fields[name] = t.transpose(0, 1).reshape(1, H, -1, t.shape[-1])
                 seg = PackedKV(packed=fields["packed"], scale=fields["scale"], offset=fields.get("offset"), comp=None,
-                               bits=bits, group_size=layout.group_size, axis="channel" if side == "k" else "token",
-                               head_dim=D)
+                               format=layout.formats()[0 if side == "k" else 1], head_dim=D)
                 parts.append(dequantize_kv(seg, torch.float32)[0, :, :stored])
             parts.append(window_rows)
             sides.append(torch.cat(parts, dim=1))  # [H, T, D]
