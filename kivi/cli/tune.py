@@ -114,7 +114,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     prof["recommended"] = rec.to_dict()
     prof["recommended_name"] = rec.describe()
     prof["upgrade"] = upgrade
-    suite_line = score_recommendation(ref, rec, prof)
+    on_suite = score_recommendation(ref, rec, prof)
     lines = [f"per-layer sensitivity to {prof['base_name']} (others FP), {prof['protocol']['windows']} windows; "
              f"FP ppl {prof['fp_ppl']:.4f}",
              f"{'layer':>5s} {'KL':>10s} {'dppl%':>8s} {'top1%':>7s}"]
@@ -122,7 +122,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         lines.append(f"{r['layer']:5d} {r['kl']:10.6f} {r['delta_ppl_pct']:+8.3f} {100 * r['top1_agreement']:7.2f}")
     lines.append(f"most sensitive first: {prof['ranking']}")
     lines.append(f"recommended: {rec.describe()}; layer_specific_config={rec.layer_specific_config}")
-    lines += suite_line
+    lines += on_suite
     emit(args, prof, "\n".join(lines), writes=[("--write-config", args.write_config, rec.to_json)])
     return 0
 
@@ -160,7 +160,7 @@ def cmd_head_profile(args: argparse.Namespace) -> int:
     rec, bits = recommend_head_bits(prof, spec, max_bits, base=base, upgrade=args.head_upgrade_bits)
     prof.update(recommended=rec.to_dict(), recommended_name=rec.describe(), recommended_bits=bits, max_bits=max_bits,
                 base_bits=bits_per_element(spec, base))
-    suite_line = score_recommendation(ref, rec, prof)
+    on_suite = score_recommendation(ref, rec, prof)
     up = str(args.head_upgrade_bits)
     lines = [
         f"per-head sensitivity ({prof['metric']}) to {prof['base_name']}, {prof['protocol']['windows']} windows",
@@ -171,7 +171,7 @@ def cmd_head_profile(args: argparse.Namespace) -> int:
                      + " ".join(f"{r['score'][str(b)]:10.6f}" for b in prof["bits"]))
     lines.append(f"recommended ({up}-bit where it pays most): {prof['base_bits']:.4f} -> {bits:.4f} bits/element "
                  f"(budget {max_bits:.4f}; float16, 32K tokens); head_bits={rec.head_bits}")
-    lines += suite_line
+    lines += on_suite
     emit(args, prof, "\n".join(lines), writes=[("--write-config", args.write_config, rec.to_json)])
     return 0
 
@@ -201,7 +201,7 @@ SUITE_OPTIONS = ("--score-tasks", "--score-samples", "--score-protocol")
 
 
 def suite_requested(args: argparse.Namespace) -> bool:
-    """Whether `kivi tune` scores the long-context suite; the suite's other options without it are refused."""
+    """Whether `kivi tune` / `kivi profile` score the long-context suite; its other options without it are refused."""
     on = getattr(args, "max_score_drop", None) is not None or args.score_length is not None
     given = [o for o in SUITE_OPTIONS if getattr(args, o[2:].replace("-", "_")) is not None]
     if given and not on:
@@ -211,7 +211,8 @@ def suite_requested(args: argparse.Namespace) -> bool:
 
 
 def suite_reference(args: argparse.Namespace, model, tok):
-    """The suite's full-precision side for `kivi tune` (prefilled once, replayed into every scored candidate)."""
+    """The suite's full-precision side (prefilled once, replayed into every config it scores); the context is
+    checked first."""
     from ..eval.longctx.objective import DEFAULT_SAMPLES, DEFAULT_TASKS, SuiteReference
     from ..eval.longctx.protocols import PROTOCOLS
     from ..eval.longctx.tasks import MAX_NEW_TOKENS
@@ -226,7 +227,6 @@ def suite_reference(args: argparse.Namespace, model, tok):
     return SuiteReference(model, tok, read_text_arg(args), length=length, tasks=tasks,
                           samples=args.score_samples or DEFAULT_SAMPLES, protocol=args.score_protocol or PROTOCOLS[0],
                           progress=not args.no_progress)
-
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
