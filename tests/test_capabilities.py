@@ -39,6 +39,7 @@ SAMPLES = {
     "tiers": ({"tiers": [(8, None), (1024, 2), (None, 1)]}, {}),
     "quantize_after": ({"quantize_after": 64}, {}),
     "layer_specific_config": ({"layer_specific_config": {1: {"k_bits": 4}}}, {}),
+    "key_rotation": ({"key_rotation": "hadamard"}, {}),
     "symmetric": ({"symmetric": True}, {}),
     "compensation": ({"residual_bits": 1}, {}),
     "odd_code_width": ({"k_bits": 3, "v_bits": 3}, {}),
@@ -84,7 +85,7 @@ def _generate(cfg, backend, facts, mp):
 def _batching(cfg, backend, facts, mp):
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    import kivi.batching.cache as bcache
+    import kivi.batching.paged_cache as bcache
     from kivi.batching.layout import build_layout
     from kivi.batching.manager import pages_attention_backend
 
