@@ -21,12 +21,12 @@ def _keys(seed=0, shape=(2, 3, 64, 32)):
     return x
 
 
-@pytest.mark.parametrize("d", [1, 2, 8, 64, 128])
 def unrotated(seg):
     """The same codes read as if not rotated (what they hold: the rotated basis)."""
     return dataclasses.replace(seg, format=dataclasses.replace(seg.format, rotation="none"))
 
 
+@pytest.mark.parametrize("d", [1, 2, 8, 64, 128])
 def test_hadamard_is_orthogonal_with_signs(d):
     r = rotation_matrix("hadamard", d).double()
     torch.testing.assert_close(r @ r.T, torch.eye(d, dtype=torch.float64), atol=1e-6, rtol=0)
