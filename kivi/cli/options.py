@@ -126,8 +126,10 @@ def check_cli_backend(cfg: KiviConfig) -> None:
     try:
         resolve_attention_backend(cfg.attention_backend, "cpu", config=cfg)
     except (RuntimeError, ValueError) as e:
-        raise CliError(f"--attention-backend {cfg.attention_backend}: {_first_line(e)} "
-                       "(the kivi command line runs models on the CPU: use 'cpu' or 'reference')") from None
+        line = _first_line(e)
+        hint = "" if "; use '" in line else ": use 'cpu' or 'reference'"  # the backend's own advice stands
+        raise CliError(f"--attention-backend {cfg.attention_backend}: {line} "
+                       f"(the kivi command line runs models on the CPU{hint})") from None
 
 
 def config_from_args(args: argparse.Namespace) -> KiviConfig | None:
