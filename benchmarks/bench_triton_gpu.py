@@ -758,6 +758,12 @@ def _guarded(kind, dtype_name, fn) -> list[dict]:
         return [_row(kind, dtype_name, float("nan"), False, error=f"{type(e).__name__}: {e}"[:400])]
 
 
+#: The layout checks' bound on max |kernel - reference| per output dtype. bfloat16 keeps 8 bits of mantissa: over 8
+#: query draws of the dry run's `balanced` layout its error reached 2.15e-2 (the same on the kernel's previous
+#: version), so its bound is twice float16's; a kernel that reads a wrong token or group errs by far more.
+LAYOUT_ATOL = {torch.float16: 2e-2, torch.float32: 2e-2, torch.bfloat16: 4e-2}
+
+
 def layout_checks(device, dtype, dtype_name, dry: bool) -> list[dict]:
     """The backend's kernel path over a KiviLayer's views against ``reference_attention``: per preset (plain,
     sinks), and a sliding layer whose store evicted its front."""
@@ -769,11 +775,11 @@ def layout_checks(device, dtype, dtype_name, dry: bool) -> list[dict]:
     for preset in LAYOUT_PRESETS:
         def one(preset=preset):
             _, kv, vv = layered_views(B, hkv, d, T, extra, preset, dtype, device, **geometry)
-            q = torch.randn(B, hq, 1, d, device=device, dtype=dtype)
+            q = torch.randn(B, hq, 1, d, generator=torch.Generator().manual_seed(0)).to(device, dtype)
             got = triton_view_attention(q, kv, vv, scaling=d ** -0.5, attention_mask=None)
             ref = reference_attention(q, kv, vv, scaling=d ** -0.5)
             err = (got.float() - ref.float()).abs().max().item()
-            return [_row(f"layout {preset} (sinks {kv.sink is not None})", dtype_name, err, err < 2e-2,
+            return [_row(f"layout {preset} (sinks {kv.sink is not None})", dtype_name, err, err < LAYOUT_ATOL[dtype],
                          context=T, batch=B)]
         rows += _guarded(f"layout {preset}", dtype_name, one)
 
