@@ -40,8 +40,16 @@ def wikitext_ids(smollm2):
     return tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
 
 
+#: Folders whose tests call the numba decode kernel from their first test on: collected last, so that on a cold
+#: cache the workers run the other tests while the controller's background child fills the kernel (below)
+#: instead of waiting for it at the start.
+KERNEL_HEAVY = ("tests/attention/", "tests/batching/")
+
+
 def pytest_collection_modifyitems(config, items):
-    """`slow` tests run only with KIVI_SLOW=1 or an explicit `-m` expression."""
+    """The kernel's heaviest users last (:data:`KERNEL_HEAVY`; a stable sort); `slow` tests run only with
+    KIVI_SLOW=1 or an explicit `-m` expression."""
+    items.sort(key=lambda item: item.nodeid.startswith(KERNEL_HEAVY))
     if os.environ.get("KIVI_SLOW") == "1" or config.getoption("-m"):
         return
     skip = pytest.mark.skip(reason="slow: set KIVI_SLOW=1 or pass -m slow")
