@@ -5,7 +5,7 @@
 #   bash scripts/test.sh tests/test_memory.py -x
 #   KIVI_SLOW=1 bash scripts/test.sh
 # Tests run in KIVI_TEST_WORKERS pytest-xdist processes (default 2: the 2-core CI machine; 0 runs them in this
-# process). Two workers take the default suite from 16 to 11 minutes on the 2-core VM (docs/cli.md, "Setup").
+# process; docs/cli.md, "Setup", gives the suite's measured time on the 2-core VM).
 #: tests marked with one xdist_group run in one worker, in order (the rest as --dist load).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
