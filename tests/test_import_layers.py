@@ -49,6 +49,8 @@ LAYERS: dict[str, int] = {
     "kivi.paged.ring": 3, "kivi.paged": 3,
     # 4 cache (schedule, layers, the transformers Cache, what update hands to attention)
     "kivi.cache": 4,
+    # one layer's step over KIVI pages for every paged host (views, boundary, leaving tokens, the all-or-nothing commit)
+    "kivi.paged.step": 4,
     # replaying a recorded prefill into any cache through its update path (the long-context suite's shared prefill)
     "kivi.cache.replay": 4,
     # 5 attention over the cache's views, and its kernels

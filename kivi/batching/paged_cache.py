@@ -14,11 +14,11 @@ shared blocks, the batch's attention mask — is transformers' own):
   layer of the batch's context is dequantized at a time; a chunk's queries all see the cache as it was
   before the chunk: tensors cannot carry a per-query boundary). In the packed mode it hands attention
   each request's :class:`~kivi.cache.view.AttentionView` instead, with :class:`KiviLayer`'s per-query
-  boundary for a chunk into a request that holds tokens (:meth:`KiviPagedCache._set_boundary`).
+  boundary for a chunk into a request that holds tokens (:func:`kivi.paged.step.request_view`).
   Then, as in :class:`kivi.cache.KiviLayer`,
   tokens leave the window (keys in whole groups of ``G`` once ``R`` newer remain, values beyond
-  ``R``), are quantized (one :func:`kivi.quant.kv.quantize_kv` per side for the whole batch) and
-  written to their pages.
+  ``R``), are quantized (one :func:`kivi.paged.step.quantize_leaving` per side for the whole batch) and
+  written to their pages (:func:`kivi.paged.step.commit`).
 
 The batch's requests reach ``update`` through the one side channel transformers leaves:
 ``extend_read_and_write_indices`` is called once per request, in batch order, while the batch is
@@ -39,17 +39,16 @@ from transformers.generation.continuous_batching.requests import RequestState as
 from transformers.generation.continuous_batching.requests import RequestStatus
 
 from ..attention.fused_cpu.paged import RingRows
-from ..cache.boundary import SideCounts, set_boundary
-from ..cache.pages import gather_pages, page_store, scatter_tokens, store_rows
-from ..cache.schedule import prefill_exact_queries, window_exits
+from ..cache.pages import gather_pages, page_store
 from ..cache.view import AttentionView
 from ..capabilities import kernel_reasons
 from ..optional import numba_problem
 from ..paged.counts import side_counts
-from ..quant.kv import dequantize_kv, quantize_side
+from ..paged.step import Leaving, Pages, Pending, commit, exits, kept_rows, request_view
+from ..quant.kv import dequantize_kv
 from .allocator import KiviPageAllocator
 from .decode import DecodeStep, decode_counts, decode_step
-from .layout import AXIS, SIDES, PageLayout, field_views, window_view
+from .layout import SIDES, PageLayout, field_views, window_view
 from .paged_attention import PagedBatchViews, PagedDecode
 
 TRANSFORMERS_MAX_BATCH_TOKENS = 8192  # transformers' default where a config gives none (PagedAttentionMemoryHandler)
@@ -218,8 +217,8 @@ class KiviPagedCache(PagedAttentionCache):
         counts = [[side_counts(cfg, side, past, st.shared)[:2] for side in SIDES]
                   for (_, past, _), st in zip(batch, states)]
         dec = self._decode_rows(layer, counts)
-        # Both sides are read and quantized before either is written: a refused value (NaN) leaves the
-        # layer's pages and windows exactly as they were.
+        # Both sides are read before either is written; commit quantizes both before writing anything: a refused
+        # value (NaN) leaves the layer's pages and windows exactly as they were.
         sides = [self._side_forward(layer, s, side, cfg, new.split(qs, dim=1), batch, states,
                                     [c[s] for c in counts], dec)
                  for s, (side, new) in enumerate((("k", keys), ("v", values)))]
@@ -232,8 +231,7 @@ class KiviPagedCache(PagedAttentionCache):
                                  decode_counts(cfg, [p for _, p, _ in rows], [states[j].shared for j, _ in dec]),
                                  sides[0][2], sides[1][2], cfg.sink_tokens)
             seen = [dataclasses.replace(v, decode=decode) for v in seen]
-        for side in sides:
-            side[1]()
+        commit([side[1][:2] for side in sides], *(side[1][2] for side in sides))
         return seen[0], seen[1]
 
     def _decode_rows(self, layer: int, counts: list) -> list[tuple[int, int]]:
@@ -247,11 +245,12 @@ class KiviPagedCache(PagedAttentionCache):
 
     def _side_forward(self, layer: int, s: int, side: str, cfg: Any, news: tuple[torch.Tensor, ...],
                       batch: list[tuple[str, int, int]], states: list, counts: list[tuple[int, int]],
-                      dec: list[tuple[int, int]]) -> tuple[Any, Any, RingRows | None]:
-        """What attention sees of one side ``[H, sum(past + q), D]``, the function that then writes the
-        side's moves (quantized tokens to pages, the new tokens below the sink slots or staying in the window to
-        their slots: :func:`_written`), and the full-precision rows of the requests in ``dec``
-        as the paged decode kernel reads them in place (:class:`RingRows`; they get no view).
+                      dec: list[tuple[int, int]]) -> tuple[Any, tuple[Leaving, Pages, Any], RingRows | None]:
+        """What attention sees of one side ``[H, sum(past + q), D]``, the side's writes for
+        :func:`kivi.paged.step.commit` (its leaving tokens, their pages, and the function that writes the new
+        tokens below the sink slots or staying in the window to their slots: :func:`kivi.paged.step.kept_rows`),
+        and the full-precision rows of the requests in ``dec`` as the paged decode kernel reads them in place
+        (:class:`RingRows`; they get no view).
 
         The window is a ring in its slots (:meth:`PageLayout.window_slot`): tokens that leave it are read
         (those that go to the sink or the pages) and never moved, the ones that stay are never rewritten."""
@@ -260,11 +259,8 @@ class KiviPagedCache(PagedAttentionCache):
         dtype = news[0].dtype
         views = self._views[(layer, side)]
         S, ring = cfg.sink_tokens, lay.ring_slots(layer)
-        # what leaves each request's window in this forward: kivi.cache.schedule's one rule
-        exits = []
-        for (_rid, past, q), (sink, stored) in zip(batch, counts):
-            exits.append(window_exits(AXIS[side], past + q - sink - stored, cfg.residual_length, cfg.group_size,
-                                      sink, S, sink + stored, cfg.quantize_after))
+        # what leaves each request's window in this forward: kivi.paged.step's one rule
+        moves = [exits(cfg, side, past, q, sink, stored) for (_, past, q), (sink, stored) in zip(batch, counts)]
         # 1. every request's pages of this layer and side: one gather, one dequantization (materialized mode)
         blocks: list[int] = []
         starts: list[int] = []
@@ -285,13 +281,13 @@ class KiviPagedCache(PagedAttentionCache):
             reads, writes, spans = ([], []), ([], []), []
             for j, k in dec:
                 (_, past, _), (sink, stored) = batch[j], counts[j]
-                take, move = exits[j]
+                take, move = moves[j]
                 lo, out = sink + stored, min(sink + stored + take + move, past)
                 for t in range(lo, out):
                     reads[0].append(k)
                     reads[1].append(lay.window_slot(layer, t))
                 spans.append((j, out - lo, lo + take + move - out))
-                if _written(past, 1, S, lo + take + move):  # the new token: its sink slot, or its ring slot
+                if kept_rows(past, 1, S, lo + take + move):  # the new token: its sink slot, or its ring slot
                     writes[0].append(k)
                     writes[1].append(lay.window_slot(layer, past))
             per_block = lay.rows_per_block
@@ -313,7 +309,7 @@ class KiviPagedCache(PagedAttentionCache):
             rows_in = RingRows(self._rows, slots, torch.cat([news[j] for j, _ in dec], dim=1).transpose(0, 1))
         # 3. what attention sees of the other requests, request by request: sink, pages, window, new tokens
         parts: list[torch.Tensor] = []
-        pendings: dict[int, torch.Tensor] = {}
+        pendings: dict[int, Pending] = {}
         attn_views: list[AttentionView | None] = []
         decoding = {j for j, _ in dec}
         for j, ((rid, past, q), st, new, start) in enumerate(zip(batch, states, news, starts)):
@@ -326,61 +322,47 @@ class KiviPagedCache(PagedAttentionCache):
             sink_t = self._rows[idx[:sink, 0], idx[:sink, 1]].transpose(0, 1) if sink else None  # [H, S, D]
             if wlen:  # the ring read in token order
                 w = idx[lay.window_slot(layer, torch.arange(sink + stored, past))]
-                pending = torch.cat([self._rows[w[:, 0], w[:, 1]].transpose(0, 1), new], dim=1)
+                rows = torch.cat([self._rows[w[:, 0], w[:, 1]].transpose(0, 1), new], dim=1)
             else:
-                pending = new
-            pendings[j] = pending
+                rows = new
+            pending = pendings[j] = Pending(cfg, side, rows, *moves[j])
             if self.packed_backend is not None:
                 evicted = min(st.evicted, stored)  # sliding-window models: pages freed (no sink there)
                 table = alloc.block_table[rid][evicted // P: lay.token_blocks(stored)]
                 store = page_store(views, table, sink, stored, P, **meta, evicted=evicted)
-                view = AttentionView(store, sink + stored, pending.unsqueeze(0), quantized=True,
-                                     sink=None if sink_t is None else sink_t.unsqueeze(0), start=evicted)
-                self._set_boundary(view, side, cfg, pending, wlen, q, past, sink)
-                attn_views.append(view)
+                attn_views.append(request_view(cfg, side, pending, store, sink_t, q, past, start=evicted))
                 continue
             if sink_t is not None:
                 parts.append(sink_t)
             if stored:
                 parts.append(deq[:, start: start + stored])
-            parts.append(pending)
+            parts.append(rows)
         if self.packed_backend is not None:
             seen = PagedBatchViews(tuple(attn_views), tuple(q for _, _, q in batch), self.packed_backend)
         else:
             seen = torch.cat(parts, dim=1)
         del deq
-        # 4. move what is due out of the windows, quantize once, find the slots to write
-        moved, tok_index, grp_index = [], ([], []), ([], [])
+        # 4. what is due out of the windows (quantized by commit, once for the batch), the slots to write
+        out, tables = Leaving(cfg, side), []
         row_slots, row_values, dec_values = [], [], []  # (block, row) and rows of the other requests; decoding's
-        for j, ((rid, past, _q), st, new, (take, move)) in enumerate(zip(batch, states, news, exits)):
+        for j, ((rid, past, _q), st, new, (take, move)) in enumerate(zip(batch, states, news, moves)):
             sink, stored = counts[j]
-            lo = sink + stored
-            src = pendings.get(j, leaving.get(j))  # the side's tokens from position ``lo`` on
             values = dec_values if j in decoding else row_values  # in the order of their slots' lists
-            if move:
-                moved.append(src[:, take: take + move])
-                table = alloc.block_table[rid]
-                for dest, per_row in ((tok_index, 1), (grp_index, cfg.group_size if side == "k" else None)):
-                    if per_row is not None:
-                        b, r = store_rows(table, stored, move, lay.page_size, per_row)
-                        dest[0].extend(b)
-                        dest[1].extend(r)
-            for first, end in _written(past, new.shape[1], S, lo + take + move):
+            if move:  # store positions [stored, stored + move): the request's pages from stored // P on
+                first = stored // P
+                tables.append(alloc.block_table[rid][first: lay.token_blocks(stored + move)])
+                part = pendings[j] if j in pendings else leaving[j][:, take: take + move]
+                out.add(part, [(len(tables) - 1, stored - first * P, move)])
+            for first, end in kept_rows(past, new.shape[1], S, sink + stored + take + move):
                 values.append(new[:, first - past: end - past])
                 if j in pendings:
                     row_slots.append(st.window_index[layer, s][lay.window_slot(layer, torch.arange(first, end))])
-        seg = None
-        if moved:  # quantize before writing anything: a refused value leaves the cache as it was
-            seg = _quantize(cfg, side, torch.cat(moved, dim=1))
+        width = max((len(t) for t in tables), default=0)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long,
+                             device=self.cache_tensor.device).reshape(len(tables), width)
+        per_row = {f.name: f.tokens_per_row for f in self.layout.layer_fields(layer, side).values()}
 
-        def commit() -> None:
-            if seg is not None:
-                dev = self.cache_tensor.device
-                index = {1: tuple(torch.tensor(x, dtype=torch.long, device=dev) for x in tok_index)}
-                if side == "k":  # keys' scale / offset / compensation: one row per group of G tokens
-                    index[cfg.group_size] = tuple(torch.tensor(x, dtype=torch.long, device=dev) for x in grp_index)
-                per_row = {f.name: f.tokens_per_row for f in self.layout.layer_fields(layer, side).values()}
-                scatter_tokens(views, seg, index, per_row)
+        def write_rows() -> None:
             blocks_at, rows_at = [], []
             if row_values:
                 ridx = torch.cat(row_slots, dim=0)  # [n, 2]: (block, row)
@@ -393,38 +375,7 @@ class KiviPagedCache(PagedAttentionCache):
                 self._rows[torch.cat(blocks_at), torch.cat(rows_at)] = torch.cat(
                     [r.transpose(0, 1) for r in row_values + dec_values], dim=0).to(self._rows.dtype)  # [n, H, D]
 
-        return seen, commit, rows_in
-
-    @staticmethod
-    def _set_boundary(view: AttentionView, side: str, cfg: Any, pending: torch.Tensor, window: int, q: int,
-                      past: int, sink: int) -> None:
-        """Give one request's ``view`` the per-query boundary of its ``q`` new tokens, as
-        :class:`kivi.cache.KiviLayer` does (:func:`kivi.cache.boundary.set_boundary`): query ``i`` reads
-        the tokens one-token decoding would have moved out of the window by its step as they are once
-        moved (``view.region``: sink tokens exact, stored tokens quantized and dequantized — bit-identical
-        to what the pages then hold). A forward into an empty request (``past == 0``: a prompt's first
-        chunk) is an exact prefill (no boundary). ``pending [H, window + q, D]``: window + new tokens."""
-        counts = SideCounts(AXIS[side], cfg.residual_length, cfg.group_size, sink, cfg.sink_tokens)
-        x = pending.unsqueeze(0)  # [1, H, window + q, D]: the layout the boundary reads
-        set_boundary(view, counts, x, q, prefill_exact_queries(past, q, None),
-                     lambda lo, hi: _quantize(cfg, side, pending[:, lo:hi]))
-
-
-def _written(past: int, q: int, sink_slots: int, kept: int) -> list[tuple[int, int]]:
-    """The position ranges of a forward's ``q`` new tokens (``[past, past + q)``) whose rows it writes: those below
-    the sink slots (each has its own, :func:`kivi.paged.ring.ring_slot`) and those that stay in the window (from
-    ``kept`` on, the window's first token after the forward's moves). Tokens that leave the window at or past
-    ``sink_slots`` in their own forward go to the pages only."""
-    end = past + q
-    below = min(end, max(past, sink_slots))
-    return [(a, b) for a, b in ((past, below), (max(kept, below), end)) if b > a]
-
-
-def _quantize(cfg: Any, side: str, x: torch.Tensor):
-    """``x [H, T, D]`` (tokens leaving windows; T a multiple of G for keys) quantized as the pages store
-    them: one :class:`~kivi.quant.kv.PackedKV` ``[1, H, T, ...]``. Key groups are aligned per request, so
-    quantizing a request's tokens alone or in a batch's concatenation gives the same codes."""
-    return quantize_side(x.unsqueeze(0), cfg.side_format(side))
+        return seen, (out, Pages(views, per_row, table, P), write_rows), rows_in
 
 
 __all__ = ["KiviPagedCache"]

@@ -12,20 +12,21 @@ need nothing special.
 
 The step's schedule, the same for every layer, is worked out once per step (:func:`kivi.vllm.plan.step_plan`:
 which rows the batched decode kernel serves, the ring slots its columns read, what leaves their windows, the
-ring slots the step writes); :func:`paged_step` does, for one layer:
+ring slots the step writes); :func:`paged_step` does, for one layer, the steps of :mod:`kivi.paged.step` (shared
+with :mod:`kivi.batching`) over vLLM's block and ring tables:
 
 1-2. builds, per request not served by the kernel, the :class:`~kivi.cache.view.AttentionView` kivi's own
    cache would hand attention (the sink rows, the pages as a :class:`~kivi.cache.store.BlockStore` aliasing
    the page memory, then the full-precision tokens), with kivi's per-query precision for a chunk into a
-   request that holds tokens (:func:`kivi.cache.schedule.query_boundaries`; a request's first chunk is an
-   exact prefill);
+   request that holds tokens (:func:`kivi.paged.step.request_view`; a request's first chunk is an exact
+   prefill);
 3. quantizes what leaves the windows in this step for the pages (after the first tokens to leave filled the
-   sink, :func:`~kivi.cache.schedule.window_exits`: keys in whole groups of ``G`` once ``R`` newer remain,
+   sink, :func:`kivi.paged.step.exits`: keys in whole groups of ``G`` once ``R`` newer remain,
    values beyond ``R``; sink tokens are never quantized and never move: their rows are already in their
    slots), every request's tokens in one call per side (groups never span requests: keys leave in whole
-   aligned groups; values on the CPU in one compiled pass, :func:`kivi.quant.numba_quant.quantize_tokens`), both
-   sides before writing either, so a refused value (NaN) writes nothing to the pages; then writes them to
-   their page rows, one indexed write per field;
+   aligned groups; :func:`kivi.paged.step.quantize_leaving`), both sides before writing either
+   (:func:`kivi.paged.step.commit`), so a refused value (NaN) writes nothing; then writes them to their page
+   rows, one indexed write per field;
 4. attends: the decode rows with something stored in one call of kivi's batched paged decode kernel
    reading the pages through the block table and the full-precision rows in the rings where they are
    (:mod:`kivi.vllm.decode`, where it applies: :func:`~kivi.vllm.decode.decode_kernel`); every request's
@@ -54,15 +55,12 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.interface import run_backend
-from ..cache.boundary import SideCounts, set_boundary
-from ..cache.pages import page_store, scatter_tokens
-from ..cache.schedule import prefill_exact_queries, window_exits
-from ..cache.view import AttentionView, exact_queries
+from ..cache.pages import page_store
+from ..cache.view import exact_queries
 from ..config import KiviConfig
 from ..paged.counts import side_counts
-from ..quant.kv import quantize_side
-from ..quant.numba_quant import quantize_tokens, tokens_quantizable
-from ..quant.page import AXIS, SIDES
+from ..paged.step import Leaving, Pages, Pending, commit, exits, request_view
+from ..quant.page import SIDES
 from .decode import DecodeKernel, decode_kernel, leaving_rows, paged_decode
 from .geometry import KiviGeometry, block_field_views, ring_slots
 from .plan import RingWrites, StepPlan, step_plan
@@ -100,15 +98,6 @@ def _ring_read(rings: list[torch.Tensor], pos: torch.Tensor, ring_table_row: tor
         if sel.numel():
             out[:, sel] = r[block[sel], :, row[sel], cols].transpose(0, 1)
     return out
-
-
-def _quantize(cfg: KiviConfig, side: str, x: torch.Tensor):
-    """``x [H, T, D]`` leaving the window (T a multiple of G for keys) as the pages store it: values on the CPU in
-    one compiled pass where it reproduces the reference (:func:`kivi.quant.numba_quant.tokens_quantizable`)."""
-    fmt = cfg.side_format(side)
-    if x.device.type == "cpu" and tokens_quantizable(fmt, x.dtype):
-        return quantize_tokens(x.unsqueeze(0), fmt)
-    return quantize_side(x.unsqueeze(0), fmt)
 
 
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -173,7 +162,6 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
         raise ValueError(f"the step's plan was made for {plan.slots} ring slots of {plan.window_tokens} per block and "
                          f"{plan.sink_tokens} sink tokens, this layer has {geo.window_rings * geo.window_tokens}, "
                          f"{geo.window_tokens} and {geo.sink_tokens}")
-    R, G = cfg.residual_length, cfg.group_size
     if not batched_decode or plan.kernel is None:
         kernel = None
     elif kernel is None:
@@ -188,7 +176,7 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
     meta = {side: dict(fmt=cfg.side_format(side), head_dim=geo.head_dim) for side in SIDES}
     per_request = plan.others if kernel is not None or plan.kernel is None else sorted(plan.others + plan.kernel.rows)
     jobs = []
-    leaving = {side: _Leaving() for side in SIDES}  # what leaves the windows in this step, per side
+    leaving = {side: Leaving(cfg, side) for side in SIDES}  # what leaves the windows in this step, per side
     for i in per_request:
         lo, hi = batch.query_start[i], batch.query_start[i + 1]
         q_len = hi - lo
@@ -196,9 +184,8 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
         page_ids, ring_ids = batch.page_table[i], batch.ring_table[i]
         side_views = []
         for side, new in (("k", key[lo:hi]), ("v", value[lo:hi])):  # 1-2. the view kivi's cache would build
-            axis = AXIS[side]
             sink, stored, window = side_counts(cfg, side, past)
-            take, move = window_exits(axis, window + q_len, R, G, sink, S)
+            take, move = exits(cfg, side, past, q_len, sink, stored)
             split = sink + stored
             if window:
                 old = _ring_read(rings, torch.arange(split, past, device=key.device), ring_ids, geo.head_dim, side, S)
@@ -206,17 +193,14 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
             else:
                 fp = new.transpose(0, 1).to(rings[0].dtype).contiguous()
             sink_rows = None
-            if sink:
-                sink_rows = _ring_read(rings, torch.arange(sink, device=key.device), ring_ids, geo.head_dim, side,
-                                       S).unsqueeze(0)  # [1, H, sink, D], bit-exact as they arrived
+            if sink:  # [H, sink, D], bit-exact as they arrived
+                sink_rows = _ring_read(rings, torch.arange(sink, device=key.device), ring_ids, geo.head_dim, side, S)
             table = page_ids[: -(-stored // P)].tolist()
             store = page_store(views[side], table, sink, stored, P, **meta[side])
-            view = AttentionView(store, split, fp.unsqueeze(0), quantized=True, sink=sink_rows)
-            seg = _Once(cfg, side, fp, take, move)
-            _set_boundary(view, cfg, side, fp, q_len, past, sink, seg)
-            side_views.append(view)
+            pending = Pending(cfg, side, fp, take, move)
+            side_views.append(request_view(cfg, side, pending, store, sink_rows, q_len, past))
             if move:  # 3. what leaves the window for the pages in this step
-                leaving[side].add(seg, [(i, stored, move)])
+                leaving[side].add(pending, [(i, stored, move)])
         jobs.append((lo, hi, past, side_views))
     if kernel is not None:  # the kernel rows' leaving tokens: one indexed read per side, before any write
         for side, new in (("k", key), ("v", value)):
@@ -224,14 +208,12 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
             if gone is not None:
                 leaving[side].add(leaving_rows(kernel, plan.kernel, gone, batch.ring_table, side, new), gone.spans)
         decoded = paged_decode(kernel, plan.kernel, batch.page_table, batch.ring_table, query, key, value, scale)
-    segs = {side: leaving[side].quantize(cfg, side) for side in SIDES}  # every quantization before any write
-    if plan.writes is not None:  # every request's reads are done: now the rings
-        write_rings(rings, batch.ring_table, key, value, plan.writes)
-    for side in SIDES:
-        if segs[side] is not None:
-            index = _page_index(leaving[side], batch.page_table, P, G if side == "k" else 1)
-            per_row = {name: f.tokens_per_row for name, f in geo.side_fields(side).items()}
-            scatter_tokens(views[side], segs[side], index, per_row)
+    # every request's reads are done: every quantization, then the rings, then the pages
+    pages = {side: Pages(views[side], {name: f.tokens_per_row for name, f in geo.side_fields(side).items()},
+                         batch.page_table, P) for side in SIDES}
+    ring_writes = [] if plan.writes is None else [
+        lambda: write_rings(rings, batch.ring_table, key, value, plan.writes)]
+    commit([(leaving[side], pages[side]) for side in SIDES], *ring_writes)
     if kernel is not None:  # 4. attention: the kernel rows in one call, the others request by request
         out[plan.kernel.tokens] = decoded.to(out.dtype)
     firsts = [(lo, hi) for lo, hi, past, _ in jobs if past == 0]
@@ -249,73 +231,6 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
     return out
 
 
-class _Once:
-    """The quantized tokens ``[first, first + count)`` of one request's pending rows ``fp [H, T, D]`` (the step's
-    tokens for the pages, after the ``first`` that go to the sink), computed at most once (the per-query
-    precision of a chunk and the page write need the same segment)."""
-
-    def __init__(self, cfg: KiviConfig, side: str, fp: torch.Tensor, first: int, count: int) -> None:
-        self.cfg, self.side, self.fp, self.first, self.count, self.seg = cfg, side, fp, first, count, None
-
-    def rows(self) -> torch.Tensor:
-        return self.fp[:, self.first: self.first + self.count]
-
-    def __call__(self, lo: int, hi: int):
-        if (lo, hi) != (self.first, self.first + self.count):
-            return _quantize(self.cfg, self.side, self.fp[:, lo:hi])
-        if self.seg is None:
-            self.seg = _quantize(self.cfg, self.side, self.rows())
-        return self.seg
-
-
-class _Leaving:
-    """One side's tokens leaving the windows in a step: ``parts`` (rows ``[H, n, D]``, or a :class:`_Once`) and
-    ``spans`` ``(request, first store position, count)``, both in token order (a part may hold several
-    requests' spans)."""
-
-    def __init__(self) -> None:
-        self.parts, self.spans = [], []
-
-    def add(self, part, spans: list[tuple[int, int, int]]) -> None:
-        self.parts.append(part)
-        self.spans += spans
-
-    def quantize(self, cfg: KiviConfig, side: str):
-        """All the leaving tokens as the pages store them, ``[1, H, M, ...]`` in token order (``None``: none)."""
-        if not self.parts:
-            return None
-        if len(self.parts) == 1 and isinstance(self.parts[0], _Once):
-            once = self.parts[0]
-            return once(once.first, once.first + once.count)
-        rows = [p.rows() if isinstance(p, _Once) else p for p in self.parts]
-        return _quantize(cfg, side, torch.cat(rows, dim=1) if len(rows) > 1 else rows[0])
-
-
-def _spans(counts: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """For spans of ``counts`` items laid end to end: each item's span and its offset inside it."""
-    c = torch.tensor(counts, dtype=torch.long, device=device)
-    span = torch.repeat_interleave(torch.arange(len(counts), device=device), c)
-    offset = torch.arange(span.numel(), device=device) - (torch.cumsum(c, 0) - c)[span]
-    return span, offset
-
-
-def _page_index(leaving: _Leaving, page_table: torch.Tensor, page_size: int, group: int
-                ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """``{tokens per row: (blocks, rows)}`` of the page rows the leaving tokens go to (:func:`scatter_tokens`):
-    store position ``u`` of request ``i`` is in block ``page_table[i, u // P]``, row ``u % P`` (per-group
-    fields: row ``(u % P) // G``, one per group; spans are whole aligned groups)."""
-    device = page_table.device
-    reqs, starts, counts = zip(*leaving.spans)
-    span, offset = _spans(list(counts), device)
-    pos = torch.tensor(starts, dtype=torch.long, device=device)[span] + offset
-    req = torch.tensor(reqs, dtype=torch.long, device=device)[span]
-    blocks = page_table[req, pos // page_size].long()
-    index = {1: (blocks, pos % page_size)}
-    if group > 1:
-        index[group] = (blocks[::group], (pos[::group] % page_size) // group)
-    return index
-
-
 def write_rings(rings: list[torch.Tensor], ring_table: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 writes: RingWrites) -> None:
     """Write the step's tokens ``writes`` names (:class:`kivi.vllm.plan.RingWrites`: request, ring slot, input row
@@ -326,19 +241,6 @@ def write_rings(rings: list[torch.Tensor], ring_table: torch.Tensor, key: torch.
     block = ring_table[writes.req].long()
     for ring, lo, hi in writes.bounds:
         rings[ring][block[lo:hi, ring], :, writes.slot[lo:hi] % pw] = kv[lo:hi]
-
-
-def _set_boundary(view: AttentionView, cfg: KiviConfig, side: str, pending: torch.Tensor, q_len: int, past: int,
-                  sink: int, quantize) -> None:
-    """Per-query precision of a chunk of ``q_len`` tokens into a request holding ``past`` (as
-    :class:`kivi.cache.KiviLayer`, :func:`kivi.cache.boundary.set_boundary`): query ``i`` reads the tokens
-    one-token decoding would have moved out of the window by its step as they are once moved (sink tokens
-    exact, stored tokens bit-identical to what the pages then hold). A request's first chunk (``past == 0``)
-    is an exact prefill. ``pending [H, window + q_len, D]``; ``sink``: sink tokens held before the chunk;
-    ``quantize(lo, hi)`` pending tokens ``[lo, hi)`` as the pages store them."""
-    counts = SideCounts(AXIS[side], cfg.residual_length, cfg.group_size, sink, cfg.sink_tokens)
-    set_boundary(view, counts, pending.unsqueeze(0), q_len, prefill_exact_queries(past, q_len, None),
-                 quantize)
 
 
 __all__ = ["StepBatch", "ExactPrefill", "paged_step", "sdpa_prefill", "exact_attention", "decode_rows", "ring_slots",

@@ -221,14 +221,15 @@ def test_stores_any_follows_the_schedule():
 def test_a_step_quantizes_what_leaves_every_window_in_one_call_per_side(monkeypatch):
     """Prefills of several requests in one step, then decode steps: what leaves all the windows of a step is
     quantized in one call per side (not one per request), and the pages still equal the per-request path's."""
-    from kivi.vllm import paged as vpaged
+    from kivi.paged import step as paged_step_module
 
     cfg = CONFIGS[0]
     geo = build_geometry(cfg, page_size=P, num_kv_heads=H, head_dim=D, dtype=torch.float32)
     fast, slow = Cache(geo, torch.float32), Cache(geo, torch.float32)
     calls = []
-    quantize = vpaged._quantize
-    monkeypatch.setattr(vpaged, "_quantize", lambda cfg, side, x: calls.append(side) or quantize(cfg, side, x))
+    quantize = paged_step_module.quantize_leaving
+    monkeypatch.setattr(paged_step_module, "quantize_leaving",
+                        lambda cfg, side, x: calls.append(side) or quantize(cfg, side, x))
     steps = steps_of({0: 40, 1: 57, 2: 33, 3: 80, 4: 26}, late={}, decode_steps=12)
     g = torch.Generator().manual_seed(3)
     for rows in steps:
