@@ -46,11 +46,12 @@ from ..cache.view import AttentionView
 from ..capabilities import kernel_reasons
 from ..optional import numba_problem
 from ..paged.counts import side_counts
+from ..paged.decode import PagedDecode
 from ..quant.kv import dequantize_kv, quantize_side
 from .allocator import KiviPageAllocator
 from .decode import DecodeStep, decode_counts, decode_step
 from .layout import AXIS, SIDES, PageLayout, field_views, window_view
-from .paged_attention import PagedBatchViews, PagedDecode
+from .paged_attention import PagedBatchViews
 
 TRANSFORMERS_MAX_BATCH_TOKENS = 8192  # transformers' default where a config gives none (PagedAttentionMemoryHandler)
 
@@ -228,10 +229,11 @@ class KiviPagedCache(PagedAttentionCache):
             rows = [batch[j] for j, _ in dec]
             picked = [k for _, k in dec]
             table = self._decode.table if len(picked) == len(self._decode.rows) else self._decode.table[picked]
-            decode = PagedDecode(tuple(j for j, _ in dec), self.cache_tensor, self._kernel_layouts[layer], table,
+            decode = PagedDecode(self.cache_tensor, self._kernel_layouts[layer], table,
                                  decode_counts(cfg, [p for _, p, _ in rows], [states[j].shared for j, _ in dec]),
-                                 sides[0][2], sides[1][2], cfg.sink_tokens)
-            seen = [dataclasses.replace(v, decode=decode) for v in seen]
+                                 sides[0][2], sides[1][2], cfg.sink_tokens,
+                                 getattr(self.packed_backend, "name", self.packed_backend))
+            seen = [dataclasses.replace(v, decode=decode, decode_rows=tuple(j for j, _ in dec)) for v in seen]
         for side in sides:
             side[1]()
         return seen[0], seen[1]
