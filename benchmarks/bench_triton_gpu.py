@@ -55,6 +55,7 @@ from kivi.kernels import (  # noqa: E402
 )
 from kivi.kernels.triton_paged import triton_paged_decode  # noqa: E402
 from kivi.quant.kv import quantize_kv  # noqa: E402
+from kivi.quant.side_format import SideFormat  # noqa: E402
 from kivi.vllm.decode import decode_kernel  # noqa: E402
 from kivi.vllm.geometry import build_geometry  # noqa: E402
 from kivi.vllm.paged import StepBatch, paged_step  # noqa: E402
@@ -91,8 +92,8 @@ def build_cache(B, hq, hkv, d, T, dtype, device, *, keep_fp: bool, seed: int = 0
     k[..., : d // 16] *= 8  # a few outlier channels, as real keys have
     v = torch.randn(B, hkv, T, d, generator=g, device=device, dtype=dtype)
     tqk, tqv = split_counts(T, *tails)
-    pk = quantize_pack_keys(k[:, :, :tqk], BITS, GROUP) if tqk else None
-    pv = quantize_pack_values(v[:, :, :tqv], BITS, GROUP) if tqv else None
+    pk = quantize_pack_keys(k[:, :, :tqk], SideFormat("channel", BITS, GROUP)) if tqk else None
+    pv = quantize_pack_values(v[:, :, :tqv], SideFormat("token", BITS, GROUP)) if tqv else None
     kf = k[:, :, tqk:].contiguous()
     vf = v[:, :, tqv:].contiguous()
     fp = (k, v) if keep_fp else None
@@ -679,23 +680,23 @@ def plugin_timing(cfg: KiviConfig, device, dtype: torch.dtype, hq: int, hkv: int
         calls.append(time.perf_counter() - t0)
         return out
 
-    triton_paged.triton_paged_decode = timed
-    try:
-        kernel = decode_kernel(cfg, geo, "triton", cache.pages, cache.rings)
-    finally:
-        triton_paged.triton_paged_decode = kernel_fn
+    kernel = decode_kernel(cfg, geo, "triton", cache.pages, cache.rings)
     if kernel is None:
         raise RuntimeError("the batched paged decode kernel does not apply to this cache")
     step_ms = []
-    for s in range(decode_steps):
-        q, k, v = (torch.randn(requests, h, d, generator=g, device=device, dtype=dtype) for h in (hq, hkv, hkv))
-        batch = cache.batch([(i, context + s, 1) for i in range(requests)])
-        out = torch.empty(requests, hq, d, dtype=dtype, device=device)
-        _sync(device)
-        t0 = time.perf_counter()
-        paged_step(cfg, geo, "triton", q, k, v, cache.pages, cache.rings, batch, scale, out, kernel=kernel)
-        _sync(device)
-        step_ms.append((time.perf_counter() - t0) * 1e3)
+    triton_paged.triton_paged_decode = timed  # kivi.paged.decode.run_paged_decode looks it up at each call
+    try:
+        for s in range(decode_steps):
+            q, k, v = (torch.randn(requests, h, d, generator=g, device=device, dtype=dtype) for h in (hq, hkv, hkv))
+            batch = cache.batch([(i, context + s, 1) for i in range(requests)])
+            out = torch.empty(requests, hq, d, dtype=dtype, device=device)
+            _sync(device)
+            t0 = time.perf_counter()
+            paged_step(cfg, geo, "triton", q, k, v, cache.pages, cache.rings, batch, scale, out, kernel=kernel)
+            _sync(device)
+            step_ms.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        triton_paged.triton_paged_decode = kernel_fn
     step, kern = statistics.median(step_ms), statistics.median(calls) * 1e3
     return dict(config=cfg.to_dict(), requests=requests, context=context, page_size=page_size, steps=decode_steps,
                 kernel_calls=len(calls), step_ms=step, kernel_ms=kern, rest_ms=step - kern)

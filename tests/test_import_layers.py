@@ -55,6 +55,8 @@ LAYERS: dict[str, int] = {
     "kivi.cache.replay": 4,
     # 5 attention over the cache's views, and its kernels
     "kivi.attention": 5,
+    # one paged decode kernel call (pages, block table, ring slot tables, counts, backend) for both paged hosts
+    "kivi.paged.decode": 5,
     "kivi.kernels": 5,
     "kivi.kernels.segments": 5,
     # 6 integration with a model

@@ -7,7 +7,9 @@ their block tables as one ``int32 [N, max_pages]`` tensor and their window-block
 that table (:class:`kivi.attention.fused_cpu.paged.RingRows`: sink in slots ``[0, S)``, the window a ring
 from slot ``S``, the step's new token apart): no gather of the window rows. The counts come from the
 requests' token counts before the layer moves anything (:func:`decode_counts`, the schedule's), so the kernel
-sees what one-token decoding shows attention: the window at full precision, then the move.
+sees what one-token decoding shows attention: the window at full precision, then the move. Per layer the cache
+(:meth:`kivi.batching.paged_cache.KiviPagedCache.layer_forward`) puts them in the one kernel call of both paged
+hosts, :class:`kivi.paged.decode.PagedDecode`, which ``"kivi_paged"`` runs.
 """
 
 from __future__ import annotations

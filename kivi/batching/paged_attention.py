@@ -24,47 +24,27 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..attention.fused_cpu.paged import PagedLayout, RingRows, paged_decode_attention
 from ..attention.interface import run_backend
 from ..cache.view import AttentionView, exact_queries
+from ..paged.decode import PagedDecode, run_paged_decode
 
 #: The attention implementation name a model runs while a KIVI-pages manager with a packed backend runs.
 PAGED_ATTN_IMPLEMENTATION = "kivi_paged"
 
 
 @dataclass(frozen=True)
-class PagedDecode:
-    """The decoding requests of one layer's batch, read by one paged decode kernel call
-    (:func:`kivi.attention.fused_cpu.paged.paged_decode_attention`; argument meanings there): ``rows`` are
-    their positions in the batch; ``block_table`` / ``counts`` / ``k_fp`` / ``v_fp`` hold one row each
-    (``k_fp`` / ``v_fp``: the window blocks' rows read in place, :class:`RingRows`)."""
-
-    rows: tuple[int, ...]
-    pool: torch.Tensor
-    layout: PagedLayout
-    block_table: torch.Tensor
-    counts: torch.Tensor
-    k_fp: RingRows
-    v_fp: RingRows
-    w0: int
-
-    def attend(self, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
-        """``query [N, Hq, D]`` (one token of each of ``rows``) -> ``[N, Hq, D]``."""
-        return paged_decode_attention(query, self.pool, self.layout, self.block_table, self.counts, self.k_fp,
-                                      self.v_fp, self.w0, scaling=scaling)
-
-
-@dataclass(frozen=True)
 class PagedBatchViews:
     """One side (keys or values) of one layer for the whole batch: ``views[i]`` for request ``i``,
     whose ``q_lens[i]`` new tokens are consecutive in the batch's query axis; ``backend`` reads them.
-    Requests in ``decode.rows`` (one query token, something quantized) have no view (``None``): one
-    kernel call reads them all (the same :class:`PagedDecode` on both sides)."""
+    Requests at the batch positions ``decode_rows`` (one query token, something quantized) have no view
+    (``None``): one paged decode kernel call reads them all, ``decode``, one row each (the same
+    :class:`~kivi.paged.decode.PagedDecode` on both sides)."""
 
     views: tuple[AttentionView | None, ...]
     q_lens: tuple[int, ...]
     backend: str
     decode: PagedDecode | None = None
+    decode_rows: tuple[int, ...] = ()
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -114,17 +94,18 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: P
     if getattr(module, "sinks", None) is not None or kwargs.get("softcap") is not None:
         raise NotImplementedError("KIVI paged attention does not support attention sinks or logit softcapping")
     window = kwargs.get("sliding_window")  # a sliding layer's window (transformers passes it per layer)
-    decode = key.decode
-    if decode is not None and len(decode.rows) == len(key.q_lens):  # a decode step: one kernel call
-        out = decode.attend(query[0].transpose(0, 1), scaling)  # [N, Hq, D]
+    decode, rows = key.decode, key.decode_rows
+    if decode is not None and len(rows) == len(key.q_lens):  # a decode step: one kernel call
+        out = run_paged_decode(decode, query[0].transpose(0, 1), scaling=scaling)  # [N, Hq, D]
         return out.unsqueeze(0), None
     out = torch.empty_like(query)  # [1, Hq, n, D] (pages hold keys and values of one head_dim)
     starts = [0]
     for n in key.q_lens:
         starts.append(starts[-1] + n)
     if decode is not None:  # the decoding requests of a mixed batch: one call, their rows scattered back
-        pos = torch.tensor([starts[i] for i in decode.rows], device=query.device)
-        out[0, :, pos] = decode.attend(query[0, :, pos].transpose(0, 1), scaling).transpose(0, 1).to(out.dtype)
+        pos = torch.tensor([starts[i] for i in rows], device=query.device)
+        out[0, :, pos] = run_paged_decode(decode, query[0, :, pos].transpose(0, 1),
+                                          scaling=scaling).transpose(0, 1).to(out.dtype)
     for i, (kv, vv) in enumerate(zip(key.views, value.views)):
         if kv is None:
             continue
@@ -149,5 +130,5 @@ def register() -> None:
 
 register()
 
-__all__ = ["PAGED_ATTN_IMPLEMENTATION", "PagedBatchViews", "PagedDecode", "paged_attention_forward", "fp_attention",
+__all__ = ["PAGED_ATTN_IMPLEMENTATION", "PagedBatchViews", "paged_attention_forward", "fp_attention",
            "window_mask", "register"]

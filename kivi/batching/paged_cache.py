@@ -44,12 +44,13 @@ from ..cache.view import AttentionView
 from ..capabilities import kernel_reasons
 from ..optional import numba_problem
 from ..paged.counts import side_counts
+from ..paged.decode import PagedDecode
 from ..paged.step import Leaving, Pages, Pending, commit, exits, kept_rows, request_view
 from ..quant.kv import dequantize_kv
 from .allocator import KiviPageAllocator
 from .decode import DecodeStep, decode_counts, decode_step
 from .layout import SIDES, PageLayout, field_views, window_view
-from .paged_attention import PagedBatchViews, PagedDecode
+from .paged_attention import PagedBatchViews
 
 TRANSFORMERS_MAX_BATCH_TOKENS = 8192  # transformers' default where a config gives none (PagedAttentionMemoryHandler)
 
@@ -227,10 +228,11 @@ class KiviPagedCache(PagedAttentionCache):
             rows = [batch[j] for j, _ in dec]
             picked = [k for _, k in dec]
             table = self._decode.table if len(picked) == len(self._decode.rows) else self._decode.table[picked]
-            decode = PagedDecode(tuple(j for j, _ in dec), self.cache_tensor, self._kernel_layouts[layer], table,
+            decode = PagedDecode(self.cache_tensor, self._kernel_layouts[layer], table,
                                  decode_counts(cfg, [p for _, p, _ in rows], [states[j].shared for j, _ in dec]),
-                                 sides[0][2], sides[1][2], cfg.sink_tokens)
-            seen = [dataclasses.replace(v, decode=decode) for v in seen]
+                                 sides[0][2], sides[1][2], cfg.sink_tokens,
+                                 getattr(self.packed_backend, "name", self.packed_backend))
+            seen = [dataclasses.replace(v, decode=decode, decode_rows=tuple(j for j, _ in dec)) for v in seen]
         commit([side[1][:2] for side in sides], *(side[1][2] for side in sides))
         return seen[0], seen[1]
 

@@ -5,12 +5,13 @@
 :class:`~kivi.attention.fused_cpu.paged.PagedLayout`, an ``int32 [N, max_pages]`` block table, ``int64 [N, 6]``
 counts, the sink and window rows as :class:`~kivi.attention.fused_cpu.paged.RingRows`), so a caller that builds
 them once, vLLM's metadata (``block_table_tensor``, ``seq_lens``) or kivi's continuous batching, gets either
-kernel from the same tensors. One launch for the whole batch (grid: request x kv head x token range, split-K
-with an online softmax, :mod:`._paged_kernels`), then the split merge of the single-sequence kernel.
+kernel from the same tensors: :class:`kivi.paged.decode.PagedDecode` with ``backend="triton"``. One launch for
+the whole batch (grid: request x kv head x token range, split-K with an online softmax, :mod:`._paged_kernels`),
+then the split merge of the single-sequence kernel.
 
 The plain torch reference beside it is :func:`kivi.attention.fused_cpu.paged.torch_paged_decode` (re-exported
 here): each request's pages dequantized, sink + pages + window concatenated, softmax in float32. Tests compare
-the two under ``TRITON_INTERPRET=1`` on CPU tensors (tests/kernels/test_triton_paged.py).
+the two under ``TRITON_INTERPRET=1`` on CPU tensors (tests/paged/test_decode_equivalence.py).
 
 Inputs are checked as the numba kernel checks them (:func:`kivi.attention.fused_cpu.paged.check_paged_inputs`:
 shapes, then every request's counts, block ids and row ids against the pool) on host copies of the small tables:

@@ -1,8 +1,9 @@
 """Quantize + pack KV tensors with Triton (GPU; CPU under ``TRITON_INTERPRET=1``).
 
-Reference: :func:`kivi.quant.kv.quantize_kv` (asymmetric, no compensation). The kernels return the
-same :class:`~kivi.quant.kv.PackedKV` fields: codes equal the reference's (up to rounding ties that
-float differences could flip), scale/offset in ``x.dtype`` (``param_dtype`` overrides).
+Each takes the side's :class:`~kivi.quant.side_format.SideFormat`, as its reference
+:func:`kivi.quant.kv.quantize_side` does (asymmetric, no compensation, no clipping, no rotation: other formats are
+refused). The kernels return the same :class:`~kivi.quant.kv.PackedKV` fields: codes equal the reference's (up to
+rounding ties that float differences could flip), scale/offset in ``fmt.param_dtype(x.dtype)``.
 
 Triton is imported only when a kernel is launched, so importing this module never needs it.
 """
@@ -17,28 +18,27 @@ from ..quant.side_format import KEY_AXIS, VALUE_AXIS, SideFormat
 from ._common import check_kernel_bits, next_pow2, param_kind, require_triton
 
 
-def _check(x: torch.Tensor, bits: int, group_size: int, symmetric: bool, residual_bits: int) -> None:
-    if symmetric:
-        raise NotImplementedError("the Triton quantizer is asymmetric only (KIVI); use kivi.quant.kv.quantize_kv")
-    if residual_bits:
-        raise NotImplementedError(
-            "the Triton quantizer does not compute error-compensation codes (residual_bits); "
-            "use kivi.quant.kv.quantize_kv"
-        )
-    check_kernel_bits(bits)
+def _check(x: torch.Tensor, fmt: SideFormat, axis: str) -> None:
+    if not isinstance(fmt, SideFormat) or fmt.axis != axis:
+        raise ValueError(f"fmt must be a SideFormat of axis {axis!r}, got {fmt!r}")
+    for setting, what in ((fmt.symmetric, "is asymmetric only (KIVI)"),
+                          (fmt.residual_bits, "does not compute error-compensation codes (residual_bits)"),
+                          (fmt.clip, "does not clip group ranges (clip)"),
+                          (fmt.rotation != "none", f"does not rotate keys (rotation={fmt.rotation!r})")):
+        if setting:
+            raise NotImplementedError(f"the Triton quantizer {what}; use kivi.quant.kv.quantize_side")
+    check_kernel_bits(fmt.bits)
     if x.dim() != 4:
         raise ValueError(f"x must be [batch, heads, tokens, head_dim], got shape {tuple(x.shape)}")
     if not x.is_floating_point():
         raise ValueError(f"x must be a floating-point tensor, got dtype {x.dtype}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
-        raise ValueError(f"group_size={group_size!r} must be a positive integer")
 
 
-def _prepare(x, valid, param_dtype, check_finite):
+def _prepare(x, valid, fmt: SideFormat):
     require_triton(x.device)
-    if check_finite and not bool(torch.isfinite(x).all()):
+    if fmt.check_finite and not bool(torch.isfinite(x).all()):
         raise ValueError("x contains NaN or Inf; KV quantization needs finite values")
-    pdt = param_dtype or x.dtype
+    pdt = fmt.param_dtype(x.dtype)
     param_kind(pdt)
     param_kind(x.dtype)
     x = x.contiguous()
@@ -50,26 +50,20 @@ def _prepare(x, valid, param_dtype, check_finite):
     return x, valid, pdt
 
 
-def quantize_pack_keys(
-    k: torch.Tensor,
-    bits: int,
-    group_size: int,
-    *,
-    valid: torch.Tensor | None = None,
-    param_dtype: torch.dtype | None = None,
-    symmetric: bool = False,
-    residual_bits: int = 0,
-    check_finite: bool = True,
-) -> PackedKV:
-    """Keys ``k [B, H, T, D]`` -> ``PackedKV(axis="channel")``: each channel in groups of ``group_size`` tokens.
+def quantize_pack_keys(k: torch.Tensor, fmt: SideFormat, *, valid: torch.Tensor | None = None) -> PackedKV:
+    """Keys ``k [B, H, T, D]`` in the key format ``fmt`` (axis ``"channel"``: each channel in groups of
+    ``fmt.group_size`` tokens) -> :class:`~kivi.quant.kv.PackedKV`, the fields of
+    :func:`kivi.quant.kv.quantize_side` ``(k, fmt)``: scales / offsets in ``fmt.param_dtype(k.dtype)``; NaN / Inf
+    refused with ``fmt.check_finite``. Asymmetric, no compensation, no clipping, no rotation, 1/2/4/8 bits.
 
-    ``T`` must be a multiple of ``group_size``. ``valid [B, T]`` (bool) leaves padding out of the statistics.
+    ``T`` must be a multiple of the group size. ``valid [B, T]`` (bool) leaves padding out of the statistics.
     """
-    _check(k, bits, group_size, symmetric, residual_bits)
+    _check(k, fmt, KEY_AXIS)
+    bits, group_size = fmt.bits, fmt.group_size
     B, H, T, D = k.shape
     if T % group_size:
         raise ValueError(f"keys: T={T} tokens is not a multiple of group_size={group_size}; quantize whole groups only")
-    x, valid, pdt = _prepare(k, valid, param_dtype, check_finite)
+    x, valid, pdt = _prepare(k, valid, fmt)
     nbytes = packed_size(D, bits)
     packed = torch.empty(B, H, T, nbytes, dtype=torch.uint8, device=x.device)
     scale = torch.empty(B, H, T // group_size, D, dtype=pdt, device=x.device)
@@ -84,31 +78,22 @@ def quantize_pack_keys(
             G=group_size, G_P2=next_pow2(group_size), BLOCK_D=block_d, BITS=bits,
             PARAM_KIND=param_kind(pdt), HAS_VALID=valid is not None,
         )
-    return PackedKV(packed=packed, scale=scale, offset=offset, comp=None, head_dim=D,
-                    format=SideFormat(KEY_AXIS, bits, group_size, scale_dtype=pdt, check_finite=check_finite))
+    return PackedKV(packed=packed, scale=scale, offset=offset, comp=None, head_dim=D, format=fmt)
 
 
-def quantize_pack_values(
-    v: torch.Tensor,
-    bits: int,
-    group_size: int,
-    *,
-    valid: torch.Tensor | None = None,
-    param_dtype: torch.dtype | None = None,
-    symmetric: bool = False,
-    residual_bits: int = 0,
-    check_finite: bool = True,
-    block_t: int | None = None,
-) -> PackedKV:
-    """Values ``v [B, H, T, D]`` -> ``PackedKV(axis="token")``: each token in groups of ``group_size`` channels.
+def quantize_pack_values(v: torch.Tensor, fmt: SideFormat, *, valid: torch.Tensor | None = None,
+                         block_t: int | None = None) -> PackedKV:
+    """Values ``v [B, H, T, D]`` in the value format ``fmt`` (axis ``"token"``: each token in groups of
+    ``fmt.group_size`` channels) -> :class:`~kivi.quant.kv.PackedKV`, as :func:`quantize_pack_keys`.
 
-    ``D`` must be a multiple of ``group_size``; any ``T``.
+    ``D`` must be a multiple of the group size; any ``T``. ``block_t``: tokens a program quantizes (a tuning knob).
     """
-    _check(v, bits, group_size, symmetric, residual_bits)
+    _check(v, fmt, VALUE_AXIS)
+    bits, group_size = fmt.bits, fmt.group_size
     B, H, T, D = v.shape
     if D % group_size:
         raise ValueError(f"values: head_dim={D} is not a multiple of group_size={group_size}")
-    x, valid, pdt = _prepare(v, valid, param_dtype, check_finite)
+    x, valid, pdt = _prepare(v, valid, fmt)
     nbytes = packed_size(D, bits)
     ng = D // group_size
     packed = torch.empty(B, H, T, nbytes, dtype=torch.uint8, device=x.device)
@@ -126,8 +111,7 @@ def quantize_pack_values(
             G=group_size, NG=ng, BLOCK_T=block_t, BLOCK_D=block_d, BITS=bits,
             PARAM_KIND=param_kind(pdt), HAS_VALID=valid is not None,
         )
-    return PackedKV(packed=packed, scale=scale, offset=offset, comp=None, head_dim=D,
-                    format=SideFormat(VALUE_AXIS, bits, group_size, scale_dtype=pdt, check_finite=check_finite))
+    return PackedKV(packed=packed, scale=scale, offset=offset, comp=None, head_dim=D, format=fmt)
 
 
 __all__ = ["quantize_pack_keys", "quantize_pack_values"]

@@ -11,7 +11,8 @@ Each attention layer has two KV cache groups in vLLM's hybrid allocator (docs/vl
   hold positions ``[0, S)`` (sink tokens, and first tokens not yet in the sink: a position below ``S`` is
   never stored, :func:`kivi.cache.schedule.sink_take` fills the sink first), and the slots from ``S`` on
   are a ring for the at most ``R + G - 1`` tokens after them that have not left KIVI's full-precision
-  window (:func:`ring_slot`). A token's row is written once, when it arrives, and never moves.
+  window (:func:`kivi.paged.ring.ring_slot` with a ring of ``k * Pw - S`` slots). A token's row is written once,
+  when it arrives, and never moves.
 
 With sinks the pages hold a side's stored tokens counted from the end of the sink (store position
 ``u = p - S``), so key groups (aligned on ``S + k*G``, :func:`kivi.cache.schedule.key_group_start`) stay
@@ -30,8 +31,7 @@ import torch
 from ..attention.fused_cpu.paged import PagedLayout
 from ..cache.schedule import window_capacity
 from ..config import KiviConfig
-from ..paged.ring import ring_slot as _ring_slot
-from ..paged.ring import slot_place, slot_rows
+from ..paged.ring import slot_rows
 from ..quant.page import SideField, field_view, page_fields
 
 
@@ -101,26 +101,6 @@ def build_geometry(cfg: KiviConfig, *, page_size: int, num_kv_heads: int, head_d
                         window_capacity(cfg.residual_length, cfg.group_size) + 1, cfg.sink_tokens)
 
 
-def ring_slot(pos, slots: int, sink: int):
-    """The slot of position ``pos`` (an int or a long tensor) among a request's ``slots`` full-precision rows:
-    :func:`kivi.paged.ring.ring_slot` with a ring of ``slots - sink`` (every slot of the ``k`` window blocks
-    after the sink)."""
-    return _ring_slot(pos, slots - sink, sink)
-
-
-def ring_slots(
-    pos: torch.Tensor, ring_table: torch.Tensor, pw: int, sink: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Where positions ``pos`` live in a request's window rings: token ``p`` at slot :func:`ring_slot` of the
-    ``k * Pw`` slots, i.e. ring ``slot // Pw`` (its block ``ring_table[..., ring]``), row ``slot % Pw``. Returns
-    (ring, block, row). ``ring_table`` is one request's ``[k]`` blocks, or ``[N, k]`` for ``pos [N, T]`` of ``N``
-    requests; ``sink``: the sink slots ``S``."""
-    k = ring_table.shape[-1]
-    ring, row = slot_place(ring_slot(pos, k * pw, sink), pw)
-    block = ring_table[ring] if ring_table.dim() == 1 else ring_table.gather(1, ring)
-    return ring, block.long(), row
-
-
 def _block_bytes(cache: torch.Tensor, geo: KiviGeometry) -> tuple[int, int]:
     """``(block stride, first byte)`` of one layer's vLLM cache in bytes; ``ValueError`` unless each block's
     bytes are dense and hold a page."""
@@ -163,7 +143,8 @@ class RingPool:
     step: torch.Tensor
 
     def slot_ids(self, ring_table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Row ids (long, the shape of ``slots``) of slots ``slots [N, m]`` (:func:`ring_slot` values) of the
+        """Row ids (long, the shape of ``slots``) of slots ``slots [N, m]`` (:func:`kivi.paged.ring.ring_slot` values,
+        ring ``k * Pw - S``) of the
         requests whose ring blocks are ``ring_table [N, k]``: :func:`kivi.paged.ring.slot_rows` over their pool
         blocks (one lane: a ring block holds one layer's rows)."""
         return slot_rows(self.base + ring_table.long() * self.step, slots, self.rows["k"].shape[1])
@@ -205,5 +186,4 @@ def block_field_views(cache: torch.Tensor, geo: KiviGeometry, side: str) -> dict
             for name, f in geo.side_fields(side).items()}
 
 
-__all__ = ["KiviGeometry", "RingPool", "build_geometry", "block_field_views", "block_pool", "ring_pool", "ring_slot",
-           "ring_slots"]
+__all__ = ["KiviGeometry", "RingPool", "build_geometry", "block_field_views", "block_pool", "ring_pool"]

@@ -6,7 +6,7 @@ depends on token counts only (:mod:`kivi.cache.schedule`), so ``past = seq_len -
 ``seq_len`` say where every token is (``side_tokens``): a side's sink ``[0, sink)`` (``sink <= S``) is full
 precision in the request's window rings (slot ``p``), its stored tokens ``[sink, sink + stored)`` are in the
 packed pages (store position ``p - sink``), ``[sink + stored, seq_len)`` are full precision: those before
-the step in the rings' window part (at most ``R + G - 1`` of them, :func:`~kivi.vllm.geometry.ring_slot`),
+the step in the rings' window part (at most ``R + G - 1`` of them, :func:`kivi.paged.ring.ring_slot`),
 the step's own from its input. No per-request state is kept here, so preemption (recompute) and prefix hits
 need nothing special.
 
@@ -59,10 +59,11 @@ from ..cache.pages import page_store
 from ..cache.view import exact_queries
 from ..config import KiviConfig
 from ..paged.counts import side_counts
+from ..paged.ring import ring_slot, slot_place
 from ..paged.step import Leaving, Pages, Pending, commit, exits, request_view
 from ..quant.page import SIDES
 from .decode import DecodeKernel, decode_kernel, leaving_rows, paged_decode
-from .geometry import KiviGeometry, block_field_views, ring_slots
+from .geometry import KiviGeometry, block_field_views
 from .plan import RingWrites, StepPlan, step_plan
 from .write import write_step
 
@@ -89,7 +90,8 @@ def _ring_read(rings: list[torch.Tensor], pos: torch.Tensor, ring_table_row: tor
                side: str, sink: int) -> torch.Tensor:
     """Rows ``[H, len(pos), D]`` of one side at ``pos`` from the rings (a copy); ``sink``: the sink slots ``S``."""
     pw = rings[0].shape[2]
-    ring, block, row = ring_slots(pos, ring_table_row, pw, sink)
+    ring, row = slot_place(ring_slot(pos, ring_table_row.shape[-1] * pw - sink, sink), pw)
+    block = ring_table_row[ring].long()
     h = rings[0].shape[1]
     out = torch.empty(h, pos.numel(), head_dim, dtype=rings[0].dtype, device=rings[0].device)
     cols = slice(0, head_dim) if side == "k" else slice(head_dim, 2 * head_dim)
@@ -243,5 +245,5 @@ def write_rings(rings: list[torch.Tensor], ring_table: torch.Tensor, key: torch.
         rings[ring][block[lo:hi, ring], :, writes.slot[lo:hi] % pw] = kv[lo:hi]
 
 
-__all__ = ["StepBatch", "ExactPrefill", "paged_step", "sdpa_prefill", "exact_attention", "decode_rows", "ring_slots",
+__all__ = ["StepBatch", "ExactPrefill", "paged_step", "sdpa_prefill", "exact_attention", "decode_rows",
            "write_rings"]

@@ -6,7 +6,7 @@ step the same ``query_start`` / ``seq_lens``: so this Python work is done once p
 (:func:`step_plan`; the plugin's metadata builder makes it, :class:`kivi.vllm.backend.KiviMetadataBuilder`)
 and each layer only maps ring slots to its own blocks with a few tensor ops
 (:meth:`kivi.vllm.geometry.RingPool.slot_ids`). A request's full-precision rows live in slots
-(:func:`kivi.vllm.geometry.ring_slot`); nothing here depends on block ids.
+(:func:`kivi.paged.ring.ring_slot`, a ring of ``k * Pw - S``); nothing here depends on block ids.
 
 * :class:`KernelRows` (``None`` when no decode row has anything stored): the decode rows of
   :func:`kivi.vllm.decode.stores_any`, the kernel's ``counts``, and per side the slot each column of the
@@ -29,8 +29,9 @@ import torch
 from ..cache.schedule import window_exits
 from ..config import KiviConfig
 from ..paged.counts import kernel_counts, side_counts
+from ..paged.ring import ring_slot
 from ..quant.page import AXIS, SIDES
-from .geometry import KiviGeometry, ring_slot
+from .geometry import KiviGeometry
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ def step_plan(cfg: KiviConfig, geo: KiviGeometry, query_start: list[int], seq_le
         # the new tokens in full precision after the step: positions below S (sink, or not yet left the window),
         # then those still in the window (among the last R + G - 1)
         for first, end in ((past, min(seq, S)), (max(past, S, seq - (geo.sliding_window - 1)), seq)):
-            writes += [(ring_slot(p, slots, S), i, lo + p - past) for p in range(first, end)]
+            writes += [(ring_slot(p, slots - S, S), i, lo + p - past) for p in range(first, end)]
         if q_len != 1 or not stores_any(cfg, past):
             others.append(i)
             continue
@@ -172,7 +173,7 @@ def step_plan(cfg: KiviConfig, geo: KiviGeometry, query_start: list[int], seq_le
                 src += [query_start[i] if p == seq_lens[i] - 1 else -1 for p in range(first, first + move)]
                 store += range(stored, stored + move)
             j = torch.tensor(j, dtype=torch.long)
-            slot = ring_slot(torch.tensor(pos, dtype=torch.long), slots, S)
+            slot = ring_slot(torch.tensor(pos, dtype=torch.long), slots - S, S)
             new_t = torch.tensor(new)
             tab = np.stack([reqs, slot.masked_fill(new_t, -1).numpy(), src, store], axis=1).astype(np.int64)
             out[side] = KernelLeaving(j, index[j], slot, new_t, any(new), spans, tab)

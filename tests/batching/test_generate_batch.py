@@ -47,11 +47,12 @@ def test_greedy_tokens_equal_single_request_generate(backend, monkeypatch):
         record(self, request_id, past_length, query_length, read_index, write_index)
 
     monkeypatch.setattr(KiviPagedCache, "extend_read_and_write_indices", spy)
-    from kivi.batching.paged_attention import PagedDecode
+    from kivi.batching import paged_attention
 
     per_call: list[int] = []  # requests read by each paged decode kernel call
-    attend = PagedDecode.attend
-    monkeypatch.setattr(PagedDecode, "attend", lambda self, q, s: per_call.append(len(self.rows)) or attend(self, q, s))
+    run = paged_attention.run_paged_decode
+    monkeypatch.setattr(paged_attention, "run_paged_decode",
+                        lambda call, q, **kw: per_call.append(call.counts.shape[0]) or run(call, q, **kw))
     inputs = _inputs()
     cfg = KiviConfig(**CFG, attention_backend=backend)
     model = tiny_model()

@@ -18,6 +18,7 @@ from kivi.batching.paged_cache import KiviPagedCache
 from kivi.cache.view import materialize
 from kivi.optional import numba_available
 from kivi.paged.counts import side_counts
+from kivi.paged.decode import run_paged_decode
 from tests.helpers import tiny_model
 
 H, D = 2, 32
@@ -82,11 +83,12 @@ def _run(cfg: KiviConfig, dtype: torch.dtype, schedule: list[list[tuple[str, int
             ks, vs = cache.layer_forward(layer, k, v, batch)
             pk, pv = packed.layer_forward(layer, k, v, batch)
             kk, kv = kern.layer_forward(layer, k, v, batch) if kern is not None else (pk, pv)
-            dec = kk.decode
+            dec, dec_rows = kk.decode, kk.decode_rows
             dec_out = None
             if dec is not None:
-                query = torch.randn(len(dec.rows), 4, D)
-                dec_out = dec.attend(query, D**-0.5)
+                assert dec.backend == "cpu" and dec.counts.shape[0] == len(dec_rows)
+                query = torch.randn(len(dec_rows), 4, D)
+                dec_out = run_paged_decode(dec, query, scaling=D**-0.5)
                 decoded += 1
             off_new = off_seen = 0
             for i, (rid, past, q) in enumerate(batch):
@@ -95,8 +97,8 @@ def _run(cfg: KiviConfig, dtype: torch.dtype, schedule: list[list[tuple[str, int
                 ref_layer = refs[rid][layer]
                 kview, vview = ref_layer.append(k[None, :, off_new: off_new + q], v[None, :, off_new: off_new + q])
                 rk, rv = materialize(kview, ref_layer.dtype), materialize(vview, ref_layer.dtype)
-                if dec is not None and i in dec.rows:  # the kernel over the rings against KiviLayer's views
-                    r = dec.rows.index(i)
+                if dec is not None and i in dec_rows:  # the kernel over the rings against KiviLayer's views
+                    r = dec_rows.index(i)
                     fk, fv = materialize(kview, torch.float32), materialize(vview, torch.float32)  # as the kernel
                     want = _attend(query[r], fk[0], fv[0], D**-0.5)
                     torch.testing.assert_close(dec_out[r], want, atol=2e-5, rtol=1e-4)
@@ -249,7 +251,7 @@ def test_packed_attention_matches_materialized_pages(name, backend):
             keys, vals = mk[None, :, off_k: off_k + past + q], mv[None, :, off_k: off_k + past + q]
             qry = query[:, :, off_q: off_q + q]
             if pk.views[i] is None:  # a decoding request, read by the one paged decode kernel call
-                assert q == 1 and backend == "cpu" and i in pk.decode.rows and pv.decode is pk.decode
+                assert q == 1 and backend == "cpu" and i in pk.decode_rows and pv.decode is pk.decode
             if pk.views[i] is None or (pk.views[i].region is None and pv.views[i].region is None):
                 want = fp_attention(_ATTN, qry, keys, vals, D**-0.5).transpose(1, 2)
             else:

@@ -39,12 +39,13 @@ def test_import_kivi_without_triton():
         assert "triton" not in sys.modules
         # the torch reference still works without triton
         from kivi.quant.kv import quantize_kv
+        from kivi.quant.side_format import SideFormat
         k = torch.randn(1, 1, 32, 16); v = torch.randn(1, 1, 32, 16); q = torch.randn(1, 2, 1, 16)
         pk, pv = quantize_kv(k, "channel", 2, 32), quantize_kv(v, "token", 2, 16)
         out = kk.torch_decode_attention_packed(q, pk, None, pv, None, scaling=0.25)
         assert out.shape == (1, 2, 1, 16)
         try:
-            kk.quantize_pack_keys(k, 2, 32)
+            kk.quantize_pack_keys(k, SideFormat("channel", 2, 32))
         except ImportError as e:
             assert "triton" in str(e)
         else:

@@ -18,8 +18,7 @@ from kivi.batching.layout import build_layout
 from kivi.config import KiviConfig
 from kivi.optional import numba_available
 from kivi.paged.ring import ring_slot, slot_place, slot_rows
-from kivi.vllm.geometry import RingPool, ring_slots
-from kivi.vllm.geometry import ring_slot as vllm_ring_slot
+from kivi.vllm.geometry import RingPool
 
 CASES = [(ring, sink) for ring in (1, 2, 5, 16, 40) for sink in (0, 1, 3, 8)]
 
@@ -82,8 +81,9 @@ def test_batching_window_follows_the_rule(sink):
 
 
 def test_vllm_rings_follow_the_rule():
-    """The vLLM plugin: its ring slot is the rule with ring ``k * Pw - S``, its (ring, block, row) and its pool
-    row ids are :func:`slot_place` / :func:`slot_rows` with one lane, on random rings, sinks and tables."""
+    """The vLLM plugin: its ring slot is the rule with ring ``k * Pw - S`` (slot ``s`` in ring ``s // Pw``, row
+    ``s % Pw``: :func:`slot_place` with one lane), its pool row ids are :func:`slot_rows` with one lane, on random
+    rings, sinks and tables."""
     rng = random.Random(3)
     for _ in range(30):
         pw, k, sink = rng.randint(1, 9), rng.randint(1, 4), rng.randint(0, 6)
@@ -91,12 +91,11 @@ def test_vllm_rings_follow_the_rule():
             continue
         n = rng.randint(1, 4)
         pos = torch.randint(0, 500, (n, 13))
-        slot = vllm_ring_slot(pos, k * pw, sink)
-        assert torch.equal(slot, ring_slot(pos, k * pw - sink, sink))
+        slot = ring_slot(pos, k * pw - sink, sink)
+        assert ((slot >= 0) & (slot < k * pw)).all() and torch.equal(slot[pos < sink], pos[pos < sink])
         table = torch.stack([torch.randperm(30)[:k] for _ in range(n)]).to(torch.int32)
-        ring, block, row = ring_slots(pos, table, pw, sink)
-        assert torch.equal(ring * pw + row, slot)
-        assert torch.equal(block, table.long().gather(1, ring))
+        ring, row = slot_place(slot, pw)
+        assert torch.equal(ring * pw + row, slot) and (row < pw).all()
         base, step = torch.randint(0, 50, (k,)), torch.randint(1, 5, (k,))
         pool = RingPool({"k": torch.empty(1, pw, 1, 1)}, base, step)
         assert torch.equal(pool.slot_ids(table, slot), slot_rows(base + table.long() * step, slot, pw))

@@ -117,9 +117,9 @@ def test_batched_decode_with_sinks_equals_per_request(cfg, dtype, monkeypatch):
     """The kernel is handed each row's sink (``counts`` columns 0 and 3, ``w0 = S``), rows whose sink is not
     full yet included."""
     calls = []
-    kernel = vdecode.paged_decode_attention
-    monkeypatch.setattr(vdecode, "paged_decode_attention",
-                        lambda *a, **k: calls.append((a[4].clone(), a[7])) or kernel(*a, **k))
+    run = vdecode.run_paged_decode
+    monkeypatch.setattr(vdecode, "run_paged_decode",
+                        lambda call, q, **k: calls.append((call.counts.clone(), call.w0)) or run(call, q, **k))
     run_both(cfg, dtype)
     S = cfg.sink_tokens
     assert calls and all(w0 == S for _, w0 in calls)

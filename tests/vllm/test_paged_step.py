@@ -26,8 +26,9 @@ from kivi.cache.pages import gather_pages
 from kivi.cache.view import exact_queries
 from kivi.config import KiviConfig
 from kivi.optional import numba_available
+from kivi.paged.ring import ring_slot, slot_place
 from kivi.vllm.decode import decode_kernel
-from kivi.vllm.geometry import block_field_views, build_geometry, ring_slots
+from kivi.vllm.geometry import block_field_views, build_geometry
 from kivi.vllm.paged import StepBatch, exact_attention, paged_step
 from kivi.vllm.plan import step_plan
 
@@ -196,7 +197,9 @@ def test_paged_step_with_sinks_matches_kivi_layer(cfg, sink, backend):
     assert geo.window_rings * geo.window_tokens >= sink + cfg.residual_length + cfg.group_size - 1
     for rid, layer in refs.items():
         ring_ids = torch.tensor(vl.rtab[rid])
-        ring, block, row = ring_slots(torch.arange(sink), ring_ids, geo.window_tokens, sink)
+        pw = geo.window_tokens
+        ring, row = slot_place(ring_slot(torch.arange(sink), len(ring_ids) * pw - sink, sink), pw)
+        block = ring_ids[ring]
         rows = torch.stack([vl.rings[r][b, :, w] for r, b, w in zip(ring.tolist(), block.tolist(), row.tolist())],
                            dim=1)  # [H, S, 2D]
         for side, (lo, x) in zip(("k", "v"), ((0, inputs[rid][0]), (D, inputs[rid][1]))):

@@ -2,7 +2,7 @@
 row ids that name the rows the rings hold (no vLLM needed).
 
 The plan is checked position by position against :func:`kivi.cache.schedule.side_tokens` /
-:func:`~kivi.cache.schedule.window_exits` and :func:`kivi.vllm.geometry.ring_slot` on batches mixing
+:func:`~kivi.cache.schedule.window_exits` and :func:`kivi.paged.ring.ring_slot` on batches mixing
 prefills, chunks, decode rows with nothing stored yet and decode rows whose sink is still filling; the ring
 pool's row ids are checked against the ring tensors themselves.
 """
@@ -15,8 +15,9 @@ import torch
 
 from kivi.cache.schedule import side_tokens, window_exits
 from kivi.config import KiviConfig
+from kivi.paged.ring import ring_slot
 from kivi.quant.page import AXIS, SIDES
-from kivi.vllm.geometry import build_geometry, ring_pool, ring_slot
+from kivi.vllm.geometry import build_geometry, ring_pool
 from kivi.vllm.plan import step_plan, stores_any
 
 H, D, P = 2, 16, 16
@@ -60,8 +61,8 @@ def test_plan_follows_the_schedule(cfg):
             assert cols.shape[0] == S + ring
             assert cols.tolist() == list(range(slots))  # the kernel's column is the slot (kivi.paged.ring)
             for t in range(sink + stored, past):  # the window's earlier tokens: at their ring slot, no clash
-                assert ring_slot(t, slots, S) == (t if t < S else S + t % ring), (past, side, t)
-            assert len({ring_slot(t, slots, S) for t in range(sink + stored, past)}) == past - sink - stored
+                assert ring_slot(t, slots - S, S) == (t if t < S else S + t % ring), (past, side, t)
+            assert len({ring_slot(t, slots - S, S) for t in range(sink + stored, past)}) == past - sink - stored
             take, move = window_exits(AXIS[side], window + 1, R, G, sink, S)
             if move:
                 spans[side].append((j, i, sink + stored + take, move, stored))
@@ -74,10 +75,10 @@ def test_plan_follows_the_schedule(cfg):
         want_row = [j for j, _, _, move, _ in spans[side] for _ in range(move)]
         want_pos = [first + c for _, _, first, move, _ in spans[side] for c in range(move)]
         assert gone.row.tolist() == want_row
-        assert gone.slot.tolist() == [ring_slot(p, slots, S) for p in want_pos]
+        assert gone.slot.tolist() == [ring_slot(p, slots - S, S) for p in want_pos]
         assert gone.new.tolist() == [p == rows[kernel.rows[j]][0] for j, p in zip(want_row, want_pos)]
         # the compiled writes' table: (request, ring slot or -1, input row of a new token or -1, store position)
-        want_table = [(kernel.rows[j], -1 if new else ring_slot(p, slots, S), qs[kernel.rows[j]] if new else -1, u)
+        want_table = [(kernel.rows[j], -1 if new else ring_slot(p, slots - S, S), qs[kernel.rows[j]] if new else -1, u)
                       for (j, p, new, u) in zip(want_row, want_pos, gone.new.tolist(),
                                                 [stored + c for _, _, _, move, stored in spans[side]
                                                  for c in range(move)])]
@@ -96,7 +97,7 @@ def test_ring_writes_are_the_tokens_kept_in_full_precision(cfg):
     got = sorted(zip(w.req.tolist(), w.slot.tolist(), w.src.tolist()))
     assert w.table.dtype == np.int64 and w.table.tolist() == [list(r) for r in zip(w.req.tolist(), w.slot.tolist(),
                                                                                     w.src.tolist())]
-    want = sorted((i, ring_slot(p, slots, S), qs[i] + p - past) for i, (past, q) in enumerate(rows)
+    want = sorted((i, ring_slot(p, slots - S, S), qs[i] + p - past) for i, (past, q) in enumerate(rows)
                   for p in range(past, past + q) if p < S or p >= past + q - keep)
     assert got == want
     ring = (w.slot // pw).tolist()

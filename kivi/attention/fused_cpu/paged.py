@@ -5,7 +5,7 @@ gives the pool (flat uint8 memory, ``num_blocks x block_bytes``), a block table 
 (request ``i``'s store positions ``[jP, (j+1)P)`` are in block ``block_table[i, j]``), per-request counts
 and the full-precision rows. No request ids, no transformers: kivi's continuous batching
 (:mod:`kivi.batching`) and a vLLM plugin (``seq_lens`` / ``block_table_tensor`` of its metadata) build the
-same inputs.
+same inputs, one :class:`kivi.paged.decode.PagedDecode` that :func:`kivi.paged.decode.run_paged_decode` runs.
 
 Kv positions of request ``i`` (per side, ``counts[i] = [k sink, k stored, k window, v sink, v stored,
 v window]``; both sides cover the same ``sink + stored + window`` positions):
