@@ -40,23 +40,16 @@ def wikitext_ids(smollm2):
     return tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
 
 
-#: Folders collected last, in this order, so that on a cold cache the workers run the other tests while the
-#: controller's background child fills the numba decode kernel (below) instead of waiting for it at the start:
-#: first the folders with some kernel users (the cache's fused paths, the CLI's and benchmarks' end-to-end runs,
-#: whose subprocesses would otherwise compile their own entries while the fill runs), then the folders that call
-#: the kernel from their first test on. A fresh-clone run with both workers waiting on the fill left a core idle.
-KERNEL_LATE = (("tests/benchmarks/", "tests/cache/", "tests/cli/"), ("tests/attention/", "tests/batching/"))
-
-
-def _kernel_rank(nodeid: str) -> int:
-    """0 for most tests, then 1, 2, ... for the groups of :data:`KERNEL_LATE`."""
-    return next((rank for rank, folders in enumerate(KERNEL_LATE, 1) if nodeid.startswith(folders)), 0)
+#: Folders whose tests call the numba decode kernel from their first test on: collected last, so that on a cold
+#: cache the workers run the other tests while the controller's background child fills the kernel (below)
+#: instead of waiting for it at the start.
+KERNEL_HEAVY = ("tests/attention/", "tests/batching/")
 
 
 def pytest_collection_modifyitems(config, items):
-    """The kernel's users last (:data:`KERNEL_LATE`; a stable sort); `slow` tests run only with
+    """The kernel's heaviest users last (:data:`KERNEL_HEAVY`; a stable sort); `slow` tests run only with
     KIVI_SLOW=1 or an explicit `-m` expression."""
-    items.sort(key=lambda item: _kernel_rank(item.nodeid))
+    items.sort(key=lambda item: item.nodeid.startswith(KERNEL_HEAVY))
     if os.environ.get("KIVI_SLOW") == "1" or config.getoption("-m"):
         return
     skip = pytest.mark.skip(reason="slow: set KIVI_SLOW=1 or pass -m slow")
