@@ -62,8 +62,8 @@ def pytest_collection_modifyitems(config, items):
 # With xdist workers (scripts/test.sh) every worker whose first kernel use finds numba's cache cold would fill it
 # in its own child process, compiling the same entries at once (~100 s each on the 2-core box). The controller
 # fills it once instead, in one background child started before the workers; a worker's first cache probe waits
-# for that child (the variable below names the file it leaves when done), then probes as usual (and compiles
-# itself, as kivi always does, if the cache is still cold).
+# until that child has saved the entries it asks for or is done (the variable below names the file it leaves
+# when done), then probes as usual (and compiles itself, as kivi always does, if the cache is still cold).
 _KERNEL_FILL_DONE = "KIVI_TEST_KERNEL_FILL_DONE"
 _fill_child = None
 
@@ -113,8 +113,12 @@ def pytest_configure(config):
     probe = dispatch._cache_missing
 
     def cache_missing_after_the_controllers_fill(kernel, names):
+        # the child saves each entry as it compiles it (single-sequence ones first: ~20 s of its ~75 s cold on
+        # the 2-core box), so a worker waits for the entries it asks for, not for the whole fill
         deadline = time.monotonic() + 900
         while not os.path.exists(done) and time.monotonic() < deadline:
+            if not probe(kernel, names):
+                break
             time.sleep(0.5)
         return probe(kernel, names)
 
