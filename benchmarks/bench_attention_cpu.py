@@ -41,6 +41,7 @@ import torch
 from common import set_threads, time_calls
 from kivi import KiviConfig
 from kivi.attention import blocked_attention, reference_attention
+from kivi.attention.fused_cpu import SINGLE_SEQUENCE
 from kivi.cache.layer import KiviLayer
 
 
@@ -81,7 +82,7 @@ def main() -> None:
     a = ap.parse_args()
     from kivi.attention.fused_cpu import fused_decode_attention
 
-    compile_s = set_threads(a.threads)  # compile, or load numba's on-disk cache; None without numba
+    compile_s = set_threads(a.threads, SINGLE_SEQUENCE)  # compile, or load numba's on-disk cache; None without numba
     fused = None if compile_s is None else fused_decode_attention
     torch.manual_seed(0)
     B, hq, hkv, D, T = a.batch, a.q_heads, a.kv_heads, a.head_dim, a.tokens

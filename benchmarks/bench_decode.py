@@ -63,6 +63,7 @@ import torch
 
 from common import run_fresh, set_threads, write_json
 from kivi import KiviConfig, dequantize_model, quantize_model
+from kivi.attention.fused_cpu import SINGLE_SEQUENCE
 from kivi.eval import cache_nbytes, fill_random, make_cache
 from kivi.memory import model_spec
 from kivi.models import load_model
@@ -302,7 +303,7 @@ def main():
         model = load_model(a.model)[0]
         _warm(model)
     row_kw = dict(fill=a.fill, prefill_chunk=a.prefill_chunk, max_context=max_context)
-    set_threads(a.threads)  # the numba kernels load now, not inside the first timed decode
+    set_threads(a.threads, SINGLE_SEQUENCE)  # the numba kernels load now, not inside the first timed decode
     if a.one_row:
         name, ctx, bs = a.one_row[0], int(a.one_row[1]), int(a.one_row[2])
         r = _row(model, name, ctx, bs, a.steps, a.warmup_steps, **row_kw)

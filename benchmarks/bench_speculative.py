@@ -28,6 +28,7 @@ import torch
 
 from common import set_threads, write_json
 from kivi import KiviConfig, load_model, quantize_model
+from kivi.attention.fused_cpu import SINGLE_SEQUENCE
 from kivi.data import load_text
 
 
@@ -165,7 +166,7 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
-    set_threads(args.threads)  # the numba kernels load now, before any timed generate call
+    set_threads(args.threads, SINGLE_SEQUENCE)  # the numba kernels load now, before any timed generate call
     model, tokenizer = load_model("smollm2")
     results = []
     for name in args.configs:

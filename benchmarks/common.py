@@ -18,8 +18,10 @@ from typing import Any, Callable, NamedTuple
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def set_threads(threads: int) -> float | None:
-    """Load kivi's numba kernels, then give torch and numba ``threads`` threads (0: keep their defaults).
+def set_threads(threads: int, entries: tuple[str, ...] | None = None) -> float | None:
+    """Load kivi's numba kernels (the entry points ``entries``, e.g. ``SINGLE_SEQUENCE`` of
+    :mod:`kivi.attention.fused_cpu`; ``None``: all), then give torch and numba ``threads`` threads (0: keep their
+    defaults).
 
     The order matters: loading the kernels can reset torch's thread count to numba's
     (``kivi.cli.threads.set_cpu_threads``), so the count is set after the load, and the load itself
@@ -28,7 +30,7 @@ def set_threads(threads: int) -> float | None:
     from kivi.attention.fused_cpu import fused_decode_available, warmup
     from kivi.cli.threads import set_cpu_threads
 
-    seconds = warmup() if fused_decode_available() else None
+    seconds = warmup(entries) if fused_decode_available() else None
     if threads:
         set_cpu_threads(threads)
     return seconds

@@ -102,6 +102,18 @@ def pytest_sessionfinish(session):
         _fill_child.wait()
 
 
+@pytest.fixture
+def single_sequence_kernel_filled():
+    """Numba's cache holding the single-sequence decode entries before the test goes on: a test whose child process
+    loads them waits here for the controller's background fill (see below) instead of compiling its own."""
+    from kivi.optional import numba_available
+
+    if numba_available():
+        from kivi.attention.fused_cpu import dispatch
+
+        dispatch._cache_missing(dispatch._kernel_module(), dispatch.SINGLE_SEQUENCE)
+
+
 def pytest_configure(config):
     done = os.environ.get(_KERNEL_FILL_DONE)
     if not done or not hasattr(config, "workerinput"):

@@ -186,12 +186,13 @@ def test_demo_uses_every_core_unless_told(monkeypatch):
         torch.set_num_threads(before)
 
 
-def test_cpu_threads_survive_loading_the_numba_kernels():
-    """Loading numba's OpenMP layer can reset torch's thread count; the demo sets its threads after it."""
+def test_cpu_threads_survive_loading_the_numba_kernels(single_sequence_kernel_filled):
+    """Loading numba's OpenMP layer can reset torch's thread count; the demo sets its threads after it (and loads
+    the single-sequence entries, as here)."""
     code = (
         "import torch; torch.set_num_threads(1); torch.get_num_threads()\n"
-        "from kivi.attention.fused_cpu import fused_decode_available, warmup\n"
-        "fused_decode_available() and warmup()\n"
+        "from kivi.attention.fused_cpu import SINGLE_SEQUENCE, fused_decode_available, warmup\n"
+        "fused_decode_available() and warmup(SINGLE_SEQUENCE)\n"
         "from kivi.cli.threads import set_cpu_threads; set_cpu_threads(1)\n"
         "import sys; print(torch.get_num_threads(), "
         "sys.modules['numba'].get_num_threads() if 'numba' in sys.modules else 1)"
