@@ -26,11 +26,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..cache.schedule import window_exits
 from ..config import KiviConfig
 from ..paged.counts import kernel_counts, side_counts
 from ..paged.ring import ring_slot
-from ..quant.page import AXIS, SIDES
+from ..paged.step import exits
+from ..quant.page import SIDES
 from .geometry import KiviGeometry
 
 
@@ -127,7 +127,7 @@ def stores_any(cfg: KiviConfig, past: int) -> bool:
 def step_plan(cfg: KiviConfig, geo: KiviGeometry, query_start: list[int], seq_lens: list[int]) -> StepPlan:
     """The :class:`StepPlan` of a step of ``seq_lens`` requests whose tokens are rows ``[query_start[i],
     query_start[i + 1])`` of its input."""
-    R, G, S = cfg.residual_length, cfg.group_size, cfg.sink_tokens
+    S = cfg.sink_tokens
     slots, pw = geo.window_rings * geo.window_tokens, geo.window_tokens
     rows, others, writes = [], [], []
     counts, leaving = [], {side: [] for side in SIDES}  # leaving: (kernel row, position, count, request, stored)
@@ -146,8 +146,8 @@ def step_plan(cfg: KiviConfig, geo: KiviGeometry, query_start: list[int], seq_le
             continue
         row = kernel_counts(cfg, past)
         for s, side in enumerate(SIDES):
-            sink, stored, window = row[3 * s: 3 * s + 3]  # window: with the new token
-            take, move = window_exits(AXIS[side], window, R, G, sink, S)
+            sink, stored = row[3 * s: 3 * s + 2]
+            take, move = exits(cfg, side, past, 1, sink, stored)  # kivi.paged.step's one rule
             if move:
                 leaving[side].append((len(rows), sink + stored + take, move, i, stored))
         rows.append(i)
