@@ -97,6 +97,28 @@ def _eos_ids(tok: Any, model: Any) -> set[int]:
     return ids
 
 
+def spread_order(n: int) -> list[int]:
+    """Sample indices ``0..n-1`` in the order a run visits them: the ends first, then each gap's midpoint,
+    coarse to fine (``n=5``: 0 4 2 1 3). Sample ``i``'s needle depth is ``i / (n - 1)``, so a run stopped
+    after any number of samples has them spread over all depths instead of the shallow ones only."""
+    if n <= 2:
+        return list(range(n))
+    order, seen, gaps = [0, n - 1], {0, n - 1}, [(0, n - 1)]
+    while gaps:
+        nxt = []
+        for lo, hi in gaps:
+            mid = (lo + hi) // 2
+            if mid not in seen:
+                seen.add(mid)
+                order.append(mid)
+            if mid - lo > 1:
+                nxt.append((lo, mid))
+            if hi - mid > 1:
+                nxt.append((mid, hi))
+        gaps = nxt
+    return order
+
+
 class ResultLog:
     """The JSONL file rows stream to: one row per (config, length, task, protocol, sample), appended and
     flushed as each finishes. Opening an existing file resumes it: its rows count as done (a last line
@@ -145,13 +167,14 @@ def run_suite(model: Any, tok: Any, text: str, configs: Sequence[tuple[str, Cach
               seed: int = 0, log: ResultLog | None = None, progress: bool = True) -> list[dict[str, Any]]:
     """Every (config, length, task, protocol, sample) row not yet in ``log``; returns all of ``log``'s rows.
 
-    Per (length, task, sample, protocol) the prompt is built once and prefilled once at full precision;
+    Samples are visited in :func:`spread_order` (a stopped run covers every depth). Per (length, task,
+    sample, protocol) the prompt is built once and prefilled once at full precision;
     each config that still lacks that row gets the prefill replayed into its own cache and answers."""
     hay = Haystack.from_text(tok, text)
     tpl = Template.of(tok)
     log = log or ResultLog(None, {})
     lengths, tasks, protocols = list(lengths), list(tasks), check_protocols(list(protocols))
-    todo = [(L, t, i, p) for L in lengths for t in tasks for i in range(samples) for p in protocols]
+    todo = [(L, t, i, p) for L in lengths for t in tasks for i in spread_order(samples) for p in protocols]
     left = sum(1 for L, t, i, p in todo for c, _ in configs if (c, L, t, p, i) not in log.done)
     bar = progress_bar(left, "longctx", enabled=progress, unit="answer")
     try:
@@ -177,4 +200,4 @@ def run_suite(model: Any, tok: Any, text: str, configs: Sequence[tuple[str, Cach
     return log.rows
 
 
-__all__ = ["KEY", "META", "ResultLog", "answer", "record_prefill", "run_suite"]
+__all__ = ["KEY", "META", "ResultLog", "answer", "record_prefill", "run_suite", "spread_order"]

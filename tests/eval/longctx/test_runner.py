@@ -11,7 +11,7 @@ import pytest
 from kivi import KiviConfig
 from kivi.data import load_text
 from kivi.eval.longctx import runner
-from kivi.eval.longctx.runner import ResultLog, run_suite
+from kivi.eval.longctx.runner import ResultLog, run_suite, spread_order
 from tests.helpers import ByteTokenizer, tiny_model
 
 TEXT = load_text()[:40_000]
@@ -77,3 +77,18 @@ def test_a_log_of_another_run_is_refused(tmp_path):
     p.write_text("not json\n")
     with pytest.raises(ValueError, match="line 1 is not JSON"):
         ResultLog(p, META)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 50, 64])
+def test_spread_order_is_a_permutation_ends_first(n):
+    order = spread_order(n)
+    assert sorted(order) == list(range(n))
+    if n > 2:
+        assert order[:3] == [0, n - 1, (n - 1) // 2]
+
+
+def test_spread_order_prefix_covers_depths():
+    # after any 9 of 50 samples, no depth gap is wider than a quarter of the document
+    order = spread_order(50)
+    first = sorted(order[:9])
+    assert max(b - a for a, b in zip(first, first[1:])) <= 49 / 4 + 1
