@@ -17,6 +17,7 @@ bac = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bac)
 
 
+@pytest.mark.long  # the benchmark end to end (~17-70 s on a cold kernel cache)
 def test_widths_in_one_run_with_errors_and_ratios(monkeypatch, capsys):
     # the machine's copy and matmul rates at small sizes (the defaults copy 256 MiB and multiply 2048^2)
     real_bw, real_mm = bac.copy_bandwidth, bac.matmul_gflops

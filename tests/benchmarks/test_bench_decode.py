@@ -31,11 +31,20 @@ def test_summary_is_the_median_round_and_skips_errors():
     assert "error" in bd._summarise([{"error": "boom"}])
 
 
-def test_unknown_config_is_refused_before_any_work():
-    p = subprocess.run([sys.executable, str(_PATH), "--configs", "dynamic", "kivi2-gpu"], capture_output=True,
-                       text=True, timeout=120)
-    assert p.returncode == 2
-    assert "'kivi2-gpu' is not one of" in p.stderr
+def _refused(monkeypatch, capsys, *args: str) -> str:
+    """bench_decode's ``main`` on ``args`` in this process: it must exit 2 before any row; returns its stderr."""
+    monkeypatch.setattr(sys, "argv", [str(_PATH), *args])
+    monkeypatch.setattr(bd, "set_threads", lambda *a, **k: pytest.fail("set_threads ran: work began"))
+    with pytest.raises(SystemExit) as e:
+        bd.main()
+    assert e.value.code == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    return out.err
+
+
+def test_unknown_config_is_refused_before_any_work(monkeypatch, capsys):
+    assert "'kivi2-gpu' is not one of" in _refused(monkeypatch, capsys, "--configs", "dynamic", "kivi2-gpu")
 
 
 def test_config_file_row_is_named_after_its_stem_and_runs_its_config(tmp_path):
@@ -54,13 +63,11 @@ def test_config_file_row_is_named_after_its_stem_and_runs_its_config(tmp_path):
     assert r["config"] == "heads_k2v2" and r["config_file"] == str(path) and r["tok_s"] > 0
 
 
-def test_unreadable_config_file_is_refused_before_any_work(tmp_path):
+def test_unreadable_config_file_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text('{"k_bits": 5}')
-    p = subprocess.run([sys.executable, str(_PATH), "--configs", "dynamic", str(bad)], capture_output=True,
-                       text=True, timeout=120)
-    assert p.returncode == 2
-    assert f"{str(bad)!r} is not a readable KiviConfig JSON file" in p.stderr and "k_bits" in p.stderr
+    err = _refused(monkeypatch, capsys, "--configs", "dynamic", str(bad))
+    assert f"{str(bad)!r} is not a readable KiviConfig JSON file" in err and "k_bits" in err
 
 
 def test_results_compare_every_row_with_kivi2_and_dynamic_and_skip_rows_not_run_yet():

@@ -85,6 +85,7 @@ def test_bad_options_are_refused_before_any_work(bad, message, capsys):
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.long  # ~35 s on a cold kernel cache: three serving rows run end to end
 def test_rows_with_their_own_budget_run_once_at_it_and_fp_n_is_what_float_pages_need(tmp_path):
     out = tmp_path / "mixed.json"
     assert bs.main([*TINY, "--budgets", "400000", "--rows", "kivi-2/2@fp:2", "float", "kivi-2/2@900000",
