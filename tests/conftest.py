@@ -25,23 +25,10 @@ def smollm2_cache_root():
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_cache_root):
-    """(model, tokenizer) of the embedded default model; converted once per machine, loaded once per session.
-
-    Workers load it one at a time (a lock file beside the converted copy): on a cold cache the first converts
-    the GGUF (~20 s of CPU on the 2-core box) and the others then load its copy (~3 s) instead of converting it
-    again at the same time."""
-    import fcntl
-
+    """(model, tokenizer) of the embedded default model; converted once per machine, loaded once per session."""
     from kivi.models import load_model
 
-    try:
-        os.makedirs(smollm2_cache_root, exist_ok=True)
-        lock = open(os.path.join(smollm2_cache_root, ".tests-smollm2.lock"), "a")
-    except OSError:  # an unwritable cache root: each worker loads (and converts) on its own
-        return load_model("smollm2", cache_dir=smollm2_cache_root)
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return load_model("smollm2", cache_dir=smollm2_cache_root)
+    return load_model("smollm2", cache_dir=smollm2_cache_root)
 
 
 @pytest.fixture(scope="session")
