@@ -115,6 +115,13 @@ def single_sequence_kernel_filled():
 
 
 def pytest_configure(config):
+    if hasattr(config, "workerinput"):
+        # one torch thread per xdist worker (KIVI_TEST_TORCH_THREADS to change it): the workers already fill the
+        # cores, and two workers of two OpenMP threads each on the 2-core box spun for nothing (tests/cache:
+        # 54.8 s -> 35.1 s, 100.7 -> 61.6 CPU-s with one thread each). Child processes keep their own defaults.
+        import torch
+
+        torch.set_num_threads(int(os.environ.get("KIVI_TEST_TORCH_THREADS") or 1))
     done = os.environ.get(_KERNEL_FILL_DONE)
     if not done or not hasattr(config, "workerinput"):
         return
