@@ -17,7 +17,7 @@ DEFAULT_CONFIGS = ("fp", "extreme", "balanced")
 
 def cmd_longctx(args: argparse.Namespace) -> int:
     from ..eval.longctx.runner import META, ResultLog, run_suite
-    from ..eval.longctx.summary import INTERVAL, summarize
+    from ..eval.longctx.summary import INTERVAL, failures, summarize
     from ..eval.longctx.tasks import MAX_NEW_TOKENS
 
     chosen = args.configs or [longctx_config(x) for x in DEFAULT_CONFIGS]
@@ -49,17 +49,21 @@ def cmd_longctx(args: argparse.Namespace) -> int:
     if not rows:
         raise CliError(f"--jsonl {args.jsonl!r} holds no rows of these configs, lengths, tasks and protocols")
     summary = summarize(rows, configs=[c for c, _ in configs], seed=args.seed)
+    failed_answers = failures(rows)
     result = {"interval": INTERVAL, "score_unit": "points (0-100): mean over samples of RULER's fraction of "
               "expected strings found in the answer", "bits_per_element": "real cache bytes * 8 / (2 * layers * "
               "kv_heads * head_dim * length) once the cache holds the whole prompt", **meta,
               "lengths": lengths, "tasks": args.tasks, "protocols": args.protocol,
-              "configs": {c: spec_json(s) for c, s in configs}, "rows": summary}
+              "configs": {c: spec_json(s) for c, s in configs}, "rows": summary, "failures": failed_answers}
     from ..eval.longctx.report import plot, table
 
     title = f"{args.model}: {args.samples} samples per task, seed {args.seed}"
     failed = write_outputs([("--json", args.json, lambda p: write_json_file(p, result)),
                             ("--plot", args.plot, lambda p: plot(summary, p, title=title))])
     print_rich(table(summary))
+    for c, f in failed_answers.items():
+        print(f"{c}: {f['failed']} of {f['answers']} answers failed, left out of the table ({f['error']})",
+              file=sys.stderr)
     for path in (args.json, args.plot, None if args.report_only else args.jsonl):
         if path and not any(path in f for f in failed):
             print(f"wrote {path}", file=sys.stderr)
@@ -92,7 +96,7 @@ def add_parser(evs: argparse._SubParsersAction) -> None:
                    help="samples per (task, length); the needle depth sweeps 0..100%% over them (default 10)")
     p.add_argument("--configs", nargs="+", type=longctx_config, default=None, metavar="CONFIG",
                    help="caches to compare: fp, preset names, quanto-int2/quanto-int4 (optimum-quanto), "
-                   "KiviConfig .json files (default: fp extreme balanced)")
+                   "hqq-int2/hqq-int4 (hqq), KiviConfig .json files (default: fp extreme balanced)")
     p.add_argument("--protocol", nargs="+", choices=list(PROTOCOLS), default=[PROTOCOLS[0]],
                    help="question-after (default: the question reads the quantized cache) and/or one-shot")
     p.add_argument("--seed", type=seed, default=0, help="seed of the generated samples (default 0)")

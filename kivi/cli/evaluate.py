@@ -191,9 +191,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_output_args(p)
     p.set_defaults(func=cmd_passkey)
 
+    from .eval_attribute import add_parser as add_attribute
     from .eval_longctx import add_parser as add_longctx
 
     add_longctx(evs)
+    add_attribute(evs)
 
     p = subparsers.add_parser("sweep", help="run a grid of configs and baselines; CSV/JSON rows, Pareto plot",
                               description="Evaluate many caches on the same windows (one FP reference per window).")

@@ -190,8 +190,8 @@ __all__ = ["MAX_SEED", "MODEL_DTYPES", "byte_size", "finite_float", "fraction_li
 
 
 def longctx_config(text: str):
-    """One ``kivi eval longctx --configs`` entry -> ``(label, spec)``: ``fp``, a preset, a quanto baseline
-    (optimum-quanto installed) or a KiviConfig JSON file (:func:`kivi.eval.longctx.configs.resolve_config`)."""
+    """One ``kivi eval longctx --configs`` entry -> ``(label, spec)``: ``fp``, a preset, a quanto or hqq
+    baseline (its package installed) or a KiviConfig JSON file (:func:`kivi.eval.longctx.configs.resolve_config`)."""
     from ..eval.longctx.configs import resolve_config
 
     try:

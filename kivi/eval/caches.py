@@ -1,5 +1,5 @@
 """Cache specs: a :class:`KiviConfig`, ``None`` / ``"fp"`` (transformers' ``DynamicCache``) or a named
-baseline (transformers' ``QuantizedCache`` with the quanto backend).
+baseline (transformers' ``QuantizedCache`` with the quanto or hqq backend).
 
 This is the one place the tools build and measure caches: :func:`make_cache` builds every cache the
 evaluation functions, ``kivi demo`` and the benchmarks use, and :func:`cache_nbytes` counts the bytes
@@ -18,16 +18,29 @@ import torch
 from ..cache.support import model_head_dim
 from ..config import KiviConfig
 
-# name -> QuantizedCache(backend="quanto", ...) kwargs. q_group_size / residual_length follow
-# transformers' defaults (64 / 128). axis 0 = groups along the channels of each token (per-token);
-# axis -1 = groups along tokens of each channel (per-channel, as KIVI does for keys).
+# name -> QuantizedCache(backend=..., ...) arguments. q_group_size / residual_length follow transformers'
+# defaults (64 / 128). quanto: axis 0 = groups along the channels of each token (per-token), axis -1 = groups
+# along tokens of each channel (per-channel, as KIVI does for keys). hqq: axis 1 = groups of consecutive
+# elements of a token's channels (per-token; the axis transformers' docs use for hqq), with hqq's
+# half-quadratic optimization of scale and zero-point.
 BASELINES: dict[str, dict[str, Any] | None] = {
     "fp": None,
-    "quanto-int4": {"nbits": 4, "axis_key": 0, "axis_value": 0, "q_group_size": 64, "residual_length": 128},
-    "quanto-int2": {"nbits": 2, "axis_key": 0, "axis_value": 0, "q_group_size": 64, "residual_length": 128},
-    "quanto-int2-perchannel": {"nbits": 2, "axis_key": -1, "axis_value": 0, "q_group_size": 64, "residual_length": 128},
-    "quanto-int4-perchannel": {"nbits": 4, "axis_key": -1, "axis_value": 0, "q_group_size": 64, "residual_length": 128},
+    "quanto-int4": {"backend": "quanto", "nbits": 4, "axis_key": 0, "axis_value": 0, "q_group_size": 64,
+                    "residual_length": 128},
+    "quanto-int2": {"backend": "quanto", "nbits": 2, "axis_key": 0, "axis_value": 0, "q_group_size": 64,
+                    "residual_length": 128},
+    "quanto-int2-perchannel": {"backend": "quanto", "nbits": 2, "axis_key": -1, "axis_value": 0, "q_group_size": 64,
+                               "residual_length": 128},
+    "quanto-int4-perchannel": {"backend": "quanto", "nbits": 4, "axis_key": -1, "axis_value": 0, "q_group_size": 64,
+                               "residual_length": 128},
+    "hqq-int4": {"backend": "hqq", "nbits": 4, "axis_key": 1, "axis_value": 1, "q_group_size": 64,
+                 "residual_length": 128},
+    "hqq-int2": {"backend": "hqq", "nbits": 2, "axis_key": 1, "axis_value": 1, "q_group_size": 64,
+                 "residual_length": 128},
 }
+
+#: the package each QuantizedCache backend imports, and how to install it
+_BACKEND_PACKAGES = {"quanto": ("optimum.quanto", "optimum-quanto"), "hqq": ("hqq.core.quantize", "hqq")}
 
 CacheSpec = Union[KiviConfig, str, None]
 
@@ -72,10 +85,13 @@ def baseline_unavailable_reason(name: str) -> str | None:
     name = check_spec(name)
     if name is None or isinstance(name, KiviConfig):
         return None
+    import importlib  # noqa: PLC0415
+
+    module, package = _BACKEND_PACKAGES[BASELINES[name]["backend"]]
     try:
-        import optimum.quanto  # noqa: F401,PLC0415
+        importlib.import_module(module)
     except Exception as e:  # ImportError, or a broken install
-        return f"optimum-quanto is not importable ({type(e).__name__}: {e}); `pip install optimum-quanto`"
+        return f"{package} is not importable ({type(e).__name__}: {e}); `pip install {package}`"
     return None
 
 
@@ -92,8 +108,8 @@ def make_cache(model: Any, spec: CacheSpec, *, read_packed: bool = False):
       resolves it (``"auto"``: the packed ``"cpu"`` path on CPU) even on an unprepared model: the
       caller must then run every forward into the cache under
       :func:`kivi.attention.interface.reading_views` (the evaluation functions do);
-    * a name from :data:`BASELINES`: transformers' ``QuantizedCache(backend="quanto", ...)``; raises
-      :class:`BaselineUnavailable` when it cannot be built here (optimum-quanto missing).
+    * a name from :data:`BASELINES`: transformers' ``QuantizedCache(backend="quanto" | "hqq", ...)``; raises
+      :class:`BaselineUnavailable` when it cannot be built here (optimum-quanto / hqq missing).
     """
     spec = check_spec(spec)
     if spec is None:
@@ -112,10 +128,12 @@ def make_cache(model: Any, spec: CacheSpec, *, read_packed: bool = False):
         raise BaselineUnavailable(reason)
     from transformers.cache_utils import QuantizedCache  # noqa: PLC0415
 
+    kwargs = dict(BASELINES[spec])
+    backend = kwargs.pop("backend")
     try:
-        return QuantizedCache(backend="quanto", config=model.config, **BASELINES[spec])
+        return QuantizedCache(backend=backend, config=model.config, **kwargs)
     except Exception as e:  # noqa: BLE001 - report any construction failure as unavailability
-        raise BaselineUnavailable(f"QuantizedCache(backend='quanto') failed: {type(e).__name__}: {e}") from e
+        raise BaselineUnavailable(f"QuantizedCache(backend={backend!r}) failed: {type(e).__name__}: {e}") from e
 
 
 @contextlib.contextmanager
@@ -132,9 +150,14 @@ def _runs_kivi_attention(model: Any) -> Iterator[None]:
 
 
 def _tensor_bytes(t: Any) -> int:
-    """Bytes of a tensor, recursing into tensor subclasses (quanto's packed tensors)."""
+    """Bytes of a tensor, recursing into tensor subclasses (quanto's packed tensors) and into the tuples and
+    dicts a quantized layer keeps (hqq's ``(codes, {"scale": ..., "zero": ...})``)."""
     if t is None:
         return 0
+    if isinstance(t, (tuple, list)):
+        return sum(_tensor_bytes(x) for x in t)
+    if isinstance(t, dict):
+        return sum(_tensor_bytes(x) for x in t.values())
     flatten = getattr(t, "__tensor_flatten__", None)
     if flatten is not None and type(t) is not torch.Tensor:
         names, _ = flatten()
@@ -148,7 +171,7 @@ def cache_nbytes(cache: Any) -> int:
     """Bytes of every tensor ``cache`` holds, for any cache :func:`make_cache` builds.
 
     A ``KiviCache`` reports its own (``cache.nbytes``, the sum of ``cache.memory_breakdown()``); for
-    a ``DynamicCache`` or a quanto ``QuantizedCache`` this sums the full-precision key/value tensors
+    a ``DynamicCache`` or a quanto / hqq ``QuantizedCache`` this sums the full-precision key/value tensors
     and the packed quantized ones (their data, scales and zero-points). Uninitialised layers count 0.
     """
     nb = getattr(cache, "nbytes", None)

@@ -203,3 +203,19 @@ def test_cache_nbytes_counts_every_kind_of_cache(peaked_model, windows):
     # float32 DynamicCache: 2 layers x 2 sides x 2 kv heads x 32 channels x 192 tokens x 4 bytes
     assert sizes["None"] == 2 * 2 * 2 * 32 * 192 * 4
     assert all(0 < v < sizes["None"] for k, v in sizes.items() if k != "None")
+
+
+@pytest.mark.parametrize("name,bits", [("hqq-int2", 2), ("hqq-int4", 4), ("quanto-int2", 2)])
+def test_quantized_cache_bytes_are_codes_scales_and_zeros(peaked_model, windows, name, bits):
+    """transformers' QuantizedCache after a 192-token prefill (more than its 128-token residual: everything is
+    quantized): per layer and side the codes (bits per element) and one float32 scale and zero-point per group of
+    64 elements. hqq keeps them in a ``(codes, meta dict)`` tuple, quanto in tensor subclasses: both counted."""
+    from kivi.eval import baseline_unavailable_reason, cache_nbytes
+
+    if baseline_unavailable_reason(name):
+        pytest.skip(baseline_unavailable_reason(name))
+    cache = make_cache(peaked_model, name)
+    with torch.inference_mode():
+        peaked_model(windows[:1], cache=cache, use_cache=True)
+    per_side = 2 * 192 * 32  # kv heads x tokens x head_dim of the tiny model
+    assert cache_nbytes(cache) == 2 * 2 * (per_side * bits // 8 + per_side // 64 * 2 * 4)

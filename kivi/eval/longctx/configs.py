@@ -1,5 +1,5 @@
 """The configurations a long-context run compares, named on the command line: ``fp``, a preset name, a
-quanto baseline (``quanto-int2``, ...) or a KiviConfig JSON file."""
+quanto or hqq baseline (``quanto-int2``, ``hqq-int2``, ...) or a KiviConfig JSON file."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from ..caches import BASELINES, CacheSpec, baseline_unavailable_reason, check_sp
 
 def resolve_config(name: str) -> tuple[str, CacheSpec]:
     """``(label, spec)`` of one ``--configs`` entry; ``ValueError`` (one line) for anything else, a
-    missing/invalid JSON file, or a quanto baseline without optimum-quanto installed."""
+    missing/invalid JSON file, or a baseline whose package (optimum-quanto, hqq) is missing."""
     key = str(name).strip()
     if key.lower() in BASELINES:
         reason = baseline_unavailable_reason(key.lower())

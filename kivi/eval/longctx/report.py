@@ -38,6 +38,25 @@ def table(summary: Sequence[dict[str, Any]]) -> Any:
     return t
 
 
+def attribution_table(result: dict[str, Any], *, limit: int = 12) -> Any:
+    """A ``rich.table.Table`` of :func:`.attribution.attribute`'s ranking: the ``limit`` ablations that recover
+    most of the lost samples' margin, with the samples each fixes (per task)."""
+    from rich.table import Table  # noqa: PLC0415
+
+    ok = sum(1 for s in result["samples"] if s["consistent"])
+    t = Table(title=f"{result['config']}: {result['lost']} answers lost vs {result['fp']}, {ok} with consistent "
+                    "margins; recovery = share of full precision's margin an ablation restores")
+    tasks = sorted({s["task"] for s in result["samples"]})
+    for col in ("ablation", "mean recovery", "fixed", *(f"fixed {x}" for x in tasks)):
+        t.add_column(col, justify="left" if col == "ablation" else "right")
+    for a in result["ablations"][:limit]:
+        t.add_row(a["ablation"], f"{a['mean_recovery']:+.2f}", f"{a['fixed']}/{a['n']}",
+                  *(str(a["fixed_by_task"].get(x, 0)) for x in tasks))
+    if result["skipped"]:
+        t.caption = f"{len(result['skipped'])} lost answers skipped (no single deciding token): see --json"
+    return t
+
+
 def _common_averages(summary: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (config, length, protocol): the mean score and bits over the tasks that every config has at that
     (length, protocol), so that the points compare the same tasks (intervals: the table and the JSON)."""

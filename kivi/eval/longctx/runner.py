@@ -15,6 +15,9 @@ config's replay + question + answer: on a shared machine the CPU seconds are the
 
 A greedy answer stops at an end-of-sequence token, at the task's ``max_new_tokens``, or once every
 expected string is in it (the score cannot rise or fall after that: :func:`.scoring.string_match_all`).
+
+A cache that raises while it answers (hqq's 2-bit packing refuses some token counts) gives a row with
+``score: None`` and the ``error`` (:func:`failed_answer`), and the run goes on; a resumed run does not retry it.
 """
 
 from __future__ import annotations
@@ -84,6 +87,14 @@ def answer(model: Any, tok: Any, spec: CacheSpec, sample: Sample, protocol: str,
     return {"score": string_match_all(text, sample.expected), "answer": text, "new_tokens": len(out),
             "bits_per_element": bits, "cache_bytes": nbytes, "decode_seconds": time.perf_counter() - t0,
             "decode_cpu_seconds": time.process_time() - c0}
+
+
+def failed_answer(error: BaseException) -> dict[str, Any]:
+    """The measured fields of an answer whose cache raised ``error``: no score (the summary leaves the row out
+    and counts it, :func:`.summary.failures`), the error's type and first line in ``error``."""
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    return {"score": None, "error": f"{type(error).__name__}: {first}", "answer": None, "new_tokens": 0,
+            "bits_per_element": None, "cache_bytes": None, "decode_seconds": None, "decode_cpu_seconds": None}
 
 
 def _eos_ids(tok: Any, model: Any) -> set[int]:
@@ -188,7 +199,10 @@ def run_suite(model: Any, tok: Any, text: str, configs: Sequence[tuple[str, Cach
             pre_s, pre_c = time.perf_counter() - t0, time.process_time() - c0
             for c, s in need:
                 bar.set_description(f"{L} {t} #{i} {p} {c}")
-                r = answer(model, tok, s, sample, p, pre)
+                try:
+                    r = answer(model, tok, s, sample, p, pre)
+                except Exception as e:  # noqa: BLE001 - a cache that cannot answer (e.g. a peer's limit) is a row
+                    r = failed_answer(e)
                 log.add({"config": c, "length": L, "task": t, "protocol": p, "sample": i, "depth": sample.depth,
                          "expected": list(sample.expected), **r, "prefill_seconds": pre_s,
                          "prefill_cpu_seconds": pre_c,
@@ -200,4 +214,4 @@ def run_suite(model: Any, tok: Any, text: str, configs: Sequence[tuple[str, Cach
     return log.rows
 
 
-__all__ = ["KEY", "META", "ResultLog", "answer", "record_prefill", "run_suite", "spread_order"]
+__all__ = ["KEY", "META", "ResultLog", "answer", "failed_answer", "record_prefill", "run_suite", "spread_order"]

@@ -5,7 +5,8 @@ Two averages per (config, length, protocol) are added as tasks: ``average`` (eve
 ``average_fp_meaningful`` (the tasks on which full precision scores above :data:`MEANINGFUL` points at
 that length; a task the model cannot do at full precision says nothing about a cache). Their intervals
 resample within each task (stratified bootstrap). With one sample of a task there is nothing to resample:
-the intervals (and ``within_noise``) are ``None``.
+the intervals (and ``within_noise``) are ``None``. Failed answers (no score) are left out; :func:`failures`
+counts them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def summarize(rows: Sequence[dict[str, Any]], *, configs: Sequence[str] | None =
     by: dict[tuple, dict[int, float]] = defaultdict(dict)
     bits: dict[tuple, list[float]] = defaultdict(list)
     for r in rows:
+        if r.get("score") is None:  # a failed answer (runner.failed_answer): counted by failures()
+            continue
         k = (r["config"], r["length"], r["task"], r["protocol"])
         by[k][r["sample"]] = r["score"]
         bits[k].append(r["bits_per_element"])
@@ -46,6 +49,19 @@ def summarize(rows: Sequence[dict[str, Any]], *, configs: Sequence[str] | None =
                 if r["config"] == c and r["length"] == L and r["protocol"] == proto and r["task"] in fp_means:
                     r["fp_meaningful"] = fp_means[r["task"]] > MEANINGFUL
     return out
+
+
+def failures(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per config with failed answers (``score`` None, :func:`.runner.failed_answer`): ``failed`` of ``answers``
+    and the first ``error``."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        f = out.setdefault(r["config"], {"failed": 0, "answers": 0, "error": None})
+        f["answers"] += 1
+        if r.get("score") is None:
+            f["failed"] += 1
+            f["error"] = f["error"] or r.get("error")
+    return {c: f for c, f in out.items() if f["failed"]}
 
 
 def _row(by, bits, c, L, proto, name, ts, fp, seed) -> dict[str, Any]:
@@ -74,4 +90,4 @@ def _row(by, bits, c, L, proto, name, ts, fp, seed) -> dict[str, Any]:
     return row
 
 
-__all__ = ["INTERVAL", "MEANINGFUL", "summarize"]
+__all__ = ["INTERVAL", "MEANINGFUL", "failures", "summarize"]

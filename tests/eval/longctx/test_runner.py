@@ -92,3 +92,31 @@ def test_spread_order_prefix_covers_depths():
     order = spread_order(50)
     first = sorted(order[:9])
     assert max(b - a for a, b in zip(first, first[1:])) <= 49 / 4 + 1
+
+
+def test_a_cache_that_raises_is_a_failed_row_and_the_run_goes_on(model, tmp_path, monkeypatch):
+    """A config whose cache raises (as hqq's 2-bit packing does on some token counts) gets rows with no score
+    and the error; the other configs still answer; the summary leaves the failed rows out and counts them; a
+    resumed run does not retry them."""
+    from kivi.eval.longctx.summary import failures, summarize
+
+    answer = runner.answer
+
+    def breaks_k2(model_, tok, spec, sample, protocol, prefill):
+        if spec is not None:
+            raise RuntimeError("The size of tensor a (3) must match the size of tensor b (4)\nsecond line")
+        return answer(model_, tok, spec, sample, protocol, prefill)
+
+    monkeypatch.setattr(runner, "answer", breaks_k2)
+    kw = {**KW, "protocols": ["question-after"]}
+    path = tmp_path / "r.jsonl"
+    rows = run_suite(model, ByteTokenizer(), TEXT, CONFIGS, log=ResultLog(path, META), **kw)
+    bad = [r for r in rows if r["config"] == "k2"]
+    assert len(rows) == 4 and len(bad) == 2
+    assert all(r["score"] is None and r["error"] == "RuntimeError: The size of tensor a (3) must match the size of "
+               "tensor b (4)" for r in bad)
+    assert all(r["score"] is not None and "error" not in r for r in rows if r["config"] == "fp")
+    assert {r["config"] for r in summarize(rows)} == {"fp"}
+    assert failures(rows) == {"k2": {"failed": 2, "answers": 2, "error": bad[0]["error"]}}
+    monkeypatch.setattr(runner, "answer", lambda *a, **k: pytest.fail("a done row was answered again"))
+    assert len(run_suite(model, ByteTokenizer(), TEXT, CONFIGS, log=ResultLog(path, META), **kw)) == 4
