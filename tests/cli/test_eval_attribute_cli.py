@@ -6,8 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 
-import pytest
-
 from kivi import KiviConfig
 from kivi.cli import main
 from kivi.data import load_text

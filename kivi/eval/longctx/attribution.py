@@ -11,9 +11,10 @@ negative (greedy picked each token); a sample where the recomputed margins disag
 when its margin is positive (at that token it picks full precision's answer).
 
 Ablations (:func:`ablations`): keys at full precision everywhere, values at full precision everywhere, each
-layer at full precision; then (:func:`head_ablations`) each kv head of the ``top`` layers with the highest mean
-recovery at 8 bits (kivi's widest code; a per-head width cannot be "off"). Every ablation replays the sample's
-one full-precision prefill (:func:`.runner.record_prefill`), so it costs a replay, the question and a few tokens.
+layer at full precision; then (:func:`head_ablations`) the keys, and apart the values, of each kv head of the
+``top`` layers with the highest mean recovery at 8 bits (kivi's widest code; a per-head width cannot be "off").
+Every ablation replays the sample's one full-precision prefill (:func:`.runner.record_prefill`), so it costs a
+replay, the question and a few tokens.
 """
 
 from __future__ import annotations
@@ -75,22 +76,20 @@ def ablations(cfg: KiviConfig, num_layers: int) -> list[tuple[str, KiviConfig]]:
 
 
 def head_ablations(cfg: KiviConfig, layer: int, num_kv_heads: int) -> list[tuple[str, KiviConfig]]:
-    """``(label, config)``: ``layer L head h 8b`` for every kv head ``h`` of ``layer``, the head's keys and values
-    at :data:`HEAD_BITS` bits and every other head as in ``cfg`` (its per-head widths, else the layer's)."""
+    """``(label, config)``: ``layer L head h K8b`` and ``layer L head h V8b`` for every kv head ``h`` of
+    ``layer`` (a side it quantizes): that head's keys (values) at :data:`HEAD_BITS` bits, everything else as in
+    ``cfg`` (its per-head widths, else the layer's)."""
     lcfg = dataclasses.replace(cfg, layer_specific_config={}, head_bits={},
                                **cfg.layer_specific_config.get(layer, {}))
     entry = cfg.head_bits.get(layer, {})
+    widths = {name: list(entry.get(name, [getattr(lcfg, name)] * num_kv_heads))
+              for name, on in (("k_bits", lcfg.quantize_key), ("v_bits", lcfg.quantize_value)) if on}
     out = []
     for h in range(num_kv_heads):
-        widths = {}
-        for name, on in (("k_bits", lcfg.quantize_key), ("v_bits", lcfg.quantize_value)):
-            if on:
-                w = list(entry.get(name, [getattr(lcfg, name)] * num_kv_heads))
-                w[h] = HEAD_BITS
-                widths[name] = w
-        if widths:
-            out.append((f"layer {layer} head {h} {HEAD_BITS}b",
-                        dataclasses.replace(cfg, head_bits={**cfg.head_bits, layer: widths})))
+        for name in widths:
+            w = {**widths, name: [HEAD_BITS if i == h else b for i, b in enumerate(widths[name])]}
+            out.append((f"layer {layer} head {h} {name[0].upper()}{HEAD_BITS}b",
+                        dataclasses.replace(cfg, head_bits={**cfg.head_bits, layer: w})))
     return out
 
 

@@ -60,9 +60,13 @@ def test_ablations_turn_off_what_they_name():
     for c in got.values():
         c.validate(num_layers=2)  # every ablation is a valid config for the model
     heads = dict(att.head_ablations(cfg, 0, 2))
-    assert heads["layer 0 head 1 8b"].head_bits[0] == {"k_bits": [2, 8], "v_bits": [4, 8]}
+    assert list(heads) == ["layer 0 head 0 K8b", "layer 0 head 0 V8b", "layer 0 head 1 K8b", "layer 0 head 1 V8b"]
+    assert heads["layer 0 head 1 K8b"].head_bits[0] == {"k_bits": [2, 8], "v_bits": [4, 2]}
+    assert heads["layer 0 head 1 V8b"].head_bits[0] == {"k_bits": [2, 4], "v_bits": [4, 8]}
     heads1 = dict(att.head_ablations(cfg, 1, 2))  # no per-head widths there: the layer's own (v_bits 4)
-    assert heads1["layer 1 head 0 8b"].head_bits[1] == {"k_bits": [8, 2], "v_bits": [8, 4]}
+    assert heads1["layer 1 head 0 V8b"].head_bits[1] == {"k_bits": [2, 2], "v_bits": [8, 4]}
+    keys_only = KiviConfig(k_bits=2, group_size=16, residual_length=32, quantize_value=False)
+    assert [n for n, _ in att.head_ablations(keys_only, 0, 2)] == ["layer 0 head 0 K8b", "layer 0 head 1 K8b"]
     assert cfg.head_bits == {0: {"k_bits": [2, 4], "v_bits": [4, 2]}}  # the input is not changed
 
 
@@ -111,7 +115,8 @@ def test_attribute_end_to_end(model):
     # heads of the top layer are ablated once a consistent sample ranks the layers (the tiny model's margins
     # on made-up answers may have either sign)
     top = out["ablations"][0]["ablation"] if s["consistent"] else None
-    heads = {f"{top} head {h} 8b".replace(" fp", "") for h in range(2)} if s["consistent"] else set()
+    heads = {f"{top} head {h} {side}8b".replace(" fp", "") for h in range(2) for side in "KV"} if s["consistent"] \
+        else set()
     assert set(m) == base | heads
     assert m["layer 1 fp"] == pytest.approx(m["fp"], abs=1e-3)
     assert m["layer 0 fp"] == pytest.approx(m["config"], abs=1e-3)  # layer 0 was full precision already
