@@ -11,7 +11,7 @@ from .errors import CliError
 from .loading import load_model_from_args, read_text_arg
 from .options import add_model_args, add_text_args
 from .output import print_rich, write_json_file, write_outputs
-from .validators import longctx_config, output_path, positive_int, text_value
+from .validators import longctx_config, output_path, positive_int, text_value, token_count
 
 
 def cmd_attribute(args: argparse.Namespace) -> int:
@@ -21,7 +21,10 @@ def cmd_attribute(args: argparse.Namespace) -> int:
     label, spec = args.config
     text = read_text_arg(args)
     digest = hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
-    rows = _read_rows(args.jsonl)
+    rows = [r for r in _read_rows(args.jsonl) if (not args.lengths or r.get("length") in args.lengths)
+            and (not args.protocol or r.get("protocol") in args.protocol)]
+    if not rows:
+        raise CliError(f"--jsonl {args.jsonl!r} holds no rows of these --lengths / --protocol")
     other = sorted({(r.get("model"), r.get("text")) for r in rows} - {(args.model, digest)})
     if other:
         raise CliError(f"--jsonl {args.jsonl!r} holds rows of another model or text ({other}); give the same "
@@ -59,6 +62,8 @@ def _read_rows(path: str) -> list[dict]:
 
 
 def add_parser(evs: argparse._SubParsersAction) -> None:
+    from ..eval.longctx.protocols import PROTOCOLS
+
     p = evs.add_parser("attribute", help="where a config loses the long-context suite's answers (side, layer, head)",
                        description="For every sample of a `kivi eval longctx` run that full precision answers and "
                        "CONFIG does not: the margin between the two answers at their first differing token, under "
@@ -69,6 +74,10 @@ def add_parser(evs: argparse._SubParsersAction) -> None:
     p.add_argument("--jsonl", required=True, type=text_value, help="the rows of a `kivi eval longctx --jsonl` run")
     p.add_argument("--config", required=True, type=longctx_config,
                    help="the KiviConfig (preset or .json) whose losses to explain, as named in that run")
+    p.add_argument("--lengths", nargs="+", type=token_count, default=None,
+                   help="only the rows of these prompt lengths (default: every length in the file)")
+    p.add_argument("--protocol", nargs="+", choices=list(PROTOCOLS), default=None,
+                   help="only the rows of these protocols (default: every protocol in the file)")
     p.add_argument("--top", type=positive_int, default=2,
                    help="ablate each kv head of this many layers, those whose ablation recovers most (default 2)")
     p.add_argument("--show", type=positive_int, default=12, help="ablations shown in the table (default 12)")

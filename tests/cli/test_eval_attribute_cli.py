@@ -42,14 +42,19 @@ def test_refusals_before_the_model_loads(no_model, capsys, tmp_path):  # noqa: F
     assert "is not 'fp', a preset" in _err(capsys, ["--jsonl", str(bad), "--config", "nosuch"])
     assert "--top: 0 is not a positive integer" in _err(capsys, ["--jsonl", str(bad), "--config", str(cfg),
                                                                 "--top", "0"])
+    assert "holds no rows of these --lengths / --protocol" in _err(
+        capsys, ["--jsonl", str(_rows(tmp_path / "b.jsonl")), "--config", str(cfg), "--lengths", "2048"])
 
 
 def test_run_writes_margins_and_ranking(tiny, capsys, tmp_path):  # noqa: F811
     cfg = tmp_path / "k1.json"
     KiviConfig(k_bits=1, v_bits=1, group_size=16, residual_length=16, attention_backend="reference").to_json(cfg)
     out = tmp_path / "attr.json"
-    rc = main(["eval", "attribute", "--no-progress", "--jsonl", str(_rows(tmp_path / "r.jsonl")), "--config",
-               str(cfg), "--top", "1", "--json", str(out)])
+    rows = _rows(tmp_path / "r.jsonl")
+    other = [json.loads(x) for x in rows.read_text().splitlines()]
+    rows.write_text(rows.read_text() + "".join(json.dumps({**r, "length": 400}) + "\n" for r in other))
+    rc = main(["eval", "attribute", "--no-progress", "--jsonl", str(rows), "--config",
+               str(cfg), "--top", "1", "--json", str(out), "--lengths", "420", "--protocol", "question-after"])
     text, err = capsys.readouterr()
     assert rc == 0, err
     r = json.loads(out.read_text())
