@@ -87,20 +87,23 @@ def plot(summary: Sequence[dict[str, Any]], path: str | Path, *, title: str | No
         raise ValueError("--plot needs matplotlib: pip install matplotlib (or 'kivi[plot]')") from None
     avg = _common_averages(summary)
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 5))
-    for c in dict.fromkeys(r["config"] for r in avg):
+    configs = list(dict.fromkeys(r["config"] for r in avg))
+    cmap = plt.get_cmap("tab10" if len(configs) <= 10 else "tab20")
+    color = {c: cmap(i % cmap.N) for i, c in enumerate(configs)}  # one colour per config, both protocols
+    for c in configs:
         for p, style in (("question-after", "-o"), ("one-shot", "--s")):
             pts = sorted((r["length"], r["score"]) for r in avg if r["config"] == c and r["protocol"] == p)
             if pts:
-                a.plot([x[0] for x in pts], [x[1] for x in pts], style, label=f"{c} ({p})")
+                a.plot([x[0] for x in pts], [x[1] for x in pts], style, color=color[c], label=f"{c} ({p})")
     a.set_xscale("log", base=2)
     a.set_xlabel("prompt length (tokens)")
     a.set_ylabel("average over the tasks every config ran (points)")
     a.grid(True, alpha=0.3)
-    a.legend(fontsize=7)
+    a.legend(fontsize=6.5, loc="center", ncol=2, framealpha=0.8)
     longest = max(r["length"] for r in avg)
     for r in (r for r in avg if r["length"] == longest):
         marker = "o" if r["protocol"] == "question-after" else "s"
-        b.scatter(r["bits_per_element"], r["score"], marker=marker)
+        b.scatter(r["bits_per_element"], r["score"], marker=marker, color=color[r["config"]])
         b.annotate(r["config"], (r["bits_per_element"], r["score"]), textcoords="offset points", xytext=(4, 4),
                    fontsize=7)
     b.set_xscale("log", base=2)
