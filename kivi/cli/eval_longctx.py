@@ -10,13 +10,13 @@ from .errors import CliError
 from .loading import check_context_fits, load_model_from_args, read_text_arg
 from .options import add_model_args, add_text_args
 from .output import print_rich, write_json_file, write_outputs
-from .validators import longctx_config, output_path, positive_int, seed, token_count
+from .validators import longctx_config, output_path, positive_int, seed, shard, token_count
 
 DEFAULT_CONFIGS = ("fp", "extreme", "balanced")
 
 
 def cmd_longctx(args: argparse.Namespace) -> int:
-    from ..eval.longctx.runner import META, ResultLog, run_suite
+    from ..eval.longctx.runner import META, ResultLog, merge_logs, run_suite
     from ..eval.longctx.summary import INTERVAL, failures, summarize
     from ..eval.longctx.tasks import MAX_NEW_TOKENS
 
@@ -34,20 +34,28 @@ def cmd_longctx(args: argparse.Namespace) -> int:
     assert tuple(meta) == META
     if args.report_only and not args.jsonl:
         raise CliError("--report-only reads the rows of --jsonl FILE: give it")
-    log = ResultLog(args.jsonl, meta)  # a --jsonl of another run fails before the model loads
+    if not args.report_only and args.jsonl and len(args.jsonl) > 1:
+        raise CliError(f"--jsonl: a run streams to one file, got {len(args.jsonl)}; several files are read "
+                       "together with --report-only (e.g. the shards of one run)")
+    if args.report_only and args.shard != (0, 1):
+        raise CliError("--shard chooses what a run computes; --report-only computes nothing: give each shard's "
+                       "--jsonl file instead")
     if args.report_only:
-        rows = log.rows
+        rows = merge_logs(args.jsonl, meta)  # rows of another run, or one row twice, refused
     else:
+        log = ResultLog(args.jsonl[0] if args.jsonl else None, meta)  # another run's file: refused before loading
         model, tok = load_model_from_args(args)
         longest = max(MAX_NEW_TOKENS[t] for t in args.tasks)
         check_context_fits(model, lengths[-1] + longest, f"--lengths {lengths[-1]} + a {longest}-token answer")
         rows = run_suite(model, tok, text, configs, lengths=lengths, tasks=args.tasks, samples=args.samples,
-                         protocols=args.protocol, seed=args.seed, log=log, progress=not args.no_progress)
+                         protocols=args.protocol, seed=args.seed, log=log, progress=not args.no_progress,
+                         shard=args.shard)
     wanted = {(c, L, t, p) for c, _ in configs for L in lengths for t in args.tasks for p in args.protocol}
     rows = [r for r in rows if (r["config"], r["length"], r["task"], r["protocol"]) in wanted
             and r["sample"] < args.samples]
     if not rows:
-        raise CliError(f"--jsonl {args.jsonl!r} holds no rows of these configs, lengths, tasks and protocols")
+        raise CliError(f"--jsonl {' '.join(args.jsonl or [])!r} holds no rows of these configs, lengths, tasks and "
+                       "protocols")
     summary = summarize(rows, configs=[c for c, _ in configs], seed=args.seed)
     failed_answers = failures(rows)
     result = {"interval": INTERVAL, "score_unit": "points (0-100): mean over samples of RULER's fraction of "
@@ -64,9 +72,12 @@ def cmd_longctx(args: argparse.Namespace) -> int:
     for c, f in failed_answers.items():
         print(f"{c}: {f['failed']} of {f['answers']} answers failed, left out of the table ({f['error']})",
               file=sys.stderr)
-    for path in (args.json, args.plot, None if args.report_only else args.jsonl):
+    for path in (args.json, args.plot, None if args.report_only or not args.jsonl else args.jsonl[0]):
         if path and not any(path in f for f in failed):
             print(f"wrote {path}", file=sys.stderr)
+    if args.shard != (0, 1) and not args.report_only:
+        print(f"shard {args.shard[0]}/{args.shard[1]}: the table holds this shard's rows only; summarize the whole "
+              "run with --report-only --jsonl and every shard's file", file=sys.stderr)
     if failed:
         raise CliError("; ".join(failed))
     return 0
@@ -101,8 +112,13 @@ def add_parser(evs: argparse._SubParsersAction) -> None:
                    help="question-after (default: the question reads the quantized cache) and/or one-shot")
     p.add_argument("--seed", type=seed, default=0, help="seed of the generated samples (default 0)")
     p.add_argument("--json", default=None, type=output_path, help="write the summary rows as JSON")
-    p.add_argument("--jsonl", default=None, type=output_path,
-                   help="stream every answer to this JSONL file; an existing file of the same run is resumed")
+    p.add_argument("--jsonl", nargs="+", default=None, type=output_path, metavar="JSONL",
+                   help="stream every answer to this JSONL file; an existing file of the same run is resumed "
+                   "(with --report-only: one or more files of one run, e.g. its shards)")
+    p.add_argument("--shard", type=shard, default=(0, 1), metavar="I/N",
+                   help="compute only shard I of N (every N-th prompt from the I-th; 0-based), to split a grid over "
+                   "processes or machines, each with its own --jsonl; then --report-only --jsonl A B ... "
+                   "summarizes them (default 0/1: everything)")
     p.add_argument("--plot", default=None, type=output_path, help="write a PNG: score vs length, score vs bits")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing, load no model: summarize the rows --jsonl already holds (e.g. of a stopped run)")

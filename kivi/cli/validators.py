@@ -89,6 +89,18 @@ def token_count(text: str) -> int:
             f"{text!r} is not a positive token count; use e.g. 32768, 32k, 128K or 1m") from None
 
 
+def shard(text: str) -> tuple[int, int]:
+    """``I/N`` (``0 <= I < N``: shard ``I`` of ``N``) -> ``(I, N)``."""
+    i, sep, n = str(text).strip().partition("/")
+    try:
+        pair = (int(i), int(n)) if sep else None
+    except ValueError:
+        pair = None
+    if pair is None or not 0 <= pair[0] < pair[1]:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a shard I/N with 0 <= I < N (e.g. 0/2 and 1/2)")
+    return pair
+
+
 def byte_size(text: str) -> int:
     """``80GB`` (10^9), ``80GiB`` / ``80G`` (2^30), ``512MB``, or a byte count -> a positive int."""
     from ..memory.units import parse_bytes

@@ -107,3 +107,30 @@ def test_report_only_summarizes_a_jsonl_without_a_model(no_model, capsys, tmp_pa
     r = {x["config"]: x for x in json.loads(out.read_text())["rows"]}
     assert r["extreme"]["score"] == 50.0 and r["extreme"]["diff_vs_fp"] == -50.0 and r["extreme"]["n"] == 2
     assert "--report-only reads the rows" in _err(capsys, ["--report-only"])
+
+
+@pytest.mark.parametrize("value", ["2/2", "1", "a/b", "-1/2", "0/0"])
+def test_a_bad_shard_is_refused_before_the_model_loads(no_model, capsys, value):
+    assert f"--shard: {value!r} is not a shard I/N" in _err(capsys, [f"--shard={value}"])
+
+
+def test_shard_and_jsonl_combinations_are_refused(no_model, capsys, tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    assert "a run streams to one file, got 2" in _err(capsys, ["--jsonl", str(a), str(b)])
+    assert "--report-only computes nothing" in _err(capsys, ["--report-only", "--jsonl", str(a), "--shard", "1/2"])
+
+
+def test_shard_runs_then_report_only_merges(tiny, capsys, tmp_path):
+    argv = ["--lengths", "420", "--tasks", "niah_single", "--samples", "3", "--configs", "fp"]
+    paths = [str(tmp_path / f"s{i}.jsonl") for i in range(2)]
+    for i, p in enumerate(paths):
+        assert main(["eval", "longctx", "--no-progress", *argv, "--jsonl", p, "--shard", f"{i}/2"]) == 0
+        assert "the table holds this shard's rows only" in capsys.readouterr()[1]
+    counts = [len(open(p).read().splitlines()) for p in paths]
+    assert sorted(counts) == [1, 2]
+    out = tmp_path / "s.json"
+    assert main(["eval", "longctx", "--no-progress", *argv, "--report-only", "--jsonl", *paths,
+                 "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["rows"][0]["n"] == 3
+    capsys.readouterr()
+    assert "both hold the row" in _err(capsys, [*argv, "--report-only", "--jsonl", paths[0], paths[0]])

@@ -18,6 +18,10 @@ expected string is in it (the score cannot rise or fall after that: :func:`.scor
 
 A cache that raises while it answers (hqq's 2-bit packing refuses some token counts) gives a row with
 ``score: None`` and the ``error`` (:func:`failed_answer`), and the run goes on; a resumed run does not retry it.
+
+A grid splits into shards (``shard=(i, n)``: every ``n``-th prompt from the ``i``-th, :func:`shard_todo`), each its
+own process and JSONL file, on as many cores or machines as there are shards; :func:`merge_logs` reads their files
+back as one run's rows.
 """
 
 from __future__ import annotations
@@ -130,6 +134,17 @@ def spread_order(n: int) -> list[int]:
     return order
 
 
+def shard_todo(todo: Sequence, shard: tuple[int, int]) -> list:
+    """The prompts of ``todo`` shard ``(i, n)`` runs: every ``n``-th from the ``i``-th (``0 <= i < n``). The ``n``
+    shards partition ``todo``; as ``todo`` runs over lengths, then tasks, then samples in :func:`spread_order`, each
+    shard gets about ``1/n`` of every length and task, spread over the depths. ``ValueError`` on a shard outside
+    ``0 <= i < n``."""
+    i, n = shard
+    if not (isinstance(i, int) and isinstance(n, int) and 0 <= i < n):
+        raise ValueError(f"shard={shard!r} must be (i, n) with 0 <= i < n")
+    return list(todo[i::n])
+
+
 class ResultLog:
     """The JSONL file rows stream to: one row per (config, length, task, protocol, sample), appended and
     flushed as each finishes. Opening an existing file resumes it: its rows count as done (a last line
@@ -173,10 +188,29 @@ class ResultLog:
                 f.flush()
 
 
+def merge_logs(paths: Sequence[str | os.PathLike], meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows of several JSONL files of one run (its shards, :func:`shard_todo`), in file order: each file read as
+    :class:`ResultLog` reads it (rows of another run refused). ``ValueError`` naming both files when two hold the
+    same (config, length, task, protocol, sample)."""
+    rows: list[dict[str, Any]] = []
+    seen: dict[tuple, str] = {}
+    for path in paths:
+        for row in ResultLog(path, meta).rows:
+            key = tuple(row[k] for k in KEY)
+            if key in seen:
+                raise ValueError(f"{path} and {seen[key]} both hold the row {dict(zip(KEY, key))}; give each row's "
+                                 "file once (shards of one run hold disjoint rows)")
+            seen[key] = str(path)
+            rows.append(row)
+    return rows
+
+
 def run_suite(model: Any, tok: Any, text: str, configs: Sequence[tuple[str, CacheSpec]], *,
               lengths: Iterable[int], tasks: Iterable[str], samples: int, protocols: Sequence[str] = PROTOCOLS[:1],
-              seed: int = 0, log: ResultLog | None = None, progress: bool = True) -> list[dict[str, Any]]:
-    """Every (config, length, task, protocol, sample) row not yet in ``log``; returns all of ``log``'s rows.
+              seed: int = 0, log: ResultLog | None = None, progress: bool = True,
+              shard: tuple[int, int] = (0, 1)) -> list[dict[str, Any]]:
+    """Every (config, length, task, protocol, sample) row of shard ``shard`` (:func:`shard_todo`; ``(0, 1)``: all)
+    not yet in ``log``; returns all of ``log``'s rows.
 
     Samples are visited in :func:`spread_order` (a stopped run covers every depth). Per (length, task,
     sample, protocol) the prompt is built once and prefilled once at full precision;
@@ -185,7 +219,8 @@ def run_suite(model: Any, tok: Any, text: str, configs: Sequence[tuple[str, Cach
     tpl = Template.of(tok)
     log = log or ResultLog(None, {})
     lengths, tasks, protocols = list(lengths), list(tasks), check_protocols(list(protocols))
-    todo = [(L, t, i, p) for L in lengths for t in tasks for i in spread_order(samples) for p in protocols]
+    todo = shard_todo([(L, t, i, p) for L in lengths for t in tasks for i in spread_order(samples) for p in protocols],
+                      shard)
     left = sum(1 for L, t, i, p in todo for c, _ in configs if (c, L, t, p, i) not in log.done)
     bar = progress_bar(left, "longctx", enabled=progress, unit="answer")
     try:
@@ -214,4 +249,5 @@ def run_suite(model: Any, tok: Any, text: str, configs: Sequence[tuple[str, Cach
     return log.rows
 
 
-__all__ = ["KEY", "META", "ResultLog", "answer", "failed_answer", "record_prefill", "run_suite", "spread_order"]
+__all__ = ["KEY", "META", "ResultLog", "answer", "failed_answer", "merge_logs", "record_prefill", "run_suite",
+           "shard_todo", "spread_order"]

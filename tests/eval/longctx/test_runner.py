@@ -120,3 +120,30 @@ def test_a_cache_that_raises_is_a_failed_row_and_the_run_goes_on(model, tmp_path
     assert failures(rows) == {"k2": {"failed": 2, "answers": 2, "error": bad[0]["error"]}}
     monkeypatch.setattr(runner, "answer", lambda *a, **k: pytest.fail("a done row was answered again"))
     assert len(run_suite(model, ByteTokenizer(), TEXT, CONFIGS, log=ResultLog(path, META), **kw)) == 4
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7])
+def test_shards_partition_the_prompts(n):
+    todo = [(L, t, i, p) for L in (2048, 4096) for t in ("a", "b") for i in spread_order(5) for p in ("x", "y")]
+    parts = [runner.shard_todo(todo, (i, n)) for i in range(n)]
+    assert sorted(x for part in parts for x in part) == sorted(todo)
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    for bad in [(n, n), (-1, n), (0, 0)]:
+        with pytest.raises(ValueError, match="must be"):
+            runner.shard_todo(todo, bad)
+
+
+def test_two_shards_merge_to_the_unsharded_rows(model, tmp_path):
+    """Each shard computes its own prompts only; their files merged are the rows of one unsharded run (the same
+    answers); a row given twice is refused, naming both files."""
+    whole = {_key(r): r for r in run_suite(model, ByteTokenizer(), TEXT, CONFIGS, log=ResultLog(None, META), **KW)}
+    paths = [tmp_path / f"s{i}.jsonl" for i in range(2)]
+    for i, p in enumerate(paths):
+        run_suite(model, ByteTokenizer(), TEXT, CONFIGS, log=ResultLog(p, META), shard=(i, 2), **KW)
+    keys = [{_key(json.loads(x)) for x in p.read_text().splitlines()} for p in paths]
+    assert keys[0] and keys[1] and not keys[0] & keys[1]
+    merged = runner.merge_logs(paths, META)
+    assert {_key(r): (r["answer"], r["score"]) for r in merged} == {k: (r["answer"], r["score"])
+                                                                     for k, r in whole.items()}
+    with pytest.raises(ValueError, match="s0.jsonl and .*s0.jsonl both hold the row"):
+        runner.merge_logs([paths[0], paths[1], paths[0]], META)
