@@ -30,6 +30,7 @@ and the first layer's ``update`` takes that list for the whole forward. Synchron
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ from ..capabilities import kernel_reasons
 from ..optional import numba_problem
 from ..paged.counts import side_counts
 from ..paged.decode import PagedDecode
-from ..paged.step import Leaving, Pages, Pending, commit, exits, kept_rows, request_view
+from ..paged.step import Leaving, Pages, Pending, commit, exits, kept_rows, request_side
 from ..quant.kv import dequantize_kv
 from .allocator import KiviPageAllocator
 from .decode import DecodeStep, decode_counts, decode_step
@@ -314,31 +315,25 @@ class KiviPagedCache(PagedAttentionCache):
         pendings: dict[int, Pending] = {}
         attn_views: list[AttentionView | None] = []
         decoding = {j for j, _ in dec}
-        for j, ((rid, past, q), st, new, start) in enumerate(zip(batch, states, news, starts)):
+        for j, ((rid, past, _q), st, new, start) in enumerate(zip(batch, states, news, starts)):
             if j in decoding:
                 attn_views.append(None)
                 continue
             sink, stored = counts[j]
-            wlen = past - sink - stored
-            idx = st.window_index[layer, s]
-            sink_t = self._rows[idx[:sink, 0], idx[:sink, 1]].transpose(0, 1) if sink else None  # [H, S, D]
-            if wlen:  # the ring read in token order
-                w = idx[lay.window_slot(layer, torch.arange(sink + stored, past))]
-                rows = torch.cat([self._rows[w[:, 0], w[:, 1]].transpose(0, 1), new], dim=1)
-            else:
-                rows = new
-            pending = pendings[j] = Pending(cfg, side, rows, *moves[j])
+            evicted, store = min(st.evicted, stored), None  # sliding-window models: pages freed (no sink there)
             if self.packed_backend is not None:
-                evicted = min(st.evicted, stored)  # sliding-window models: pages freed (no sink there)
                 table = alloc.block_table[rid][evicted // P: lay.token_blocks(stored)]
                 store = page_store(views, table, sink, stored, P, **meta, evicted=evicted)
-                attn_views.append(request_view(cfg, side, pending, store, sink_t, q, past, start=evicted))
+            read = partial(self._read_rows, st.window_index[layer, s], layer)
+            pendings[j], sink_t, view = request_side(cfg, side, new, past, counts[j], read, store, start=evicted)
+            if view is not None:
+                attn_views.append(view)
                 continue
             if sink_t is not None:
                 parts.append(sink_t)
             if stored:
                 parts.append(deq[:, start: start + stored])
-            parts.append(rows)
+            parts.append(pendings[j].rows)
         if self.packed_backend is not None:
             seen = PagedBatchViews(tuple(attn_views), tuple(q for _, _, q in batch), self.packed_backend)
         else:
@@ -378,6 +373,13 @@ class KiviPagedCache(PagedAttentionCache):
                     [r.transpose(0, 1) for r in row_values + dec_values], dim=0).to(self._rows.dtype)  # [n, H, D]
 
         return seen, (out, Pages(views, per_row, table, P), write_rows), rows_in
+
+    def _read_rows(self, index: torch.Tensor, layer: int, lo: int, hi: int) -> torch.Tensor:
+        """Full-precision rows ``[H, hi - lo, D]`` of positions ``[lo, hi)`` of one request's side (a copy, in token
+        order): ``index`` its ``[slots, 2]`` (block, row) of :attr:`RequestState.window_index`, the ring's slots
+        :meth:`PageLayout.window_slot`."""
+        w = index[self.layout.window_slot(layer, torch.arange(lo, hi))]
+        return self._rows[w[:, 0], w[:, 1]].transpose(0, 1)
 
 
 __all__ = ["KiviPagedCache"]

@@ -8,7 +8,8 @@ these pieces:
    counts of :func:`kivi.paged.counts.side_counts`);
 2. the view attention reads (:func:`request_view`): sink rows exact, the pages as a
    :class:`~kivi.cache.store.BlockStore`, the window and the new tokens at full precision (:class:`Pending`), with
-   the per-query boundary of a chunk (:func:`set_request_boundary`);
+   the per-query boundary of a chunk (:func:`set_request_boundary`); :func:`request_side` builds it from the
+   host's one row reader;
 3. every request's leaving tokens (:class:`Leaving`), quantized once per side for the whole step
    (:func:`quantize_leaving`: the compiled value quantizer where it reproduces the torch reference);
 4. :func:`commit`: every side quantized before anything is written (a refused value, NaN / Inf, raises and leaves
@@ -102,6 +103,27 @@ def request_view(cfg, side: str, pending: Pending, store: BlockStore, sink_rows:
     return view
 
 
+def request_side(cfg, side: str, new: torch.Tensor, past: int, counts: tuple[int, int],
+                 read: Callable[[int, int], torch.Tensor], store: BlockStore | None = None, *,
+                 start: int = 0) -> tuple[Pending, torch.Tensor | None, AttentionView | None]:
+    """One request's side in a step that is not a kernel row, the same for every host: ``new [H, q, D]`` (the
+    step's new rows, in the dtype of the host's full-precision rows), ``past`` tokens before it, ``counts``
+    ``(sink, stored)`` before it (:func:`kivi.paged.counts.side_counts`), ``read(lo, hi)`` the host's
+    full-precision rows of positions ``[lo, hi)`` as ``[H, hi - lo, D]`` (its sink and window slots,
+    :mod:`kivi.paged.ring`; a copy: the step writes after). Returns its :class:`Pending` (the window then the
+    new rows, with :func:`exits`' take / move), its sink rows ``[H, sink, D]`` (``None``: no sink) and, given
+    ``store`` (its pages, :func:`kivi.cache.pages.page_store`), the view attention reads
+    (:func:`request_view`; ``start``: the first position still stored); ``None`` without."""
+    sink, stored = counts
+    split = sink + stored
+    sink_rows = read(0, sink) if sink else None
+    rows = new if past == split else torch.cat([read(split, past), new], dim=1)
+    pending = Pending(cfg, side, rows, *exits(cfg, side, past, new.shape[1], sink, stored))
+    view = None if store is None else request_view(cfg, side, pending, store, sink_rows, new.shape[1], past,
+                                                   start=start)
+    return pending, sink_rows, view
+
+
 class Leaving:
     """One side's tokens leaving the windows in a step, in token order: ``parts`` (rows ``[H, n, D]``, or a
     :class:`Pending`'s leaving rows) and ``spans`` ``(table row, first store position, count)`` (a part may hold
@@ -179,5 +201,5 @@ def kept_rows(past: int, q: int, sink_slots: int, kept: int) -> list[tuple[int, 
     return [(a, b) for a, b in ((past, below), (max(kept, below), end)) if b > a]
 
 
-__all__ = ["exits", "quantize_leaving", "Pending", "set_request_boundary", "request_view", "Leaving", "page_index",
-           "Pages", "commit", "kept_rows"]
+__all__ = ["exits", "quantize_leaving", "Pending", "set_request_boundary", "request_view", "request_side", "Leaving",
+           "page_index", "Pages", "commit", "kept_rows"]

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +61,7 @@ from ..cache.view import exact_queries
 from ..config import KiviConfig
 from ..paged.counts import side_counts
 from ..paged.ring import ring_slot, slot_place
-from ..paged.step import Leaving, Pages, Pending, commit, exits, request_view
+from ..paged.step import Leaving, Pages, commit, request_side
 from ..quant.page import SIDES
 from .decode import DecodeKernel, decode_kernel, leaving_rows, paged_decode
 from .geometry import KiviGeometry, block_field_views
@@ -86,9 +87,11 @@ class StepBatch:
     plan: StepPlan | None = None
 
 
-def _ring_read(rings: list[torch.Tensor], pos: torch.Tensor, ring_table_row: torch.Tensor, head_dim: int,
-               side: str, sink: int) -> torch.Tensor:
-    """Rows ``[H, len(pos), D]`` of one side at ``pos`` from the rings (a copy); ``sink``: the sink slots ``S``."""
+def _ring_read(rings: list[torch.Tensor], ring_table_row: torch.Tensor, head_dim: int, side: str, sink: int,
+               lo: int, hi: int) -> torch.Tensor:
+    """Rows ``[H, hi - lo, D]`` of one side at positions ``[lo, hi)`` from the rings (a copy, bit-exact as they
+    arrived); ``sink``: the sink slots ``S``."""
+    pos = torch.arange(lo, hi, device=ring_table_row.device)
     pw = rings[0].shape[2]
     ring, row = slot_place(ring_slot(pos, ring_table_row.shape[-1] * pw - sink, sink), pw)
     block = ring_table_row[ring].long()
@@ -186,23 +189,14 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
         page_ids, ring_ids = batch.page_table[i], batch.ring_table[i]
         side_views = []
         for side, new in (("k", key[lo:hi]), ("v", value[lo:hi])):  # 1-2. the view kivi's cache would build
-            sink, stored, window = side_counts(cfg, side, past)
-            take, move = exits(cfg, side, past, q_len, sink, stored)
-            split = sink + stored
-            if window:
-                old = _ring_read(rings, torch.arange(split, past, device=key.device), ring_ids, geo.head_dim, side, S)
-                fp = torch.cat([old, new.transpose(0, 1).to(old.dtype)], dim=1)  # [H, seq - split, D]
-            else:
-                fp = new.transpose(0, 1).to(rings[0].dtype).contiguous()
-            sink_rows = None
-            if sink:  # [H, sink, D], bit-exact as they arrived
-                sink_rows = _ring_read(rings, torch.arange(sink, device=key.device), ring_ids, geo.head_dim, side, S)
-            table = page_ids[: -(-stored // P)].tolist()
-            store = page_store(views[side], table, sink, stored, P, **meta[side])
-            pending = Pending(cfg, side, fp, take, move)
-            side_views.append(request_view(cfg, side, pending, store, sink_rows, q_len, past))
-            if move:  # 3. what leaves the window for the pages in this step
-                leaving[side].add(pending, [(i, stored, move)])
+            sink, stored, _ = side_counts(cfg, side, past)
+            store = page_store(views[side], page_ids[: -(-stored // P)].tolist(), sink, stored, P, **meta[side])
+            read = partial(_ring_read, rings, ring_ids, geo.head_dim, side, S)
+            pending, _, view = request_side(cfg, side, new.transpose(0, 1).to(rings[0].dtype).contiguous(), past,
+                                            (sink, stored), read, store)
+            side_views.append(view)
+            if pending.move:  # 3. what leaves the window for the pages in this step
+                leaving[side].add(pending, [(i, stored, pending.move)])
         jobs.append((lo, hi, past, side_views))
     if kernel is not None:  # the kernel rows' leaving tokens: one indexed read per side, before any write
         for side, new in (("k", key), ("v", value)):
