@@ -46,14 +46,6 @@ BLOCK_ALIGN = 128  # bytes: transformers aligns its sectors on 128 bytes
 
 
 @dataclass(frozen=True)
-class PageField(SideField):
-    """One tensor of one side of one layer's page (:class:`kivi.quant.page.SideField`, the one page format)
-    with the layer it belongs to; ``offset`` is the byte offset inside a block."""
-
-    layer: int
-
-
-@dataclass(frozen=True)
 class PageLayout:
     """Geometry of a KIVI paged cache for one model, config, dtype and ``page_size``.
 
@@ -62,7 +54,8 @@ class PageLayout:
         num_layers, num_kv_heads (``H``), head_dim (``D``), dtype: the model's.
         layer_configs: the KIVI config of each layer (``layer_specific_config`` applied; no sink on sliding layers).
         sliding_windows: each layer's sliding window (``None``: full attention).
-        fields: every page field of every layer, with its byte offset inside a block.
+        fields: per layer, its page fields (:class:`kivi.quant.page.SideField`, the one page format) with their
+            byte offsets inside a block.
         page_bytes: bytes the fields take in one block (all layers).
         bytes_per_page: what transformers' allocator calls a page (``block_bytes // num_layers``).
         block_bytes: bytes of one block (``page_bytes`` rounded up; a multiple of 128 bytes).
@@ -80,7 +73,7 @@ class PageLayout:
     dtype: torch.dtype
     layer_configs: tuple[KiviConfig, ...]
     sliding_windows: tuple[int | None, ...]
-    fields: tuple[PageField, ...]
+    fields: tuple[tuple[SideField, ...], ...]
     page_bytes: int
     bytes_per_page: int
     block_bytes: int
@@ -109,8 +102,8 @@ class PageLayout:
     def row_bytes(self) -> int:
         return self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
-    def layer_fields(self, layer: int, side: str) -> dict[str, PageField]:
-        return {f.name: f for f in self.fields if f.layer == layer and f.side == side}
+    def layer_fields(self, layer: int, side: str) -> dict[str, SideField]:
+        return {f.name: f for f in self.fields[layer] if f.side == side}
 
     def token_blocks(self, tokens: int) -> int:
         """Blocks that hold the pages of ``tokens`` tokens of one request."""
@@ -162,8 +155,7 @@ class PageLayout:
         """Where layer ``layer``'s fields sit in a block, for the paged decode kernel
         (:meth:`kivi.attention.fused_cpu.paged.PagedLayout.of_page`; whether it reads them:
         :mod:`kivi.capabilities`)."""
-        fields = [f for f in self.fields if f.layer == layer]
-        return PagedLayout.of_page(fields, self.layer_configs[layer], block_bytes=self.block_bytes)
+        return PagedLayout.of_page(list(self.fields[layer]), self.layer_configs[layer], block_bytes=self.block_bytes)
 
     def requests_that_fit(self, cache_memory: int, tokens: int) -> int:
         """Requests of ``tokens`` tokens each that ``cache_memory`` bytes of blocks hold at once."""
@@ -193,15 +185,14 @@ def build_layout(model_config: Any, config: KiviConfig, page_size: int, dtype: t
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = model_head_dim(model_config)
     check_head_dim(config, head_dim, len(plan))
-    fields: list[PageField] = []
+    fields: list[tuple[SideField, ...]] = []
     offset = 0
     window_rows = 0
     for layer, (cfg, _) in enumerate(plan):
         where = f"layer_specific_config[{layer}]." if layer in config.layer_specific_config else ""
         window_rows = max(window_rows, cfg.sink_tokens + window_ring_slots(cfg.residual_length, cfg.group_size))
         side_fields, offset = page_fields(cfg, heads, head_dim, page_size, dtype, offset=offset, where=where)
-        fields.extend(PageField(f.side, f.name, f.shape, f.dtype, f.offset, f.tokens_per_row, layer=layer)
-                      for f in side_fields)
+        fields.append(tuple(side_fields))
     page_bytes = offset
     num_layers = len(plan)
     bytes_per_page = _round_up(-(-page_bytes // num_layers), BLOCK_ALIGN)
@@ -223,9 +214,10 @@ def field_views(cache_tensor: torch.Tensor, layout: PageLayout) -> dict[tuple[in
     Element ``[b]`` of a view is that field of block ``b``; the views alias the cache (no copy).
     """
     out: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for f in layout.fields:
-        out.setdefault((f.layer, f.side), {})[f.name] = field_view(cache_tensor, f.shape, f.dtype, f.offset,
-                                                                   layout.block_bytes)
+    for layer, layer_fields in enumerate(layout.fields):
+        for f in layer_fields:
+            out.setdefault((layer, f.side), {})[f.name] = field_view(cache_tensor, f.shape, f.dtype, f.offset,
+                                                                     layout.block_bytes)
     return out
 
 
@@ -239,5 +231,5 @@ def window_view(cache_tensor: torch.Tensor, layout: PageLayout) -> torch.Tensor:
     )
 
 
-__all__ = ["PageField", "PageLayout", "build_layout", "fp_block_bytes", "field_views", "window_view",
+__all__ = ["PageLayout", "build_layout", "fp_block_bytes", "field_views", "window_view",
            "SIDES", "AXIS"]

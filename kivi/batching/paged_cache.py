@@ -103,7 +103,7 @@ class KiviPagedCache(PagedAttentionCache):
         #: per layer, the paged decode kernel's view of its fields (``None``: that layer's decoding requests are
         #: read one by one — materialized or reference mode, numba absent, a sliding window, compensation codes)
         backend, numba = getattr(packed_backend, "name", packed_backend) or "reference", numba_problem() or ""
-        scales = {f.layer: f.dtype for f in layout.fields if f.name == "scale"}
+        scales = [layout.layer_fields(i, "k")["scale"].dtype for i in range(layout.num_layers)]
         self._kernel_layouts = [
             None if kernel_reasons(cfg, "batching", backend, numba=numba, sliding=w is not None, param_dtype=scales[i])
             else layout.kernel_layout(i)
