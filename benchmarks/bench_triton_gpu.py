@@ -54,11 +54,11 @@ from kivi.kernels import (  # noqa: E402
     torch_decode_attention_packed,
 )
 from kivi.kernels.triton_paged import triton_paged_decode  # noqa: E402
+from kivi.paged.decode_call import decode_kernel  # noqa: E402
+from kivi.paged.forward import StepBatch, paged_step  # noqa: E402
+from kivi.paged.geometry import build_geometry  # noqa: E402
 from kivi.quant.kv import quantize_kv  # noqa: E402
 from kivi.quant.side_format import SideFormat  # noqa: E402
-from kivi.vllm.decode import decode_kernel  # noqa: E402
-from kivi.vllm.geometry import build_geometry  # noqa: E402
-from kivi.vllm.paged import StepBatch, paged_step  # noqa: E402
 
 
 def _sync(device) -> None:
@@ -408,7 +408,7 @@ def main_kernels(argv=None) -> int:
 
     Then kivi's vLLM plugin's layer step on the device (``--plugin``, default on; :func:`plugin_check`,
     :func:`plugin_timing`):
-    :func:`kivi.vllm.paged.paged_step` with the ``"triton"`` page reader, the opt-in GPU path, over one layer's cache
+    :func:`kivi.paged.forward.paged_step` with the ``"triton"`` page reader, the opt-in GPU path, over one layer's cache
     laid out as vLLM allocates it. Checks: a schedule of prefills, a chunk and decode steps wrapping the window rings,
     against the same steps on the CPU through ``"reference"`` (the GPU path's first run on CUDA tensors: a tensor
     left on the wrong device fails here). Timings: 8 / 32 requests of 4K tokens, a decode step's median ms and its
@@ -553,7 +553,7 @@ def main_kernels(argv=None) -> int:
 # ---------------------------------------------------------------------- the vLLM plugin's layer step (kernels, check)
 # The vLLM plugin's layer step on a device, for the ``kernels`` and ``check`` modes.
 #
-# :func:`kivi.vllm.paged.paged_step` with the ``"triton"`` page reader (the plugin's opt-in GPU path: SDPA prefill,
+# :func:`kivi.paged.forward.paged_step` with the ``"triton"`` page reader (the plugin's opt-in GPU path: SDPA prefill,
 # chunks through kivi's Triton attention, decode rows through the batched paged Triton kernel, torch writes) over one
 # layer's cache laid out as vLLM allocates it (:class:`LayerCache`). No vLLM is needed: ``paged_step`` is what the
 # plugin's attention impl calls with vLLM's block tables.

@@ -10,7 +10,7 @@ can have (a config setting, a stored format, the model's attention, the machine)
 * ``refused`` — the config is refused when the cache is made (``ValueError`` naming the setting);
 * ``torch`` — accepted; the backend's decode kernel declines it, its torch path reads it (the blocked path for
   ``"generate"``, request by request for pages);
-* ``writes`` — accepted and decoded by the kernel; the compiled page writes (:mod:`kivi.vllm.write`) decline it,
+* ``writes`` — accepted and decoded by the kernel; the compiled page writes (:mod:`kivi.paged.write`) decline it,
   the torch writes store it.
 
 :func:`reasons` lists the features of a config (and of the facts a caller knows: the model, numba, the device,

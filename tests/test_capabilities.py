@@ -19,7 +19,7 @@ import torch
 
 import kivi.attention.fused_cpu.dispatch as dispatch
 import kivi.backends as backends
-import kivi.vllm.decode as vdecode
+import kivi.paged.decode_call as vdecode
 from kivi import KiviConfig, KiviLayer
 from kivi.capabilities import BACKENDS, HOSTS, KERNEL_BITS, OK, REFUSED, TABLE, TORCH, WRITES, host_reasons, reasons
 from kivi.quant.primitives import SUPPORTED_BITS
@@ -108,9 +108,9 @@ def _batching(cfg, backend, facts, mp):
 
 
 def _vllm(cfg, backend, facts, mp):
+    from kivi.paged.geometry import build_geometry
     from kivi.vllm.config import kivi_config
-    from kivi.vllm.geometry import build_geometry
-    from tests.vllm.test_paged_decode import Cache
+    from tests.paged.test_decode_call import Cache
 
     try:
         got = kivi_config({"kivi": {**cfg.to_dict(), "attention_backend": backend}})

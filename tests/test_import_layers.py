@@ -57,6 +57,10 @@ LAYERS: dict[str, int] = {
     "kivi.attention": 5,
     # one paged decode kernel call (pages, block table, ring slot tables, counts, backend) for both paged hosts
     "kivi.paged.decode": 5,
+    # the framework-free paged step every paged host calls: the page and window-ring geometry, the step's plan, its
+    # decode rows through the batched kernel, the compiled writes, the layer's step itself (kivi.paged.forward)
+    "kivi.paged.geometry": 5, "kivi.paged.plan": 5, "kivi.paged.decode_call": 5, "kivi.paged.inputs_kernel": 5,
+    "kivi.paged.write": 5, "kivi.paged.write_kernel": 5, "kivi.paged.forward": 5,
     "kivi.kernels": 5,
     "kivi.kernels.segments": 5,
     # 6 integration with a model

@@ -55,7 +55,7 @@ def set_boundary(view: AttentionView, counts: SideCounts, pending: torch.Tensor,
                  quantize: Callable[[int, int], PackedKV], tiers: TierLayout | None = None) -> None:
     """Set ``view.region``, the per-query precision of a forward of ``n`` tokens (left ``None`` when every
     query reads the view as it is). The one function every producer of views calls (the layer's sides,
-    kivi/batching/paged_cache.py, kivi/vllm/paged.py).
+    kivi/batching/paged_cache.py, kivi/paged/forward.py).
 
     ``pending [B, H, window + n, D]``: the side's window then the new tokens; ``exact``: the forward's
     first queries that read every token at full precision (:func:`~kivi.cache.schedule.prefill_exact_queries`);

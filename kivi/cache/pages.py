@@ -1,7 +1,7 @@
 """Reading and writing quantized tokens in KIVI pages (pure functions over the page views), for every paged
 cache (transformers' continuous batching in kivi.batching, the vLLM plugin in kivi.vllm).
 
-A side's page views (``kivi.batching.layout.field_views``, ``kivi.vllm.geometry.block_field_views``) are
+A side's page views (``kivi.batching.layout.field_views``, ``kivi.paged.geometry.block_field_views``) are
 ``{field: [NB, H, rows, C]}``.
 :func:`gather_pages` reads whole pages of many requests at once into one :class:`PackedKV`
 (``[1, H, n_pages * P, ...]``, pages concatenated along tokens: key groups stay aligned because a page

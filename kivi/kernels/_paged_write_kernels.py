@@ -1,6 +1,6 @@
 """Triton kernels of a decode step's writes over KIVI pages in a block pool (imported lazily: imports triton).
 
-The GPU form of :func:`kivi.vllm.write_kernel.decode_write` (same tables, same order), in four launches:
+The GPU form of :func:`kivi.paged.write_kernel.decode_write` (same tables, same order), in four launches:
 
 * :func:`gather_rows_kernel` (grid ``(M, H)``): each leaving row, from the window rings (row ``slot % Pw`` of pool
   block ``rbase[r] + ring_table[req, r] * rstep[r]``, ``r = slot // Pw``) or the step's input, to a float32 scratch;

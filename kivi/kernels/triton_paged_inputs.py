@@ -1,8 +1,8 @@
 """A step's decode rows' inputs of the batched paged decode kernel in one Triton launch: the GPU form of
-:func:`kivi.vllm.inputs_kernel.kernel_inputs` (numba, the CPU form).
+:func:`kivi.paged.inputs_kernel.kernel_inputs` (numba, the CPU form).
 
 :func:`triton_paged_inputs` makes, on the device and in one launch (:mod:`._paged_inputs_kernels`), what the vLLM
-plugin's torch form (:func:`kivi.vllm.decode.paged_decode` with ``compiled=False``: ring slot ids per side, the
+plugin's torch form (:func:`kivi.paged.decode_call.paged_decode` with ``compiled=False``: ring slot ids per side, the
 block-table rows, the query and new rows gathered; about twenty small operations a layer) makes: the same
 tensors, value for value (``tests/kernels/test_triton_paged_inputs.py``).
 """
@@ -26,7 +26,7 @@ def triton_paged_inputs(ring_table: torch.Tensor, index: torch.Tensor, tokens: t
 
     * ``kids`` / ``vids`` int32 ``[N, C]``: the rows pool ids of ring slots ``kslots`` / ``vslots`` (long
       ``[N, C]``) through ``ring_table [B, k]`` and the pool's ``base`` / ``step`` (long ``[k]``), ``pw`` rows a
-      block (:meth:`kivi.vllm.geometry.RingPool.slot_ids`);
+      block (:meth:`kivi.paged.geometry.RingPool.slot_ids`);
     * ``pages`` int32 ``[N, W]``: ``page_table[index]`` (``page_table [B, W]``);
     * ``q`` / ``k`` / ``v``: ``query [n, Hq, D]`` / ``key`` / ``value [n, H, D]`` at ``tokens``, contiguous, in
       their dtype.

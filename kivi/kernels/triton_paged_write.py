@@ -1,6 +1,6 @@
 """A decode step's writes of one layer over KIVI pages in Triton: the GPU form of the compiled writes.
 
-:func:`triton_paged_write` takes the arguments of :func:`kivi.vllm.write_kernel.decode_write` (numba, the CPU
+:func:`triton_paged_write` takes the arguments of :func:`kivi.paged.write_kernel.decode_write` (numba, the CPU
 form) as tensors on one device: the layer's block pool and :class:`~kivi.attention.fused_cpu.paged.PagedLayout`,
 its window rings as one rows pool per side (``krows`` / ``vrows`` ``[blocks, Pw, H, D]``, pool block
 ``rbase[r] + ring_table[i, r] * rstep[r]``), the block table, the step's input rows, and the step's tables:
@@ -12,7 +12,7 @@ launch sets and the others read); the caller reads the flag back at once (``Valu
 or, with ``check=False``, when it chooses (the vLLM plugin: once per step, not once per layer).
 
 Asymmetric codes of 1 / 2 / 4 / 8 bits without compensation or clipping (:func:`writable`); the reference is the
-torch writes of :func:`kivi.vllm.paged.paged_step` (``tests/vllm/test_write_triton.py`` compares the bytes).
+torch writes of :func:`kivi.paged.forward.paged_step` (``tests/paged/test_write_triton.py`` compares the bytes).
 """
 
 from __future__ import annotations

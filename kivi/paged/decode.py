@@ -3,8 +3,8 @@
 
 Two hosts read KIVI pages with one kernel call per layer for all their decoding requests: kivi's continuous
 batching (:mod:`kivi.batching`: block tables and window-block row ids of :func:`kivi.batching.decode.decode_step`,
-counts of :func:`kivi.batching.decode.decode_counts`) and the vLLM plugin (:func:`kivi.vllm.decode.decode_call`:
-vLLM's block tables, the step plan's :class:`kivi.vllm.plan.KernelRows`). Each builds one :class:`PagedDecode`
+counts of :func:`kivi.batching.decode.decode_counts`) and the vLLM plugin (:func:`kivi.paged.decode_call.decode_call`:
+vLLM's block tables, the step plan's :class:`kivi.paged.plan.KernelRows`). Each builds one :class:`PagedDecode`
 from its own metadata, the same fields whichever kernel runs:
 
 * the pages: ``pool`` (flat uint8 block pool) and its :class:`~kivi.attention.fused_cpu.paged.PagedLayout`;

@@ -10,7 +10,7 @@ value token leaves the full-precision window of every layer: the torch path spen
   straight into the cache's block storage (:meth:`kivi.cache.store.BlockStore.append_in_place`);
 * :func:`quantize_tokens` (:func:`tokens_quantizable`: float32 / bfloat16 / float16 values, float32 or
   bfloat16 parameters) returns what :func:`kivi.quant.kv.quantize_side` returns (the vLLM pages' write step,
-  :mod:`kivi.vllm.paged`). bfloat16 parameters are rounded to the nearest bfloat16 (ties to even, as torch
+  :mod:`kivi.paged.forward`). bfloat16 parameters are rounded to the nearest bfloat16 (ties to even, as torch
   converts) before the codes are computed against them, as the reference does.
 
 Numerics, kept identical to the torch reference (``fastmath`` off, float32 throughout; ``stored(x)``: ``x``, or

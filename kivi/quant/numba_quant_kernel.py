@@ -1,6 +1,6 @@
 """The numba side of :mod:`kivi.quant.numba_quant`: one group's asymmetric min/max parameters and codes, the rule
 every compiled quantizer of kivi calls (values per token here, keys per channel in the vLLM decode step's
-writes, :mod:`kivi.vllm.write_kernel`).
+writes, :mod:`kivi.paged.write_kernel`).
 
 Importing this module imports numba; :mod:`kivi.quant.numba_quant` imports it on first use. Nothing here uses
 ``fastmath``: every operation is the float32 operation the torch reference (:func:`kivi.quant.primitives.

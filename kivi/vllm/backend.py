@@ -5,17 +5,17 @@
   ``TRITON_ATTN`` (:mod:`kivi.vllm.select`; never run on a GPU: docs/vllm.md "On a GPU"). The impl resolves its
   page reader for vLLM's platform (``"cpu"``: numba, prefill by vLLM's CPU kernel; ``"triton"``: kivi's Triton
   kernels, prefill by vLLM's Triton kernel). ``customize_spec`` gives vLLM the packed
-  page's bytes (:func:`kivi.vllm.geometry.build_geometry`), so vLLM's allocator counts KIVI pages, as a
+  page's bytes (:func:`kivi.paged.geometry.build_geometry`), so vLLM's allocator counts KIVI pages, as a
   :class:`kivi.vllm.spec.KiviPageSpec` (a prefix hit would read a window the shared blocks do not hold).
 * Each :class:`KiviAttentionImpl` makes ``k`` :class:`KiviWindowLayer` next to its layer
-  (:attr:`kivi.vllm.geometry.KiviGeometry.window_rings`), registered in vLLM's static forward context as
+  (:attr:`kivi.paged.geometry.KiviGeometry.window_rings`), registered in vLLM's static forward context as
   ``kivi_window.<n>``: each a circular-buffer layer (``CircularBufferSpec``: one block of ``Pw`` tokens per
   request for its whole life, no prefix caching); together they hold ``k * Pw >= S + R + G - 1`` slots:
   the ``S`` sink rows, then a ring for the tokens still in KIVI's full-precision window. vLLM gives each its
   own KV cache group and block table; the layer is never called, its impl reads and writes its cache.
   (vLLM's DeepSeek compressor state caches are built the same way: an ``AttentionLayerBase`` module
   registered by name whose cache another layer uses.)
-* :class:`KiviMetadataBuilder` (both groups) keeps what :func:`kivi.vllm.paged.paged_step` needs.
+* :class:`KiviMetadataBuilder` (both groups) keeps what :func:`kivi.paged.forward.paged_step` needs.
 
 Imports vLLM: loaded only by vLLM, through :mod:`kivi.vllm.select`.
 """
@@ -44,13 +44,13 @@ from vllm.v1.kv_cache_interface import AttentionSpec, CircularBufferSpec, KVCach
 
 from ..backends import resolve_attention_backend
 from ..config import KiviConfig
+from ..paged.decode_call import decode_kernel
+from ..paged.forward import StepBatch, paged_step, sdpa_prefill
+from ..paged.geometry import KiviGeometry, build_geometry
+from ..paged.plan import StepPlan, step_plan
+from ..paged.write import FiniteChecks
 from .config import kivi_config
-from .decode import decode_kernel
-from .geometry import KiviGeometry, build_geometry
-from .paged import StepBatch, paged_step, sdpa_prefill
-from .plan import StepPlan, step_plan
 from .spec import KiviPageSpec, page_spec
-from .write import FiniteChecks
 
 WINDOW_PREFIX = "kivi_window."
 SELECT = "kivi.vllm.select"  # where vLLM's registry entries point once the plugin is loaded
@@ -69,7 +69,7 @@ def _config(vllm_config=None):
 
 @dataclass
 class KiviMetadata:
-    """One KV cache group's step; ``plan``: the step's schedule (:func:`kivi.vllm.plan.step_plan`), made once
+    """One KV cache group's step; ``plan``: the step's schedule (:func:`kivi.paged.plan.step_plan`), made once
     per step for the page group, shared by all its layers (``None`` for a window group); ``checks``: the step's
     finiteness flags of the Triton writes (``None`` for a window group)."""
 
@@ -249,7 +249,7 @@ class KiviWindowLayer(torch.nn.Module, AttentionLayerBase):
 
 
 def _exact_prefill(backend: str, head_dim: int, dtype: torch.dtype):
-    """The step's exact prefill (:data:`kivi.vllm.paged.ExactPrefill`) for a resolved backend: vLLM's CPU
+    """The step's exact prefill (:data:`kivi.paged.forward.ExactPrefill`) for a resolved backend: vLLM's CPU
     attention kernel with ``"cpu"`` (what vLLM itself runs; a head size or dtype it does not take is refused
     as vLLM's own CPU backend refuses it), vLLM's Triton attention kernel with ``"triton"`` (the GPU path:
     what vLLM's ``TRITON_ATTN`` runs), torch SDPA request by request with ``"reference"``."""
@@ -341,7 +341,7 @@ class KiviAttentionImpl(AttentionImpl[KiviMetadata]):
         return output
 
     def _decode_kernel(self, kv_cache: torch.Tensor, rings: list[torch.Tensor]):
-        """The layer's :func:`kivi.vllm.decode.decode_kernel`, made once for the caches vLLM allocated (again if
+        """The layer's :func:`kivi.paged.decode_call.decode_kernel`, made once for the caches vLLM allocated (again if
         vLLM hands other tensors: the key is each one's storage, offset, shape and strides)."""
         key = tuple((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
                     for t in (kv_cache, *rings))

@@ -1,13 +1,13 @@
 """A step's exact prefills in one call of vLLM's CPU attention kernel (imports vLLM: loaded by the plugin).
 
-A request's first chunk attends to itself in full precision (:mod:`kivi.vllm.paged`, step 4). vLLM's CPU
+A request's first chunk attends to itself in full precision (:mod:`kivi.paged.forward`, step 4). vLLM's CPU
 kernel (``cpu_attention_with_kv_cache``) serves every such request of a step in one call, where torch SDPA
 runs request by request, and it is faster per request: one layer of a 1536-token prompt (9 query heads, 3
 key / value heads, head size 64, 1 thread) 16 ms against SDPA's 41 ms, in bf16 and in float32. The kernel
 reads keys and values from paged storage, so the step's rows are first written to a scratch paged cache
 of its own (not vLLM's: the plugin's pages hold packed KIVI data) with vLLM's own cache write.
 
-Results agree with :func:`kivi.vllm.paged.sdpa_prefill` to rounding (its accumulation order is its own),
+Results agree with :func:`kivi.paged.forward.sdpa_prefill` to rounding (its accumulation order is its own),
 ``tests/vllm/test_prefill.py``.
 """
 
@@ -37,7 +37,7 @@ def _isa(dtype: torch.dtype, head_dim: int) -> str:
 
 def vllm_cpu_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: list[tuple[int, int]],
                      scale: float, out: torch.Tensor) -> None:
-    """:data:`kivi.vllm.paged.ExactPrefill` through vLLM's CPU attention kernel: every span's rows, causal."""
+    """:data:`kivi.paged.forward.ExactPrefill` through vLLM's CPU attention kernel: every span's rows, causal."""
     n_q, d = query.shape[1], query.shape[2]
     h, dtype = key.shape[1], query.dtype
     s = scratch_pages(spans, SCRATCH_BLOCK, query.device)

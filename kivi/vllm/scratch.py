@@ -2,7 +2,7 @@
 
 vLLM's attention kernels (the CPU one, :mod:`kivi.vllm.prefill`; the Triton one on a GPU,
 :mod:`kivi.vllm.triton_prefill`) read keys and values through a block table from paged storage. The plugin's
-own pages hold packed KIVI data, so a step's first chunks (every span's rows, :data:`kivi.vllm.paged.ExactPrefill`)
+own pages hold packed KIVI data, so a step's first chunks (every span's rows, :data:`kivi.paged.forward.ExactPrefill`)
 are written to a scratch paged cache of their own, each request from a fresh block. :func:`scratch_pages` is
 that layout, once for both kernels: the rows of the step's input, their scratch slots, the block table and
 the query offsets. Tensors are made on the device from host lists of a few numbers per request: nothing is

@@ -2,7 +2,7 @@
 
 A prefix hit hands a request the cached blocks of a prompt prefix and starts its step after them. Under KIVI
 the last ``R + G - 1`` tokens before any point are full precision and live in the request's own window
-rings (:mod:`kivi.vllm.geometry`), not in the shared page blocks: a hit would read a fresh ring for them
+rings (:mod:`kivi.paged.geometry`), not in the shared page blocks: a hit would read a fresh ring for them
 (stale rows, or zeros) and decode from a context kivi never holds. The page blocks of a finished prefix also
 hold its window tokens only once they left the window, i.e. only if the first request ran ``R + G`` tokens
 past them. So kivi's page group opts out of hits: :class:`KiviPageManager` finds no hit, and vLLM's
@@ -27,7 +27,7 @@ from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KiviPageSpec(FullAttentionSpec):
     """vLLM's full-attention spec of a layer whose blocks are KIVI pages (``state_content_bytes``: the page's
-    bytes per head and token, :func:`kivi.vllm.geometry.build_geometry`)."""
+    bytes per head and token, :func:`kivi.paged.geometry.build_geometry`)."""
 
 
 class KiviPageManager(FullAttentionManager):

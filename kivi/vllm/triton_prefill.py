@@ -3,12 +3,12 @@ Triton kernels: loaded by the plugin only with ``"attention_backend": "triton"``
 
 On a GPU vLLM's ``TRITON_ATTN`` backend, the one the plugin's GPU path sits beside (:mod:`kivi.vllm.select`),
 attends with ``unified_attention``: varying-length queries reading keys and values through a block table. Every
-request's first chunk of a step (:data:`kivi.vllm.paged.ExactPrefill`) goes through it in one launch per layer,
-where :func:`kivi.vllm.paged.sdpa_prefill` (the reference) launches torch SDPA once per request and layer. As on
+request's first chunk of a step (:data:`kivi.paged.forward.ExactPrefill`) goes through it in one launch per layer,
+where :func:`kivi.paged.forward.sdpa_prefill` (the reference) launches torch SDPA once per request and layer. As on
 the CPU (:mod:`kivi.vllm.prefill`) the step's rows are first written to a scratch paged cache of their own
 (:mod:`kivi.vllm.scratch`; the plugin's pages hold packed KIVI data): one indexed write per side.
 
-Results agree with :func:`kivi.vllm.paged.sdpa_prefill` to rounding, ``tests/vllm/test_triton_prefill.py``
+Results agree with :func:`kivi.paged.forward.sdpa_prefill` to rounding, ``tests/vllm/test_triton_prefill.py``
 (run on the CPU through Triton's interpreter; never on a GPU yet).
 """
 
@@ -27,7 +27,7 @@ SPARE_COLUMNS = 128 // SCRATCH_BLOCK
 
 def vllm_triton_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: list[tuple[int, int]],
                         scale: float, out: torch.Tensor) -> None:
-    """:data:`kivi.vllm.paged.ExactPrefill` through vLLM's Triton attention kernel: every span's rows, causal."""
+    """:data:`kivi.paged.forward.ExactPrefill` through vLLM's Triton attention kernel: every span's rows, causal."""
     d, h, dtype = query.shape[2], key.shape[1], query.dtype
     s = scratch_pages(spans, SCRATCH_BLOCK, query.device, spare=SPARE_COLUMNS)
     q = s.take(query).contiguous()

@@ -1,5 +1,5 @@
 """kivi.kernels.triton_paged_inputs: a step's decode rows' inputs in one Triton launch equal the torch forms
-(:meth:`kivi.vllm.geometry.RingPool.slot_ids`, the block-table rows, the gathered rows), value for value, under
+(:meth:`kivi.paged.geometry.RingPool.slot_ids`, the block-table rows, the gathered rows), value for value, under
 ``TRITON_INTERPRET=1`` on CPU tensors: random tables, odd widths, strided rows, three dtypes, no rows."""
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ import torch
 from kivi.batching.layout import build_layout
 from kivi.config import KiviConfig
 from kivi.optional import numba_available
+from kivi.paged.geometry import RingPool
 from kivi.paged.ring import ring_slot, slot_place, slot_rows
-from kivi.vllm.geometry import RingPool
 
 CASES = [(ring, sink) for ring in (1, 2, 5, 16, 40) for sink in (0, 1, 3, 8)]
 
@@ -103,11 +103,11 @@ def test_vllm_rings_follow_the_rule():
 
 @pytest.mark.skipif(not numba_available(), reason="the compiled inputs kernel needs numba")
 def test_compiled_row_ids_follow_the_rule():
-    """kivi.vllm.inputs_kernel (numba) restates :func:`slot_rows`: its row ids equal the rule's on random ring
+    """kivi.paged.inputs_kernel (numba) restates :func:`slot_rows`: its row ids equal the rule's on random ring
     tables, bases, steps and slots."""
     import numpy as np
 
-    from kivi.vllm.inputs_kernel import kernel_inputs
+    from kivi.paged.inputs_kernel import kernel_inputs
 
     rng = np.random.default_rng(5)
     for pw, k, n, c in ((4, 3, 5, 11), (16, 1, 2, 16), (3, 5, 7, 15)):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kivi.config import KiviConfig
+from kivi.paged.geometry import build_geometry
 from kivi.vllm.config import kivi_config
-from kivi.vllm.geometry import build_geometry
 from kivi.vllm.version import TESTED_VLLM, vllm_version_problem
 
 

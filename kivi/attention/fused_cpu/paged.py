@@ -33,9 +33,9 @@ The full-precision rows come in one of two forms, the same for both sides:
 
   kivi's window blocks: ``rows`` is :func:`kivi.batching.layout.window_view` of the cache pool, ``w0`` the
   layer's sink slots. kivi's vLLM plugin: ``rows`` is its ``k`` window rings ``[NBw, H, Pw, 2D]`` seen as one
-  pool over vLLM's shared allocation (:func:`kivi.vllm.geometry.ring_pool`, keys in channels ``[0, D)``,
+  pool over vLLM's shared allocation (:func:`kivi.paged.geometry.ring_pool`, keys in channels ``[0, D)``,
   values in ``[D, 2D)``), ``w0`` the sink slots, the slot table per request the row ids of its slots
-  (:meth:`kivi.vllm.geometry.RingPool.slot_ids`), the step's keys / values as ``new``, the rings written after
+  (:meth:`kivi.paged.geometry.RingPool.slot_ids`), the step's keys / values as ``new``, the rings written after
   the call.
 
 :func:`paged_decode_attention` checks the inputs and runs the numba kernel (:mod:`.kernel`,

@@ -1,9 +1,9 @@
-"""The numba side of :func:`kivi.vllm.decode.paged_decode`: one layer's inputs of the batched paged decode kernel
+"""The numba side of :func:`kivi.paged.decode_call.paged_decode`: one layer's inputs of the batched paged decode kernel
 in one compiled call (numba; imported on first use).
 
-The torch form (:meth:`kivi.vllm.geometry.RingPool.slot_ids` per side, the block-table rows, the query and new
+The torch form (:meth:`kivi.paged.geometry.RingPool.slot_ids` per side, the block-table rows, the query and new
 rows gathered and converted: ~20 small tensor operations, ~100 us a layer on the 2-core development machine)
-stays the reference (``compiled=False``); both give the same tensors (``tests/vllm/test_decode_inputs.py``).
+stays the reference (``compiled=False``); both give the same tensors (``tests/paged/test_decode_inputs.py``).
 numba's cache of this file holds :func:`kivi.quant.numba_quant_kernel.as_f32` compiled in: touch this file after
 an edit of that one.
 """

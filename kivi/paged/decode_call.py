@@ -2,19 +2,19 @@
 
 :func:`decode_kernel` is the one rule for whether a layer's decode rows go through the batched paged decode kernel
 (:func:`kivi.paged.decode.run_paged_decode`) or request by request through
-:func:`kivi.attention.interface.run_backend` (:func:`kivi.vllm.paged.paged_step`'s other path): the kernel
+:func:`kivi.attention.interface.run_backend` (:func:`kivi.paged.forward.paged_step`'s other path): the kernel
 runs for the ``"cpu"`` backend with numba importable (the numba kernel, on CPU pages) and for the ``"triton"``
 backend (its GPU form, :func:`kivi.kernels.triton_paged.triton_paged_decode`, on the same inputs: CUDA pages,
 or CPU pages under ``TRITON_INTERPRET=1``), on pages whose fields it reads (no compensation codes, widths and
-group sizes it reads: :meth:`kivi.vllm.geometry.KiviGeometry.kernel_layout`) in a cache whose storage holds its
-blocks' strides (:func:`kivi.vllm.geometry.block_pool`), with window rings that share one storage
-(:func:`kivi.vllm.geometry.ring_pool`, as vLLM allocates them). ``"reference"`` always goes request by request
+group sizes it reads: :meth:`kivi.paged.geometry.KiviGeometry.kernel_layout`) in a cache whose storage holds its
+blocks' strides (:func:`kivi.paged.geometry.block_pool`), with window rings that share one storage
+(:func:`kivi.paged.geometry.ring_pool`, as vLLM allocates them). ``"reference"`` always goes request by request
 (it is the ground truth the kernels are tested against). ``"triton"`` is the plugin's opt-in GPU path
 (:mod:`kivi.vllm.select`; never run on a GPU, docs/vllm.md "On a GPU").
 
 The kernel reads the full-precision rows where the rings keep them (the in-place form,
 :class:`kivi.attention.fused_cpu.paged.RingRows`): no copy of a window is made. Which slot each of a row's
-kernel columns reads is the step's plan (:class:`kivi.vllm.plan.KernelRows`, the same for every layer);
+kernel columns reads is the step's plan (:class:`kivi.paged.plan.KernelRows`, the same for every layer);
 :func:`decode_call` turns slots into this layer's row ids, the kernel call both hosts build
 (:class:`kivi.paged.decode.PagedDecode`), and :func:`paged_decode` runs it. The step's new tokens come
 from its input (the rings are written after every read of the step). :func:`leaving_rows` reads the rows
@@ -31,7 +31,7 @@ from ..attention.fused_cpu.paged import PagedLayout, RingRows
 from ..capabilities import kernel_reasons
 from ..config import KiviConfig
 from ..optional import numba_problem, triton_available
-from ..paged.decode import PagedDecode, run_paged_decode
+from .decode import PagedDecode, run_paged_decode
 from .geometry import KiviGeometry, RingPool, block_pool, ring_pool
 from .plan import KernelLeaving, KernelRows, stores_any
 from .write import ROW_DTYPES, DecodeWriter, TritonWriter, decode_writer, numpy_view, triton_writer
@@ -41,7 +41,7 @@ from .write import ROW_DTYPES, DecodeWriter, TritonWriter, decode_writer, numpy_
 class DecodeKernel:
     """A layer's cache as the paged decode kernel reads it: ``pool`` (flat uint8, aliasing the cache),
     ``layout`` (where the page fields sit in each block) and ``rings`` (its window rings' rows in place);
-    ``writer``: the same caches for a decode step's compiled writes (:func:`kivi.vllm.write.decode_writer`,
+    ``writer``: the same caches for a decode step's compiled writes (:func:`kivi.paged.write.decode_writer`,
     ``None`` where they do not apply: the torch writes); ``backend``: the kernel that reads them
     (:data:`kivi.paged.decode.PAGED_BACKENDS`: ``"cpu"`` numba, ``"triton"`` its GPU form)."""
 
@@ -75,7 +75,7 @@ def decode_call(kernel: DecodeKernel, rows: KernelRows, page_table: torch.Tensor
     """The kernel rows' :class:`~kivi.paged.decode.PagedDecode` (``kernel``'s pages and rings, this step's
     block-table rows, ring slot tables and counts, ``kernel.backend``) and their queries, built from vLLM's
     metadata and the step's input (``query [n, Hq, D]``, ``key / value [n, H, D]``). ``compiled``: the row ids,
-    block-table rows and query / new rows made in one compiled call (:func:`kivi.vllm.inputs_kernel.kernel_inputs`,
+    block-table rows and query / new rows made in one compiled call (:func:`kivi.paged.inputs_kernel.kernel_inputs`,
     float32) where the input is float32 or bfloat16 on the CPU for the numba kernel, in one Triton launch for the
     Triton kernel (:func:`kivi.kernels.triton_paged_inputs.triton_paged_inputs`); ``False``: with torch
     operations, their reference (the same values). The plan's counts stay on the host as ``host_counts``

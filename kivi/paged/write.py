@@ -1,15 +1,15 @@
 """A decode step's writes of one layer in one compiled call: what leaves the windows to the pages, the new tokens
 to the rings.
 
-In a step whose every request is a row of the batched decode kernel (:class:`kivi.vllm.plan.KernelRows`, no
-prefill or chunk: the steady state of serving), :func:`kivi.vllm.paged.paged_step` hands the layer's writes to
-:func:`write_step`: one call of :func:`kivi.vllm.write_kernel.decode_write`, which reads the leaving rows where
+In a step whose every request is a row of the batched decode kernel (:class:`kivi.paged.plan.KernelRows`, no
+prefill or chunk: the steady state of serving), :func:`kivi.paged.forward.paged_step` hands the layer's writes to
+:func:`write_step`: one call of :func:`kivi.paged.write_kernel.decode_write`, which reads the leaving rows where
 the rings keep them (or from the step's input), quantizes them with kivi's compiled quantizer
 (:mod:`kivi.quant.numba_quant_kernel`: values per token, keys per channel in whole groups of ``G``), writes codes and
 parameters to their page rows and the new tokens to their ring slots. The torch path it replaces (leaving rows,
 one quantize call per side, page row indices, one indexed write per field and per ring: ~20 small tensor
 operations a layer) stays beside it as the reference and for every other step; both leave the pages and rings
-bit for bit the same (``tests/vllm/test_write.py``, ``tests/vllm/test_paged_decode.py``).
+bit for bit the same (``tests/paged/test_write.py``, ``tests/paged/test_decode_call.py``).
 
 :func:`decode_writer` is the one rule for where it applies: numba importable (the decode kernel applies), the
 pages' parameters float32 or bfloat16, asymmetric codes, no compensation, finiteness checked, the rings in
@@ -43,10 +43,10 @@ def numpy_view(x: torch.Tensor) -> np.ndarray:
 
 @dataclass(frozen=True)
 class DecodeWriter:
-    """One layer's pages and rings as :func:`kivi.vllm.write_kernel.decode_write` reads and writes them (numpy
+    """One layer's pages and rings as :func:`kivi.paged.write_kernel.decode_write` reads and writes them (numpy
     views aliasing the caches, made once per layer): ``pool`` / ``lay`` (the pages, the layout vector),
     ``krows`` / ``vrows`` ``[blocks, Pw, H, D]`` and ``rbase`` / ``rstep`` (the rings,
-    :class:`kivi.vllm.geometry.RingPool`), ``dtype`` (the rings'), ``shrinks`` per side (the clipping grid or
+    :class:`kivi.paged.geometry.RingPool`), ``dtype`` (the rings'), ``shrinks`` per side (the clipping grid or
     ``[1.0]``)."""
 
     pool: np.ndarray
@@ -71,8 +71,8 @@ def _matches(fmts, layout: PagedLayout) -> bool:
 
 def decode_writer(cfg: KiviConfig, pool: torch.Tensor, layout: PagedLayout, rings: RingPool) -> DecodeWriter | None:
     """The :class:`DecodeWriter` of a layer whose decode kernel reads ``pool`` / ``layout`` / ``rings``
-    (:func:`kivi.vllm.decode.decode_kernel`), or ``None`` where the compiled writes do not reproduce the torch path
-    (the module docstring: the one rule)."""
+    (:func:`kivi.paged.decode_call.decode_kernel`), or ``None`` where the compiled writes do not reproduce the torch
+    path (the module docstring: the one rule)."""
     fmts = {side: cfg.side_format(side) for side in ("k", "v")}
     dtype = rings.rows["k"].dtype
     if (reasons(cfg, "vllm", "cpu", WRITES, param_dtype=layout.param_dtype, row_dtype=dtype)
@@ -87,7 +87,7 @@ def decode_writer(cfg: KiviConfig, pool: torch.Tensor, layout: PagedLayout, ring
 class TritonWriter:
     """One layer's pages and rings as :func:`kivi.kernels.triton_paged_write.triton_paged_write` writes them (the
     GPU form of :class:`DecodeWriter`): ``pool`` / ``layout`` (the pages), ``rings`` (the window rings' rows pool,
-    :class:`kivi.vllm.geometry.RingPool`)."""
+    :class:`kivi.paged.geometry.RingPool`)."""
 
     pool: torch.Tensor
     layout: PagedLayout

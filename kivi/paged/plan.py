@@ -1,20 +1,20 @@
-"""A vLLM step's schedule, the same for every layer: which rows the batched decode kernel serves, where their
+"""A paged step's schedule (vLLM's), the same for every layer: which rows the batched decode kernel serves, where their
 full-precision rows are, what leaves their windows, and which ring slots the step writes (framework-free torch).
 
 kivi's schedule depends on token counts only (:mod:`kivi.cache.schedule`), and vLLM hands every layer of a
 step the same ``query_start`` / ``seq_lens``: so this Python work is done once per step
 (:func:`step_plan`; the plugin's metadata builder makes it, :class:`kivi.vllm.backend.KiviMetadataBuilder`)
 and each layer only maps ring slots to its own blocks with a few tensor ops
-(:meth:`kivi.vllm.geometry.RingPool.slot_ids`). A request's full-precision rows live in slots
+(:meth:`kivi.paged.geometry.RingPool.slot_ids`). A request's full-precision rows live in slots
 (:func:`kivi.paged.ring.ring_slot`, a ring of ``k * Pw - S``); nothing here depends on block ids.
 
 * :class:`KernelRows` (``None`` when no decode row has anything stored): the decode rows of
-  :func:`kivi.vllm.decode.stores_any`, the kernel's ``counts``, and per side the slot each column of the
+  :func:`kivi.paged.decode_call.stores_any`, the kernel's ``counts``, and per side the slot each column of the
   kernel's in-place slot table reads (:class:`kivi.attention.fused_cpu.paged.RingRows`: column ``c`` is slot
   ``c``, the kernel and the rings following one rule, :func:`kivi.paged.ring.ring_slot`), and what leaves those
   rows' windows in the step (:class:`KernelLeaving`);
 * ``others``: every other request with tokens in the step (prefills, chunks, decode rows with nothing
-  stored), which :func:`kivi.vllm.paged.paged_step` serves request by request;
+  stored), which :func:`kivi.paged.forward.paged_step` serves request by request;
 * :class:`RingWrites`: the step's tokens still in full precision after it, their slots in ring order.
 """
 
@@ -27,11 +27,11 @@ import numpy as np
 import torch
 
 from ..config import KiviConfig
-from ..paged.counts import kernel_counts, side_counts
-from ..paged.ring import ring_slot
-from ..paged.step import exits
 from ..quant.page import SIDES
+from .counts import kernel_counts, side_counts
 from .geometry import KiviGeometry
+from .ring import ring_slot
+from .step import exits
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class KernelLeaving:
     ``[M]``: the step's own token, read from the input: it is not in the rings yet; ``any_new``: whether any is)
     and ``spans`` ``(request, first store position, count)``; ``table`` (int64 ``[M, 4]``: ``(request, ring slot or
     -1, input row or -1, store position)`` per token, a new token's from the input) is the same for the compiled
-    writes (:mod:`kivi.vllm.write`)."""
+    writes (:mod:`kivi.paged.write`)."""
 
     row: torch.Tensor
     req: torch.Tensor

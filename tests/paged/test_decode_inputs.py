@@ -1,7 +1,7 @@
-"""kivi.vllm.inputs_kernel: the batched decode kernel's inputs made in one compiled call equal the torch ones (row
+"""kivi.paged.inputs_kernel: the batched decode kernel's inputs made in one compiled call equal the torch ones (row
 ids of both sides, block-table rows, float32 query and new rows), and so do the outputs (no vLLM needed).
 
-On the caches of ``tests/vllm/test_paged_decode.py`` (scattered blocks, every ring of a layer in one allocation,
+On the caches of ``tests/paged/test_decode_call.py`` (scattered blocks, every ring of a layer in one allocation,
 other layers' pages between this layer's blocks so the ring pool's bases and steps are not trivial), steps of
 decode rows, with sinks or without, float32 and bfloat16.
 """
@@ -14,12 +14,12 @@ import torch
 from kivi.attention.fused_cpu.paged import RingRows
 from kivi.config import KiviConfig
 from kivi.optional import numba_available
-from kivi.vllm.decode import decode_call, decode_kernel, paged_decode
-from kivi.vllm.geometry import build_geometry
-from kivi.vllm.paged import paged_step
-from kivi.vllm.plan import step_plan
+from kivi.paged.decode_call import decode_call, decode_kernel, paged_decode
+from kivi.paged.forward import paged_step
+from kivi.paged.geometry import build_geometry
+from kivi.paged.plan import step_plan
 
-from .test_paged_decode import Cache, steps_of
+from .test_decode_call import Cache, steps_of
 
 pytestmark = pytest.mark.skipif(not numba_available(), reason="the paged decode kernel needs numba")
 

@@ -1,10 +1,10 @@
-"""kivi.vllm.write: a decode-only step's writes in one compiled call leave the pages and rings bit for bit as the
+"""kivi.paged.write: a decode-only step's writes in one compiled call leave the pages and rings bit for bit as the
 torch writes do (no vLLM needed).
 
-Two copies of a vLLM-style cache (:class:`tests.vllm.test_paged_decode.Cache`: scattered blocks, rings in one
+Two copies of a vLLM-style cache (:class:`tests.paged.test_decode_call.Cache`: scattered blocks, rings in one
 allocation that start as NaN) run the same steps through ``paged_step`` with the batched decode kernel, one with
 ``compiled_writes=True`` (the default: a step whose every request is a kernel row writes in one call of
-:func:`kivi.vllm.write_kernel.decode_write`) and one with ``compiled_writes=False`` (leaving rows, one quantize
+:func:`kivi.paged.write_kernel.decode_write`) and one with ``compiled_writes=False`` (leaving rows, one quantize
 call per side, indexed page and ring writes). Every width, group sizes 4 / 8 / 16, head sizes whose 3-bit rows
 end in a partial run, windows of 1 or 2 groups, sinks, clipping on either side, float32 and bfloat16 rings,
 float32 parameters for bfloat16 rings, tiny to large magnitudes and all-constant groups: after every step both
@@ -20,14 +20,14 @@ from hypothesis import strategies as st
 
 from kivi.config import KiviConfig
 from kivi.optional import numba_available
-from kivi.vllm import paged as vpaged
-from kivi.vllm.decode import decode_kernel
-from kivi.vllm.geometry import build_geometry
-from kivi.vllm.paged import paged_step
-from kivi.vllm.plan import step_plan
-from kivi.vllm.write import decode_writer, write_step
+from kivi.paged import forward as vpaged
+from kivi.paged.decode_call import decode_kernel
+from kivi.paged.forward import paged_step
+from kivi.paged.geometry import build_geometry
+from kivi.paged.plan import step_plan
+from kivi.paged.write import decode_writer, write_step
 
-from .test_paged_decode import Cache, steps_of
+from .test_decode_call import Cache, steps_of
 
 pytestmark = pytest.mark.skipif(not numba_available(), reason="the compiled writes need numba")
 
@@ -53,7 +53,7 @@ def same_bytes(a, b):
 def run_pair(cfg, dtype, D, P, steps, *, mag=1.0, constant=(), seed=0, backend="cpu", nblocks=64):
     """Run ``steps`` on two caches, compiled writes against torch writes; byte-identical caches and equal outputs
     after every step. ``constant``: steps whose every key / value is one number (all-constant groups).
-    ``backend``: ``"cpu"`` (the numba writes) or ``"triton"`` (the Triton writes, tests/vllm/test_write_triton.py)."""
+    ``backend``: ``"cpu"`` (the numba writes) or ``"triton"`` (the Triton writes, tests/paged/test_write_triton.py)."""
     geo = build_geometry(cfg, page_size=P, num_kv_heads=H, head_dim=D, dtype=dtype)
     fast, slow = Cache(geo, dtype, nblocks=nblocks, seed=seed), Cache(geo, dtype, nblocks=nblocks, seed=seed)
     kernel = decode_kernel(cfg, geo, backend, fast.pages, fast.rings)
@@ -181,7 +181,7 @@ def test_write_step_refuses_a_step_with_other_requests_and_groups_that_are_not_w
     k = torch.zeros(6, H, 16)
     with pytest.raises(ValueError, match="every request is a decode kernel row"):
         write_step(kernel.writer, plan, batch.page_table, batch.ring_table, k, k)
-    from kivi.vllm.write_kernel import decode_write
+    from kivi.paged.write_kernel import decode_write
 
     w = kernel.writer
     bad = torch.tensor([[0, 3, -1, 4]] * 8).numpy()  # a key group starting at store position 4 (G = 8)
@@ -202,7 +202,7 @@ def test_decode_write_refuses_float16_parameters_before_writing():
     cache = Cache(geo, torch.float32, nblocks=16)
     kernel = decode_kernel(cfg, geo, "cpu", cache.pages, cache.rings)
     from kivi.attention.fused_cpu.kernel import _PL_PDT
-    from kivi.vllm.write_kernel import decode_write
+    from kivi.paged.write_kernel import decode_write
 
     w = kernel.writer
     batch = cache.batch([(0, 17, 1)])

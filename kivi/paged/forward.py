@@ -1,4 +1,5 @@
-"""One attention layer's step over KIVI pages addressed by vLLM's block tables (framework-free torch).
+"""One attention layer's step over KIVI pages addressed by block and ring tables (framework-free torch; what the vLLM
+plugin runs per layer, :mod:`kivi.vllm.backend`).
 
 vLLM hands an attention layer, per step, the batch's new tokens and, per request, ``seq_len`` (tokens
 after the step) and ``query_len`` (tokens of the step); nothing else about a request. kivi's schedule
@@ -10,7 +11,7 @@ the step in the rings' window part (at most ``R + G - 1`` of them, :func:`kivi.p
 the step's own from its input. No per-request state is kept here, so preemption (recompute) and prefix hits
 need nothing special.
 
-The step's schedule, the same for every layer, is worked out once per step (:func:`kivi.vllm.plan.step_plan`:
+The step's schedule, the same for every layer, is worked out once per step (:func:`kivi.paged.plan.step_plan`:
 which rows the batched decode kernel serves, the ring slots its columns read, what leaves their windows, the
 ring slots the step writes); :func:`paged_step` does, for one layer, the steps of :mod:`kivi.paged.step` (shared
 with :mod:`kivi.batching`) over vLLM's block and ring tables:
@@ -29,7 +30,7 @@ with :mod:`kivi.batching`) over vLLM's block and ring tables:
    rows, one indexed write per field;
 4. attends: the decode rows with something stored in one call of kivi's batched paged decode kernel
    reading the pages through the block table and the full-precision rows in the rings where they are
-   (:mod:`kivi.vllm.decode`, where it applies: :func:`~kivi.vllm.decode.decode_kernel`); every request's
+   (:mod:`kivi.paged.decode_call`, where it applies: :func:`~kivi.paged.decode_call.decode_kernel`); every request's
    first chunk exactly, all of them in one call of the step's exact prefill (vLLM's CPU attention kernel in
    the plugin, :mod:`kivi.vllm.prefill`; torch SDPA request by request for reference, :func:`sdpa_prefill`);
    every other request on its own: with nothing stored yet exactly (torch SDPA, causal bottom-right), else
@@ -42,7 +43,7 @@ with :mod:`kivi.batching`) over vLLM's block and ring tables:
    plan).
 
 In a step whose every request is a kernel row (no prefill or chunk: the steady state), 3 and 5 are one compiled
-call instead (:func:`kivi.vllm.write.write_step`, where :func:`~kivi.vllm.write.decode_writer` says it reproduces
+call instead (:func:`kivi.paged.write.write_step`, where :func:`~kivi.paged.write.decode_writer` says it reproduces
 them: the same bytes in the pages and rings); ``compiled_writes=False`` keeps the torch writes (the reference).
 """
 
@@ -59,13 +60,13 @@ from ..attention.interface import run_backend
 from ..cache.pages import page_store
 from ..cache.view import exact_queries
 from ..config import KiviConfig
-from ..paged.counts import side_counts
-from ..paged.ring import ring_slot, slot_place
-from ..paged.step import Leaving, Pages, commit, request_side
 from ..quant.page import SIDES
-from .decode import DecodeKernel, decode_kernel, leaving_rows, paged_decode
+from .counts import side_counts
+from .decode_call import DecodeKernel, decode_kernel, leaving_rows, paged_decode
 from .geometry import KiviGeometry, block_field_views
 from .plan import RingWrites, StepPlan, step_plan
+from .ring import ring_slot, slot_place
+from .step import Leaving, Pages, commit, request_side
 from .write import write_step
 
 
@@ -76,7 +77,7 @@ class StepBatch:
     ``query_start`` ``[R+1]`` and ``seq_lens`` ``[R]`` as lists; ``page_table`` ``[R, max_pages]`` (the layer's
     full-attention group) and ``ring_table`` ``[R, k]`` (the request's one block in each of the layer's ``k``
     window rings, vLLM's circular-buffer groups); ``plan``: the step's schedule
-    (:func:`kivi.vllm.plan.step_plan` of ``query_start`` / ``seq_lens``, made once per step by the caller;
+    (:func:`kivi.paged.plan.step_plan` of ``query_start`` / ``seq_lens``, made once per step by the caller;
     ``None``: :func:`paged_step` makes it).
     """
 
@@ -130,7 +131,7 @@ def sdpa_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sp
 
 def decode_rows(batch: StepBatch) -> list[int]:
     """Requests of the batch whose step is one query token (the batched paged decode kernel serves those with
-    something stored: :func:`kivi.vllm.decode.stores_any`)."""
+    something stored: :func:`kivi.paged.decode_call.stores_any`)."""
     qs = batch.query_start
     return [i for i in range(len(batch.seq_lens)) if qs[i + 1] - qs[i] == 1]
 
@@ -143,18 +144,18 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
     """One layer's step: ``query [n, Hq, D]``, ``key / value [n, H, D]`` (the batch's new tokens, request by
     request), ``pages`` the layer's vLLM cache, ``rings`` its ``k`` window rings' caches ``[NBw, H, Pw, 2D]``;
     writes ``[n, Hq, D]`` attention into ``out`` (returned). ``batched_decode``: decode rows through the
-    batched paged decode kernel where it applies (:func:`kivi.vllm.decode.decode_kernel`), else (or
+    batched paged decode kernel where it applies (:func:`kivi.paged.decode_call.decode_kernel`), else (or
     ``False``) request by request; ``kernel``: that kernel for these ``pages`` and ``rings``, which a caller
     that keeps them makes once (``None``: made here). Every request's first chunk (nothing before it: an
     exact prefill of its prompt so far) goes in one call of ``prefill`` (:data:`ExactPrefill`; the plugin
     passes vLLM's CPU attention kernel, :func:`kivi.vllm.prefill.vllm_cpu_prefill`, where the backend is
-    ``"cpu"``). The step's schedule is ``batch.plan`` (:func:`kivi.vllm.plan.step_plan`, made here when
+    ``"cpu"``). The step's schedule is ``batch.plan`` (:func:`kivi.paged.plan.step_plan`, made here when
     ``None``). What leaves the windows is quantized in one call per side for the whole step, and the rings
     and pages are written in one indexed write per ring / field (the groups of different requests never
     share a group: each request's keys leave in whole aligned groups). ``compiled_writes``: a step whose every
     request is a kernel row writes pages and rings in one compiled call where it applies
-    (:mod:`kivi.vllm.write`; ``False``: the torch writes, its reference). ``flags``: where the Triton writes
-    append their finiteness flag instead of reading it back (:func:`kivi.vllm.write.write_step`; the caller
+    (:mod:`kivi.paged.write`; ``False``: the torch writes, its reference). ``flags``: where the Triton writes
+    append their finiteness flag instead of reading it back (:func:`kivi.paged.write.write_step`; the caller
     reads them, :func:`kivi.kernels.triton_paged_write.raise_if_nonfinite`); ``None``: read back at once."""
     P, S = geo.page_size, cfg.sink_tokens
     if S != geo.sink_tokens:
@@ -229,7 +230,7 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
 
 def write_rings(rings: list[torch.Tensor], ring_table: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 writes: RingWrites) -> None:
-    """Write the step's tokens ``writes`` names (:class:`kivi.vllm.plan.RingWrites`: request, ring slot, input row
+    """Write the step's tokens ``writes`` names (:class:`kivi.paged.plan.RingWrites`: request, ring slot, input row
     of ``key / value [n, H, D]``) to their rows: one indexed write per ring (keys in channels ``[0, D)``,
     values in ``[D, 2D)``)."""
     pw = rings[0].shape[2]

@@ -1,4 +1,4 @@
-"""kivi.vllm.decode: a step's decode rows through the batched paged decode kernel equal the per-request path.
+"""kivi.paged.decode_call: a step's decode rows through the batched paged decode kernel equal the per-request path.
 
 Two copies of the same vLLM-style cache (scattered block ids, rings that start as NaN, all ``k`` rings in one
 allocation as vLLM lays them out, so the kernel reads their rows in place) run the same steps,
@@ -18,10 +18,10 @@ import torch
 
 from kivi.config import KiviConfig
 from kivi.optional import numba_available
-from kivi.vllm import decode as vdecode
-from kivi.vllm.decode import decode_kernel, stores_any
-from kivi.vllm.geometry import build_geometry
-from kivi.vllm.paged import StepBatch, decode_rows, paged_step
+from kivi.paged import decode_call as vdecode
+from kivi.paged.decode_call import decode_kernel, stores_any
+from kivi.paged.forward import StepBatch, decode_rows, paged_step
+from kivi.paged.geometry import build_geometry
 
 pytestmark = pytest.mark.skipif(not numba_available(), reason="the paged decode kernel needs numba")
 
@@ -46,7 +46,7 @@ class Cache:
                                                                         geo.state_bytes, 1), layer * bb)
         self.pages.zero_()
         # the k rings in one allocation, as vLLM overlays its groups on one buffer (ring r's block b at
-        # (b * k + r) * block bytes): the kernel reads their rows in place (kivi.vllm.geometry.ring_pool)
+        # (b * k + r) * block bytes): the kernel reads their rows in place (kivi.paged.geometry.ring_pool)
         rbuf = torch.full((nblocks * k * bb // dtype.itemsize,), float("nan"), dtype=dtype)
         rw = geo.window_tokens * 2 * D
         self.rings = [rbuf.as_strided((nblocks, H, geo.window_tokens, 2 * D), (k * bb // dtype.itemsize, rw, 2 * D, 1),

@@ -1,9 +1,9 @@
 """kivi.kernels.triton_paged_write: a decode-only step's writes in Triton (the GPU path's) leave the pages and rings
 bit for bit as the torch writes do; CPU tensors under ``TRITON_INTERPRET=1`` (no vLLM needed).
 
-Two copies of a vLLM-style cache (:class:`tests.vllm.test_paged_decode.Cache`: scattered blocks, rings in one
+Two copies of a vLLM-style cache (:class:`tests.paged.test_decode_call.Cache`: scattered blocks, rings in one
 allocation that start as NaN) run the same steps through ``paged_step`` with the ``"triton"`` reader, one with the
-Triton writes (the default where :func:`kivi.vllm.write.triton_writer` applies) and one with
+Triton writes (the default where :func:`kivi.paged.write.triton_writer` applies) and one with
 ``compiled_writes=False`` (the torch writes, the reference): after every step both caches are byte-identical and
 the outputs equal, over widths 1 / 2 / 4 / 8 on either side, group sizes 4 / 8 / 16, head sizes 16 / 32, windows of
 1 or 2 groups, sinks, float32 and bfloat16 rings, float32 parameters for bfloat16 rings, tiny to large magnitudes
@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from kivi.config import KiviConfig
-from kivi.vllm.decode import decode_kernel
-from kivi.vllm.geometry import build_geometry
-from kivi.vllm.paged import paged_step
-from kivi.vllm.write import FiniteChecks, TritonWriter
+from kivi.paged.decode_call import decode_kernel
+from kivi.paged.forward import paged_step
+from kivi.paged.geometry import build_geometry
+from kivi.paged.write import FiniteChecks, TritonWriter
 
-from .test_paged_decode import Cache, steps_of
+from .test_decode_call import Cache, steps_of
 from .test_write import counting, run_pair, snapshot
 
 pytestmark = pytest.mark.triton

@@ -1,6 +1,6 @@
-"""The numba side of :mod:`kivi.vllm.write`: a decode step's writes of one layer in one compiled call.
+"""The numba side of :mod:`kivi.paged.write`: a decode step's writes of one layer in one compiled call.
 
-Importing this module imports numba (and the paged decode kernel's layout columns); :mod:`kivi.vllm.write`
+Importing this module imports numba (and the paged decode kernel's layout columns); :mod:`kivi.paged.write`
 imports it on first use. The quantization is :mod:`kivi.quant.numba_quant_kernel`'s (the one compiled rule,
 bit-identical to :func:`kivi.quant.kv.quantize_side`); this module only says where the rows come from and
 where the codes and parameters go. numba's on-disk cache of :func:`decode_write` is keyed on this file only, and
@@ -14,7 +14,7 @@ block):
 * ``pool`` uint8 ``[bytes]``, ``lay`` int64: the layer's pages and where their fields sit
   (:meth:`kivi.attention.fused_cpu.paged.PagedLayout.vector`; parameters float32 or bfloat16);
 * ``krows`` / ``vrows`` ``[blocks, Pw, H, D]``: the layer's window rings as one rows pool per side
-  (:class:`kivi.vllm.geometry.RingPool`; float32, or int16 holding bfloat16 bits), pool block
+  (:class:`kivi.paged.geometry.RingPool`; float32, or int16 holding bfloat16 bits), pool block
   ``rbase[r] + ring_table[i, r] * rstep[r]`` is request ``i``'s block of ring ``r``;
 * ``page_table`` int32 ``[N, pages]``: request ``i``'s store position ``u`` is in block ``page_table[i, u // P]``,
   row ``u % P``;
@@ -26,7 +26,7 @@ block):
 * ``kshrinks`` / ``vshrinks``: the clipping grids (``[1.0]``: min/max).
 
 Order: parameters that are neither float32 nor bfloat16 are refused (3, nothing written: float16 parameters take
-the torch writes, :func:`kivi.vllm.write.decode_writer`), the key groups are checked whole and aligned (2, nothing
+the torch writes, :func:`kivi.paged.write.decode_writer`), the key groups are checked whole and aligned (2, nothing
 written: a caller's error), every leaving row
 is read (and converted to float32) and checked finite (1, nothing written: a NaN / Inf); then values and keys go
 to their page rows; then the rings are written (a ring slot is reused only once its token has left: read before

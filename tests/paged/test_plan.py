@@ -1,4 +1,4 @@
-"""kivi.vllm.plan and the ring pool: a step's layer-independent schedule against the schedule's own rules, and
+"""kivi.paged.plan and the ring pool: a step's layer-independent schedule against the schedule's own rules, and
 row ids that name the rows the rings hold (no vLLM needed).
 
 The plan is checked position by position against :func:`kivi.cache.schedule.side_tokens` /
@@ -15,10 +15,10 @@ import torch
 
 from kivi.cache.schedule import side_tokens, window_exits
 from kivi.config import KiviConfig
+from kivi.paged.geometry import build_geometry, ring_pool
+from kivi.paged.plan import step_plan, stores_any
 from kivi.paged.ring import ring_slot
 from kivi.quant.page import AXIS, SIDES
-from kivi.vllm.geometry import build_geometry, ring_pool
-from kivi.vllm.plan import step_plan, stores_any
 
 H, D, P = 2, 16, 16
 

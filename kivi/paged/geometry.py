@@ -1,4 +1,5 @@
-"""What one vLLM block holds under KIVI, in bytes: the packed page and the full-precision window page.
+"""What one block holds under KIVI, in bytes: the packed page and the full-precision window page (vLLM's blocks;
+pure torch).
 
 Each attention layer has two KV cache groups in vLLM's hybrid allocator (docs/vllm.md):
 
@@ -31,8 +32,8 @@ import torch
 from ..attention.fused_cpu.paged import PagedLayout
 from ..cache.schedule import window_capacity
 from ..config import KiviConfig
-from ..paged.ring import slot_rows
 from ..quant.page import SideField, field_view, page_fields
+from .ring import slot_rows
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""kivi.vllm.paged: one layer's step over vLLM-style block tables equals kivi's own cache (no vLLM needed).
+"""kivi.paged.forward: one layer's step over vLLM-style block tables equals kivi's own cache (no vLLM needed).
 
 Two requests are run through ``paged_step`` with scattered block ids, as vLLM's allocator hands them out
 (ring slots never written are NaN, so reading one poisons the output),
@@ -26,11 +26,11 @@ from kivi.cache.pages import gather_pages
 from kivi.cache.view import exact_queries
 from kivi.config import KiviConfig
 from kivi.optional import numba_available
+from kivi.paged.decode_call import decode_kernel
+from kivi.paged.forward import StepBatch, exact_attention, paged_step
+from kivi.paged.geometry import block_field_views, build_geometry
+from kivi.paged.plan import step_plan
 from kivi.paged.ring import ring_slot, slot_place
-from kivi.vllm.decode import decode_kernel
-from kivi.vllm.geometry import block_field_views, build_geometry
-from kivi.vllm.paged import StepBatch, exact_attention, paged_step
-from kivi.vllm.plan import step_plan
 
 H, HQ, D = 2, 4, 16
 P = 32  # vLLM block size
