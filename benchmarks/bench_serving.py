@@ -16,10 +16,10 @@ so one run (same load, same-run ratios) can hold a tight and a roomy budget. Wor
 (DynamicCache, or a ``quantize_model``-ed model), one after another, all counted as submitted at the start.
 Columns: generated tokens/s (the headline), tokens/s with the prompts, p50/p95 time to first token,
 p50/p95 per-token latency (a request's decode time / its tokens after the first), requests held at once
-(sampled every 20 ms) and the budget's capacity for the longest request, the largest dequantized transient
-of one layer (materialized KIVI rows), prompt tokens served from shared pages. ``--max-batch-tokens`` and
-``--scheduler`` take several values: every row runs under each (default: kivi's defaults). Each row runs in
-a fresh process (``--same-process``: all in this one). ``--plot F.png``: generated tokens/s vs budget.
+(sampled every 20 ms) and the budget's capacity for the longest request, prompt tokens served from shared
+pages. ``--max-batch-tokens`` and ``--scheduler`` take several values: every row runs under each (default:
+kivi's defaults). Each row runs in a fresh process (``--same-process``: all in this one). ``--plot F.png``:
+generated tokens/s vs budget.
 
 ``--http ROW[@BUDGET]`` adds rows served over HTTP by ``kivi serve`` (a fresh server
 subprocess, ``--http-clients`` concurrent streaming clients, tokens counted from each response's usage and
@@ -77,7 +77,7 @@ from kivi.memory.units import parse_bytes  # noqa: E402
 
 ROWS = {"float": None, "kivi-2/2": KiviConfig(k_bits=2, v_bits=2), "balanced": KiviConfig.preset("balanced"),
         # the materialized path: pages dequantized one layer at a time, transformers' SDPA (not run by default)
-        "kivi-2/2-sdpa": KiviConfig(k_bits=2, v_bits=2, attention_backend="reference"),
+        "kivi-2/2-reference": KiviConfig(k_bits=2, v_bits=2, attention_backend="reference"),
         # a 32-token window: a short request's window blocks, not its pages, bound how many fit a tight budget
         "kivi-2/2-r32": KiviConfig(k_bits=2, v_bits=2, residual_length=32)}
 #: one-at-a-time rows: name -> the cache generate() builds (None: DynamicCache; a KiviConfig: quantize_model's)
@@ -176,7 +176,6 @@ def batch_row(model, cfg: KiviConfig | None, work: Workload, cache_memory: int, 
         wall = time.perf_counter() - t0
         cache = manager.batch_processor.cache
         resolved = manager.batch_processor.scheduler
-        transient = getattr(cache, "max_dequantized_bytes", None)
         shared = getattr(cache, "shared_tokens", None)
         blocks = cache.num_blocks
         cb = manager.continuous_batching_config
@@ -189,7 +188,7 @@ def batch_row(model, cfg: KiviConfig | None, work: Workload, cache_memory: int, 
     longest = max(len(p) + n for p, n in zip(work.prompts, work.new_tokens))
     row.update({"requests_held_at_once": held, "capacity_requests": blocks // manager.request_blocks(longest),
                 "cache_blocks": blocks, "block_bytes": manager.block_bytes, "settings": settings,
-                "dequantized_transient_bytes": transient, "shared_prompt_tokens": shared,
+                "shared_prompt_tokens": shared,
                 "tokens": [results[i].generated_tokens for i in ids]})
     return row
 
@@ -526,7 +525,7 @@ def format_table(report: dict) -> str:
                      f"(sum {sum(n)})")
         lines.append(f"{'row':26s} {'budget':>9s} {'sched/mbt':>14s} {'gen tok/s':>9s} {'tok/s':>8s} "
                      f"{'TTFT p50':>9s} {'TTFT p95':>9s} {'tok p50':>8s} {'tok p95':>8s} {'held':>4s} {'fits':>4s} "
-                     f"{'transient':>10s} {'shared':>6s} {'same':>6s}")
+                     f"{'shared':>6s} {'same':>6s}")
         for r in rows:
             s = r.get("settings", {})
             label = {"one-at-a-time": "one-at-a-time ", "http": "http-"}.get(r["kind"], "") + r["cache"]
@@ -534,14 +533,13 @@ def format_table(report: dict) -> str:
                 label += f" ({Path(r['kivi_root']).name})"
             budget = "-" if r["budget_bytes"] is None else f"{r['budget_bytes'] / 2**20:.1f}Mi"
             sched = f"{s['scheduler']}/{s['max_batch_tokens']}" if s else "-"
-            tr = r.get("dequantized_transient_bytes")
             same = r.get("same_tokens_as_one_at_a_time") or r.get("same_text_as_batch")
             same = "-" if same is None else f"{same['identical']}/{same['requests']}"
             lines.append(
                 f"{label:26s} {budget:>9s} {sched:>14s} {r['generated_tokens_per_s']:9.2f} "
                 f"{r['total_tokens_per_s']:8.1f} {_s(r['ttft_p50_s']):>9s} {_s(r['ttft_p95_s']):>9s} "
                 f"{_ms(r['per_token_p50_s']):>8s} {_ms(r['per_token_p95_s']):>8s} {r['requests_held_at_once']:4d} "
-                f"{r.get('capacity_requests', '-'):>4} {'-' if tr is None else f'{tr / 2**20:.1f}Mi':>10s} "
+                f"{r.get('capacity_requests', '-'):>4} "
                 f"{r.get('shared_prompt_tokens') or 0:6d} "
                 f"{same:>6s}")
     if any(r["kind"] == "http" for r in report["rows"]):

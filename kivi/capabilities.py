@@ -202,7 +202,7 @@ _CELLS = {  #                generate      batching      vllm
     "value_groups":          " .   T   .     .   T   R     .   T   T",
     "clip":                  " .   .   .     .   .   R     .   .   W",
     "unchecked":             " .   .   .     .   .   R     .   W   W",
-    "model_attention":       " .   R   R     .   R   R     .   .   .",
+    "model_attention":       " .   R   R     R   R   R     .   .   .",
     "no_numba":              " .   T   .     .   T   R     .   T   .",
     "no_triton":             " .   .   R     .   .   R     .   .   T",
     "not_cuda":              " .   .   R     .   .   R     .   .   .",

@@ -100,11 +100,11 @@ def _batching(cfg, backend, facts, mp):
     if backend != "cpu":
         return OK, ""
     assert packed == "cpu"
-    mp.setattr(bcache, "numba_problem", lambda: facts.get("numba"))
+    mp.setattr(vdecode, "numba_problem", lambda: facts.get("numba"))
     cb = ContinuousBatchingConfig(page_size=32, max_batch_tokens=512)
     cache = bcache.KiviPagedCache(model.config, cb, "cpu", layout=layout, cache_memory=2 * 1024**2,
                                   packed_backend=packed)
-    return (TORCH if all(lay is None for lay in cache._kernel_layouts) else OK), ""
+    return (TORCH if all(kernel is None for kernel in cache._kernels) else OK), ""
 
 
 def _vllm(cfg, backend, facts, mp):

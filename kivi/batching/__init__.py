@@ -2,12 +2,11 @@
 
 :func:`init_continuous_batching` and :func:`generate_batch` are the entry points; see
 docs/serving.md, "KIVI pages in transformers' continuous batching". Modules: ``version`` (the tested transformers
-versions), ``layout`` (bytes of a KIVI block: pages of every layer, window blocks), ``allocator`` (block
-bookkeeping and each request's KIVI state), ``paged_cache`` (the paged cache's forward), ``decode`` (a decode
-step's block tables, counts and window rows for the paged decode kernel, :mod:`kivi.paged.decode`),
-``paged_attention`` (the ``"kivi_paged"`` attention over packed pages), ``manager`` (the entry points),
-``requests`` (the checks of a request before it is scheduled), ``usage`` (what the blocks are doing now). Page
-reads and writes are :mod:`kivi.cache.pages`'.
+versions), ``layout`` (bytes of a KIVI block: every layer's unit of the paged core's geometry), ``allocator`` (block
+bookkeeping and each request's KIVI state), ``paged_cache`` (the paged cache: the core's step,
+:func:`kivi.paged.forward.paged_step`, over transformers' block tables), ``paged_attention`` (the ``"kivi_paged"``
+attention that runs it), ``manager`` (the entry points), ``requests`` (the checks of a request before it is
+scheduled), ``usage`` (what the blocks are doing now).
 """
 
 from .layout import PageLayout, build_layout, fp_block_bytes

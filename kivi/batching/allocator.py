@@ -4,9 +4,9 @@ It subclasses transformers' ``FullAttentionCacheAllocator`` (block tables, refer
 hashes and the free pool stay transformers' own) and changes what a block is and what a request needs:
 
 * a block is ``layout.block_bytes`` bytes of KIVI pages (:mod:`kivi.batching.layout`);
-* a request also holds window blocks (its full-precision sinks and windows): as many as its length
-  needs (``layout.request_window_blocks``, at most ``layout.window_blocks``), taken with its pages when
-  it gets cache (so the scheduler's free-block arithmetic counts them, and what is held is what is
+* a request also holds window blocks (its full-precision sinks and windows, every layer's ring blocks): as many
+  as its length needs (``layout.request_window_blocks``, at most ``layout.window_blocks``), taken with its pages
+  when it gets cache (so the scheduler's free-block arithmetic counts them, and what is held is what is
   reported) and given back when it is freed;
 * each request has a :class:`RequestState`: its window blocks, its token count and the prompt tokens it took
   from other requests' pages; how many of its tokens are in the sink, in pages and in the window follows from
@@ -34,7 +34,8 @@ from transformers.generation.continuous_batching.cache_allocators.cache_allocato
 
 from ..cache.schedule import KEY_AXIS, VALUE_AXIS, side_tokens
 from ..paged.counts import side_counts
-from .layout import PageLayout, window_view
+from ..paged.ring import slot_place
+from .layout import PageLayout
 
 
 @dataclass
@@ -43,17 +44,14 @@ class RequestState:
 
     ``tokens``: the tokens its cache holds once the running forward is done; ``shared``: prompt tokens taken
     quantized from other requests' pages (the sink and whole pages; 0: none), so its sink / stored / window counts
-    are :func:`kivi.paged.counts.side_counts` of them. ``window_blocks``: its window block ids; ``window_index``:
-    long ``[layers, 2, slots, 2]`` = (block id, row) of every full-precision row slot they hold.
+    are :func:`kivi.paged.counts.side_counts` of them. ``window_blocks``: its window block ids (ring block ``j``
+    of every layer is unit ``layer`` of ``window_blocks[j]``: :meth:`kivi.batching.layout.PageLayout.rings`).
     """
 
     tokens: int = 0
     shared: int = 0
     window_blocks: list[int] = field(default_factory=list)
-    window_index: torch.Tensor | None = None
-    #: long ``[layers, 2, slots]``: the same slots' row ids (``block * rows_per_block + row``, the kernel's)
-    window_ids: torch.Tensor | None = None
-    #: ``[layers, 2, S, H, D]`` sink rows of a shared prefix, written to the window blocks when they are taken
+    #: ``[layers, S, H, 2D]`` sink rows of a shared prefix, written to the window blocks when they are taken
     shared_sink: torch.Tensor | None = None
     #: leading tokens whose pages were freed (sliding-window models: out of every query's reach)
     evicted: int = 0
@@ -101,7 +99,7 @@ class KiviPageAllocator(FullAttentionCacheAllocator):
         self.requests: dict[str, RequestState] = {}
         #: sink tokens of every layer (prefix hashes start after them); ``None``: layers differ, no sharing
         self.sink_tokens = prefix_sink_tokens(layout)
-        #: first page's block id -> (its hash, the sink rows ``[layers, 2, S, H, D]`` of the request that
+        #: first page's block id -> (its hash, the sink rows ``[layers, S, H, 2D]`` of the request that
         #: hashed it); an entry is valid while the ledger still maps the block to that hash
         self.prefix_sinks: dict[int, tuple[int, torch.Tensor]] = {}
         self._before_cache_tensor_init(index=index, layer_indices=layer_indices, tokens_per_page=layout.page_size,
@@ -110,7 +108,7 @@ class KiviPageAllocator(FullAttentionCacheAllocator):
     def register_cache_tensor(self, bytes_per_sector: int, non_trash_bytes: int, cache_tensor: torch.Tensor,
                               pool) -> None:
         self._copy_view = cache_tensor.view(-1, self.bytes_per_block)
-        self._rows = window_view(cache_tensor, self.layout)  # the full-precision rows (sinks travel through it)
+        self._rings = [self.layout.rings(cache_tensor, i) for i in range(self.layout.num_layers)]  # sinks travel here
         self._after_cache_tensor_init(non_trash_bytes, bytes_per_sector, cache_tensor, pool)
 
     # ------------------------------------------------------------------ per-request state
@@ -126,19 +124,22 @@ class KiviPageAllocator(FullAttentionCacheAllocator):
         return max(0, self.layout.request_window_blocks(tokens) - held)
 
     def _grow_window_blocks(self, request_id: str, tokens: int) -> None:
-        """Give the request the window blocks a length of ``tokens`` needs (slots never move: layout.window_index)."""
+        """Give the request the window blocks a length of ``tokens`` needs (more blocks move no row)."""
         missing = self._missing_window_blocks(request_id, tokens)
         st = self.state(request_id)
         if not missing:
             return
-        lay = self.layout
         st.window_blocks = st.window_blocks + self.pool.get_free_blocks(self.index, missing)
-        st.window_ids = lay.window_ids(st.window_blocks)
-        st.window_index = lay.window_index(st.window_blocks)
         if st.shared_sink is not None:  # a shared prefix's sink: the request's own full-precision rows
-            idx = st.window_index[:, :, : st.shared_sink.shape[2]]  # [layers, 2, S, 2]
-            self._rows[idx[..., 0], idx[..., 1]] = st.shared_sink
+            block, row = self._sink_slots(st.window_blocks)
+            for rings, rows in zip(self._rings, st.shared_sink):
+                rings[block, :, row] = rows
             st.shared_sink = None
+
+    def _sink_slots(self, window_blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block id, row) of the sink slots ``[0, S)`` in every layer's rings (:mod:`kivi.paged.ring`)."""
+        index, row = slot_place(torch.arange(self.sink_tokens or 0), self.layout.window_tokens)
+        return torch.tensor(window_blocks, dtype=torch.long)[index], row
 
     def quantized_blocks(self, request_id: str) -> int:
         """Leading blocks of the request whose tokens are quantized in every layer, on both sides."""
@@ -260,8 +261,8 @@ class KiviPageAllocator(FullAttentionCacheAllocator):
     def _keep_prefix_sink(self, request_id: str, block: int, block_hash: int) -> None:
         for b in [b for b in self.prefix_sinks if self._prefix_sink(b) is None]:  # drop stale entries
             del self.prefix_sinks[b]
-        idx = self.requests[request_id].window_index[:, :, : self.sink_tokens]  # [layers, 2, S, 2]
-        self.prefix_sinks[block] = (block_hash, self._rows[idx[..., 0], idx[..., 1]].clone())
+        at, row = self._sink_slots(self.requests[request_id].window_blocks)
+        self.prefix_sinks[block] = (block_hash, torch.stack([rings[at, :, row] for rings in self._rings]))
 
     def fork_blocks(self, source_request_id: str, dest_request_id: str, past_length: int):
         raise NotImplementedError("KIVI pages do not support forking requests (num_return_sequences > 1)")

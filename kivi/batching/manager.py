@@ -6,9 +6,9 @@ changes: its cache is a :class:`~kivi.batching.paged_cache.KiviPagedCache` of ``
 ``num_blocks = cache_memory // float block bytes``); a request is checked by ``add_request`` /
 ``add_requests`` before it is queued (:mod:`kivi.batching.requests`: prompt type, ids, context,
 ``max_new_tokens``) and refused (``ValueError``) when it can never fit the budget, instead of failing in
-the generation loop or waiting forever; a model switched to kivi's
-``"kivi"`` attention by :func:`kivi.quantize_model` runs transformers' ``sdpa`` while the manager runs
-(the paged cache hands attention dequantized tensors) and gets ``"kivi"`` back when it stops.
+the generation loop or waiting forever; with KIVI pages the model runs the ``"kivi_paged"`` attention while the
+manager runs (:mod:`kivi.batching.paged_attention`: the paged core's step per layer) and gets its own back when
+it stops.
 
 The hook (``_create_batch_processor``) is private transformers code: versions other than the tested
 ones are refused (:mod:`kivi.batching.version`).
@@ -31,7 +31,7 @@ from transformers.generation.continuous_batching.continuous_api import (
 )
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
-from ..backends import ATTN_IMPLEMENTATION, Backend, backend_named, model_attention_unsupported
+from ..backends import ATTN_IMPLEMENTATION, Backend, backend_named
 from ..capabilities import reasons
 from ..config import KiviConfig
 from ..sampling import is_greedy_temperature
@@ -76,22 +76,22 @@ class KiviBatchingManager(ContinuousBatchingManager):
         super().__init__(model, generation_config, continuous_batching_config, workload_hints)
 
     def switch_to_cb_friendly_attn(self, model: Any, auto_switch_to_flash: bool = True) -> None:
-        """With a packed backend the model runs ``"kivi_paged"`` attention (each request reads its pages);
-        otherwise transformers' choice, where kivi's ``"kivi"`` attention (quantize_model) becomes ``sdpa``, and
+        """With KIVI pages the model runs ``"kivi_paged"`` attention (the paged core's step per layer); with the
+        float cache transformers' choice, where kivi's ``"kivi"`` attention (quantize_model) becomes ``sdpa``, and
         so does ``eager`` on CPU when the model supports SDPA (transformers would run ``paged|eager``: the same
         batch mask, about half the speed of SDPA there)."""
         current = model.config._attn_implementation
-        if (self.packed_backend is None and current == "eager" and getattr(model, "_supports_sdpa", False)
-                and getattr(model.device, "type", "cpu") == "cpu"):
-            model.set_attn_implementation("sdpa")
-            super().switch_to_cb_friendly_attn(model, auto_switch_to_flash)
-            self._original_attn_impl = current
-            return
-        if self.packed_backend is not None:
+        if self.layout is not None:
             if current != PAGED_ATTN_IMPLEMENTATION:
                 model.set_attn_implementation(PAGED_ATTN_IMPLEMENTATION)
                 if self._original_attn_impl is None:
                     self._original_attn_impl = current
+            return
+        on_cpu = getattr(model.device, "type", "cpu") == "cpu"
+        if current == "eager" and getattr(model, "_supports_sdpa", False) and on_cpu:
+            model.set_attn_implementation("sdpa")
+            super().switch_to_cb_friendly_attn(model, auto_switch_to_flash)
+            self._original_attn_impl = current
             return
         if current == ATTN_IMPLEMENTATION:
             model.set_attn_implementation("sdpa")
@@ -197,21 +197,20 @@ def _check_kivi_cb_config(cb: ContinuousBatchingConfig) -> None:
     cb.max_blocks_per_request = 0
 
 
-def pages_attention_backend(kivi_config: KiviConfig, model: Any) -> str | None:
-    """How attention reads KIVI pages for ``kivi_config.attention_backend``: ``"cpu"`` (packed, kivi's CPU
-    kernels; what ``"auto"`` is on CPU) or ``None`` (``"reference"``, and ``"auto"`` off CPU: the pages
-    dequantized one layer at a time, transformers' attention). ``"triton"`` is refused."""
+def pages_attention_backend(kivi_config: KiviConfig, model: Any) -> str:
+    """The backend of the paged step for ``kivi_config.attention_backend``: ``"cpu"`` (kivi's CPU kernels; what
+    ``"auto"`` is on CPU) or ``"reference"`` (dequantized request by request; ``"auto"`` off CPU). ``"triton"``
+    and models whose attention kivi does not implement (logit softcapping, attention sinks) are refused."""
     requested = kivi_config.attention_backend
     device = getattr(getattr(model, "device", None), "type", "cpu")
-    backend = "cpu" if requested == "auto" and device == "cpu" else requested
-    if backend == "auto":
-        return None
-    why = [r for r in reasons(kivi_config, "batching", backend, model_config=model.config) if not r.everywhere]
-    if why and requested != "auto":
+    backend = requested if requested != "auto" else "cpu" if device == "cpu" else "reference"
+    why = [r for r in reasons(kivi_config, "batching", backend, model_config=model.config)
+           if not r.everywhere or r.kind == "model"]
+    if why and (requested != "auto" or any(r.kind == "model" for r in why)):
         r = why[0]
         raise ValueError(f"attention_backend={requested!r} " + (
-            f"cannot run this model: {r}; use 'reference'" if r.kind == "model" else str(r)))
-    return "cpu" if backend == "cpu" and not why else None
+            f"cannot run this model with KIVI pages: {r}" if r.kind == "model" else str(r)))
+    return backend if not why else "reference"
 
 
 def _greedy_if_tiny_temperature(gen: GenerationConfig) -> GenerationConfig:
@@ -261,19 +260,6 @@ def init_continuous_batching(model: Any, kivi_config: KiviConfig | None, *, cach
         _check_kivi_cb_config(cb)
         layout = build_layout(model.config, kivi_config, cb.page_size, model.dtype)
         packed_backend = pages_attention_backend(kivi_config, model)
-        sliding = [i for i, w in enumerate(layout.sliding_windows) if w is not None]
-        if sliding and packed_backend is None:
-            if kivi_config.attention_backend == "reference" and not model_attention_unsupported(model.config):
-                packed_backend = "reference"  # kivi's reference attention over the page views, window per request
-            else:
-                raise ValueError(
-                    f"the model has sliding-window layers ({', '.join(map(str, sliding[:8]))}) and "
-                    f"attention_backend={kivi_config.attention_backend!r} resolves to transformers' attention over "
-                    "dequantized pages, whose batch mask has no sliding window for KIVI pages; use "
-                    "attention_backend='cpu' or 'reference' (kivi's attention applies the window per request)"
-                    + (f" — not possible here: {model_attention_unsupported(model.config)}"
-                       if model_attention_unsupported(model.config) else "")
-                )
     elif cache_memory is not None:
         cb.num_blocks = max(1, cache_memory // fp_block_bytes(text, model.dtype, cb.page_size))
     if gen.eos_token_id is None:

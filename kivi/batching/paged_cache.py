@@ -1,24 +1,19 @@
 """`KiviPagedCache`: transformers' ``PagedAttentionCache`` whose blocks hold KIVI pages.
 
 What changes against the float paged cache (everything else — scheduling, block tables, the ledger of
-shared blocks, the batch's attention mask — is transformers' own):
+shared blocks — is transformers' own; no batch attention mask is built):
 
 * **prefix hashes** are kivi's (:meth:`KiviPageAllocator.page_hashes`: with sink tokens a page's
   content depends on ``S`` tokens past transformers' block), and sharing counts the sink;
 * **size**: the number of blocks is ``cache_memory // layout.block_bytes`` (the packed block size),
   and no trash sectors are reserved (nothing reads or writes through indices);
-* **update** (one call per layer and forward): for every request of the batch, what attention sees
-  is its sink, its pages dequantized (all requests' pages of this layer in one gather and one
-  dequantization), its window and its new tokens, in full precision, concatenated in the batch's
-  order (transformers' SDPA / eager attention then runs over it with its varlen mask: at most one
-  layer of the batch's context is dequantized at a time; a chunk's queries all see the cache as it was
-  before the chunk: tensors cannot carry a per-query boundary). In the packed mode it hands attention
-  each request's :class:`~kivi.cache.view.AttentionView` instead, with :class:`KiviLayer`'s per-query
-  boundary for a chunk into a request that holds tokens (:func:`kivi.paged.step.request_view`).
-  Then, as in :class:`kivi.cache.KiviLayer`,
-  tokens leave the window (keys in whole groups of ``G`` once ``R`` newer remain, values beyond
-  ``R``), are quantized (one :func:`kivi.paged.step.quantize_leaving` per side for the whole batch) and
-  written to their pages (:func:`kivi.paged.step.commit`).
+* **the step** (one per layer and forward): ``update`` hands the ``"kivi_paged"`` attention the batch's new keys
+  and values (:class:`~kivi.batching.paged_attention.StepInput`), which hands them back with the queries to
+  :meth:`KiviPagedCache.attend`: the paged core's step (:func:`kivi.paged.forward.paged_step`, the vLLM plugin's)
+  over this cache's block tables and window blocks — each request reads its sink, pages, window and new tokens
+  with :class:`kivi.cache.KiviLayer`'s per-query boundary (decode rows in one paged decode kernel call), then what
+  leaves the windows is quantized and written to the pages and the new rows to the rings, all or nothing.
+  A block is every layer's unit of the core's geometry (:mod:`kivi.batching.layout`), so one step serves both hosts.
 
 The batch's requests reach ``update`` through the one side channel transformers leaves:
 ``extend_read_and_write_indices`` is called once per request, in batch order, while the batch is
@@ -30,7 +25,6 @@ and the first layer's ``update`` takes that list for the whole forward. Synchron
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 from typing import Any
 
 import torch
@@ -39,19 +33,12 @@ from transformers.generation.continuous_batching.cache_allocators import FULL_AT
 from transformers.generation.continuous_batching.requests import RequestState as HFRequestState
 from transformers.generation.continuous_batching.requests import RequestStatus
 
-from ..attention.fused_cpu.paged import RingRows
-from ..cache.pages import gather_pages, page_store
-from ..cache.view import AttentionView
-from ..capabilities import kernel_reasons
-from ..optional import numba_problem
-from ..paged.counts import side_counts
-from ..paged.decode import PagedDecode
-from ..paged.step import Leaving, Pages, Pending, commit, exits, kept_rows, request_side
-from ..quant.kv import dequantize_kv
+from ..paged.decode_call import decode_kernel
+from ..paged.forward import StepBatch, paged_step
+from ..paged.plan import step_plan
 from .allocator import KiviPageAllocator
-from .decode import DecodeStep, decode_counts, decode_step
-from .layout import SIDES, PageLayout, field_views, window_view
-from .paged_attention import PagedBatchViews
+from .layout import PageLayout
+from .paged_attention import StepInput
 
 TRANSFORMERS_MAX_BATCH_TOKENS = 8192  # transformers' default where a config gives none (PagedAttentionMemoryHandler)
 
@@ -67,10 +54,10 @@ class KiviPagedCache(PagedAttentionCache):
         self.dtype = layout.dtype
         self.device = device
         self.layout = layout
-        #: ``None``: update returns the batch's keys / values dequantized (transformers' SDPA reads them);
-        #: a backend (``"cpu"`` / ``"reference"``: a :class:`kivi.backends.Backend` or its name): it returns
-        #: :class:`PagedBatchViews` that kivi's backend reads packed
+        #: the attention backend of the step (``"cpu"`` / ``"reference"``: a :class:`kivi.backends.Backend` or its
+        #: name; ``None``: ``"reference"``)
         self.packed_backend = packed_backend
+        self._backend = getattr(packed_backend, "name", packed_backend) or "reference"
         self.max_blocks_per_request = 0  # no decode fast path: no kernel reads KIVI pages by block table
         allocator = KiviPageAllocator(0, list(range(layout.num_layers)), layout,
                                       continuous_batching_config.allow_block_sharing)
@@ -98,21 +85,21 @@ class KiviPagedCache(PagedAttentionCache):
         self.read_cache_limit = None
         self.max_decode_fast_path_length = 0
         self.max_tokens_read = layout.page_size * self.num_blocks
-        self._views = field_views(self.cache_tensor, layout)
-        self._rows = window_view(self.cache_tensor, layout)
-        #: per layer, the paged decode kernel's view of its fields (``None``: that layer's decoding requests are
-        #: read one by one — materialized or reference mode, numba absent, a sliding window, compensation codes)
-        backend, numba = getattr(packed_backend, "name", packed_backend) or "reference", numba_problem() or ""
-        scales = [layout.layer_fields(i, "k")["scale"].dtype for i in range(layout.num_layers)]
-        self._kernel_layouts = [
-            None if kernel_reasons(cfg, "batching", backend, numba=numba, sliding=w is not None, param_dtype=scales[i])
-            else layout.kernel_layout(i)
-            for i, (cfg, w) in enumerate(zip(layout.layer_configs, layout.sliding_windows))]
-        self._decode: DecodeStep | None = None  # the running forward's decoding requests
+        # per layer: its units of the pool as the core's step reads them, its k window rings (all in the same
+        # blocks), and the batched paged decode kernel over them (None: decode rows go request by request)
+        self._pages = [layout.pages(self.cache_tensor, i) for i in range(layout.num_layers)]
+        self._rings = [[layout.rings(self.cache_tensor, i)] * geo.window_rings
+                       for i, geo in enumerate(layout.geometries)]
+        self._kernels = [
+            None if w is not None else decode_kernel(cfg, geo, self._backend, pages, rings, host="batching")
+            for cfg, geo, w, pages, rings in zip(layout.layer_configs, layout.geometries, layout.sliding_windows,
+                                                 self._pages, self._rings)]
         self._next_batch: list[tuple[str, int, int]] = []  # filled while a batch is prepared
         self._batch: list[tuple[str, int, int]] = []  # the batch of the running forward
-        #: largest keys + values (bytes) one update handed to attention: the dequantized transient of one layer
-        self.max_dequantized_bytes = 0
+        self._step: StepBatch | None = None  # its tables, the same for every layer
+        self._plans: dict[int, Any] = {}  # its schedule (kivi.paged.plan.step_plan) by the first layer of each config
+        pairs = list(zip(layout.layer_configs, layout.geometries))
+        self._plan_of = [pairs.index(pair) for pair in pairs]  # layers of equal config and geometry share a plan
         #: prompt tokens requests took from other requests' pages instead of computing them
         self.shared_tokens = 0
 
@@ -166,220 +153,73 @@ class KiviPagedCache(PagedAttentionCache):
 
     # ------------------------------------------------------------------ the forward
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[1, H, n, D]`` new keys / values of the batch -> ``[1, H, sum(past + q), D]`` for attention."""
-        alloc = self.allocator
-        kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][alloc.layer_type].to(torch.int32)
-        kwargs["max_length_k"] = kwargs["max_length_k"][alloc.layer_type]
+               kwargs: dict[str, Any]) -> tuple[StepInput, StepInput]:
+        """``[1, H, n, D]`` new keys / values of the batch -> the layer's :class:`StepInput` (both sides), which the
+        ``"kivi_paged"`` attention hands back to :meth:`attend` with the queries."""
         if kwargs.get("block_table") is not None:
             raise NotImplementedError("KIVI pages cannot be read by a block-table (flash) kernel")
         if layer_idx == 0:
-            self._batch, self._next_batch = self._next_batch, []
-            for rid, past, q in self._batch:
-                self.allocator.state(rid).tokens = past + q
-            if self.layout.evicting_window is not None:  # before the views: as KiviLayer, at a forward's start
-                for rid, past, _ in self._batch:
-                    self.allocator.evict_pages(rid, past)
-            self._decode = None
-            if any(lay is not None for lay in self._kernel_layouts):
-                alloc = self.allocator
-                self._decode = decode_step(self._batch, [alloc.state(rid) for rid, _, _ in self._batch],
-                                           alloc.block_table, self.layout)
+            self._start_forward()
         n = key_states.shape[-2]
-        if sum(q for _, _, q in self._batch) != n:
+        if self._step is None or self._step.query_start[-1] != n:
             raise RuntimeError(
                 f"KiviPagedCache.update got {n} new tokens but the prepared batch has "
                 f"{sum(q for _, _, q in self._batch)}; was the batch prepared by transformers' continuous batching?")
-        keys, values = self.layer_forward(layer_idx, key_states[0], value_states[0], self._batch)
-        if isinstance(keys, PagedBatchViews):
-            return keys, values
-        self.max_dequantized_bytes = max(self.max_dequantized_bytes,
-                                         keys.numel() * keys.element_size() * 2)
-        return keys.unsqueeze(0), values.unsqueeze(0)
+        step = StepInput(self, layer_idx, key_states[0].transpose(0, 1), value_states[0].transpose(0, 1))
+        return step, step
 
-    def layer_forward(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
-                      batch: list[tuple[str, int, int]]) -> tuple[Any, Any]:
-        """One layer of one forward: ``keys`` / ``values`` ``[H, n, D]`` (the batch's new tokens, in batch
-        order) -> what attention sees: ``[H, sum(past + q), D]`` tensors (materialized mode) or a
-        :class:`PagedBatchViews` per side (packed mode); then moves tokens out of the windows."""
+    def _start_forward(self) -> None:
+        """At a forward's first layer: the batch transformers prepared, each request's token count, evictions, and
+        the step's tables (the same for every layer; a layer's ring table is its first ``k`` columns)."""
         alloc, lay = self.allocator, self.layout
-        cfg = lay.layer_configs[layer]
-        states = [alloc.state(rid) for rid, _, _ in batch]
-        for (rid, past, q), st in zip(batch, states):
-            if not st.window_blocks:
-                raise RuntimeError(f"request {rid} has no KIVI window blocks (its cache was never allocated)")
+        self._batch, self._next_batch = self._next_batch, []
+        states = []
+        for rid, past, q in self._batch:
+            st = alloc.state(rid)
+            st.tokens = past + q
+            if lay.evicting_window is not None:  # before the reads: as KiviLayer, at a forward's start
+                alloc.evict_pages(rid, past)
+            if not st.window_blocks or len(st.window_blocks) < lay.request_window_blocks(past + q):
+                raise RuntimeError(f"request {rid} holds {len(st.window_blocks)} KIVI window blocks, {past + q} tokens "
+                                   f"need {lay.request_window_blocks(past + q)} (its cache was not allocated)")
             if st.shared > past:
                 raise RuntimeError(f"request {rid}: it shares {st.shared} prompt tokens, more than its past ({past})")
-            if st.window_index.shape[2] < lay.window_slots(past + q):
-                raise RuntimeError(f"request {rid}: its window blocks hold {st.window_index.shape[2]} row slots, "
-                                   f"{past + q} tokens need {lay.window_slots(past + q)} (allocated for fewer tokens?)")
-        qs = [q for _, _, q in batch]
-        # (sink, stored) of each request's sides before the forward: the schedule's, a function of its token
-        # count (kivi.paged.counts; no stateful copy)
-        counts = [[side_counts(cfg, side, past, st.shared)[:2] for side in SIDES]
-                  for (_, past, _), st in zip(batch, states)]
-        dec = self._decode_rows(layer, counts)
-        # Both sides are read before either is written; commit quantizes both before writing anything: a refused
-        # value (NaN) leaves the layer's pages and windows exactly as they were.
-        sides = [self._side_forward(layer, s, side, cfg, new.split(qs, dim=1), batch, states,
-                                    [c[s] for c in counts], dec)
-                 for s, (side, new) in enumerate((("k", keys), ("v", values)))]
-        seen = [side[0] for side in sides]
-        if dec:
-            rows = [batch[j] for j, _ in dec]
-            picked = [k for _, k in dec]
-            table = self._decode.table if len(picked) == len(self._decode.rows) else self._decode.table[picked]
-            decode = PagedDecode(self.cache_tensor, self._kernel_layouts[layer], table,
-                                 decode_counts(cfg, [p for _, p, _ in rows], [states[j].shared for j, _ in dec]),
-                                 sides[0][2], sides[1][2], cfg.sink_tokens,
-                                 getattr(self.packed_backend, "name", self.packed_backend))
-            seen = [dataclasses.replace(v, decode=decode, decode_rows=tuple(j for j, _ in dec)) for v in seen]
-        commit([side[1][:2] for side in sides], *(side[1][2] for side in sides))
-        return seen[0], seen[1]
+            states.append(st)
+        qs, starts = [q for _, _, q in self._batch], [0]
+        for q in qs:
+            starts.append(starts[-1] + q)
+        # page tables (EVICTED pages, freed by a sliding window, are never read: any block id stands in)
+        tables = [[max(b, 0) for b in alloc.block_table.get(rid, [])] for rid, _, _ in self._batch]
+        width = max([1] + [len(t) for t in tables])
+        device = self.cache_tensor.device
+        page_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                  device=device).reshape(len(tables), width)
+        k = lay.window_blocks
+        ring_table = torch.tensor([(st.window_blocks + [0] * k)[:k] for st in states], dtype=torch.int32,
+                                  device=device).reshape(len(states), k)
+        shared = [st.shared for st in states]
+        self._step = StepBatch(starts, [p + q for _, p, q in self._batch], page_table, ring_table, None,
+                               shared if any(shared) else None,
+                               [st.evicted for st in states] if lay.evicting_window is not None else None)
+        self._plans = {}
 
-    def _decode_rows(self, layer: int, counts: list) -> list[tuple[int, int]]:
-        """``(batch position, row of the DecodeStep)`` of the requests one paged decode kernel call reads at
-        ``layer``: one query token and something quantized or in the sink (a request holding only its
-        window attends with SDPA, as one-request generate() does)."""
-        if self._decode is None or self._kernel_layouts[layer] is None:
-            return []
-        return [(j, k) for k, j in enumerate(self._decode.rows)
-                if any(sink or stored for sink, stored in counts[j])]
-
-    def _side_forward(self, layer: int, s: int, side: str, cfg: Any, news: tuple[torch.Tensor, ...],
-                      batch: list[tuple[str, int, int]], states: list, counts: list[tuple[int, int]],
-                      dec: list[tuple[int, int]]) -> tuple[Any, tuple[Leaving, Pages, Any], RingRows | None]:
-        """What attention sees of one side ``[H, sum(past + q), D]``, the side's writes for
-        :func:`kivi.paged.step.commit` (its leaving tokens, their pages, and the function that writes the new
-        tokens below the sink slots or staying in the window to their slots: :func:`kivi.paged.step.kept_rows`),
-        and the full-precision rows of the requests in ``dec`` as the paged decode kernel reads them in place
-        (:class:`RingRows`; they get no view).
-
-        The window is a ring in its slots (:meth:`PageLayout.window_slot`): tokens that leave it are read
-        (those that go to the sink or the pages) and never moved, the ones that stay are never rewritten."""
-        alloc, lay = self.allocator, self.layout
-        P = lay.page_size
-        dtype = news[0].dtype
-        views = self._views[(layer, side)]
-        S, ring = cfg.sink_tokens, lay.ring_slots(layer)
-        # what leaves each request's window in this forward: kivi.paged.step's one rule
-        moves = [exits(cfg, side, past, q, sink, stored) for (_, past, q), (sink, stored) in zip(batch, counts)]
-        # 1. every request's pages of this layer and side: one gather, one dequantization (materialized mode)
-        blocks: list[int] = []
-        starts: list[int] = []
-        for (rid, _, _), (_, stored) in zip(batch, counts):
-            starts.append(len(blocks) * P)
-            blocks.extend(alloc.block_table[rid][: lay.token_blocks(stored)])
-        meta = dict(fmt=cfg.side_format(side), head_dim=lay.head_dim)
-        deq = None
-        if blocks and self.packed_backend is None:
-            seg = gather_pages(views, torch.tensor(blocks, dtype=torch.long, device=self.cache_tensor.device), **meta)
-            deq = dequantize_kv(seg, dtype)[0]  # [H, N * P, D]
-        # 2. the decoding requests of ``dec``: their rows stay in place (one kernel call reads them); only the
-        # rows that leave their windows are read, all in one gather, and the slots this step writes found
-        rows_in, dec_writes, leaving = None, [], {}
-        if dec:
-            table = self._decode.slots[layer, s]  # int32 [N_all, window_rows]
-            picked = [k for _, k in dec]
-            reads, writes, spans = ([], []), ([], []), []
-            for j, k in dec:
-                (_, past, _), (sink, stored) = batch[j], counts[j]
-                take, move = moves[j]
-                lo, out = sink + stored, min(sink + stored + take + move, past)
-                for t in range(lo, out):
-                    reads[0].append(k)
-                    reads[1].append(lay.window_slot(layer, t))
-                spans.append((j, out - lo, lo + take + move - out))
-                if kept_rows(past, 1, S, lo + take + move):  # the new token: its sink slot, or its ring slot
-                    writes[0].append(k)
-                    writes[1].append(lay.window_slot(layer, past))
-            per_block = lay.rows_per_block
-            ids = table[torch.tensor(reads[0] + writes[0], dtype=torch.long),
-                        torch.tensor(reads[1] + writes[1], dtype=torch.long)].long()
-            rid_ = ids[: len(reads[0])]
-            got = self._rows[rid_ // per_block, rid_ % per_block]  # [n, H, D] (a copy: read before any write)
-            at = 0
-            for j, n_ring, n_new in spans:
-                parts = [got[at: at + n_ring].transpose(0, 1)] if n_ring else []
-                at += n_ring
-                if n_new:  # leaves in its own step (R = 0)
-                    parts.append(news[j][:, :n_new])
-                if parts:
-                    leaving[j] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-            wid = ids[len(reads[0]):]
-            dec_writes = [wid // per_block, wid % per_block]
-            slots = table[:, : S + ring] if len(picked) == table.shape[0] else table[picked, : S + ring]
-            rows_in = RingRows(self._rows, slots, torch.cat([news[j] for j, _ in dec], dim=1).transpose(0, 1))
-        # 3. what attention sees of the other requests, request by request: sink, pages, window, new tokens
-        parts: list[torch.Tensor] = []
-        pendings: dict[int, Pending] = {}
-        attn_views: list[AttentionView | None] = []
-        decoding = {j for j, _ in dec}
-        for j, ((rid, past, _q), st, new, start) in enumerate(zip(batch, states, news, starts)):
-            if j in decoding:
-                attn_views.append(None)
-                continue
-            sink, stored = counts[j]
-            evicted, store = min(st.evicted, stored), None  # sliding-window models: pages freed (no sink there)
-            if self.packed_backend is not None:
-                table = alloc.block_table[rid][evicted // P: lay.token_blocks(stored)]
-                store = page_store(views, table, sink, stored, P, **meta, evicted=evicted)
-            read = partial(self._read_rows, st.window_index[layer, s], layer)
-            pendings[j], sink_t, view = request_side(cfg, side, new, past, counts[j], read, store, start=evicted)
-            if view is not None:
-                attn_views.append(view)
-                continue
-            if sink_t is not None:
-                parts.append(sink_t)
-            if stored:
-                parts.append(deq[:, start: start + stored])
-            parts.append(pendings[j].rows)
-        if self.packed_backend is not None:
-            seen = PagedBatchViews(tuple(attn_views), tuple(q for _, _, q in batch), self.packed_backend)
-        else:
-            seen = torch.cat(parts, dim=1)
-        del deq
-        # 4. what is due out of the windows (quantized by commit, once for the batch), the slots to write
-        out, tables = Leaving(cfg, side), []
-        row_slots, row_values, dec_values = [], [], []  # (block, row) and rows of the other requests; decoding's
-        for j, ((rid, past, _q), st, new, (take, move)) in enumerate(zip(batch, states, news, moves)):
-            sink, stored = counts[j]
-            values = dec_values if j in decoding else row_values  # in the order of their slots' lists
-            if move:  # store positions [stored, stored + move): the request's pages from stored // P on
-                first = stored // P
-                tables.append(alloc.block_table[rid][first: lay.token_blocks(stored + move)])
-                part = pendings[j] if j in pendings else leaving[j][:, take: take + move]
-                out.add(part, [(len(tables) - 1, stored - first * P, move)])
-            for first, end in kept_rows(past, new.shape[1], S, sink + stored + take + move):
-                values.append(new[:, first - past: end - past])
-                if j in pendings:
-                    row_slots.append(st.window_index[layer, s][lay.window_slot(layer, torch.arange(first, end))])
-        width = max((len(t) for t in tables), default=0)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long,
-                             device=self.cache_tensor.device).reshape(len(tables), width)
-        per_row = {f.name: f.tokens_per_row for f in self.layout.layer_fields(layer, side).values()}
-
-        def write_rows() -> None:
-            blocks_at, rows_at = [], []
-            if row_values:
-                ridx = torch.cat(row_slots, dim=0)  # [n, 2]: (block, row)
-                blocks_at.append(ridx[:, 0])
-                rows_at.append(ridx[:, 1])
-            if dec_values:
-                blocks_at.append(dec_writes[0])
-                rows_at.append(dec_writes[1])
-            if blocks_at:
-                self._rows[torch.cat(blocks_at), torch.cat(rows_at)] = torch.cat(
-                    [r.transpose(0, 1) for r in row_values + dec_values], dim=0).to(self._rows.dtype)  # [n, H, D]
-
-        return seen, (out, Pages(views, per_row, table, P), write_rows), rows_in
-
-    def _read_rows(self, index: torch.Tensor, layer: int, lo: int, hi: int) -> torch.Tensor:
-        """Full-precision rows ``[H, hi - lo, D]`` of positions ``[lo, hi)`` of one request's side (a copy, in token
-        order): ``index`` its ``[slots, 2]`` (block, row) of :attr:`RequestState.window_index`, the ring's slots
-        :meth:`PageLayout.window_slot`."""
-        w = index[self.layout.window_slot(layer, torch.arange(lo, hi))]
-        return self._rows[w[:, 0], w[:, 1]].transpose(0, 1)
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+               sliding_window: int | None) -> torch.Tensor:
+        """Layer ``layer``'s step (:func:`kivi.paged.forward.paged_step`): ``query [n, Hq, D]``, ``key / value
+        [n, H, D]`` (the batch's new tokens) -> attention ``[n, Hq, D]``; reads the pages and rings, quantizes what
+        leaves the windows and writes it, writes the new rows (all or nothing: a refused value writes nothing)."""
+        lay, step = self.layout, self._step
+        cfg, geo = lay.layer_configs[layer], lay.geometries[layer]
+        window = lay.sliding_windows[layer]
+        plan = self._plans.get(self._plan_of[layer])
+        if plan is None:
+            plan = self._plans[self._plan_of[layer]] = step_plan(cfg, geo, step.query_start, step.seq_lens,
+                                                                step.shared)
+        batch = dataclasses.replace(step, ring_table=step.ring_table[:, : geo.window_rings], plan=plan)
+        out = torch.empty_like(query)
+        kernel = self._kernels[layer]
+        return paged_step(cfg, geo, self._backend, query, key, value, self._pages[layer], self._rings[layer], batch,
+                          scale, out, batched_decode=kernel is not None, kernel=kernel, sliding_window=window)
 
 
 __all__ = ["KiviPagedCache"]

@@ -1,11 +1,10 @@
 """One call of the batched paged decode kernel, for every host and every kernel: :class:`PagedDecode` and
 :func:`run_paged_decode`.
 
-Two hosts read KIVI pages with one kernel call per layer for all their decoding requests: kivi's continuous
-batching (:mod:`kivi.batching`: block tables and window-block row ids of :func:`kivi.batching.decode.decode_step`,
-counts of :func:`kivi.batching.decode.decode_counts`) and the vLLM plugin (:func:`kivi.paged.decode_call.decode_call`:
-vLLM's block tables, the step plan's :class:`kivi.paged.plan.KernelRows`). Each builds one :class:`PagedDecode`
-from its own metadata, the same fields whichever kernel runs:
+Both paged hosts (:mod:`kivi.batching`, :mod:`kivi.vllm`) read KIVI pages with one kernel call per layer for all
+their decoding requests, built by the paged core's step (:func:`kivi.paged.decode_call.decode_call`: the host's block
+tables, the step plan's :class:`kivi.paged.plan.KernelRows`): one :class:`PagedDecode`, the same fields whichever
+kernel runs:
 
 * the pages: ``pool`` (flat uint8 block pool) and its :class:`~kivi.attention.fused_cpu.paged.PagedLayout`;
 * ``block_table`` (``int32 [N, max_pages]``): request ``i``'s store positions ``[jP, (j+1)P)`` in block

@@ -53,11 +53,11 @@ class DecodeKernel:
 
 
 def decode_kernel(cfg: KiviConfig, geo: KiviGeometry, backend: str, pages: torch.Tensor,
-                  rings: list[torch.Tensor]) -> DecodeKernel | None:
-    """The batched paged decode kernel over ``pages`` (one layer's vLLM cache) and its window ``rings``, or
-    ``None`` where it does not apply and decode rows go request by request (see the module docstring: the
-    one rule)."""
-    if kernel_reasons(cfg, "vllm", backend, numba=numba_problem() or "", triton=triton_available(),
+                  rings: list[torch.Tensor], host: str = "vllm") -> DecodeKernel | None:
+    """The batched paged decode kernel over ``pages`` (one layer's cache on ``host``, :mod:`kivi.capabilities`) and
+    its window ``rings``, or ``None`` where it does not apply and decode rows go request by request (see the module
+    docstring: the one rule)."""
+    if kernel_reasons(cfg, host, backend, numba=numba_problem() or "", triton=triton_available(),
                       device=pages.device.type, param_dtype=geo.side_fields("k")["scale"].dtype):
         return None
     pool, ring = block_pool(pages, geo), ring_pool(rings, geo)

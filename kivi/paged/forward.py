@@ -77,8 +77,11 @@ class StepBatch:
     ``query_start`` ``[R+1]`` and ``seq_lens`` ``[R]`` as lists; ``page_table`` ``[R, max_pages]`` (the layer's
     full-attention group) and ``ring_table`` ``[R, k]`` (the request's one block in each of the layer's ``k``
     window rings, vLLM's circular-buffer groups); ``plan``: the step's schedule
-    (:func:`kivi.paged.plan.step_plan` of ``query_start`` / ``seq_lens``, made once per step by the caller;
-    ``None``: :func:`paged_step` makes it).
+    (:func:`kivi.paged.plan.step_plan` of ``query_start`` / ``seq_lens`` / ``shared``, made once per step by the
+    caller; ``None``: :func:`paged_step` makes it). Per request (``None``: 0 for every one): ``shared``, the prompt
+    tokens it took from other requests' pages (transformers' prefix sharing: the sink and whole pages), and
+    ``evicted``, its leading tokens whose pages a sliding window freed (whole pages; their page-table entries are
+    never read).
     """
 
     query_start: list[int]
@@ -86,6 +89,8 @@ class StepBatch:
     page_table: torch.Tensor
     ring_table: torch.Tensor
     plan: StepPlan | None = None
+    shared: list[int] | None = None
+    evicted: list[int] | None = None
 
 
 def _ring_read(rings: list[torch.Tensor], ring_table_row: torch.Tensor, head_dim: int, side: str, sink: int,
@@ -106,12 +111,29 @@ def _ring_read(rings: list[torch.Tensor], ring_table_row: torch.Tensor, head_dim
     return out
 
 
-def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q [1, Hq, n, D]`` (the last ``n`` of ``T`` positions) over ``k / v [1, H, T, D]``, causal bottom-right."""
+def window_mask(n: int, t: int, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Bool ``[1, 1, n, t]`` (True: attend) for the ``n`` newest of ``t`` positions, aligned bottom-right:
+    query ``i`` (position ``p = t - n + i``) sees keys ``k <= p`` and, with a sliding window ``W``,
+    ``k > p - W`` (transformers' ``sliding_window_overlay``). ``None`` when plain causality is all there is
+    to say and the callee applies it (``n == 1`` or ``n == t``, and no key out of the window)."""
+    out_of_window = sliding_window is not None and t > sliding_window
+    if not out_of_window and (n == 1 or n == t):
+        return None
+    ones = torch.ones(n, t, dtype=torch.bool, device=device)
+    mask = ones.tril(t - n)
+    if out_of_window:
+        mask &= ~ones.tril(t - n - sliding_window)
+    return mask[None, None]
+
+
+def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
+    """``q [1, Hq, n, D]`` (the last ``n`` of ``T`` positions) over ``k / v [1, H, T, D]``, causal bottom-right
+    (and only the last ``sliding_window`` keys of each query, when given: :func:`window_mask`)."""
     n, t = q.shape[-2], k.shape[-2]
-    mask = None if n == t else torch.ones(n, t, dtype=torch.bool, device=q.device).tril(t - n)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=n == t and n > 1, scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    mask = window_mask(n, t, sliding_window, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and n == t and n > 1,
+                                          scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 ExactPrefill = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int]], float, torch.Tensor], None]
@@ -121,12 +143,12 @@ causally to themselves; writes ``out[lo:hi]`` for every span and nothing else.""
 
 
 def sdpa_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: list[tuple[int, int]],
-                 scale: float, out: torch.Tensor) -> None:
+                 scale: float, out: torch.Tensor, sliding_window: int | None = None) -> None:
     """The reference :data:`ExactPrefill`: torch SDPA request by request (:func:`exact_attention`)."""
     for lo, hi in spans:
         q = query[lo:hi].transpose(0, 1).unsqueeze(0)
         k, v = (x[lo:hi].transpose(0, 1).unsqueeze(0).to(q.dtype) for x in (key, value))
-        out[lo:hi] = exact_attention(q, k, v, scale)[0].transpose(0, 1).to(out.dtype)
+        out[lo:hi] = exact_attention(q, k, v, scale, sliding_window)[0].transpose(0, 1).to(out.dtype)
 
 
 def decode_rows(batch: StepBatch) -> list[int]:
@@ -140,7 +162,7 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
                value: torch.Tensor, pages: torch.Tensor, rings: list[torch.Tensor], batch: StepBatch, scale: float,
                out: torch.Tensor, *, batched_decode: bool = True, prefill: ExactPrefill = sdpa_prefill,
                kernel: DecodeKernel | None = None, compiled_writes: bool = True,
-               flags: list[torch.Tensor] | None = None) -> torch.Tensor:
+               flags: list[torch.Tensor] | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """One layer's step: ``query [n, Hq, D]``, ``key / value [n, H, D]`` (the batch's new tokens, request by
     request), ``pages`` the layer's vLLM cache, ``rings`` its ``k`` window rings' caches ``[NBw, H, Pw, 2D]``;
     writes ``[n, Hq, D]`` attention into ``out`` (returned). ``batched_decode``: decode rows through the
@@ -156,18 +178,23 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
     request is a kernel row writes pages and rings in one compiled call where it applies
     (:mod:`kivi.paged.write`; ``False``: the torch writes, its reference). ``flags``: where the Triton writes
     append their finiteness flag instead of reading it back (:func:`kivi.paged.write.write_step`; the caller
-    reads them, :func:`kivi.kernels.triton_paged_write.raise_if_nonfinite`); ``None``: read back at once."""
+    reads them, :func:`kivi.kernels.triton_paged_write.raise_if_nonfinite`); ``None``: read back at once.
+    ``sliding_window``: the layer's (``None``: full attention): each query sees only the last ``sliding_window``
+    positions (:func:`window_mask`), every request goes request by request, and ``prefill`` is the reference's."""
     P, S = geo.page_size, cfg.sink_tokens
     if S != geo.sink_tokens:
         raise ValueError(f"sink_tokens={S} but the geometry was built for {geo.sink_tokens}")
     if len(rings) * rings[0].shape[2] < geo.fp_slots:
         raise ValueError(f"{len(rings)} window rings of {rings[0].shape[2]} tokens cannot hold the "
                          f"{geo.fp_slots} full-precision tokens KIVI keeps ({S} sink + {geo.sliding_window - 1})")
-    plan = batch.plan if batch.plan is not None else step_plan(cfg, geo, batch.query_start, batch.seq_lens)
+    plan = batch.plan if batch.plan is not None else step_plan(cfg, geo, batch.query_start, batch.seq_lens,
+                                                               batch.shared)
     if not plan.fits(geo):
         raise ValueError(f"the step's plan was made for {plan.slots} ring slots of {plan.window_tokens} per block and "
                          f"{plan.sink_tokens} sink tokens, this layer has {geo.window_rings * geo.window_tokens}, "
                          f"{geo.window_tokens} and {geo.sink_tokens}")
+    if sliding_window is not None:  # the kernels read no window mask: every request goes request by request
+        batched_decode, prefill = False, partial(sdpa_prefill, sliding_window=sliding_window)
     if not batched_decode or plan.kernel is None:
         kernel = None
     elif kernel is None:
@@ -188,13 +215,16 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
         q_len = hi - lo
         past = batch.seq_lens[i] - q_len
         page_ids, ring_ids = batch.page_table[i], batch.ring_table[i]
+        shared, evicted = (batch.shared[i] if batch.shared else 0), (batch.evicted[i] if batch.evicted else 0)
         side_views = []
         for side, new in (("k", key[lo:hi]), ("v", value[lo:hi])):  # 1-2. the view kivi's cache would build
-            sink, stored, _ = side_counts(cfg, side, past)
-            store = page_store(views[side], page_ids[: -(-stored // P)].tolist(), sink, stored, P, **meta[side])
+            sink, stored, _ = side_counts(cfg, side, past, shared)
+            gone = min(evicted, stored)  # sliding layers (no sink): the first pages are freed
+            store = page_store(views[side], page_ids[gone // P: -(-stored // P)].tolist(), sink, stored, P,
+                               **meta[side], evicted=gone)
             read = partial(_ring_read, rings, ring_ids, geo.head_dim, side, S)
             pending, _, view = request_side(cfg, side, new.transpose(0, 1).to(rings[0].dtype).contiguous(), past,
-                                            (sink, stored), read, store)
+                                            (sink, stored), read, store, start=gone)
             side_views.append(view)
             if pending.move:  # 3. what leaves the window for the pages in this step
                 leaving[side].add(pending, [(i, stored, pending.move)])
@@ -221,9 +251,12 @@ def paged_step(cfg: KiviConfig, geo: KiviGeometry, backend: str, query: torch.Te
             continue
         q = query[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
         if exact_queries(q.shape[-2], kv, vv) == q.shape[-2]:
-            o = exact_attention(q, kv.fp.to(q.dtype), vv.fp.to(q.dtype), scale)
+            o = exact_attention(q, kv.fp.to(q.dtype), vv.fp.to(q.dtype), scale, sliding_window)
         else:
-            o = run_backend(backend, q, kv, vv, scaling=scale, attention_mask=None)
+            t, mask = kv.split + kv.fp.shape[-2], None  # the request's tokens (the views start at kv.start)
+            if sliding_window is not None and t > sliding_window:
+                mask = window_mask(q.shape[-2], t, sliding_window, q.device)[..., kv.start:]
+            o = run_backend(backend, q, kv, vv, scaling=scale, attention_mask=mask)
         out[lo:hi] = o[0].transpose(0, 1).to(out.dtype)
     return out
 
@@ -240,5 +273,5 @@ def write_rings(rings: list[torch.Tensor], ring_table: torch.Tensor, key: torch.
         rings[ring][block[lo:hi, ring], :, writes.slot[lo:hi] % pw] = kv[lo:hi]
 
 
-__all__ = ["StepBatch", "ExactPrefill", "paged_step", "sdpa_prefill", "exact_attention", "decode_rows",
+__all__ = ["StepBatch", "ExactPrefill", "paged_step", "sdpa_prefill", "exact_attention", "window_mask", "decode_rows",
            "write_rings"]

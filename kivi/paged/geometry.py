@@ -83,14 +83,14 @@ class KiviGeometry:
 
 
 def build_geometry(cfg: KiviConfig, *, page_size: int, num_kv_heads: int, head_dim: int,
-                   dtype: torch.dtype) -> KiviGeometry:
+                   dtype: torch.dtype, where: str = "vLLM block_size / ") -> KiviGeometry:
     """The :class:`KiviGeometry` of ``cfg`` for vLLM blocks of ``page_size`` tokens; ``ValueError`` naming
-    the field when a block cannot hold whole key groups or head_dim is not whole value groups."""
+    the field (after ``where``) when a block cannot hold whole key groups or head_dim is not whole value groups."""
     if head_dim % cfg.group_size:
         raise ValueError(
             f"group_size={cfg.group_size} must divide head_dim={head_dim} (value groups run over channels)"
         )
-    fields, end = page_fields(cfg, num_kv_heads, head_dim, page_size, dtype, where="vLLM block_size / ")
+    fields, end = page_fields(cfg, num_kv_heads, head_dim, page_size, dtype, where=where)
     state_bytes = -(-end // (num_kv_heads * page_size))
     block_bytes = num_kv_heads * page_size * state_bytes
     fp_token = num_kv_heads * 2 * head_dim * dtype.itemsize

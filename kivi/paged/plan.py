@@ -117,16 +117,18 @@ def _to(x, device: torch.device):
     return x
 
 
-def stores_any(cfg: KiviConfig, past: int) -> bool:
+def stores_any(cfg: KiviConfig, past: int, shared: int = 0) -> bool:
     """Whether a request holding ``past`` tokens has a token out of its window (stored, or in the sink) on
     either side: a decode row of such a request goes to the kernel, one without attends exactly (as kivi's own
     cache does)."""
-    return any(sum(side_counts(cfg, side, past)[:2]) for side in SIDES)
+    return any(sum(side_counts(cfg, side, past, shared)[:2]) for side in SIDES)
 
 
-def step_plan(cfg: KiviConfig, geo: KiviGeometry, query_start: list[int], seq_lens: list[int]) -> StepPlan:
+def step_plan(cfg: KiviConfig, geo: KiviGeometry, query_start: list[int], seq_lens: list[int],
+              shared: list[int] | None = None) -> StepPlan:
     """The :class:`StepPlan` of a step of ``seq_lens`` requests whose tokens are rows ``[query_start[i],
-    query_start[i + 1])`` of its input."""
+    query_start[i + 1])`` of its input; ``shared``: per request, the prompt tokens it took from other requests'
+    pages (:func:`kivi.paged.counts.side_counts`; ``None``: none)."""
     S = cfg.sink_tokens
     slots, pw = geo.window_rings * geo.window_tokens, geo.window_tokens
     rows, others, writes = [], [], []
@@ -141,10 +143,11 @@ def step_plan(cfg: KiviConfig, geo: KiviGeometry, query_start: list[int], seq_le
         # then those still in the window (among the last R + G - 1)
         for first, end in ((past, min(seq, S)), (max(past, S, seq - (geo.sliding_window - 1)), seq)):
             writes += [(ring_slot(p, slots - S, S), i, lo + p - past) for p in range(first, end)]
-        if q_len != 1 or not stores_any(cfg, past):
+        taken = shared[i] if shared else 0
+        if q_len != 1 or not stores_any(cfg, past, taken):
             others.append(i)
             continue
-        row = kernel_counts(cfg, past)
+        row = kernel_counts(cfg, past, taken)
         for s, side in enumerate(SIDES):
             sink, stored = row[3 * s: 3 * s + 2]
             take, move = exits(cfg, side, past, 1, sink, stored)  # kivi.paged.step's one rule

@@ -5,10 +5,10 @@ as rows in **slots**: slots ``[0, S)`` hold positions ``[0, S)`` (``S`` sink slo
 tokens before they leave the window; :func:`kivi.cache.schedule.sink_take` fills the sink first), and the
 slots from ``S`` on are a **ring** of ``ring`` slots for every later position (:func:`ring_slot`:
 ``S + pos % ring``). A row is written once, when its token arrives, and never moves; tokens that leave the
-window are read from their slot and never rewritten. The ring size is the host's: transformers' continuous
-batching (:mod:`kivi.batching`) writes a step's token before its attention reads, so it needs
-:func:`kivi.cache.schedule.window_ring_slots` (``R + G``) slots; the vLLM plugin (:mod:`kivi.vllm`) writes after
-the reads and gives the ring every slot of its ``k`` window blocks, ``k * Pw - S``.
+window are read from their slot and never rewritten. Both hosts run the paged core's step
+(:func:`kivi.paged.forward.paged_step`), which writes a step's rows after its reads, so the ring only needs the
+window's ``R + G - 1`` slots (:func:`kivi.cache.schedule.window_ring_slots` is the smallest ring of a host that
+writes before it reads); it gets every slot of the request's ``k`` window blocks, ``k * Pw - S``.
 
 The paged decode kernel reads the rows through a slot table, one row id per slot, so its **column is the
 slot**: window position ``t`` in column :func:`ring_slot` ``(t, ring, S)`` with ``ring = columns - S``
@@ -16,7 +16,7 @@ slot**: window position ``t`` in column :func:`ring_slot` ``(t, ring, S)`` with 
 kernel's ``_fp_tile`` follow this formula: compiled code cannot call Python).
 
 Slots become rows by :func:`slot_rows`: slot ``s`` is row ``r = s * lanes + lane`` of the request's row blocks
-(``lanes`` rows per slot: one per layer and side in kivi's window blocks, 1 in vLLM's per-layer rings), in
+(``lanes`` rows per slot: 1 in the per-layer rings of both hosts), in
 block ``blocks[r // per_block]`` at row ``r % per_block``; its row id is ``block * per_block + row``
 (:func:`slot_place` gives the block's index and the row). Pure torch / ints: no host framework.
 """

@@ -13,9 +13,8 @@ these pieces:
 3. every request's leaving tokens (:class:`Leaving`), quantized once per side for the whole step
    (:func:`quantize_leaving`: the compiled value quantizer where it reproduces the torch reference);
 4. :func:`commit`: every side quantized before anything is written (a refused value, NaN / Inf, raises and leaves
-   pages and rows as they were), then the host's row writes (the new tokens that keep a full-precision row,
-   :func:`kept_rows`, to their slots, :mod:`kivi.paged.ring`), then the pages (:func:`page_index`,
-   :func:`kivi.cache.pages.scatter_tokens`).
+   pages and rows as they were), then the host's row writes (the new tokens that keep a full-precision row, to
+   their slots, :mod:`kivi.paged.ring`), then the pages (:func:`page_index`, :func:`kivi.cache.pages.scatter_tokens`).
 """
 
 from __future__ import annotations
@@ -191,15 +190,5 @@ def commit(sides: Sequence[tuple[Leaving, Pages]], *row_writes: Callable[[], Non
             scatter_tokens(pages.views, seg, index, pages.tokens_per_row)
 
 
-def kept_rows(past: int, q: int, sink_slots: int, kept: int) -> list[tuple[int, int]]:
-    """The position ranges of a step's ``q`` new tokens (``[past, past + q)``) that keep a full-precision row: those
-    below the sink slots (each has its own, :func:`kivi.paged.ring.ring_slot`) and those still in the window after
-    the step (from ``kept`` on: sink + stored + take + move). Tokens that leave the window at or past
-    ``sink_slots`` in their own step go to the pages only."""
-    end = past + q
-    below = min(end, max(past, sink_slots))
-    return [(a, b) for a, b in ((past, below), (max(kept, below), end)) if b > a]
-
-
 __all__ = ["exits", "quantize_leaving", "Pending", "set_request_boundary", "request_view", "request_side", "Leaving",
-           "page_index", "Pages", "commit", "kept_rows"]
+           "page_index", "Pages", "commit"]

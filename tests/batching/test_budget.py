@@ -26,14 +26,13 @@ def _prompts(n: int, length: int) -> list[list[int]]:
 def forwards(monkeypatch):
     """Per forward of the paged cache (its layer 0): its ``(request, past, query)`` and the block usage then."""
     seen = []
-    forward = KiviPagedCache.layer_forward
+    start = KiviPagedCache._start_forward
 
-    def spy(self, layer, keys, values, batch):
-        if layer == 0:
-            seen.append((list(batch), block_usage(self), self.free_block_count()))
-        return forward(self, layer, keys, values, batch)
+    def spy(self):
+        start(self)
+        seen.append((list(self._batch), block_usage(self), self.free_block_count()))
 
-    monkeypatch.setattr(KiviPagedCache, "layer_forward", spy)
+    monkeypatch.setattr(KiviPagedCache, "_start_forward", spy)
     return seen
 
 
@@ -62,7 +61,7 @@ def test_a_budget_that_fits_four_short_requests_runs_them_together(forwards):
 
 def test_a_budget_that_fits_one_request_still_finishes_all(forwards):
     """4 requests of 5 + 60 tokens in the blocks of one: short requests start together, their windows grow
-    (a window block every rows_per_block / (2 * layers) tokens), and the scheduler frees and re-prefills
+    (a window block every ``window_tokens`` tokens), and the scheduler frees and re-prefills
     (transformers' soft reset) the ones that no longer fit; every request finishes, never above the budget."""
     lay = _layout()
     blocks = lay.request_blocks(65)
@@ -79,20 +78,25 @@ def test_a_budget_that_fits_one_request_still_finishes_all(forwards):
 
 
 def test_window_blocks_grow_with_the_request_and_rows_never_move():
-    lay = _layout()
-    per_slot = lay.num_layers * 2
+    """A request takes the window blocks its tokens reach (position t is in slot t below the sink S, in slot
+    S + t % ring after it: kivi.paged.ring), up to a full window's; a position's slot and so its block and row do
+    not depend on how many blocks the request holds. Without and with a sink."""
+    for cfg in (CFG, KiviConfig(k_bits=2, v_bits=2, group_size=16, residual_length=32, sink_tokens=5)):
+        _check_window_blocks(build_layout(tiny_model().config, cfg, PAGE, torch.float32))
+
+
+def _check_window_blocks(lay):
+    from kivi.paged.ring import ring_slot, slot_place
+
+    geo, pw = lay.geometries[0], lay.window_tokens
     counts = [lay.request_window_blocks(t) for t in range(0, 200)]
-    assert counts == sorted(counts) and counts[-1] == lay.window_blocks
+    assert counts == sorted(counts) and counts[-1] == lay.window_blocks == geo.window_rings
     assert lay.request_window_blocks(1) == 1 < lay.window_blocks
-    assert lay.request_window_blocks(lay.window_rows) == lay.window_blocks
-    blocks = [7, 3, 9, 11, 2, 5, 8, 4][: lay.window_blocks]
-    full = lay.window_index(blocks)  # [layers, 2, window_rows, 2]
-    assert full.shape[2] == lay.window_rows
-    for n in range(1, lay.window_blocks):
-        part = lay.window_index(blocks[:n])
-        slots = n * lay.rows_per_block // per_slot
-        assert part.shape[2] == slots and torch.equal(part, full[:, :, :slots])  # a prefix: no row moves
-        assert lay.request_window_blocks(slots) <= n
+    assert lay.window_blocks * pw >= geo.fp_slots > (lay.window_blocks - 1) * pw
+    ring = lay.window_blocks * pw - geo.sink_tokens
+    for t in range(0, 200):
+        block, _ = slot_place(ring_slot(t, ring, geo.sink_tokens), pw)
+        assert block < lay.request_window_blocks(t + 1)  # held once the request holds t + 1 tokens
 
 
 def test_block_usage_counts_windows_shared_pages_once_and_no_evicted_page():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import transformers
@@ -30,12 +32,10 @@ def _single(model_kwargs: dict, cfg: KiviConfig, prompt: list[int], new: int, **
 @pytest.mark.parametrize("backend", ["reference", "auto"])
 def test_greedy_tokens_equal_single_request_generate(backend, monkeypatch):
     """Many requests of different lengths in one batch engine = one generate() each with a KiviCache, the
-    same attention backend on both sides: "reference" = pages dequantized + SDPA, "auto" = packed pages
-    read by kivi's CPU kernels ("kivi_paged" attention). The scheduler splits a prompt when the step's
-    token budget runs out (here the 70-token one, 26 + 44): with "auto" it equals a generate() whose
-    prefill's first chunk is the same (later chunks follow the one-token rule); the materialized mode has
-    no per-query boundary (docs/serving.md, "KIVI pages in transformers' continuous batching"), so there a split
-    prompt is not compared."""
+    same attention backend on both sides ("kivi_paged" attention: the paged core's step; "reference" dequantizes,
+    "auto" reads packed pages with kivi's CPU kernels). The scheduler splits a prompt when the step's
+    token budget runs out (here the 70-token one, 26 + 44): it equals a generate() whose prefill's first chunk is
+    the same (later chunks follow the one-token rule)."""
     from kivi.batching.paged_cache import KiviPagedCache
 
     first_chunk: dict[str, int] = {}
@@ -47,17 +47,17 @@ def test_greedy_tokens_equal_single_request_generate(backend, monkeypatch):
         record(self, request_id, past_length, query_length, read_index, write_index)
 
     monkeypatch.setattr(KiviPagedCache, "extend_read_and_write_indices", spy)
-    from kivi.batching import paged_attention
+    from kivi.paged import decode_call
 
     per_call: list[int] = []  # requests read by each paged decode kernel call
-    run = paged_attention.run_paged_decode
-    monkeypatch.setattr(paged_attention, "run_paged_decode",
+    run = decode_call.run_paged_decode
+    monkeypatch.setattr(decode_call, "run_paged_decode",
                         lambda call, q, **kw: per_call.append(call.counts.shape[0]) or run(call, q, **kw))
     inputs = _inputs()
     cfg = KiviConfig(**CFG, attention_backend=backend)
     model = tiny_model()
     manager = init_continuous_batching(model, cfg, cache_memory=MEM, **CB)
-    assert model.config._attn_implementation == ("kivi_paged" if backend == "auto" else "sdpa")
+    assert model.config._attn_implementation == "kivi_paged"
     manager.restore_attention()
     assert model.config._attn_implementation == "sdpa"
     out = generate_batch(model, inputs, cfg, cache_memory=MEM, max_new_tokens=24, **CB)
@@ -67,7 +67,7 @@ def test_greedy_tokens_equal_single_request_generate(backend, monkeypatch):
     for (rid, o), x in zip(out.items(), inputs):
         if rid not in split:
             assert o.generated_tokens == _single({}, cfg, x, 24), len(x)
-        elif backend == "auto":
+        else:
             assert o.generated_tokens == _single({}, cfg, x, 24, prefill_chunk_size=first_chunk[rid]), len(x)
     # packed pages: the decoding requests holding quantized tokens (6 of 8 here) are read by one call per layer
     assert (max(per_call) >= 5) if backend == "auto" else not per_call
@@ -153,7 +153,9 @@ def test_budget_accounting_and_capacity():
         lay = cache.layout
         assert cache.num_blocks * lay.block_bytes == cache.cache_tensor.numel() <= MEM
         assert cache.num_blocks == MEM // lay.block_bytes
-        assert lay.page_bytes <= lay.block_bytes < lay.page_bytes + 128 * lay.num_layers
+        assert all(g.page_bytes <= lay.unit for g in lay.geometries) and lay.unit % 128 == 0
+        hp = lay.num_kv_heads * lay.page_size  # the geometry's state bytes are per (kv head, token)
+        assert lay.unit < max(g.page_bytes for g in lay.geometries) + hp + math.lcm(128, hp)
     finally:
         manager.stop(block=True, timeout=30)
         manager.destroy()
@@ -205,7 +207,7 @@ def test_untested_version_is_refused_at_init(monkeypatch):
 
 
 def test_refusals_name_what_is_unsupported():
-    with pytest.raises(ValueError, match="sliding-window layers .* logit softcapping"):  # Gemma 2: no kivi attention
+    with pytest.raises(ValueError, match="cannot run this model with KIVI pages: .* logit softcapping"):  # Gemma 2
         init_continuous_batching(tiny_model("gemma2", sliding_window=64), KiviConfig(**CFG), cache_memory=MEM, **CB)
     with pytest.raises(ValueError, match="page_size=40 must be a multiple of group_size=16"):
         init_continuous_batching(tiny_model(), KiviConfig(**CFG), cache_memory=MEM, page_size=40)

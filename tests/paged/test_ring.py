@@ -54,30 +54,28 @@ def test_slot_rows_is_the_block_and_row_of_slot_place():
 
 @pytest.mark.parametrize("sink", [0, 3])
 def test_batching_window_follows_the_rule(sink):
-    """transformers' continuous batching: a layer's window slot is the rule with ring ``R + G``, and its window
-    blocks' row ids are :func:`slot_rows` with one lane per layer and side."""
+    """transformers' continuous batching keeps every layer's rings as the paged core does (ring ``k * Pw - S``,
+    slot ``s`` in the request's window block ``s // Pw``, row ``s % Pw``), in unit ``layer`` of its blocks: the row of
+    (block, layer, head, slot) is at byte ``block * block_bytes + layer * unit + (head * Pw + row) * 2D * item``."""
     from transformers import LlamaConfig
 
     model = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
                         intermediate_size=32, vocab_size=32)
     cfg = KiviConfig(k_bits=2, v_bits=2, group_size=8, residual_length=8, sink_tokens=sink)
     lay = build_layout(model, cfg, 16, torch.float32)
-    ring = lay.ring_slots(1)
-    assert ring == 16
-    pos = torch.arange(200)
-    assert torch.equal(lay.window_slot(1, pos), ring_slot(pos, ring, sink))
-    blocks = list(range(40, 40 + lay.window_blocks))
-    random.Random(1).shuffle(blocks)
-    ids = lay.window_ids(blocks)  # [layers, 2, slots]
-    lanes = 2 * lay.num_layers
-    for layer in range(lay.num_layers):
-        for side in range(2):
-            want = slot_rows(torch.tensor(blocks), torch.arange(ids.shape[2]), lay.rows_per_block, lanes,
-                             2 * layer + side)
-            assert torch.equal(ids[layer, side], want)
-    index = lay.window_index(blocks)
-    assert torch.equal(index[..., 0] * lay.rows_per_block + index[..., 1], ids)
-    assert ids.unique().numel() == ids.numel()  # no two (layer, side, slot) share a row
+    pool = torch.zeros(7 * lay.block_bytes, dtype=torch.uint8)
+    pw, item, d = lay.window_tokens, 4, lay.head_dim
+    for layer, geo in enumerate(lay.geometries):
+        assert geo.block_bytes == lay.unit and geo.window_tokens == pw and geo.sink_tokens == sink
+        rings = lay.rings(pool, layer)
+        for block, head, row in ((0, 0, 0), (3, 1, pw - 1), (6, 1, 2)):
+            at = rings[block, head, row].data_ptr() - pool.data_ptr()
+            assert at == block * lay.block_bytes + layer * lay.unit + (head * pw + row) * 2 * d * item
+        blocks = list(range(40, 40 + geo.window_rings))
+        random.Random(1).shuffle(blocks)
+        for pos in range(200):
+            j, row = slot_place(ring_slot(pos, geo.window_rings * pw - sink, sink), pw)
+            assert j < lay.request_window_blocks(pos + 1) <= len(blocks) and row < pw
 
 
 def test_vllm_rings_follow_the_rule():

@@ -26,7 +26,6 @@ from kivi.paged.step import (
     Pending,
     commit,
     exits,
-    kept_rows,
     page_index,
     quantize_leaving,
     request_view,
@@ -42,6 +41,16 @@ CONFIGS = [
 ]
 IDS = ["K2V2-R8", "K4V2-R12-S3", "K2V4-R0-S5"]
 DTYPES = [torch.float32, torch.bfloat16]
+
+
+
+def kept_rows(past: int, q: int, sink_slots: int, kept: int) -> list[tuple[int, int]]:
+    """The fake host's rows to write (a ring of ``R + G`` slots, written before the reads): the position ranges of
+    a step's ``q`` new tokens (``[past, past + q)``) that keep a full-precision row: those below the sink slots and
+    those still in the window after the step (from ``kept`` on: sink + stored + take + move)."""
+    end = past + q
+    below = min(end, max(past, sink_slots))
+    return [(a, b) for a, b in ((past, below), (max(kept, below), end)) if b > a]
 
 
 class Host:
