@@ -24,7 +24,8 @@ generated tokens/s vs budget.
 ``--http ROW[@BUDGET]`` adds rows served over HTTP by ``kivi serve`` (a fresh server
 subprocess, ``--http-clients`` concurrent streaming clients, tokens counted from each response's usage and
 checked equal to the request's). ``--kivi-root-before DIR`` runs every batch and HTTP row a second time with
-kivi imported from the checkout ``DIR`` (two checkouts compared in one run).
+kivi imported from the checkout ``DIR`` (two checkouts compared in one run; a batch row then reports whether its
+greedy tokens equal the ``DIR`` row's, ``same_tokens_as_before``).
 
     OMP_NUM_THREADS=2 python benchmarks/bench_serving.py --model smollm2 --workload decode-heavy --requests 12 \\
         --budgets 400MiB 800MiB 1600MiB --baselines dynamic kivi-2/2 --threads 2 \\
@@ -533,7 +534,8 @@ def format_table(report: dict) -> str:
                 label += f" ({Path(r['kivi_root']).name})"
             budget = "-" if r["budget_bytes"] is None else f"{r['budget_bytes'] / 2**20:.1f}Mi"
             sched = f"{s['scheduler']}/{s['max_batch_tokens']}" if s else "-"
-            same = r.get("same_tokens_as_one_at_a_time") or r.get("same_text_as_batch")
+            same = (r.get("same_tokens_as_before") or r.get("same_tokens_as_one_at_a_time")
+                    or r.get("same_text_as_batch"))
             same = "-" if same is None else f"{same['identical']}/{same['requests']}"
             lines.append(
                 f"{label:26s} {budget:>9s} {sched:>14s} {r['generated_tokens_per_s']:9.2f} "
@@ -860,10 +862,14 @@ def main(argv: list[str] | None = None) -> int:
             singles[name] = r.pop("tokens")
             report["rows"].append({**base, "kind": "one-at-a-time", "cache": name, "budget_bytes": None, **r})
             _progress(report["rows"][-1])
-        first_tokens = {}
+        first_tokens, before = {}, {}
         for kind, name, budget in plans[work.name]:
             for st, root in itertools.product(settings(args) if kind == "batch" else http_settings(args), roots):
                 r = run_row(args, argv, kind, name, work, budget, st, root)
+                if kind == "batch" and root is not None:  # the same row with the other checkout's kivi, next
+                    before[name, budget, repr(st)] = r["tokens"]
+                elif kind == "batch" and (name, budget, repr(st)) in before:
+                    r["same_tokens_as_before"] = identical(r["tokens"], before[name, budget, repr(st)])
                 if kind == "batch" and root is None:
                     first_tokens.setdefault(name, r["tokens"])
                 compare(r, singles.get(name), first_tokens.get(name), tok)
