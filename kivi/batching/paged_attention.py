@@ -50,8 +50,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: S
     if getattr(module, "sinks", None) is not None or kwargs.get("softcap") is not None:
         raise NotImplementedError("KIVI paged attention does not support attention sinks or logit softcapping")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = key.cache.attend(key.layer, query[0].transpose(0, 1), key.key, key.value, scale,
-                           kwargs.get("sliding_window"))  # [n, Hq, D]
+    out = key.cache.attend(key.layer, query[0].transpose(0, 1), key.key, key.value, scale)  # [n, Hq, D]
     return out.unsqueeze(0), None
 
 

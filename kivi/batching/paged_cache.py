@@ -203,11 +203,12 @@ class KiviPagedCache(PagedAttentionCache):
                                [st.evicted for st in states] if lay.evicting_window is not None else None)
         self._plans = {}
 
-    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-               sliding_window: int | None) -> torch.Tensor:
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scale: float) -> torch.Tensor:
         """Layer ``layer``'s step (:func:`kivi.paged.forward.paged_step`): ``query [n, Hq, D]``, ``key / value
         [n, H, D]`` (the batch's new tokens) -> attention ``[n, Hq, D]``; reads the pages and rings, quantizes what
-        leaves the windows and writes it, writes the new rows (all or nothing: a refused value writes nothing)."""
+        leaves the windows and writes it, writes the new rows (all or nothing: a refused value writes nothing). A
+        sliding layer's window is the layout's (the model config's, as transformers passes it to attention)."""
         lay, step = self.layout, self._step
         cfg, geo = lay.layer_configs[layer], lay.geometries[layer]
         window = lay.sliding_windows[layer]

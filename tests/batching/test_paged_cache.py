@@ -60,7 +60,7 @@ def _layer(cache: KiviPagedCache, layer: int, q: torch.Tensor, k: torch.Tensor, 
     """One layer's step on ``[n, H*, D]`` inputs: ``update`` then ``attend`` (what "kivi_paged" runs)."""
     key, value = cache.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], layer, {})
     assert isinstance(key, StepInput) and value is key
-    return cache.attend(layer, q, key.key, key.value, D**-0.5, None)
+    return cache.attend(layer, q, key.key, key.value, D**-0.5)
 
 
 def _run(cfg: KiviConfig, dtype: torch.dtype, backend: str, schedule, seed: int = 0) -> int:
