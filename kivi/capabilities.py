@@ -43,12 +43,6 @@ PAGE_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: dtypes of the pages' parameters and of the window rings the compiled (numba) page writes read.
 WRITE_DTYPES = (torch.float32, torch.bfloat16)
 
-#: Backends a host cannot run at all, and why (a clause after ``attention_backend='<name>'``).
-HOST_REFUSALS: dict[tuple[str, str], str] = {
-    ("batching", "triton"): "cannot read KIVI pages yet; use 'cpu', 'reference' or 'auto'",
-}
-
-
 @dataclass(frozen=True)
 class Facts:
     """What a caller knows besides the config; ``None``: not known, not checked.
@@ -185,31 +179,32 @@ def _sliding(facts: Facts) -> list[str]:
 
 
 #: The table: one row per feature, one cell per host and backend (``.`` ok, ``R`` refused, ``T`` torch decode,
-#: ``W`` torch writes; see the module docstring). ``"batching"`` refuses ``"triton"`` as a whole
-#: (:data:`HOST_REFUSALS`).
+#: ``W`` torch writes; see the module docstring). Both paged hosts run the same step (:mod:`kivi.paged`): their
+#: kernel and write cells agree (``tests/test_capabilities.py``); they differ where a host refuses a feature on every
+#: backend, and batching refuses ``"triton"`` without triton where the plugin (whose GPU vLLM ships it) decodes in torch.
 _CELLS = {  #                generate      batching      vllm
     #                        ref cpu tri   ref cpu tri   ref cpu tri
     "head_bits":             " .   .   .     R   R   R     R   R   R",
     "unquantized_side":      " .   .   .     R   R   R     R   R   R",
     "tiers":                 " .   .   T     R   R   R     R   R   R",
     "quantize_after":        " .   .   .     R   R   R     R   R   R",
-    "layer_specific_config": " .   .   .     .   .   R     R   R   R",
+    "layer_specific_config": " .   .   .     .   .   .     R   R   R",
     "key_rotation":          " .   R   R     R   R   R     R   R   R",
-    "symmetric":             " .   .   R     .   .   R     .   W   R",
+    "symmetric":             " .   .   R     .   W   R     .   W   R",
     "compensation":          " .   .   R     .   T   R     .   T   R",
-    "code_width":            " .   T   .     .   T   R     .   T   T",
-    "odd_code_width":        " .   .   .     .   .   R     .   .   W",
-    "value_groups":          " .   T   .     .   T   R     .   T   T",
-    "clip":                  " .   .   .     .   .   R     .   .   W",
-    "unchecked":             " .   .   .     .   .   R     .   W   W",
+    "code_width":            " .   T   .     .   T   T     .   T   T",
+    "odd_code_width":        " .   .   .     .   .   W     .   .   W",
+    "value_groups":          " .   T   .     .   T   T     .   T   T",
+    "clip":                  " .   .   .     .   .   W     .   .   W",
+    "unchecked":             " .   .   .     .   W   W     .   W   W",
     "model_attention":       " .   R   R     R   R   R     .   .   .",
-    "no_numba":              " .   T   .     .   T   R     .   T   .",
+    "no_numba":              " .   T   .     .   T   .     .   T   .",
     "no_triton":             " .   .   R     .   .   R     .   .   T",
-    "not_cuda":              " .   .   R     .   .   R     .   .   .",
-    "not_cpu":               " .   T   .     .   .   R     .   T   .",
-    "param_dtype":           " .   .   .     .   T   R     .   T   T",
-    "write_dtypes":          " .   .   .     .   .   R     .   W   .",
-    "sliding_window":        " .   .   .     .   T   R     .   .   .",
+    "not_cuda":              " .   .   R     .   .   .     .   .   .",
+    "not_cpu":               " .   T   .     .   T   .     .   T   .",
+    "param_dtype":           " .   .   .     .   T   T     .   T   T",
+    "write_dtypes":          " .   .   .     .   W   .     .   W   .",
+    "sliding_window":        " .   .   .     .   T   T     .   .   .",
 }
 #: How each feature is found: its kind (what it reads: the config, each stored format, the model, the machine) and
 #: its detector (the details found, each a clause naming the value).
@@ -295,8 +290,7 @@ def reasons(config: Any, host: str, backend: str, outcome: str = REFUSED, *, for
     ``host`` and ``backend`` in :data:`TABLE` is ``outcome``, in table order; empty: none. ``formats``: the
     stored formats to check (default: :func:`stored_formats` of ``config``). ``facts``: :class:`Facts` fields.
 
-    ``outcome=REFUSED`` also gives the host's refusal of the backend itself (:data:`HOST_REFUSALS`, feature
-    ``"backend"``); ``outcome=TORCH`` gives ``"reference"`` a reason (it runs no kernel)."""
+    ``outcome=TORCH`` gives ``"reference"`` a reason (it runs no kernel)."""
     _check(host, backend)
     if outcome not in _CODES.values():
         raise ValueError(f"outcome={outcome!r}: expected one of {list(_CODES.values())}")
@@ -304,8 +298,6 @@ def reasons(config: Any, host: str, backend: str, outcome: str = REFUSED, *, for
     if formats is None:
         formats = stored_formats(config) if config is not None else []
     out: list[Reason] = []
-    if outcome == REFUSED and (host, backend) in HOST_REFUSALS:
-        out.append(Reason("backend", "backend", HOST_REFUSALS[host, backend]))
     if outcome == TORCH and backend == "reference":
         out.append(Reason("backend", "backend", "the reference runs no kernel"))
     for feature in TABLE:
@@ -329,6 +321,6 @@ def kernel_reasons(config: Any, host: str, backend: str, **kw: Any) -> list[Reas
     return reasons(config, host, backend, TORCH, **kw)
 
 
-__all__ = ["HOSTS", "BACKENDS", "OK", "REFUSED", "TORCH", "WRITES", "TABLE", "FEATURES", "HOST_REFUSALS",
+__all__ = ["HOSTS", "BACKENDS", "OK", "REFUSED", "TORCH", "WRITES", "TABLE", "FEATURES",
            "KERNEL_BITS", "WORD_BITS", "PAGE_PARAM_DTYPES", "WRITE_DTYPES", "Facts", "Feature", "Reason", "reasons",
            "host_reasons", "kernel_reasons", "stored_formats", "model_attention_unsupported"]

@@ -85,26 +85,34 @@ def _generate(cfg, backend, facts, mp):
 def _batching(cfg, backend, facts, mp):
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+    import kivi.batching.manager as manager
     import kivi.batching.paged_cache as bcache
+    import kivi.kernels._common as common
     from kivi.batching.layout import build_layout
-    from kivi.batching.manager import pages_attention_backend
 
+    if backend == "triton" and facts.get("triton", True) and not HAS_TRITON:
+        pytest.skip("triton is not installed: this cell's kernel choice is checked where it is")
     model = tiny_model("mistral", sliding_window=64) if facts.get("sliding") else tiny_model()
     cfg = dataclasses.replace(cfg, attention_backend=backend)
+    device = facts.get("device", "cpu")
+    mp.setattr(manager, "triton_available", lambda: facts.get("triton", True))
+    mp.setattr(common, "require_triton", lambda device: None)  # the kernels' device rule: tested in tests/kernels
     try:
         layout = build_layout(model.config, cfg, 32, facts.get("dtype", torch.float32))
-        fake = SimpleNamespace(device=torch.device("cpu"), config=facts.get("model_config") or model.config)
-        packed = pages_attention_backend(cfg, fake)
+        fake = SimpleNamespace(device=torch.device(device), config=facts.get("model_config") or model.config)
+        packed = manager.pages_attention_backend(cfg, fake)
     except ValueError as e:
         return REFUSED, str(e)
-    if backend != "cpu":
+    if backend == "reference":
         return OK, ""
-    assert packed == "cpu"
+    assert packed == backend
     mp.setattr(vdecode, "numba_problem", lambda: facts.get("numba"))
+    mp.setattr(vdecode, "triton_available", lambda: facts.get("triton", True))
     cb = ContinuousBatchingConfig(page_size=32, max_batch_tokens=512)
-    cache = bcache.KiviPagedCache(model.config, cb, "cpu", layout=layout, cache_memory=2 * 1024**2,
-                                  packed_backend=packed)
-    return (TORCH if all(kernel is None for kernel in cache._kernels) else OK), ""
+    cache = bcache.KiviPagedCache(model.config, cb, "cpu" if device == "cpu" else "meta", layout=layout,
+                                  cache_memory=2 * 1024**2, packed_backend=packed)
+    kernels = [k for k in cache._kernels if k is not None]
+    return (TORCH if not kernels else WRITES if any(k.writer is None for k in kernels) else OK), ""
 
 
 def _vllm(cfg, backend, facts, mp):
@@ -149,11 +157,10 @@ def test_cell_is_what_the_host_does(feature, host, backend, monkeypatch):
     got, message = ENTRY[host](cfg, backend, facts, monkeypatch)
     if want == REFUSED or got == REFUSED:
         assert got == want, f"{feature} on {host}/{backend}: table says {want}, the host did {got}: {message}"
-        if (host, backend) != ("batching", "triton"):  # refused as a backend, before any feature
-            detail = [r.detail for r in reasons(cfg, host, backend, **{k: v for k, v in facts.items()
-                                                                       if k not in ("dtype", "sliding")})
-                      if r.feature == feature]
-            assert detail and detail[0] in message, message
+        detail = [r.detail for r in reasons(cfg, host, backend, **{k: v for k, v in facts.items()
+                                                                   if k not in ("dtype", "sliding")})
+                  if r.feature == feature]
+        assert detail and detail[0] in message, message
     elif (host, backend) in ACCEPTANCE_ONLY or (host, backend, feature) in ACCEPTANCE_ONLY or backend == "reference":
         assert got != REFUSED
     else:
@@ -181,11 +188,14 @@ def test_host_reasons_name_every_setting_pages_cannot_hold():
 
 
 def test_the_paged_kernels_cells_agree_between_hosts():
-    """batching and vllm read pages with the same numba kernel (``PagedLayout.unsupported`` asks vllm's cells): a
-    format or dtype the kernel declines on one host it declines on the other."""
+    """batching and vllm run the same step (kivi.paged): a format or machine fact whose kernel or writes one host
+    declines the other declines too, on both packed backends, unless a host refuses it on every backend, (triton
+    missing) refuses the backend, or never reaches the step with it (the plugin refuses sliding-window models)."""
     for f in TABLE:
-        if f.kind == "format" or f.name == "param_dtype":
-            assert (f.cells["batching", "cpu"] == TORCH) == (f.cells["vllm", "cpu"] == TORCH), f.name
+        if f.kind == "config" or f.name in ("model_attention", "no_triton", "sliding_window"):
+            continue
+        for backend in ("cpu", "triton"):
+            assert f.cells["batching", backend] == f.cells["vllm", backend], (f.name, backend)
 
 
 def test_unknown_host_or_backend_is_named():

@@ -20,6 +20,7 @@ import copy
 import dataclasses
 from typing import Any
 
+import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.continuous_api import (
@@ -34,6 +35,7 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 from ..backends import ATTN_IMPLEMENTATION, Backend, backend_named
 from ..capabilities import reasons
 from ..config import KiviConfig
+from ..optional import triton_available
 from ..sampling import is_greedy_temperature
 from .layout import PageLayout, build_layout, fp_block_bytes
 from .paged_attention import PAGED_ATTN_IMPLEMENTATION
@@ -199,17 +201,24 @@ def _check_kivi_cb_config(cb: ContinuousBatchingConfig) -> None:
 
 def pages_attention_backend(kivi_config: KiviConfig, model: Any) -> str:
     """The backend of the paged step for ``kivi_config.attention_backend``: ``"cpu"`` (kivi's CPU kernels; what
-    ``"auto"`` is on CPU) or ``"reference"`` (dequantized request by request; ``"auto"`` off CPU). ``"triton"``
-    and models whose attention kivi does not implement (logit softcapping, attention sinks) are refused."""
+    ``"auto"`` is on CPU), ``"reference"`` (dequantized request by request; ``"auto"`` off CPU) or ``"triton"``
+    (kivi's Triton kernels, the vLLM plugin's GPU path: opt-in, never run on a GPU; on CPU pages under
+    ``TRITON_INTERPRET=1``). What :mod:`kivi.capabilities` refuses, and ``"triton"`` where its kernels cannot
+    run on the model's device (:func:`kivi.kernels._common.require_triton`), raise here, before anything runs."""
     requested = kivi_config.attention_backend
     device = getattr(getattr(model, "device", None), "type", "cpu")
     backend = requested if requested != "auto" else "cpu" if device == "cpu" else "reference"
-    why = [r for r in reasons(kivi_config, "batching", backend, model_config=model.config)
+    why = [r for r in reasons(kivi_config, "batching", backend, model_config=model.config,
+                              triton=triton_available() if backend == "triton" else None)
            if not r.everywhere or r.kind == "model"]
     if why and (requested != "auto" or any(r.kind == "model" for r in why)):
         r = why[0]
         raise ValueError(f"attention_backend={requested!r} " + (
             f"cannot run this model with KIVI pages: {r}" if r.kind == "model" else str(r)))
+    if backend == "triton":
+        from ..kernels._common import require_triton
+
+        require_triton(torch.device(device))
     return backend if not why else "reference"
 
 

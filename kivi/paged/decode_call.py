@@ -65,8 +65,8 @@ def decode_kernel(cfg: KiviConfig, geo: KiviGeometry, backend: str, pages: torch
         return None
     layout = geo.kernel_layout(cfg, pool[1], pool[2])
     if backend == "triton":
-        return DecodeKernel(pool[0], layout, ring, triton_writer(cfg, pool[0], layout, ring), "triton")
-    return DecodeKernel(pool[0], layout, ring, decode_writer(cfg, pool[0], layout, ring), "cpu")
+        return DecodeKernel(pool[0], layout, ring, triton_writer(cfg, pool[0], layout, ring, host), "triton")
+    return DecodeKernel(pool[0], layout, ring, decode_writer(cfg, pool[0], layout, ring, host), "cpu")
 
 
 def decode_call(kernel: DecodeKernel, rows: KernelRows, page_table: torch.Tensor, ring_table: torch.Tensor,

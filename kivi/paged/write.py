@@ -69,13 +69,14 @@ def _matches(fmts, layout: PagedLayout) -> bool:
     return (k.bits, v.bits, k.group_size, v.group_size) == (layout.k_bits, layout.v_bits, *[layout.group_size] * 2)
 
 
-def decode_writer(cfg: KiviConfig, pool: torch.Tensor, layout: PagedLayout, rings: RingPool) -> DecodeWriter | None:
+def decode_writer(cfg: KiviConfig, pool: torch.Tensor, layout: PagedLayout, rings: RingPool,
+                  host: str = "vllm") -> DecodeWriter | None:
     """The :class:`DecodeWriter` of a layer whose decode kernel reads ``pool`` / ``layout`` / ``rings``
-    (:func:`kivi.paged.decode_call.decode_kernel`), or ``None`` where the compiled writes do not reproduce the torch
-    path (the module docstring: the one rule)."""
+    (:func:`kivi.paged.decode_call.decode_kernel`) on ``host``, or ``None`` where the compiled writes do not
+    reproduce the torch path (the module docstring: the one rule; :mod:`kivi.capabilities`' ``W`` cells)."""
     fmts = {side: cfg.side_format(side) for side in ("k", "v")}
     dtype = rings.rows["k"].dtype
-    if (reasons(cfg, "vllm", "cpu", WRITES, param_dtype=layout.param_dtype, row_dtype=dtype)
+    if (reasons(cfg, host, "cpu", WRITES, param_dtype=layout.param_dtype, row_dtype=dtype)
             or not _matches(fmts.values(), layout)):
         return None
     return DecodeWriter(pool.numpy(), layout.vector(), numpy_view(rings.rows["k"]), numpy_view(rings.rows["v"]),
@@ -99,14 +100,15 @@ class TritonWriter:
         return key.dtype == dtype and value.dtype == dtype
 
 
-def triton_writer(cfg: KiviConfig, pool: torch.Tensor, layout: PagedLayout, rings: RingPool) -> TritonWriter | None:
+def triton_writer(cfg: KiviConfig, pool: torch.Tensor, layout: PagedLayout, rings: RingPool,
+                  host: str = "vllm") -> TritonWriter | None:
     """The :class:`TritonWriter` of a layer whose decode kernel is the Triton one, or ``None`` where the Triton
     writes do not reproduce the torch path (asymmetric 1 / 2 / 4 / 8-bit codes without compensation or clipping,
     finiteness checked, :func:`kivi.kernels.triton_paged_write.writable`): the one rule, as :func:`decode_writer`
     is the numba writes'."""
     from ..kernels.triton_paged_write import writable
 
-    if (reasons(cfg, "vllm", "triton", WRITES) or not _matches([cfg.side_format(s) for s in ("k", "v")], layout)
+    if (reasons(cfg, host, "triton", WRITES) or not _matches([cfg.side_format(s) for s in ("k", "v")], layout)
             or writable(layout) is not None):
         return None
     return TritonWriter(pool, layout, rings)

@@ -133,6 +133,30 @@ def test_sliding_window_model_equals_single_request_generate(backend, monkeypatc
         torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(logprobs), atol=1e-5, rtol=0)
 
 
+@pytest.mark.triton
+def test_triton_backend_equals_the_cpu_backend(monkeypatch):
+    """``attention_backend="triton"`` (opt-in; CPU pages under ``TRITON_INTERPRET=1`` here): the same requests give
+    the tokens and log-probabilities of the ``"cpu"`` backend; without the interpreter, the manager refuses it
+    before anything runs, naming what is missing."""
+    from tests.helpers import triton_skip_reason
+
+    if triton_skip_reason():
+        pytest.skip(triton_skip_reason())
+    inputs = _inputs((70, 150, 5))
+    out = {}
+    for backend in ("cpu", "triton"):
+        cfg = KiviConfig(**CFG, attention_backend=backend)
+        out[backend] = list(generate_batch(tiny_model(), inputs, cfg, cache_memory=MEM, max_new_tokens=10,
+                                           return_logprobs=True, **CB).values())
+    for a, b in zip(out["cpu"], out["triton"]):
+        assert a.generated_tokens == b.generated_tokens
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delitem(__import__("sys").modules, "triton")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        init_continuous_batching(tiny_model(), KiviConfig(**CFG, attention_backend="triton"), cache_memory=MEM, **CB)
+
+
 def test_kivi_pages_are_not_float_pages():
     """The comparison above can fail: the float paged cache gives other tokens on this model."""
     inputs = _inputs()

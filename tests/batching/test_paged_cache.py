@@ -147,6 +147,40 @@ def test_cpu_backend_equals_kivi_layer_and_decodes_in_one_kernel_call(name, monk
         assert len(calls) > 100 and max(calls) == 3
 
 
+SHORT_SCHEDULE = (  # SCHEDULE's shape in fewer steps (the Triton interpreter runs a kernel call in ~0.1 s)
+    [[("a", 45), ("b", 3)]]
+    + [[("a", 1), ("b", 70 if i == 0 else 1)] for i in range(8)]
+    + [[("c", 100), ("a", 1)]]
+    + [[("a", 1), ("b", 1), ("c", 1)] for _ in range(8)]
+)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("name", ["balanced-sink4", pytest.param("K2V2", marks=pytest.mark.long)])
+def test_triton_backend_equals_kivi_layer_and_decodes_in_one_kernel_call(name, monkeypatch):
+    """The "triton" backend (the vLLM plugin's GPU path, here on CPU pages under ``TRITON_INTERPRET=1``): the same
+    step, its decode rows read by one Triton paged decode call per layer and a decode-only step written by the Triton
+    page writes; outputs within float32 rounding of each request's own KiviLayer."""
+    from tests.helpers import triton_skip_reason
+
+    reason = triton_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from kivi.paged import write
+
+    calls, writes = [], []
+    run, write_step = decode_call.run_paged_decode, write.write_step
+    monkeypatch.setattr(decode_call, "run_paged_decode",
+                        lambda call, q, **kw: calls.append((call.backend, call.counts.shape[0])) or run(call, q, **kw))
+    import kivi.paged.forward as forward
+
+    monkeypatch.setattr(forward, "write_step", lambda writer, *a, **kw: writes.append(type(writer).__name__)
+                        or write_step(writer, *a, **kw))
+    _run(CONFIGS[name], torch.float32, "triton", SHORT_SCHEDULE)
+    assert {b for b, _ in calls} == {"triton"} and len(calls) >= 20 and max(n for _, n in calls) == 3
+    assert writes and set(writes) == {"TritonWriter"}
+
+
 def test_freed_request_gives_back_window_and_pages():
     cache = _cache(CONFIGS["K2V2"], torch.float32)
     free0 = cache.free_block_count()
@@ -223,12 +257,18 @@ def test_a_step_writes_only_its_new_row(name, backend):
             reqs[rid].position_offset += q
 
 
-@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("backend", ["cpu", "reference", pytest.param("triton", marks=pytest.mark.triton)])
 def test_refused_value_in_a_decode_step_leaves_rings_and_pages_unchanged(backend):
     """A NaN value enters the window (nothing quantizes it yet) and is refused when it leaves, R steps later:
-    that step writes nothing — no page, no ring slot (its new token's neither)."""
+    that step writes nothing — no page, no ring slot (its new token's neither); "triton": the Triton page writes'
+    finiteness flag, read back before anything is written."""
     if backend == "cpu" and not numba_available():
         pytest.skip("numba not installed")
+    if backend == "triton":
+        from tests.helpers import triton_skip_reason
+
+        if triton_skip_reason():
+            pytest.skip(triton_skip_reason())
     cfg = CONFIGS["K2V2"]
     cache = _cache(cfg, torch.float32, backend)
     torch.manual_seed(0)

@@ -6,14 +6,15 @@ Random pages in shuffled blocks of a pool full of junk bytes (a kernel that read
 would differ), counts of the real schedule (:func:`kivi.paged.counts.kernel_counts`: sinks still filling, windows
 partly full, lengths that are not multiples of ``G`` or ``P``), 1 to 4 bits with 3-bit codes straddling bytes,
 symmetric codes, GQA, float32 / float16 / bfloat16 queries, rows and page parameters, and the full-precision rows
-laid out as each host lays them out:
+laid out three ways:
 
-* ``batching``: kivi's window blocks (:mod:`kivi.batching.layout`), a ring of ``R + G`` slots after the ``S`` sink
-  slots, rows interleaved by layer and side (4 lanes per slot), the step's token written to its slot before the
-  call; the pages one layer of a block holding two;
-* ``vllm``: ``k`` window rings of ``Pw`` rows ``[blocks, H, Pw, 2D]`` (keys in the first ``D`` channels, values
-  in the last), a ring of ``k * Pw - S`` slots, the step's token written after the call, the counts also on the
-  host (``host_counts``); the pages one layer of blocks three pages apart;
+* ``vllm``: the paged core's (both hosts' since the core is shared): ``k`` window rings of ``Pw`` rows
+  ``[blocks, H, Pw, 2D]`` (keys in the first ``D`` channels, values in the last), a ring of ``k * Pw - S`` slots,
+  the step's token written after the call, the counts also on the host (``host_counts``: a caller that vouches for
+  its ids); the pages one layer of blocks three pages apart;
+* ``lanes``: a rows pool of padded rows interleaved by (layer, side) lanes, a ring of ``R + G`` slots after the
+  ``S`` sink slots, the step's token written to its slot before the call, the counts on the device only (the
+  kernel checks the ids itself); the pages one layer of a block holding two;
 * ``gathered``: float32 rows ``[N, slots, H, D]`` (the numba kernel and the reference only).
 """
 
@@ -62,7 +63,7 @@ def _pages(cfg, H, D, P, dtype, host, counts, x, g):
     (unused columns junk)."""
     fields, end = page_fields(cfg, H, D, P, dtype)
     page = -(-end // 64) * 64
-    block, base = (2 * page, page) if host == "batching" else (3 * page, 0)
+    block, base = (2 * page, page) if host == "lanes" else (3 * page, 0)
     layout = PagedLayout.of_page(fields, cfg, block_bytes=block, base=base)
     pages = [-(-max(c[1], c[4]) // P) for c in counts]
     nb = sum(pages) + 3
@@ -99,7 +100,7 @@ def _rows(cfg, H, D, dtype, host, counts, x, g):
                 fp[i, S: S + window] = x[s][i][:, sink + stored:].transpose(0, 1).float()
             out.append(fp)
         return out
-    if host == "batching":
+    if host == "lanes":
         ring, lanes, per_block = window_ring_slots(cfg.residual_length, cfg.group_size), 4, 12
         per_req = -(-(S + ring) * lanes // per_block)
         buf = torch.randn(N * per_req + 2, per_block, H + 1, D + 3, generator=g).to(dtype)
@@ -124,7 +125,7 @@ def _rows(cfg, H, D, dtype, host, counts, x, g):
             first, past = sink + stored, sink + stored + window - 1
             cols = [*range(sink), *(ring_slot(t, ring, S) for t in range(first, past))]
             toks = [*range(sink), *range(first, past)]
-            if host == "batching":  # the step's token in its slot before the call (never read from there)
+            if host == "lanes":  # the step's token in its slot before the call (never read from there)
                 cols.append(ring_slot(past, ring, S))
                 toks.append(past)
             r = ids[i, cols]
@@ -158,8 +159,8 @@ def _skip_without(backend: str) -> None:
         pytest.skip(reason)
 
 
-KERNELS = [pytest.param("cpu", host, id=f"cpu-{host}") for host in ("batching", "vllm", "gathered")] + [
-    pytest.param("triton", host, id=f"triton-{host}", marks=pytest.mark.triton) for host in ("batching", "vllm")]
+KERNELS = [pytest.param("cpu", host, id=f"cpu-{host}") for host in ("lanes", "vllm", "gathered")] + [
+    pytest.param("triton", host, id=f"triton-{host}", marks=pytest.mark.triton) for host in ("lanes", "vllm")]
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
@@ -215,6 +216,6 @@ def test_the_reference_attends_over_the_dequantized_tokens():
 
 
 def test_a_backend_is_named_never_fallen_into():
-    call, _ = _call("k2v2-G32", torch.float32, "batching", "reference")
+    call, _ = _call("k2v2-G32", torch.float32, "lanes", "reference")
     with pytest.raises(ValueError, match="backend='numba' must be one of"):
         dataclasses.replace(call, backend="numba")
