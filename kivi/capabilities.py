@@ -181,7 +181,7 @@ def _sliding(facts: Facts) -> list[str]:
 #: The table: one row per feature, one cell per host and backend (``.`` ok, ``R`` refused, ``T`` torch decode,
 #: ``W`` torch writes; see the module docstring). Both paged hosts run the same step (:mod:`kivi.paged`): their
 #: kernel and write cells agree (``tests/test_capabilities.py``); they differ where a host refuses a feature on every
-#: backend, and batching refuses ``"triton"`` without triton where the plugin (whose GPU vLLM ships it) decodes in torch.
+#: backend, and batching refuses ``"triton"`` without triton where the plugin (GPU vLLM ships it) decodes in torch.
 _CELLS = {  #                generate      batching      vllm
     #                        ref cpu tri   ref cpu tri   ref cpu tri
     "head_bits":             " .   .   .     R   R   R     R   R   R",
