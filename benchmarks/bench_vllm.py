@@ -231,7 +231,7 @@ def format_table(report: dict) -> str:
             name += f" (kivi from {Path(r['kivi_root']).name})"
         elif "same_tokens_as_before" in r:
             name += (f" (now: {r['speed_vs_before']:.2f}x before, same tokens "
-                     f"{r['same_tokens_as_before']}/{len(report['workload']['prompt_tokens'])})")
+                     f"{r['same_tokens_as_before']}/{report['workload']['requests']})")
         lines.append(f"| {name} | {r['kv_cache_tokens']:,} | {kv} | {r['requests_held_at_once']} | "
                      f"{r['preemptions']} | {r['generated_tokens_per_s']:.2f} | {tp} | {r['ttft_p50_s']:.1f} | "
                      f"{r['wall_s']:.1f} |")

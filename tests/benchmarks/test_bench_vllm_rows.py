@@ -32,3 +32,24 @@ def test_table_shows_a_row_not_run_and_keeps_the_others():
     lines = bv.format_table(report).splitlines()
     assert "| fp8 | not run: no fp8 here |||||||" in lines
     assert any(line.startswith("| kivi-2/2 | 3,840 | 3.00x |") for line in lines)
+
+
+def test_kivi_root_before_must_be_a_checkout(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bv._args(["--kivi-root-before", str(tmp_path)])
+    assert "is not a checkout (no kivi/__init__.py in it)" in capsys.readouterr().err
+    (tmp_path / "kivi").mkdir()
+    (tmp_path / "kivi" / "__init__.py").write_text("")
+    assert bv._args(["--kivi-root-before", str(tmp_path)]).kivi_root_before == str(tmp_path)
+
+
+def test_table_names_the_row_before_and_compares_the_row_after():
+    row = {"row": "kivi-2/2", "kv_cache_tokens": 3840, "requests_held_at_once": 3, "preemptions": 0,
+           "generated_tokens_per_s": 2.0, "ttft_p50_s": 1.5, "wall_s": 12.0}
+    report = {"rows": [{**row, "kivi_root": "/work/wt/old"},
+                       {**row, "generated_tokens_per_s": 3.0, "same_tokens_as_before": 2, "speed_vs_before": 1.5}],
+              "workload": {"requests": 3, "prompt_range": [640, 896], "new_tokens": 8}, "budget_bytes": 2**20,
+              "max_model_len": 1024, "max_batch_tokens": 1024, "threads": 1, "command": "bench_vllm.py --smoke"}
+    lines = bv.format_table(report).splitlines()
+    assert any(line.startswith("| kivi-2/2 (kivi from old) | 3,840 |") for line in lines)
+    assert any(line.startswith("| kivi-2/2 (now: 1.50x before, same tokens 2/3) | 3,840 |") for line in lines)
