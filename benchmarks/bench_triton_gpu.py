@@ -887,13 +887,56 @@ def generate_checks(device, dtype, dtype_name, dry: bool) -> list[dict]:
     return rows
 
 
+def batching_checks(device, dtype, dtype_name, dry: bool) -> list[dict]:
+    """Continuous batching over KIVI pages (``generate_batch``: transformers' scheduler, the paged core's step) with
+    the ``"triton"`` backend against ``"reference"``, on a small random-weight model on ``device``: per request, the
+    greedy tokens equal, or at the first token that differs a near-tie (the two runs' log-probabilities of their own
+    tokens within the half-precision bound, as ``tests/helpers.assert_greedy_close``), and the log-probabilities of
+    the tokens before it within that bound."""
+    from kivi.batching import generate_batch
+    from tests.helpers import LOGIT_ATOL, tiny_model
+
+    atol = LOGIT_ATOL[torch.bfloat16]
+    if dry and dtype != torch.bfloat16:  # the interpreter: the dry run checks bf16's
+        return []
+    shape = dict(hidden_size=192, head_dim=32, num_attention_heads=6, num_key_value_heads=3,
+                 num_hidden_layers=1 if dry else 2)
+    lengths, n = ((40, 23, 7), 4) if dry else ((300, 170, 45, 9), 24)
+
+    def one() -> list[dict]:
+        g = torch.Generator().manual_seed(0)
+        model = tiny_model("llama", weight_scale=2.0, **shape).to(device=device, dtype=dtype)
+        prompts = [torch.randint(0, model.config.vocab_size, (m,), generator=g).tolist() for m in lengths]
+        runs = {}
+        for backend in ("triton", "reference"):
+            cfg = KiviConfig(group_size=8, residual_length=16, sink_tokens=2, attention_backend=backend)
+            out = generate_batch(model, prompts, cfg, cache_memory=64 * 2**20, max_new_tokens=n, page_size=16,
+                                 max_batch_tokens=256, return_logprobs=True)
+            runs[backend] = [(o.generated_tokens, o.logprobs) for o in out.values()]
+        err, ok, same, notes = 0.0, True, True, []
+        for i, ((ta, la), (tb, lb)) in enumerate(zip(runs["triton"], runs["reference"])):
+            j = next((k for k, (a, b) in enumerate(zip(ta, tb)) if a != b), len(ta))
+            if j < len(ta):
+                same = False
+                if abs(la[j] - lb[j]) > atol:
+                    ok = False
+                    notes.append(f"request {i}: token {j} {ta[j]} vs {tb[j]}, log-probs {la[j]:.3f} vs {lb[j]:.3f}")
+            if j:
+                err = max(err, max(abs(a - b) for a, b in zip(la[:j], lb[:j])))
+        ok = ok and err <= atol
+        return [_row("batching llama", dtype_name, err, ok, tokens_equal=same, atol=atol, prompts=list(lengths),
+                     new_tokens=n, **(dict(error="; ".join(notes)[:400]) if notes else {}))]
+
+    return _guarded("batching llama", dtype_name, one)
+
+
 def part_correctness(device, dry: bool, budget: float) -> dict:
     t0, rows, skipped = time.time(), [], []
     models = DRY_MODELS if dry else MODELS
     check_T = 229 if dry else 4096 + 37
     for dtype_name, dtype in CHECK_DTYPES.items():
         for what, fn in (("packed", None), ("layouts", layout_checks), ("paged", paged_checks),
-                         ("generate", generate_checks)):
+                         ("generate", generate_checks), ("batching", batching_checks)):
             if time.time() - t0 > budget:
                 skipped.append(f"{what} {dtype_name}")
                 continue

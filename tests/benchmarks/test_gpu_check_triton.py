@@ -28,7 +28,8 @@ def test_gpu_check_triton_dry_run(tmp_path):
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     assert data["device"].startswith("cpu") and data["dry_run"] and "ratio_32k" in data
     assert data["env"]["triton"] and data["env"]["torch"] and data["env"]["transformers"]
-    # a. every kernel family in both dtypes, generate() greedy against the reference backend, all passing
+    # a. every kernel family in both dtypes, generate() and generate_batch greedy against the reference backend,
+    # all passing
     a = data["correctness"]
     assert a["ok"] and not a["skipped"]
     kinds = {(r["kind"].split(" (")[0], r["dtype"]) for r in a["rows"]}
@@ -41,6 +42,8 @@ def test_gpu_check_triton_dry_run(tmp_path):
     gen = {r["kind"] for r in a["rows"] if r["kind"].startswith("generate")}
     assert gen == {"generate llama extreme", "generate llama balanced", "generate llama per-head",
                    "generate mistral balanced"}
+    batching = [r for r in a["rows"] if r["kind"] == "batching llama"]  # generate_batch, "triton" vs "reference"
+    assert [r["dtype"] for r in batching] == ["bf16"] and batching[0]["ok"]
     # b. the kernel timings (benchmarks/bench_triton_gpu.py) ran and wrote their JSON beside
     b = data["kernels"]
     assert b["ok"] and b["results"][0]["kivi_ms"] > 0 and b["paged"][0]["ok"]
