@@ -16,7 +16,7 @@ import triton.language as tl
 @triton.jit
 def _slot_ids(slots_ptr, out_ptr, j, i, C, rt_ptr, rt_s0, base_ptr, step_ptr, PW, BLOCK_C: tl.constexpr):
     """``out[j, c] = (base[r] + ring_table[i, r] * step[r]) * PW + s % PW`` for ``s = slots[j, c]``, ``r = s // PW``
-    (:meth:`kivi.paged.geometry.RingPool.slot_ids`: :func:`kivi.paged.ring.slot_rows` with one lane, the one
+    (:meth:`kivi.paged.geometry.RingPool.slot_ids`: :func:`kivi.paged.ring.slot_rows`, the one
     rule restated), as int32."""
     c = tl.arange(0, BLOCK_C)
     cm = c < C

@@ -39,8 +39,8 @@ def _store_packed(codes, row_ptrs, row_mask, ROW_BYTES: tl.constexpr, ROWS: tl.c
 
 @triton.jit
 def _ring_row(rt_ptr, rt_s0, rbase_ptr, rstep_ptr, req, slot, PW):
-    """Row ``(pool block, row)`` of request ``req``'s ring slot ``slot`` (:func:`kivi.paged.ring.slot_place`
-    with one lane, restated)."""
+    """Row ``(pool block, row)`` of request ``req``'s ring slot ``slot`` (:func:`kivi.paged.ring.slot_place`,
+    restated)."""
     r = slot // PW
     blk = tl.load(rbase_ptr + r) + tl.load(rt_ptr + req * rt_s0 + r).to(tl.int64) * tl.load(rstep_ptr + r)
     return blk, slot % PW

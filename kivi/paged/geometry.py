@@ -147,7 +147,7 @@ class RingPool:
         """Row ids (long, the shape of ``slots``) of slots ``slots [N, m]`` (:func:`kivi.paged.ring.ring_slot` values,
         ring ``k * Pw - S``) of the
         requests whose ring blocks are ``ring_table [N, k]``: :func:`kivi.paged.ring.slot_rows` over their pool
-        blocks (one lane: a ring block holds one layer's rows)."""
+        blocks (a ring block holds one layer's rows)."""
         return slot_rows(self.base + ring_table.long() * self.step, slots, self.rows["k"].shape[1])
 
 

@@ -23,7 +23,7 @@ def kernel_inputs(ring_table, index, tokens, base, step, kslots, vslots, pw, pag
 
     * ``out_kids`` / ``out_vids`` int32 ``[N, C]``: the rows pool id of ring slot ``kslots`` / ``vslots [N, C]``
       (``block * pw + slot % pw``, pool block ``base[r] + ring_table[i, r] * step[r]`` of ring ``r = slot // pw``:
-      :func:`kivi.paged.ring.slot_rows` with one lane, restated here as compiled code cannot call it);
+      :func:`kivi.paged.ring.slot_rows`, restated here as compiled code cannot call it);
     * ``out_pages`` int32 ``[N, W]``: ``page_table[index]``;
     * ``out_q`` / ``out_k`` / ``out_v`` float32: ``query`` / ``key`` / ``value [n, heads, D]`` at ``tokens``
       (float32, or int16 holding bfloat16 bits).

@@ -15,10 +15,9 @@ slot**: window position ``t`` in column :func:`ring_slot` ``(t, ring, S)`` with 
 (:func:`kivi.attention.fused_cpu.paged.torch_paged_decode`, the numba kernel's ``_ring_stage`` and the Triton
 kernel's ``_fp_tile`` follow this formula: compiled code cannot call Python).
 
-Slots become rows by :func:`slot_rows`: slot ``s`` is row ``r = s * lanes + lane`` of the request's row blocks
-(``lanes`` rows per slot: 1 in the per-layer rings of both hosts), in
-block ``blocks[r // per_block]`` at row ``r % per_block``; its row id is ``block * per_block + row``
-(:func:`slot_place` gives the block's index and the row). Pure torch / ints: no host framework.
+Slots become rows by :func:`slot_rows`: slot ``s`` is in the request's row block ``blocks[s // per_block]`` at row
+``s % per_block``; its row id is ``block * per_block + row`` (:func:`slot_place` gives the block's index and the
+row). Pure torch / ints: no host framework.
 """
 
 from __future__ import annotations
@@ -34,19 +33,16 @@ def ring_slot(pos, ring: int, sink: int = 0):
     return pos if pos < sink else sink + pos % ring
 
 
-def slot_place(slot, per_block: int, lanes: int = 1, lane=0):
+def slot_place(slot, per_block: int):
     """``(block index, row)`` of slot ``slot`` (an int or an integer tensor) among a request's row blocks of
-    ``per_block`` rows, ``lanes`` rows per slot (this one's: ``lane``, an int or a tensor broadcasting with
-    ``slot``)."""
-    r = slot * lanes + lane
-    return r // per_block, r % per_block
+    ``per_block`` rows."""
+    return slot // per_block, slot % per_block
 
 
-def slot_rows(blocks: torch.Tensor, slots: torch.Tensor, per_block: int, lanes: int = 1,
-              lane: int | torch.Tensor = 0) -> torch.Tensor:
+def slot_rows(blocks: torch.Tensor, slots: torch.Tensor, per_block: int) -> torch.Tensor:
     """Row ids ``block * per_block + row`` (long, the shape of ``slots``) of slots ``slots`` of the requests
     whose row blocks are ``blocks`` (``[n]`` for one request, or ``[N, n]`` for ``slots [N, m]``)."""
-    index, row = slot_place(slots.long(), per_block, lanes, lane)
+    index, row = slot_place(slots.long(), per_block)
     block = blocks[index] if blocks.dim() == 1 else blocks.gather(1, index)
     return block.long() * per_block + row
 

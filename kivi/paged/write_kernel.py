@@ -77,7 +77,7 @@ def _put_param(pool, at, v, bf16):
 @inline
 def _ring_block(rbase, rstep, ring_table, req, slot, pw):
     """The rows pool block of request ``req``'s ring slot ``slot`` (its row: ``slot % pw``):
-    :func:`kivi.paged.ring.slot_place` with one lane, restated (compiled code cannot call it)."""
+    :func:`kivi.paged.ring.slot_place`, restated (compiled code cannot call it)."""
     r = slot // pw
     return rbase[r] + np.int64(ring_table[req, r]) * rstep[r]
 

@@ -106,8 +106,8 @@ def _rows(cfg, H, D, dtype, host, counts, x, g):
         buf = torch.randn(N * per_req + 2, per_block, H + 1, D + 3, generator=g).to(dtype)
         pools = [buf[:, :, :H, :D]] * 2  # one rows pool, a lane per (layer, side)
         blocks = torch.randperm(buf.shape[0], generator=g)[: N * per_req].view(N, per_req)
-        slots = [slot_rows(blocks, torch.arange(S + ring).expand(N, -1), per_block, lanes, 2 + s).to(torch.int32)
-                 for s in range(2)]  # layer 1's lanes
+        lane_slots = torch.arange(S + ring).expand(N, -1) * lanes  # slot s: rows s * lanes + lane
+        slots = [slot_rows(blocks, lane_slots + 2 + s, per_block).to(torch.int32) for s in range(2)]  # layer 1's lanes
     else:
         k = -(-(S + window_ring_slots(cfg.residual_length, cfg.group_size) - 1) // PW)
         ring = k * PW - S

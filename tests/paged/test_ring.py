@@ -40,16 +40,15 @@ def test_ring_slot_keeps_sinks_and_never_reuses_a_slot_within_a_ring(ring, sink)
 
 def test_slot_rows_is_the_block_and_row_of_slot_place():
     g = torch.Generator().manual_seed(0)
-    for per_block, lanes in ((7, 1), (16, 6), (5, 4)):
+    for per_block in (7, 16, 5):
         blocks = torch.randperm(50, generator=g)[:9]
-        slots = torch.randint(0, 9 * per_block // lanes, (3, 11), generator=g)
-        for lane in range(lanes):
-            ids = slot_rows(blocks, slots, per_block, lanes, lane)
-            index, row = slot_place(slots, per_block, lanes, lane)
-            assert torch.equal(ids, blocks[index] * per_block + row)
-            assert ((row >= 0) & (row < per_block)).all()
-        batched = slot_rows(blocks.expand(3, 9), slots, per_block, lanes, lanes - 1)
-        assert torch.equal(batched, slot_rows(blocks, slots, per_block, lanes, lanes - 1))
+        slots = torch.randint(0, 9 * per_block, (3, 11), generator=g)
+        ids = slot_rows(blocks, slots, per_block)
+        index, row = slot_place(slots, per_block)
+        assert torch.equal(ids, blocks[index] * per_block + row)
+        assert ((row >= 0) & (row < per_block)).all() and torch.equal(index * per_block + row, slots)
+        batched = slot_rows(blocks.expand(3, 9), slots, per_block)
+        assert torch.equal(batched, slot_rows(blocks, slots, per_block))
 
 
 @pytest.mark.parametrize("sink", [0, 3])
