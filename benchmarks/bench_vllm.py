@@ -350,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         tokens = r.pop("tokens")
         profile = r.pop("profile")
         if profile is not None:
-            r["profile"] = str(write_text(Path(args.profile) / f"{name.replace('/', '-')}.txt", profile))
+            tag = "-before" if root is not None else ""  # --kivi-root-before: the two runs of a row apart
+            r["profile"] = str(write_text(Path(args.profile) / f"{name.replace('/', '-')}{tag}.txt", profile))
         reference = tokens if name == "bf16" else reference
         if reference is not None:
             r["same_tokens_as_bf16"] = sum(a == b for a, b in zip(tokens, reference))
