@@ -90,17 +90,13 @@ class KiviBatchingManager(ContinuousBatchingManager):
                     self._original_attn_impl = current
             return
         on_cpu = getattr(model.device, "type", "cpu") == "cpu"
-        if current == "eager" and getattr(model, "_supports_sdpa", False) and on_cpu:
+        to_sdpa = current == ATTN_IMPLEMENTATION or (
+            current == "eager" and on_cpu and getattr(model, "_supports_sdpa", False))
+        if to_sdpa:
             model.set_attn_implementation("sdpa")
-            super().switch_to_cb_friendly_attn(model, auto_switch_to_flash)
-            self._original_attn_impl = current
-            return
-        if current == ATTN_IMPLEMENTATION:
-            model.set_attn_implementation("sdpa")
-            super().switch_to_cb_friendly_attn(model, auto_switch_to_flash)
-            self._original_attn_impl = ATTN_IMPLEMENTATION
-            return
         super().switch_to_cb_friendly_attn(model, auto_switch_to_flash)
+        if to_sdpa:
+            self._original_attn_impl = current
 
     def restore_attention(self) -> None:
         """Give the model back the attention implementation it had (``stop()`` does it for a started manager)."""

@@ -5,10 +5,11 @@ Turned on per engine with ``LLM(..., additional_config={"kivi": {"k_bits": 2, "v
 process through the ``vllm.general_plugins`` entry point; without a ``"kivi"`` key vLLM runs untouched.
 
 Modules: ``version`` (the one vLLM release the plugin is tested with), ``config`` (reading
-``additional_config``), ``geometry`` (bytes of a page and of a window block), ``paged`` (one layer's step
-over the block tables, framework-free), ``decode`` (its decode rows through the batched paged decode
-kernel), ``select`` / ``backend`` / ``spec`` (the vLLM classes; imported by vLLM only).
-Nothing here imports :mod:`kivi.batching` (it pins a transformers release vLLM's pins exclude).
+``additional_config``), ``select`` / ``backend`` / ``spec`` (the vLLM classes; imported by vLLM only),
+``prefill`` / ``triton_prefill`` (a step's exact prefills through vLLM's own CPU / Triton attention kernels)
+and ``scratch`` (their scratch pages). The page format and the step are the paged core's (:mod:`kivi.paged`,
+shared with transformers' continuous batching). Nothing here imports :mod:`kivi.batching` (it pins a
+transformers release vLLM's pins exclude).
 """
 
 from __future__ import annotations
