@@ -90,6 +90,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from ..eval.profile import layer_profile, recommend_layer_config
 
     suite_requested(args)  # the suite's options refused before the model loads
+    calibration_requested(args)
     if args.per_head:
         return cmd_head_profile(args)
     base = config_from_args(args) or KiviConfig.preset("extreme")
@@ -140,8 +141,9 @@ def cmd_head_profile(args: argparse.Namespace) -> int:
     """`kivi profile --per-head`: every (layer, kv head, side) scored in one FP pass; a head_bits config within
     --max-bits (the planner's bits per element, float16 model, 32K tokens)."""
     from ..config import KiviConfig
-    from ..eval.head_profile import bits_per_element, head_profile, recommend_head_bits
+    from ..eval.head_profile import bits_per_element, head_profile, head_profile_prompts, recommend_head_bits
     from ..memory.sources import model_spec
+    from .loading import load_model_from_args, read_text_arg
 
     if args.upgrade is not None or args.upgrade_layers is not None:
         raise CliError("--per-head takes --head-upgrade-bits and --max-bits, not --upgrade / --upgrade-layers")
@@ -150,20 +152,34 @@ def cmd_head_profile(args: argparse.Namespace) -> int:
         raise CliError(f"--head-upgrade-bits {args.head_upgrade_bits} must be wider than a base width "
                        f"(k_bits={base.k_bits}, v_bits={base.v_bits}); sides already that wide are left alone")
     check_window_args(args)
-    model, tok, windows = load_model_and_windows(args)
+    widths = sorted({base.k_bits, base.v_bits, args.head_upgrade_bits})
+    if args.calibrate_on == "suite":
+        text = read_text_arg(args)  # fail on a bad path before loading the model
+        model, tok = load_model_from_args(args)
+        prompts = calibration_prompts_from_args(args, model, tok, text)
+    else:
+        model, tok, windows = load_model_and_windows(args)
     ref = suite_reference(args, model, tok) if args.score_length is not None else None  # checks the context first
     spec = model_spec(model)
     base.validate(num_layers=spec.num_layers)
     max_bits = args.max_bits if args.max_bits is not None else bits_per_element(spec, base) + 0.3
-    prof = head_profile(model, windows, base, bits=sorted({base.k_bits, base.v_bits, args.head_upgrade_bits}),
-                        prefix=args.prefix, progress=not args.no_progress)
+    if args.calibrate_on == "suite":
+        prof = head_profile_prompts(model, [(p.ids, p.scored_from) for p in prompts], base, bits=widths,
+                                    progress=not args.no_progress)
+        prof["calibration"] = {"on": "suite", "length": args.calib_length, "tasks": list(args.calib_tasks),
+                               "samples": args.calib_samples, "seed": args.calib_seed}
+        source = (f"{len(prompts)} suite prompts ({args.calib_length} tokens, seed {args.calib_seed}; question and "
+                  "answer scored)")
+    else:
+        prof = head_profile(model, windows, base, bits=widths, prefix=args.prefix, progress=not args.no_progress)
+        source = f"{prof['protocol']['windows']} windows"
     rec, bits = recommend_head_bits(prof, spec, max_bits, base=base, upgrade=args.head_upgrade_bits)
     prof.update(recommended=rec.to_dict(), recommended_name=rec.describe(), recommended_bits=bits, max_bits=max_bits,
                 base_bits=bits_per_element(spec, base))
     on_suite = score_recommendation(ref, rec, prof)
     up = str(args.head_upgrade_bits)
     lines = [
-        f"per-head sensitivity ({prof['metric']}) to {prof['base_name']}, {prof['protocol']['windows']} windows",
+        f"per-head sensitivity ({prof['metric']}) to {prof['base_name']}, {source}",
         f"{'layer':>5s} {'head':>4s} {'side':>4s} " + " ".join(f"{b + '-bit':>10s}" for b in map(str, prof["bits"])),
     ]
     for r in prof["heads"]:
@@ -174,6 +190,42 @@ def cmd_head_profile(args: argparse.Namespace) -> int:
     lines += on_suite
     emit(args, prof, "\n".join(lines), writes=[("--write-config", args.write_config, rec.to_json)])
     return 0
+
+
+CALIB_OPTIONS = ("--calib-length", "--calib-tasks", "--calib-samples", "--calib-seed")
+
+
+def calibration_requested(args: argparse.Namespace) -> bool:
+    """Whether `kivi profile` calibrates on suite prompts; checked before the model loads: that needs
+    ``--per-head``, and the ``--calib-*`` options need it."""
+    given = [o for o in CALIB_OPTIONS if getattr(args, o[2:].replace("-", "_")) is not None]
+    if args.calibrate_on != "suite":
+        if given:
+            raise CliError(f"{given[0]} needs --calibrate-on suite (the profile reads --text windows)")
+        return False
+    if not args.per_head:
+        raise CliError("--calibrate-on suite needs --per-head (the per-layer profile ranks by KL on --text windows)")
+    return True
+
+
+def calibration_prompts_from_args(args: argparse.Namespace, model, tok, text: str):
+    """The per-head profile's suite prompts (:func:`kivi.eval.longctx.calibration.calibration_prompts`), the
+    ``--calib-*`` defaults filled into ``args``; the context is checked first."""
+    from ..eval.longctx import calibration as cal
+    from ..eval.longctx.tasks import MAX_NEW_TOKENS
+    from .loading import check_context_fits
+
+    if tok is None:
+        raise CliError(f"--calibrate-on suite: the suite's prompts need {args.model!r}'s tokenizer, which did not load")
+    args.calib_length = args.calib_length or cal.DEFAULT_LENGTH
+    args.calib_tasks = args.calib_tasks or list(cal.DEFAULT_TASKS)
+    args.calib_samples = args.calib_samples or cal.DEFAULT_SAMPLES
+    args.calib_seed = cal.DEFAULT_SEED if args.calib_seed is None else args.calib_seed
+    longest = max(MAX_NEW_TOKENS[t] for t in args.calib_tasks)
+    check_context_fits(model, args.calib_length + longest, f"--calib-length {args.calib_length} + a {longest}-token "
+                                                           "answer")
+    return cal.calibration_prompts(model, tok, text, length=args.calib_length, tasks=args.calib_tasks,
+                                   samples=args.calib_samples, seed=args.calib_seed, progress=not args.no_progress)
 
 
 def bits_at_arg(text: str) -> int | None:
@@ -331,6 +383,26 @@ def add_suite_args(p: argparse.ArgumentParser, *, constraint: bool = True) -> No
                    help=f"suite protocol (default {PROTOCOLS[0]}: the question reads the candidate's cache)")
 
 
+def add_calibration_args(p: argparse.ArgumentParser) -> None:
+    """`kivi profile --per-head --calibrate-on suite` (docs/evaluation.md, "Per-head widths calibrated on the
+    suite")."""
+    from ..eval.longctx import calibration as cal
+    from ..eval.longctx.tasks import TASKS
+
+    p.add_argument("--calibrate-on", choices=["text", "suite"], default="text",
+                   help="with --per-head: score head-sides on --text windows (default) or on long-context suite "
+                        "prompts, where only the question and full precision's answer are scored")
+    p.add_argument("--calib-length", type=token_count, default=None, metavar="TOKENS",
+                   help=f"suite prompts' length before the answer (default {cal.DEFAULT_LENGTH})")
+    p.add_argument("--calib-tasks", nargs="+", choices=list(TASKS), default=None, metavar="TASK",
+                   help=f"suite tasks (default: {' '.join(cal.DEFAULT_TASKS)})")
+    p.add_argument("--calib-samples", type=positive_int, default=None,
+                   help=f"prompts per task, depths spread over 0-100%% (default {cal.DEFAULT_SAMPLES})")
+    p.add_argument("--calib-seed", type=non_negative_int, default=None,
+                   help=f"the prompts' seed (default {cal.DEFAULT_SEED}; `kivi eval longctx` samples seed 0, so a "
+                        "config chosen here is judged on samples it did not see)")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("profile", help="per-layer sensitivity; recommends a layer_specific_config",
                               description="For each layer, KL vs FP when only that layer is quantized with the "
@@ -351,6 +423,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "base + 0.3); docs/python.md, \"Per-head widths\"")
     p.add_argument("--head-upgrade-bits", type=positive_int, default=4,
                    help="with --per-head: the width the most sensitive head-sides get (default 4)")
+    add_calibration_args(p)
     p.add_argument("--write-config", default=None, type=output_path, help="write the recommended KiviConfig JSON here")
     add_suite_args(p, constraint=False)
     add_output_args(p)

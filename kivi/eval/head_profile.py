@@ -157,6 +157,43 @@ def head_profile(model: Any, windows: torch.Tensor, base: KiviConfig | None = No
             "heads": rows}
 
 
+def head_profile_prompts(model: Any, prompts: Sequence[tuple[Sequence[int], int]], base: KiviConfig | None = None, *,
+                         bits: Sequence[int] = (2, 4), progress: bool = True) -> dict[str, Any]:
+    """:func:`head_profile` over prompts of any lengths, each ``(ids, scored_from)``: the queries at positions
+    ``[scored_from, len(ids))`` are scored (e.g. a suite prompt's question and answer,
+    :func:`kivi.eval.longctx.calibration.calibration_prompts`). Each prompt's shares are computed on their own
+    and averaged, so every prompt weighs the same whatever its number of scored queries. The result has
+    :func:`head_profile`'s fields; ``protocol`` is ``{"prompts", "tokens", "scored"}`` (prompt count, total
+    tokens, total scored queries)."""
+    prompts = [(list(ids), int(first)) for ids, first in prompts]
+    if not prompts:
+        raise ValueError("prompts is empty: give at least one (ids, scored_from) prompt")
+    for n, (ids, first) in enumerate(prompts):
+        if not 0 <= first < len(ids):
+            raise ValueError(f"prompts[{n}]: scored_from={first} must be in [0, {len(ids)}) for its {len(ids)} tokens "
+                             "(at least one query scored)")
+    it = prompts
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(prompts, desc="head profile (FP pass per prompt)", unit="prompt")
+    total: dict[str, Any] | None = None
+    for ids, first in it:
+        prof = head_profile(model, torch.tensor([ids]), base, bits=bits, prefix=first, progress=False)
+        if total is None:
+            total = prof
+            continue
+        for a, b in zip(total["heads"], prof["heads"]):
+            for w in a["score"]:
+                a["score"][w] += b["score"][w]
+    for r in total["heads"]:
+        r["score"] = {w: v / len(prompts) for w, v in r["score"].items()}
+    total["protocol"] = {"prompts": len(prompts), "tokens": sum(len(ids) for ids, _ in prompts),
+                         "scored": sum(len(ids) - first for ids, first in prompts)}
+    total["metric"] += ", mean over prompts"
+    return total
+
+
 def bits_per_element(spec: Any, cfg: KiviConfig, context: int | str = 32768) -> float:
     """Bits per element as the planner counts them: its cache bytes for a float16 model at ``context`` tokens,
     over 2 x layers x kv heads x head_dim x tokens."""
@@ -222,4 +259,4 @@ def recommend_head_bits(profile: dict[str, Any], spec: Any, max_bits: float, *, 
     return _with_units(base, chosen, upgrade, hkv), have
 
 
-__all__ = ["head_profile", "recommend_head_bits", "bits_per_element"]
+__all__ = ["head_profile", "head_profile_prompts", "recommend_head_bits", "bits_per_element"]

@@ -159,3 +159,36 @@ def test_profile_suite_options_need_a_length(no_model, capsys, argv):
     rc = main(["profile", *argv])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and "needs --score-length L (the long-context suite is off)" in err
+
+
+CALIB = ["--calibrate-on", "suite", "--calib-length", "420", "--calib-tasks", "niah_single", "--calib-samples", "2"]
+
+
+def test_per_head_profile_calibrated_on_suite_prompts(tiny_with_tokenizer, capsys, tmp_path):
+    out, cfg = tmp_path / "p.json", tmp_path / "c.json"
+    assert main(["profile", "--per-head", "-o", str(out), "--write-config", str(cfg), *CALIB, *PROTO]) == 0
+    assert "2 suite prompts (420 tokens, seed 1; question and answer scored)" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert r["calibration"] == {"on": "suite", "length": 420, "tasks": ["niah_single"], "samples": 2, "seed": 1}
+    assert r["protocol"]["prompts"] == 2 and 2 * 420 <= r["protocol"]["tokens"]
+    assert r["metric"].endswith("mean over prompts") and json.loads(cfg.read_text())["head_bits"] == \
+        r["recommended"]["head_bits"]
+    assert main(["profile", "--per-head", "--json", *CALIB, "--calib-seed", "0", *PROTO]) == 0
+    assert json.loads(capsys.readouterr().out)["calibration"]["seed"] == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--per-head", "--calib-samples", "2"], "--calib-samples needs --calibrate-on suite"),
+    (["--calibrate-on", "suite"], "--calibrate-on suite needs --per-head"),
+    (["--per-head", "--calibrate-on", "suite", "--calib-samples", "0"], "--calib-samples"),
+])
+def test_calibration_options_are_refused_before_the_model_loads(no_model, capsys, argv, message):
+    rc = main(["profile", *argv])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and message in err, err
+
+
+def test_a_calibration_length_past_the_context_is_refused(tiny_with_tokenizer, capsys):
+    rc = main(["profile", "--per-head", "--calibrate-on", "suite", "--calib-length", "600", *PROTO])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "--calib-length 600" in err and "512 tokens" in err, err

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from kivi import KiviConfig
-from kivi.eval.head_profile import _quantized, bits_per_element, head_profile, recommend_head_bits
+from kivi.eval.head_profile import (
+    _quantized,
+    bits_per_element,
+    head_profile,
+    head_profile_prompts,
+    recommend_head_bits,
+)
 from kivi.memory.sources import model_spec
 from tests.helpers import tiny_model
 
@@ -54,3 +60,32 @@ def test_recommendation_spends_the_budget_on_the_worst_heads(profile):
         recommend_head_bits(prof, spec, 1.0, context=4096)
     with pytest.raises(ValueError, match="granularity='tensor' is not allowed"):
         recommend_head_bits(prof, spec, 4.0, granularity="tensor")
+
+
+def test_prompts_of_any_length_each_weigh_the_same(profile):
+    model, _ = profile
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randint(1, 128, (1, 90), generator=g), torch.randint(1, 128, (1, 130), generator=g)
+    prompts = [(a[0].tolist(), 70), (b[0].tolist(), 41)]
+    both = head_profile_prompts(model, prompts, BASE, bits=(2, 4), progress=False)
+    one = [head_profile(model, x, BASE, bits=(2, 4), prefix=f, progress=False) for x, f in ((a, 70), (b, 41))]
+    assert both["protocol"] == {"prompts": 2, "tokens": 220, "scored": 20 + 89}
+    for r, ra, rb in zip(both["heads"], one[0]["heads"], one[1]["heads"]):
+        assert (r["layer"], r["head"], r["side"]) == (ra["layer"], ra["head"], ra["side"])
+        for w in ("2", "4"):
+            assert r["score"][w] == pytest.approx((ra["score"][w] + rb["score"][w]) / 2, rel=1e-12)
+    alone = head_profile_prompts(model, prompts[:1], BASE, bits=(2, 4), progress=False)
+    assert [r["score"] for r in alone["heads"]] == [r["score"] for r in one[0]["heads"]]
+    cfg, _ = recommend_head_bits(both, model_spec(model), bits_per_element(model_spec(model), BASE, 4096) + 0.3,
+                                 context=4096)
+    assert cfg.head_bits  # a profile of prompts feeds the same recommendation
+
+
+@pytest.mark.parametrize("prompts, message", [
+    ([], "prompts is empty"),
+    ([([1, 2, 3], 3)], r"prompts\[0\]: scored_from=3 must be in \[0, 3\)"),
+    ([([1, 2, 3], 1), ([4, 5], -1)], r"prompts\[1\]: scored_from=-1"),
+])
+def test_bad_prompts(profile, prompts, message):
+    with pytest.raises(ValueError, match=message):
+        head_profile_prompts(profile[0], prompts, BASE, progress=False)
