@@ -156,7 +156,7 @@ def cmd_head_profile(args: argparse.Namespace) -> int:
     if args.calibrate_on == "suite":
         text = read_text_arg(args)  # fail on a bad path before loading the model
         model, tok = load_model_from_args(args)
-        prompts = calibration_prompts_from_args(args, model, tok, text)
+        prompts, calibration = calibration_prompts_from_args(args, model, tok, text)
     else:
         model, tok, windows = load_model_and_windows(args)
     ref = suite_reference(args, model, tok) if args.score_length is not None else None  # checks the context first
@@ -166,10 +166,9 @@ def cmd_head_profile(args: argparse.Namespace) -> int:
     if args.calibrate_on == "suite":
         prof = head_profile_prompts(model, [(p.ids, p.scored_from) for p in prompts], base, bits=widths,
                                     progress=not args.no_progress)
-        prof["calibration"] = {"on": "suite", "length": args.calib_length, "tasks": list(args.calib_tasks),
-                               "samples": args.calib_samples, "seed": args.calib_seed}
-        source = (f"{len(prompts)} suite prompts ({args.calib_length} tokens, seed {args.calib_seed}; question and "
-                  "answer scored)")
+        prof["calibration"] = calibration
+        source = (f"{len(prompts)} suite prompts ({calibration['length']} tokens, seed {calibration['seed']}; "
+                  "question and answer scored)")
     else:
         prof = head_profile(model, windows, base, bits=widths, prefix=args.prefix, progress=not args.no_progress)
         source = f"{prof['protocol']['windows']} windows"
@@ -209,23 +208,25 @@ def calibration_requested(args: argparse.Namespace) -> bool:
 
 
 def calibration_prompts_from_args(args: argparse.Namespace, model, tok, text: str):
-    """The per-head profile's suite prompts (:func:`kivi.eval.longctx.calibration.calibration_prompts`), the
-    ``--calib-*`` defaults filled into ``args``; the context is checked first."""
+    """``(prompts, settings)``: the per-head profile's suite prompts
+    (:func:`kivi.eval.longctx.calibration.calibration_prompts`) and the settings they were built with (the
+    ``--calib-*`` options, defaults filled in: the JSON's ``calibration``); the context is checked first."""
     from ..eval.longctx import calibration as cal
     from ..eval.longctx.tasks import MAX_NEW_TOKENS
     from .loading import check_context_fits
 
     if tok is None:
         raise CliError(f"--calibrate-on suite: the suite's prompts need {args.model!r}'s tokenizer, which did not load")
-    args.calib_length = args.calib_length or cal.DEFAULT_LENGTH
-    args.calib_tasks = args.calib_tasks or list(cal.DEFAULT_TASKS)
-    args.calib_samples = args.calib_samples or cal.DEFAULT_SAMPLES
-    args.calib_seed = cal.DEFAULT_SEED if args.calib_seed is None else args.calib_seed
-    longest = max(MAX_NEW_TOKENS[t] for t in args.calib_tasks)
-    check_context_fits(model, args.calib_length + longest, f"--calib-length {args.calib_length} + a {longest}-token "
-                                                           "answer")
-    return cal.calibration_prompts(model, tok, text, length=args.calib_length, tasks=args.calib_tasks,
-                                   samples=args.calib_samples, seed=args.calib_seed, progress=not args.no_progress)
+    settings = {"on": "suite", "length": args.calib_length or cal.DEFAULT_LENGTH,
+                "tasks": list(args.calib_tasks or cal.DEFAULT_TASKS),
+                "samples": args.calib_samples or cal.DEFAULT_SAMPLES,
+                "seed": cal.DEFAULT_SEED if args.calib_seed is None else args.calib_seed}
+    longest = max(MAX_NEW_TOKENS[t] for t in settings["tasks"])
+    check_context_fits(model, settings["length"] + longest, f"--calib-length {settings['length']} + a {longest}-token "
+                                                            "answer")
+    prompts = cal.calibration_prompts(model, tok, text, length=settings["length"], tasks=settings["tasks"],
+                                      samples=settings["samples"], seed=settings["seed"], progress=not args.no_progress)
+    return prompts, settings
 
 
 def bits_at_arg(text: str) -> int | None:
@@ -391,7 +392,8 @@ def add_calibration_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--calibrate-on", choices=["text", "suite"], default="text",
                    help="with --per-head: score head-sides on --text windows (default) or on long-context suite "
-                        "prompts, where only the question and full precision's answer are scored")
+                        "prompts built from --text, where only the question and full precision's answer are scored "
+                        "(the window options are then not read)")
     p.add_argument("--calib-length", type=token_count, default=None, metavar="TOKENS",
                    help=f"suite prompts' length before the answer (default {cal.DEFAULT_LENGTH})")
     p.add_argument("--calib-tasks", nargs="+", choices=list(TASKS), default=None, metavar="TASK",
